@@ -1,0 +1,30 @@
+# kvstore: `make demo` and `make test` work on a fresh machine with Python 3.10+ and make.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format stress bench bench-quick clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m bench.demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check kvstore daemon client tests bench
+	$(PY) -m pytest -q -m "not stress" tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvstore daemon client tests bench
+	$(VENV)/bin/ruff format --check kvstore daemon client tests bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format kvstore daemon client tests bench
+
+clean:
+	rm -rf $(VENV) .demo .pytest_cache

@@ -1,0 +1,118 @@
+"""Hydrate: scan one model's entries, decode them, insert them into an LRUPromptCache.
+
+The cache is never a hard dependency: a missing home, a corrupt store or entry, or a fingerprint
+nobody stored gives one warning and a report of what did hydrate; no exception reaches the app.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from kvstore.identity import FileHashCache, describe_cache, model_fingerprint
+from kvstore.settings import FILEHASH_NAME, resolve_home
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore.client")
+
+
+@dataclass
+class HydrateReport:
+    entries: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+    fingerprint: str = ""
+    labels: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # "key: reason" of entries not inserted
+    dropped: int = 0  # inserted, then pushed out by the LRU's own limits
+    warning: str | None = None
+
+
+def _layout_of(model: Any) -> tuple | None:
+    if model is None:
+        return None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return tuple(describe_cache(c) for c in make_prompt_cache(model))
+
+
+def hydrate(
+    prompt_cache,
+    model_key: Any,
+    model_path: str | Path,
+    *,
+    home: str | Path | None = None,
+    adapter_path: str | Path | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    model: Any = None,
+) -> HydrateReport:
+    """Insert every stored entry valid for this model into `prompt_cache` (an mlx-lm LRUPromptCache).
+
+    `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
+    you have it: its cache layout is then read from it instead of being rebuilt from config.json.
+    """
+    t0 = time.perf_counter()
+    report = HydrateReport()
+    home = resolve_home(home)
+    try:
+        fp = model_fingerprint(
+            model_path,
+            adapter_path=adapter_path,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            layout=_layout_of(model),
+            hash_cache=FileHashCache(home / FILEHASH_NAME),
+        )
+        report.fingerprint = fp.hex
+        with Store(home, readonly=True) as store:
+            errors: list = []
+            metas = store.metas(fp.digest, errors=errors)
+            report.skipped += [f"{e.key.hex()}: {e.reason}" for e in errors]
+            before = len(prompt_cache)
+            # oldest first, so the LRU keeps the most recently used when it overflows
+            for meta in sorted(metas, key=lambda m: (m.pinned, m.last_used)):
+                try:
+                    meta, cache = store.load(meta.key, meta.tokens)
+                except KVStoreError as e:
+                    report.skipped.append(f"{meta.key.hex()}: {e}")
+                    continue
+                except KeyError:
+                    report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
+                    continue
+                prompt_cache.insert_cache(
+                    model_key, meta.token_ids(), cache, cache_type="system"
+                )
+                report.entries += 1
+                report.tokens += meta.ntokens
+                report.nbytes += meta.nbytes
+                report.labels.append(meta.label)
+            report.dropped = max(0, report.entries - (len(prompt_cache) - before))
+    except KVStoreError as e:
+        report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
+    except Exception as e:  # the cache must never take the app down
+        report.warning = (
+            f"kvstore: not hydrating {model_path}: unexpected {type(e).__name__}: {e}; "
+            "prefilling as usual"
+        )
+    if report.warning is None and report.skipped:
+        report.warning = (
+            f"kvstore: skipped {len(report.skipped)} unreadable entr"
+            f"{'y' if len(report.skipped) == 1 else 'ies'} for {model_path} "
+            f"(run `kvstore verify`): {report.skipped[0]}"
+        )
+    if report.warning is None and report.dropped:
+        report.warning = (
+            f"kvstore: {report.dropped} of {report.entries} hydrated entries did not stay in the "
+            f"LRUPromptCache (max_size={getattr(prompt_cache, 'max_size', '?')}, or a longer "
+            "trimmable entry covers them); raise max_size to keep them all"
+        )
+    if report.warning:
+        log.warning("%s", report.warning)
+    report.seconds = time.perf_counter() - t0
+    return report

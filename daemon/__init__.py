@@ -1,0 +1,3 @@
+"""The kvstore daemon: the store's one writer (socket server, warmer, watcher, service files)."""
+
+__all__: list[str] = []

@@ -1,0 +1,35 @@
+"""kvstore: a persistent on-disk store of pinned-prefix KV caches for mlx-lm."""
+
+from kvstore.errors import (
+    CodecError,
+    CorruptEntryError,
+    DaemonError,
+    KVStoreError,
+    ManifestError,
+    ModelError,
+    ProtocolError,
+    StoreError,
+)
+from kvstore.identity import Fingerprint, model_fingerprint, template_hash
+from kvstore.keys import entry_key, prefix_hash
+from kvstore.store import EntryMeta, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CodecError",
+    "CorruptEntryError",
+    "DaemonError",
+    "EntryMeta",
+    "Fingerprint",
+    "KVStoreError",
+    "ManifestError",
+    "ModelError",
+    "ProtocolError",
+    "Store",
+    "StoreError",
+    "entry_key",
+    "model_fingerprint",
+    "prefix_hash",
+    "template_hash",
+]

@@ -1,0 +1,38 @@
+"""The kvstore error hierarchy: every message names the file, key or setting at fault."""
+
+
+class KVStoreError(Exception):
+    """Base class for every error kvstore raises on purpose."""
+
+
+class ManifestError(KVStoreError):
+    """A manifest (or a file it references) is malformed; the message names file, model, prefix, field."""
+
+
+class CodecError(KVStoreError):
+    """A stored blob failed validation before mlx touched its bytes."""
+
+
+class CorruptEntryError(KVStoreError):
+    """A stored entry is unreadable: bad meta, checksum mismatch, truncated value, or a bad blob."""
+
+    def __init__(self, key: bytes, reason: str):
+        self.key = key
+        self.reason = reason
+        super().__init__(f"entry {key.hex()}: {reason}")
+
+
+class StoreError(KVStoreError):
+    """The LMDB store cannot be opened or written."""
+
+
+class ModelError(KVStoreError):
+    """A model path cannot be resolved, fingerprinted or loaded."""
+
+
+class ProtocolError(KVStoreError):
+    """A socket frame is malformed, too large, or timed out."""
+
+
+class DaemonError(KVStoreError):
+    """The daemon answered a request with an error."""

@@ -1,0 +1,211 @@
+"""Who an entry belongs to: model fingerprint, template hash, and model path resolution.
+
+The fingerprint changes whenever the KV of the same tokens would differ: weight and config contents,
+adapter weights and config, KV quantization, the per-layer cache layout and the codec version.
+Full-content hashes of large files are cached by file identity (device, inode, size, mtime, ctime)
+in the home, so a start after the first costs a few stat calls and a touched-but-unchanged file
+re-hashes to the same value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import xxhash
+
+from kvstore.codec import CODEC_VERSION
+from kvstore.errors import ModelError
+
+# Files whose contents change the KV of given tokens.
+WEIGHT_GLOBS = ("config.json", "*.safetensors", "*.py")
+ADAPTER_GLOBS = ("adapter_config.json", "*.safetensors")
+# Files that change how text becomes tokens, but not the KV of given tokens: provenance only.
+TEMPLATE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tiktoken.model",
+)
+_CHUNK = 16 * 2**20  # 16 MiB reads while hashing
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    digest: bytes  # 16 bytes: the key prefix of every entry of this model
+    layout: tuple  # per-layer cache classes and their shape-defining parameters
+    kv_bits: int | None
+    kv_group_size: int
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+class FileHashCache:
+    """Full-content hashes keyed by file identity, kept in one msgpack file written atomically."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._data: dict[str, list] = {}
+        self._dirty = False
+        if path is not None and path.is_file():
+            try:
+                self._data = msgpack.unpackb(path.read_bytes(), raw=False)
+                if not isinstance(self._data, dict):
+                    self._data = {}
+            except Exception:  # a damaged cache only costs a re-hash
+                self._data = {}
+
+    @staticmethod
+    def _identity(st: os.stat_result) -> list:
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def digest(self, path: Path) -> bytes:
+        st = path.stat()
+        ident = self._identity(st)
+        hit = self._data.get(str(path))
+        if hit and hit[:5] == ident:
+            return bytes(hit[5])
+        digest = hash_file(path)
+        self._data[str(path)] = [*ident, digest]
+        self._dirty = True
+        return digest
+
+    def save(self) -> None:
+        if not (self._dirty and self.path and self.path.parent.is_dir()):
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        try:
+            tmp.write_bytes(msgpack.packb(self._data, use_bin_type=True))
+            os.replace(tmp, self.path)
+            self._dirty = False
+        except OSError:  # read-only home: the cache is an optimization only
+            tmp.unlink(missing_ok=True)
+
+
+def hash_file(path: Path) -> bytes:
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.digest()
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local directory as given, or a hub id resolved from the local hub cache only (never downloads)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p.resolve()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) and not p.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except Exception as e:
+            raise ModelError(
+                f"model {model!r}: not a local directory and not in the local hub cache "
+                f"({type(e).__name__}); download it first (e.g. `hf download {model}`)"
+            ) from None
+    raise ModelError(f"model {str(model)!r}: no such directory")
+
+
+def _files(root: Path, globs: tuple[str, ...]) -> list[Path]:
+    found = {p for g in globs for p in root.glob(g) if p.is_file()}
+    return sorted(found)
+
+
+def _load_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{model_dir / 'config.json'}: cannot read model config: {e}") from None
+
+
+def describe_cache(c) -> tuple:
+    """A cache object's class and the parameters that shape its state (not its contents)."""
+    name = type(c).__name__
+    if name == "CacheList":
+        return (name, tuple(describe_cache(x) for x in c.caches))
+    params = {
+        "RotatingKVCache": lambda: (c.max_size, c.keep),
+        "ChunkedKVCache": lambda: (c.chunk_size,),
+        "ArraysCache": lambda: (len(c.cache),),
+        "QuantizedKVCache": lambda: (c.group_size, c.bits),
+    }.get(name, lambda: ())()
+    return (name, *params)
+
+
+def cache_layout(model_dir: Path, model=None) -> tuple:
+    """The per-layer cache layout of a model; without a loaded model, built from config alone.
+
+    mlx arrays are lazy, so instantiating the architecture without evaluating it allocates no weights.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if model is None:
+        from mlx_lm.utils import _get_classes
+
+        config = _load_config(model_dir)
+        try:
+            model_class, args_class = _get_classes(config)
+            model = model_class(args_class.from_dict(config))
+        except Exception as e:
+            raise ModelError(f"{model_dir}: cannot build the cache layout: {e}") from None
+    return tuple(describe_cache(c) for c in make_prompt_cache(model))
+
+
+def model_fingerprint(
+    model: str | Path,
+    *,
+    adapter_path: str | Path | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    layout: tuple | None = None,
+    hash_cache: FileHashCache | None = None,
+) -> Fingerprint:
+    """Hash of everything that changes the KV of given tokens for this model as it would be run."""
+    model_dir = resolve_model_path(model)
+    cache = hash_cache or FileHashCache(None)
+    files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
+    if not any(name.endswith(".safetensors") for name, _ in files):
+        raise ModelError(f"model {str(model)!r}: no *.safetensors weights in {model_dir}")
+    if adapter_path is not None:
+        adir = Path(adapter_path).expanduser()
+        afiles = _files(adir, ADAPTER_GLOBS) if adir.is_dir() else []
+        if not afiles:
+            raise ModelError(f"adapter {str(adapter_path)!r}: no adapter files in that directory")
+        files += [(f"adapter/{p.relative_to(adir)}", p) for p in afiles]
+    if layout is None:
+        layout = cache_layout(model_dir)
+    h = xxhash.xxh3_128()
+    for name, path in files:
+        h.update(f"{name}\0{path.stat().st_size}\0".encode())
+        h.update(cache.digest(path))
+    h.update(repr((layout, kv_bits, kv_group_size if kv_bits else None, CODEC_VERSION)).encode())
+    cache.save()
+    return Fingerprint(h.digest(), layout, kv_bits, kv_group_size)
+
+
+def template_hash(model: str | Path) -> bytes:
+    """Hash of the chat template, tokenizer files and special tokens (16 bytes)."""
+    model_dir = resolve_model_path(model)
+    h = xxhash.xxh3_128()
+    for name in TEMPLATE_FILES:
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode() + b"\0")
+            h.update(p.read_bytes())
+    return h.digest()

@@ -1,0 +1,272 @@
+"""The manifest: a TOML recipe naming the models and the prefixes to pin for each.
+
+The recipe travels with an app; the KV bytes are recomputed from it on the device. Loading
+validates everything up front (unknown keys included) so a typo fails loudly instead of
+silently pinning nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ManifestError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE = 64
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_TOP_KEYS = ("model",)
+_MODEL_KEYS = ("path", "adapter", "kv_bits", "kv_group_size", "prefix")
+_PREFIX_KEYS = ("name", "messages", "text", "file", "tools")
+_MESSAGE_KEYS = ("role", "content")
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    """One pin: chat messages (optionally with tools) or raw text."""
+
+    name: str
+    messages: tuple[dict, ...] | None
+    text: str | None
+    file: Path | None
+    tools: Path | None
+    tools_data: tuple | None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model (with optional adapter and KV quantization) and its pins."""
+
+    path: str
+    adapter: str | None
+    kv_bits: int | None
+    kv_group_size: int
+    prefixes: tuple[PrefixSpec, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    path: Path
+    models: tuple[ModelSpec, ...]
+
+
+class _Where:
+    """Builds error messages that name the manifest, model, prefix and field at fault."""
+
+    def __init__(self, manifest: Path, model: str = "", prefix: str = ""):
+        self.manifest, self.model, self.prefix = manifest, model, prefix
+
+    def at(self, *, model: str | None = None, prefix: str | None = None) -> _Where:
+        return _Where(self.manifest, self.model if model is None else model, prefix or "")
+
+    def error(self, field: str | None, problem: str) -> ManifestError:
+        parts = [str(self.manifest)]
+        if self.model:
+            parts.append(self.model)
+        if self.prefix:
+            parts.append(self.prefix)
+        if field:
+            parts.append(f"field '{field}'")
+        return ManifestError(": ".join(parts) + f": {problem}")
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest; every problem raises ManifestError naming where it is."""
+    path = Path(path).expanduser().absolute()
+    where = _Where(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise where.error(None, "manifest file not found; create it or pass --manifest") from None
+    except OSError as e:
+        raise where.error(None, f"cannot read manifest ({e.strerror})") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise where.error(None, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        # tomllib's message carries "(at line N, column M)".
+        raise where.error(None, f"TOML syntax error: {e}") from None
+    _check_keys(data, _TOP_KEYS, where, "top level")
+    models = data.get("model")
+    if models is None:
+        raise where.error("model", "no [[model]] table; add one with path = '<model dir>'")
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise where.error("model", "must be an array of tables written as [[model]]")
+    if not models:
+        raise where.error("model", "no [[model]] table; add one with path = '<model dir>'")
+    specs = tuple(_load_model(m, i, where, path.parent) for i, m in enumerate(models))
+    return Manifest(path=path, models=specs)
+
+
+def manifest_files(manifest: Manifest) -> list[Path]:
+    """The manifest and every file it references: what a watcher must watch."""
+    files = [manifest.path]
+    for model in manifest.models:
+        for prefix in model.prefixes:
+            files.extend(p for p in (prefix.file, prefix.tools) if p is not None)
+    return list(dict.fromkeys(files))
+
+
+def _check_keys(table: dict, allowed: tuple[str, ...], where: _Where, what: str) -> None:
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise where.error(
+            unknown[0],
+            f"unknown key in {what}; allowed keys are {', '.join(allowed)} (check the spelling)",
+        )
+
+
+def _resolve_local(value: str, base: Path) -> str:
+    """Relative paths that exist next to the manifest win; anything else may be a hub id."""
+    expanded = Path(value).expanduser()
+    if expanded.is_absolute():
+        return str(expanded)
+    candidate = base / expanded
+    return str(candidate.resolve()) if candidate.exists() else value
+
+
+def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec:
+    path = table.get("path")
+    where = where.at(model=f"model #{index}" + (f" ({path!r})" if isinstance(path, str) else ""))
+    _check_keys(table, _MODEL_KEYS, where, "[[model]]")
+    if path is None:
+        raise where.error("path", "missing; set path to a local model directory or a hub id")
+    if not isinstance(path, str) or not path.strip():
+        raise where.error("path", "must be a non-empty string")
+    adapter = table.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter.strip()):
+        raise where.error("adapter", "must be a non-empty string (an adapter directory)")
+    kv_bits = table.get("kv_bits")
+    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
+        raise where.error("kv_bits", f"must be one of {_list(KV_BITS)}, got {kv_bits!r}")
+    group = table.get("kv_group_size", DEFAULT_KV_GROUP_SIZE)
+    if not _is_int(group) or group not in KV_GROUP_SIZES:
+        raise where.error("kv_group_size", f"must be one of {_list(KV_GROUP_SIZES)}, got {group!r}")
+    prefixes = table.get("prefix", [])
+    if not isinstance(prefixes, list) or not all(isinstance(p, dict) for p in prefixes):
+        raise where.error("prefix", "must be an array of tables written as [[model.prefix]]")
+    specs: list[PrefixSpec] = []
+    seen: set[str] = set()
+    for i, prefix in enumerate(prefixes):
+        spec = _load_prefix(prefix, i, where, base)
+        if spec.name in seen:
+            raise where.at(prefix=f"prefix {spec.name!r}").error(
+                "name", "duplicate prefix name in this model; give each prefix a unique name"
+            )
+        seen.add(spec.name)
+        specs.append(spec)
+    return ModelSpec(
+        path=_resolve_local(path, base),
+        adapter=_resolve_local(adapter, base) if adapter is not None else None,
+        kv_bits=kv_bits,
+        kv_group_size=group,
+        prefixes=tuple(specs),
+    )
+
+
+def _load_prefix(table: dict, index: int, where: _Where, base: Path) -> PrefixSpec:
+    name = table.get("name")
+    where = where.at(prefix=f"prefix {name!r}" if isinstance(name, str) else f"prefix #{index}")
+    _check_keys(table, _PREFIX_KEYS, where, "[[model.prefix]]")
+    if name is None:
+        raise where.error("name", "missing; every prefix needs a name (its label in the store)")
+    if not isinstance(name, str) or not name.strip():
+        raise where.error("name", "must be a non-empty string")
+    messages, text = table.get("messages"), table.get("text")
+    file_value, tools_value = table.get("file"), table.get("tools")
+    if text is not None and (messages is not None or file_value is not None):
+        raise where.error("text", "give either text or messages/file, not both")
+    if text is None and messages is None and file_value is None:
+        raise where.error("messages", "missing; give messages (or file) for a chat pin, or text")
+    file = _file_path(file_value, "file", where, base)
+    tools = _file_path(tools_value, "tools", where, base)
+    if text is not None:
+        if not isinstance(text, str) or not text:
+            raise where.error("text", "must be a non-empty string")
+        if tools is not None:
+            raise where.error(
+                "tools", "tools apply to chat messages only; remove them or use messages"
+            )
+        return PrefixSpec(name, None, text, None, None, None)
+    file_text = _read_text(file, "file", where) if file is not None else None
+    msgs = _check_messages(messages, file_text, where)
+    tools_data = _read_tools(tools, where) if tools is not None else None
+    return PrefixSpec(name, msgs, None, file, tools, tools_data)
+
+
+def _check_messages(value: Any, file_text: str | None, where: _Where) -> tuple[dict, ...]:
+    if value is None:
+        return ({"role": "system", "content": file_text},)
+    if not isinstance(value, list) or not value:
+        raise where.error("messages", "must be a non-empty list of { role, content } tables")
+    out: list[dict] = []
+    replaced = False
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise where.error(
+                "messages", f"item {i} must be a table {{ role = ..., content = ... }}"
+            )
+        _check_keys(msg, _MESSAGE_KEYS, where, f"messages item {i}")
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str):
+            raise where.error("messages", f"item {i}: role must be a string, one of {_list(ROLES)}")
+        if role not in ROLES:
+            raise where.error(
+                "messages", f"item {i}: unknown role {role!r}; use one of {_list(ROLES)}"
+            )
+        if file_text is not None and role == "system" and not replaced:
+            # The file supplies this message's content, so the inline content may be omitted.
+            content, replaced = file_text, True
+        if not isinstance(content, str):
+            raise where.error("messages", f"item {i}: content must be a string")
+        out.append({"role": role, "content": content})
+    if file_text is not None and not replaced:
+        raise where.error("file", "messages has no system message for the file's text to fill")
+    return tuple(out)
+
+
+def _file_path(value: Any, field: str, where: _Where, base: Path) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise where.error(field, "must be a non-empty string (a path relative to the manifest)")
+    path = (base / Path(value).expanduser()).resolve()
+    if not path.is_file():
+        raise where.error(field, f"file not found: {path}; create it or fix the path")
+    return path
+
+
+def _read_text(path: Path, field: str, where: _Where) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise where.error(field, f"cannot read {path} as UTF-8 text: {e}") from None
+
+
+def _read_tools(path: Path, where: _Where) -> tuple:
+    try:
+        tools = json.loads(_read_text(path, "tools", where))
+    except json.JSONDecodeError as e:
+        raise where.error("tools", f"{path} is not valid JSON: {e}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise where.error("tools", f"{path} must hold a JSON list of tool schema objects")
+    return tuple(tools)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _list(values: tuple) -> str:
+    return ", ".join(str(v) for v in values)

@@ -1,0 +1,75 @@
+"""One settings table (units in comments) and where the home lives.
+
+Precedence: DEFAULTS < `settings.toml` in the home < command line / environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from kvstore.errors import KVStoreError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULTS: dict[str, object] = {
+    "max_bytes": 8 * 2**30,  # 8 GiB: byte budget of the store; LRU evicts unpinned entries above it
+    "map_size": 64 * 2**20,  # 64 MiB: initial LMDB map size; doubled on MapFullError
+    "max_map_size": 1 * 2**40,  # 1 TiB: growth cap of the LMDB map
+    "max_frame_bytes": 64 * 2**20,  # 64 MiB: largest socket frame accepted
+    "header_timeout": 5.0,  # seconds to receive a frame's header once a connection opens
+    "idle_timeout": 60.0,  # seconds a connection may stay silent between frames
+    "max_connections": 32,  # concurrent socket connections served
+    "debounce": 0.5,  # seconds: file events are collected this long before re-hashing
+    "poll_interval": 5.0,  # seconds between re-hash passes when no file observer can run
+    "reader_check_interval": 60.0,  # seconds between LMDB reader_check() passes in the daemon
+}
+
+STORE_DIR = "store"
+SOCKET_NAME = "kvstore.sock"
+LOCK_NAME = "daemon.lock"
+MANIFEST_NAME = "manifest.toml"
+FILEHASH_NAME = "filehash.msgpack"
+
+
+def default_home() -> Path:
+    """`$KVSTORE_HOME`, else the platform's per-user data directory."""
+    if env := os.environ.get("KVSTORE_HOME"):
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "kvstore"
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg) / "kvstore"
+
+
+def resolve_home(home: str | Path | None) -> Path:
+    return Path(home).expanduser() if home else default_home()
+
+
+def ensure_home(home: Path) -> Path:
+    """Create the home (0700) if missing and tighten it if it is looser."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if home.stat().st_mode & 0o077:
+        os.chmod(home, 0o700)
+    return home
+
+
+def load_settings(home: Path, **overrides: object) -> dict[str, object]:
+    """Merge DEFAULTS < home/settings.toml < overrides (None values are ignored)."""
+    merged = dict(DEFAULTS)
+    path = home / "settings.toml"
+    if path.is_file():
+        try:
+            stored = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise KVStoreError(f"{path}: cannot read settings: {e}") from e
+        unknown = sorted(set(stored) - set(DEFAULTS))
+        if unknown:
+            raise KVStoreError(f"{path}: unknown setting(s) {', '.join(unknown)}")
+        merged.update(stored)
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    return merged

@@ -1,0 +1,398 @@
+"""The LMDB store: entry meta (msgpack) and blobs (safetensors bytes) under 32-byte keys.
+
+One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
+`_write`, the one place that grows the map; readers recover from MapResizedError. Blob bytes read
+through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgpack
+import xxhash
+
+from kvstore import codec
+from kvstore.errors import CodecError, CorruptEntryError, StoreError
+from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, unpack_tokens
+from kvstore.settings import DEFAULTS, STORE_DIR
+
+SCHEMA_VERSION = 1
+_META_FIELDS = (
+    "tokens", "ntokens", "label", "pinned", "model", "fingerprint", "template_hash", "created",
+    "last_used", "hits", "nbytes", "checksum", "codec", "classes",
+)  # fmt: skip
+
+
+@dataclass
+class EntryMeta:
+    key: bytes
+    tokens: bytes  # packed little-endian uint32 token ids
+    ntokens: int
+    label: str
+    pinned: bool
+    model: str  # model path as given
+    fingerprint: bytes
+    template_hash: bytes
+    created: float
+    last_used: float
+    hits: int
+    nbytes: int
+    checksum: int  # xxh3-64 of the blob
+    codec: int
+    classes: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)  # adapter, kv_bits, source ...
+
+    def token_ids(self) -> list[int]:
+        return unpack_tokens(self.tokens)
+
+    def pack(self) -> bytes:
+        d = asdict(self)
+        d.pop("key")
+        d["v"] = SCHEMA_VERSION
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, key: bytes, raw: bytes) -> EntryMeta:
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            if not isinstance(d, dict) or d.pop("v", None) != SCHEMA_VERSION:
+                raise ValueError("unknown meta schema")
+            meta = cls(key=key, **d)
+        except Exception as e:
+            raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
+        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != key[:FINGERPRINT_BYTES]:
+            raise CorruptEntryError(key, "meta does not match its key or token count")
+        return meta
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key.hex(),
+            "model": self.model,
+            "fingerprint": self.fingerprint.hex(),
+            "template_hash": self.template_hash.hex(),
+            "label": self.label,
+            "tokens": self.ntokens,
+            "nbytes": self.nbytes,
+            "pinned": self.pinned,
+            "created": self.created,
+            "last_used": self.last_used,
+            "hits": self.hits,
+            "classes": self.classes,
+            "codec": self.codec,
+            **self.extra,
+        }
+
+
+def blob_checksum(blob) -> int:
+    return xxhash.xxh3_64_intdigest(blob)
+
+
+class Store:
+    """One LMDB environment in `home/store`. Not to be carried across fork()."""
+
+    def __init__(
+        self,
+        home: str | Path,
+        *,
+        readonly: bool = False,
+        map_size: int = DEFAULTS["map_size"],
+        max_map_size: int = DEFAULTS["max_map_size"],
+    ):
+        self.path = Path(home) / STORE_DIR
+        self.readonly = readonly
+        self.max_map_size = max_map_size
+        self._pid = os.getpid()
+        if readonly and not (self.path / "data.mdb").is_file():
+            raise StoreError(f"{self.path}: no store here (run `kvstore warm` or start the daemon)")
+        try:
+            if not readonly:
+                self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                max_dbs=4,
+                readonly=readonly,
+                create=not readonly,
+                writemap=False,
+                sync=True,
+                metasync=True,
+                max_readers=256,
+            )
+            self._meta = self.env.open_db(b"meta", create=not readonly)
+            self._blob = self.env.open_db(b"blob", create=not readonly)
+        except lmdb.Error as e:
+            raise StoreError(f"{self.path}: cannot open the LMDB store: {e}") from None
+        if not readonly:
+            self.env.reader_check()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreError(f"{self.path}: an LMDB environment cannot be used across fork()")
+
+    def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        """The one write path: a transaction, retried after doubling the map when it is full."""
+        self._check_pid()
+        if self.readonly:
+            raise StoreError(f"{self.path}: opened read-only")
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(txn)
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"]
+                if size * 2 > self.max_map_size:
+                    raise StoreError(
+                        f"{self.path}: store map is full at {size} bytes and the cap "
+                        f"max_map_size={self.max_map_size} is reached; evict entries or raise it"
+                    ) from None
+                self.env.set_mapsize(size * 2)  # no transaction is open here
+            except lmdb.Error as e:
+                raise StoreError(f"{self.path}: write failed: {e}") from None
+
+    def _read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
+        self._check_pid()
+        for _ in range(3):
+            try:
+                with self.env.begin(buffers=buffers) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self.env.set_mapsize(0)  # adopt the size another process grew the map to
+        raise StoreError(f"{self.path}: the map keeps being resized under this reader")
+
+    def reader_check(self) -> int:
+        return self.env.reader_check()
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _scan(self, txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        cur = txn.cursor(self._meta)
+        if not cur.set_range(prefix):
+            return
+        for k, v in cur:
+            k = bytes(k)
+            if not k.startswith(prefix):
+                break
+            yield k, bytes(v)
+
+    def metas(self, fingerprint: bytes = b"", *, errors: list | None = None) -> list[EntryMeta]:
+        """Every entry's meta (one model's with `fingerprint`): one range scan, short transaction.
+
+        Unreadable metas are appended to `errors` (as CorruptEntryError) when it is given, else raised.
+        """
+        raw = self._read(lambda txn: list(self._scan(txn, fingerprint)))
+        out = []
+        for k, v in raw:
+            try:
+                out.append(EntryMeta.unpack(k, v))
+            except CorruptEntryError as e:
+                if errors is None:
+                    raise
+                errors.append(e)
+        return out
+
+    def keys(self) -> list[bytes]:
+        return self._read(lambda txn: [bytes(k) for k in txn.cursor(self._meta).iternext(values=False)])
+
+    def get_meta(self, key: bytes) -> EntryMeta | None:
+        raw = self._read(lambda txn: txn.get(key, db=self._meta))
+        return None if raw is None else EntryMeta.unpack(key, bytes(raw))
+
+    def load(self, key: bytes, tokens: bytes | None = None) -> tuple[EntryMeta, list]:
+        """Meta and decoded cache of one entry. `tokens` (packed) must equal the stored ids when given."""
+
+        def fn(txn):
+            raw = txn.get(key, db=self._meta)
+            if raw is None:
+                raise KeyError(key.hex())
+            meta = EntryMeta.unpack(key, bytes(raw))
+            if tokens is not None and meta.tokens != tokens:
+                raise KeyError(key.hex())  # a hash collision: another prefix lives under this key
+            blob = txn.get(key, db=self._blob)
+            return meta, self._decode(key, meta, blob)
+
+        return self._read(fn, buffers=True)
+
+    def read_blob(self, key: bytes) -> bytes:
+        blob = self._read(lambda txn: txn.get(key, db=self._blob))
+        if blob is None:
+            raise KeyError(key.hex())
+        return bytes(blob)
+
+    @staticmethod
+    def _decode(key: bytes, meta: EntryMeta, blob) -> list:
+        if blob is None:
+            raise CorruptEntryError(key, "meta without blob")
+        if len(blob) != meta.nbytes:
+            raise CorruptEntryError(key, f"blob is {len(blob)} bytes, meta says {meta.nbytes}")
+        if blob_checksum(blob) != meta.checksum:
+            raise CorruptEntryError(key, "blob checksum mismatch")
+        try:
+            cache, _ = codec.decode(blob, name=f"entry {key.hex()}")
+        except CodecError as e:
+            raise CorruptEntryError(key, str(e)) from None
+        return cache
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
+        """Store one entry. An existing entry with the same key and blob keeps its `created` and hits."""
+        if len(key) != KEY_BYTES:
+            raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        now = time.time()
+        checksum = blob_checksum(blob)
+        extra = fields.pop("extra", {})
+        unknown = set(fields) - set(_META_FIELDS)
+        if unknown:
+            raise StoreError(f"unknown meta field(s): {sorted(unknown)}")
+
+        def fn(txn):
+            old_raw = txn.get(key, db=self._meta)
+            old = None
+            if old_raw is not None:
+                try:
+                    old = EntryMeta.unpack(key, old_raw)
+                except CorruptEntryError:
+                    old = None
+            same = old is not None and old.checksum == checksum and old.tokens == fields["tokens"]
+            meta = EntryMeta(
+                key=key,
+                tokens=fields["tokens"],
+                ntokens=len(fields["tokens"]) // 4,
+                label=fields.get("label", ""),
+                pinned=bool(fields.get("pinned", False)) or bool(same and old.pinned),
+                model=fields.get("model", ""),
+                fingerprint=key[:FINGERPRINT_BYTES],
+                template_hash=fields.get("template_hash", b""),
+                created=old.created if same else now,
+                last_used=now,
+                hits=old.hits if same else 0,
+                nbytes=len(blob),
+                checksum=checksum,
+                codec=fields.get("codec", codec.CODEC_VERSION),
+                classes=list(fields.get("classes", [])),
+                extra=extra,
+            )
+            txn.put(key, blob, db=self._blob)
+            txn.put(key, meta.pack(), db=self._meta)
+            return meta
+
+        return self._write(fn)
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        keys = list(keys)
+
+        def fn(txn):
+            n = 0
+            for k in keys:
+                n += bool(txn.delete(k, db=self._meta))
+                txn.delete(k, db=self._blob)
+            return n
+
+        return self._write(fn)
+
+    def touch(self, keys: Iterable[bytes], *, now: float | None = None) -> int:
+        """Record hits: last_used = now, hits += 1."""
+        now = now or time.time()
+        keys = list(keys)
+
+        def fn(txn):
+            n = 0
+            for k in keys:
+                raw = txn.get(k, db=self._meta)
+                if raw is None:
+                    continue
+                try:
+                    meta = EntryMeta.unpack(k, raw)
+                except CorruptEntryError:
+                    continue
+                meta.last_used, meta.hits = now, meta.hits + 1
+                txn.put(k, meta.pack(), db=self._meta)
+                n += 1
+            return n
+
+        return self._write(fn)
+
+    def set_pinned(self, keys: Iterable[bytes], pinned: bool) -> int:
+        keys = list(keys)
+
+        def fn(txn):
+            n = 0
+            for k in keys:
+                raw = txn.get(k, db=self._meta)
+                if raw is not None:
+                    meta = EntryMeta.unpack(k, raw)
+                    meta.pinned = pinned
+                    txn.put(k, meta.pack(), db=self._meta)
+                    n += 1
+            return n
+
+        return self._write(fn)
+
+    # -- administration -----------------------------------------------------------------------
+
+    def check(self, *, repair: bool = False, decode: bool = True,
+              progress: Callable[[int, int], None] | None = None) -> list[CorruptEntryError]:
+        """Verify every entry (meta, blob length, checksum, full decode); `repair` deletes bad ones."""
+        problems: list[CorruptEntryError] = []
+        meta_keys = set(self.keys())
+        blob_keys = set(
+            self._read(lambda txn: [bytes(k) for k in txn.cursor(self._blob).iternext(values=False)])
+        )
+        for k in sorted(blob_keys - meta_keys):
+            problems.append(CorruptEntryError(k, "blob without meta"))
+        keys = sorted(meta_keys)
+        for i, k in enumerate(keys):
+            try:
+                if decode:
+                    self.load(k)
+                else:
+                    meta = self.get_meta(k)
+                    blob = self.read_blob(k)
+                    if blob_checksum(blob) != meta.checksum:
+                        raise CorruptEntryError(k, "blob checksum mismatch")
+            except CorruptEntryError as e:
+                problems.append(e)
+            except KeyError:
+                problems.append(CorruptEntryError(k, "meta without blob"))
+            if progress:
+                progress(i + 1, len(keys))
+        if repair and problems:
+            self.delete(p.key for p in problems)
+        return problems
+
+    def stats(self) -> dict[str, Any]:
+        errors: list = []
+        metas = self.metas(errors=errors)
+        info, stat = self.env.info(), self.env.stat()
+        return {
+            "path": str(self.path),
+            "entries": len(metas),
+            "pinned": sum(m.pinned for m in metas),
+            "bytes": sum(m.nbytes for m in metas),
+            "pinned_bytes": sum(m.nbytes for m in metas if m.pinned),
+            "tokens": sum(m.ntokens for m in metas),
+            "models": len({m.fingerprint for m in metas}),
+            "unreadable": len(errors),
+            "map_size": info["map_size"],
+            "file_bytes": (self.path / "data.mdb").stat().st_size,
+            "page_size": stat["psize"],
+            "readers": info["num_readers"],
+        }

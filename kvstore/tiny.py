@@ -1,0 +1,126 @@
+"""Tiny random-weight mlx-lm models with a locally trained tokenizer: the demo's and tests' default.
+
+Nothing is downloaded: the BPE tokenizer is trained on a few lines of text and the weights are
+random, so the KV caches are real mlx-lm caches of real architectures, only small.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+
+# One ChatML-style template that renders tools into the system turn, as Qwen's does.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% set start = 1 if messages[0]['role'] == 'system' else 0 %}"
+    "{% else %}{% set start = 0 %}{% endif %}"
+    "{% for m in messages[start:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "You are a careful assistant. Classify the request, reason with tools, examine the answer,",
+    "and synthesize a final reply for the user. Return JSON with the fields category and reason.",
+    "The quick brown fox jumps over the lazy dog. Tools: search, calculator, calendar, weather.",
+    "system user assistant tool function name description parameters properties type string",
+    "0123456789 {}[]():;,.!?-_'\"/ the of and to in is that for it as with was on be at by",
+]
+
+# Architectures covering the cache families: plain KV, hybrid linear attention, sliding window.
+ARCHITECTURES: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_5": dict(
+        model_type="qwen3_5",
+        text_config=dict(
+            model_type="qwen3_5_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            full_attention_interval=2,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=3,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        vocab_size=512,
+        sliding_window=64,
+        sliding_window_pattern=3,
+    ),
+}
+
+
+def write_tokenizer(path: str | Path, *, chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Train a byte-level BPE tokenizer on a few lines and save it with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(path))
+    return path
+
+
+def make_tiny_model(
+    path: str | Path, arch: str = "llama", *, seed: int = 0, chat_template: str = CHAT_TEMPLATE
+) -> Path:
+    """Write a random-weight mlx-lm model directory (config, safetensors, tokenizer) to `path`."""
+    from mlx_lm.utils import _get_classes, save_model
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
+    path = Path(path)
+    config = ARCHITECTURES[arch]
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(path, model)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, chat_template=chat_template)
+    return path

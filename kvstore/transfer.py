@@ -1,0 +1,117 @@
+"""`kvstore export` and `kvstore import`: entries to and from mlx-lm prompt-cache files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kvstore import codec
+from kvstore.errors import CodecError, KVStoreError
+from kvstore.identity import (
+    FileHashCache,
+    describe_cache,
+    model_fingerprint,
+    resolve_model_path,
+    template_hash,
+)
+from kvstore.keys import entry_key, pack_tokens
+from kvstore.settings import FILEHASH_NAME
+from kvstore.store import EntryMeta, Store
+
+
+def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
+    """The stored blob already is the mlx-lm layout with `model` and `tokenizer_config` metadata."""
+    meta, _ = store.load(key)  # verifies checksum and decodes before anything is written
+    blob = store.read_blob(key)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, file)
+    return meta
+
+
+def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
+    """Tokenize as mlx_lm.cache_prompt does: a user turn continued, or plain text."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if tok.has_chat_template:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tok.encode(prompt))
+
+
+def _cache_tokens(cache: list) -> int:
+    """Tokens a decoded prompt cache holds (its first layer's offset)."""
+    first = cache[0]
+    while type(first).__name__ == "CacheList":
+        first = first.caches[0]
+    return int(getattr(first, "offset", -1))
+
+
+def import_file(
+    store: Store,
+    file: Path,
+    *,
+    model: str,
+    tokens_file: Path | None = None,
+    prompt: str | None = None,
+    adapter: str | None = None,
+    label: str = "imported",
+    pin: bool = False,
+    home: Path,
+) -> EntryMeta:
+    blob = Path(file).read_bytes()
+    try:
+        cache, metadata = codec.decode(blob, name=str(file))
+    except CodecError as e:
+        raise KVStoreError(f"{file}: not a valid prompt-cache file: {e}") from None
+    model_dir = resolve_model_path(model)
+    if tokens_file is not None:
+        try:
+            tokens = json.loads(Path(tokens_file).read_text())
+            if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+                raise ValueError("expected a JSON list of integers")
+        except (OSError, ValueError) as e:
+            raise KVStoreError(f"{tokens_file}: cannot read token ids: {e}") from None
+    else:
+        tokens = _prompt_tokens(model_dir, prompt or "")
+    quantized = [c for c in cache if type(c).__name__ == "QuantizedKVCache"]
+    kv_bits = quantized[0].bits if quantized else None
+    group = quantized[0].group_size if quantized else 64
+    fp = model_fingerprint(model_dir, adapter_path=adapter, kv_bits=kv_bits, kv_group_size=group,
+                           hash_cache=FileHashCache(home / FILEHASH_NAME))
+    # the file's layout, with quantized layers read back as the plain KVCache the model makes
+    got = tuple(("KVCache",) if type(c).__name__ == "QuantizedKVCache" else describe_cache(c)
+                for c in cache)
+    if got != fp.layout:
+        raise KVStoreError(
+            f"{file}: cache layout {[g[0] for g in got]} does not match model {model!r} "
+            f"({[g[0] for g in fp.layout]}); was it made with another model?"
+        )
+    held = _cache_tokens(cache)
+    if held != len(tokens):
+        raise KVStoreError(
+            f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
+            "pass the exact prompt (or --tokens) it was made from"
+        )
+    metadata = {"model": metadata.get("model", model),
+                "tokenizer_config": metadata.get("tokenizer_config", "{}")}
+    blob = codec.encode(cache, metadata)
+    return store.put(
+        entry_key(fp.digest, tokens),
+        blob,
+        tokens=pack_tokens(tokens),
+        label=label,
+        pinned=pin,
+        model=model,
+        template_hash=template_hash(model_dir),
+        classes=codec.cache_classes(cache),
+        extra={"adapter": adapter, "kv_bits": kv_bits, "kv_group_size": group, "source": "import"},
+    )

@@ -1,0 +1,203 @@
+"""Warm a manifest: render each pin, and prefill + encode + put the ones missing from the store.
+
+The model is loaded only when some pin is missing, and released afterwards: a 9B model must not
+stay resident in a long-lived process.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore import codec
+from kvstore.errors import KVStoreError, ModelError
+from kvstore.identity import (
+    FileHashCache,
+    Fingerprint,
+    describe_cache,
+    model_fingerprint,
+    resolve_model_path,
+    template_hash,
+)
+from kvstore.keys import entry_key, pack_tokens
+from kvstore.manifest import Manifest, ModelSpec
+from kvstore.render import RenderedPin, render_prefix
+from kvstore.settings import FILEHASH_NAME
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore")
+
+
+@dataclass
+class PlannedPin:
+    model: ModelSpec
+    pin: RenderedPin
+    key: bytes
+    present: bool
+
+
+@dataclass
+class ModelPlan:
+    spec: ModelSpec
+    model_dir: Path
+    fingerprint: Fingerprint
+    template_hash: bytes
+    pins: list[PlannedPin] = field(default_factory=list)
+
+
+@dataclass
+class PinResult:
+    model: str
+    name: str
+    key: str
+    tokens: int
+    status: str  # "present" | "warmed" | "failed"
+    seconds: float = 0.0
+    nbytes: int = 0
+    warning: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class WarmReport:
+    pins: list[PinResult] = field(default_factory=list)
+    models_loaded: int = 0
+    seconds: float = 0.0
+
+    @property
+    def warmed(self) -> int:
+        return sum(p.status == "warmed" for p in self.pins)
+
+    @property
+    def failed(self) -> list[PinResult]:
+        return [p for p in self.pins if p.status == "failed"]
+
+
+def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan:
+    """Render every pin of one model and find which are missing. Loads the tokenizer only."""
+    from mlx_lm.utils import load_tokenizer
+
+    model_dir = resolve_model_path(spec.path)
+    fp = model_fingerprint(
+        model_dir,
+        adapter_path=spec.adapter,
+        kv_bits=spec.kv_bits,
+        kv_group_size=spec.kv_group_size,
+        hash_cache=FileHashCache(home / FILEHASH_NAME),
+    )
+    tokenizer = load_tokenizer(model_dir)
+    plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir))
+    for prefix in spec.prefixes:
+        pin = render_prefix(tokenizer, prefix)
+        key = entry_key(fp.digest, pin.tokens)
+        present = False
+        if store is not None:
+            meta = store.get_meta(key)
+            present = meta is not None and meta.tokens == pack_tokens(pin.tokens)
+        plan.pins.append(PlannedPin(spec, pin, key, present))
+    return plan
+
+
+def load_model(plan: ModelPlan):
+    """Load the model for prefill and check its cache layout against the fingerprint's."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        model, _ = load(str(plan.model_dir), adapter_path=plan.spec.adapter)
+    except Exception as e:
+        raise ModelError(f"model {plan.spec.path!r}: cannot load: {e}") from None
+    layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
+    if layout != plan.fingerprint.layout:
+        raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
+    return model
+
+
+def release_model() -> None:
+    gc.collect()
+    import mlx.core as mx
+
+    mx.clear_cache()
+
+
+def encode_pin(model, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes, dict]:
+    """Prefill one pin and encode it; returns the blob and the meta fields for Store.put."""
+    from kvstore.prefill import prefill
+
+    cache = prefill(
+        model, pp.pin.tokens, kv_bits=plan.spec.kv_bits, kv_group_size=plan.spec.kv_group_size
+    )
+    blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
+    fields = dict(
+        tokens=pack_tokens(pp.pin.tokens),
+        label=pp.pin.name,
+        pinned=True,
+        model=plan.spec.path,
+        template_hash=plan.template_hash,
+        classes=codec.cache_classes(cache),
+        extra={"adapter": plan.spec.adapter, "kv_bits": plan.spec.kv_bits,
+               "kv_group_size": plan.spec.kv_group_size, "source": "manifest"},
+    )
+    return blob, fields
+
+
+def warm(
+    manifest: Manifest,
+    store: Store,
+    *,
+    home: Path,
+    progress: Callable[[str], None] | None = None,
+    put: Callable[[bytes, bytes, dict], None] | None = None,
+) -> WarmReport:
+    """Make every pin of `manifest` present in `store`. `put` overrides where new entries go."""
+    t0 = time.perf_counter()
+    report = WarmReport()
+    say = progress or (lambda msg: None)
+    put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
+    for spec in manifest.models:
+        try:
+            plan = plan_model(spec, store, home=home)
+        except KVStoreError as e:
+            for prefix in spec.prefixes:
+                report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))
+            log.error("%s", e)
+            continue
+        missing = [pp for pp in plan.pins if not pp.present]
+        for pp in plan.pins:
+            if pp.pin.warning:
+                log.warning("%s", pp.pin.warning)
+            if pp.present:
+                report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
+                                             len(pp.pin.tokens), "present", warning=pp.pin.warning))
+        if not missing:
+            continue
+        say(f"loading {spec.path} to warm {len(missing)} pin(s)")
+        try:
+            model = load_model(plan)
+        except KVStoreError as e:
+            for pp in missing:
+                report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
+                                             len(pp.pin.tokens), "failed", error=str(e)))
+            log.error("%s", e)
+            continue
+        report.models_loaded += 1
+        try:
+            for i, pp in enumerate(missing, 1):
+                t = time.perf_counter()
+                blob, fields = encode_pin(model, plan, pp)
+                put(pp.key, blob, fields)
+                dt = time.perf_counter() - t
+                report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
+                                             len(pp.pin.tokens), "warmed", dt, len(blob),
+                                             warning=pp.pin.warning))
+                say(f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
+                    f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s")
+        finally:
+            del model
+            release_model()
+    report.seconds = time.perf_counter() - t0
+    return report

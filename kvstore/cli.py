@@ -125,6 +125,8 @@ def warm(manifest: Path | None, home: Path) -> None:
     m = load_manifest(manifest)
     with open_store(home, write=True) as store:
         report = do_warm(m, store, home=home, progress=_progress)
+    for p in report.purged:
+        click.echo(f"purged   {p.label:20} {p.key[:12]}  {p.model}: {p.cause}")
     for p in report.pins:
         line = f"{p.status:8} {p.name:20} {p.tokens:6d} tokens  {p.model}"
         if p.status == "warmed":

@@ -11,6 +11,7 @@ objects itself instead of resolving stored names with `globals()`.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, NamedTuple
 
@@ -23,17 +24,9 @@ from kvstore.errors import CodecError
 
 CODEC_VERSION: int = 1
 
+_CLASS_NAMES = "KVCache RotatingKVCache QuantizedKVCache ArraysCache ChunkedKVCache CacheList"
 ALLOWED_CLASSES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        mlc.KVCache,
-        mlc.RotatingKVCache,
-        mlc.QuantizedKVCache,
-        mlc.ArraysCache,
-        mlc.ChunkedKVCache,
-        mlc.CacheList,
-        mlc.ConcatenateKVCache,
-    )
+    n: getattr(mlc, n) for n in (*_CLASS_NAMES.split(), "ConcatenateKVCache")
 }
 
 MAX_HEADER_BYTES: int = 16 << 20
@@ -61,6 +54,8 @@ _DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
     "F32": (np.dtype("<f4"), mx.float32),
 }
 _CODE_OF = {mdt: code for code, (_, mdt) in _DTYPES.items()}
+# Flattened `[metadata, classes, scalars]` keys other than user metadata ("0.*") and "2.0".
+_META_KEY = re.compile(r"1\.(0|[1-9][0-9]{0,5})|2\.([1-9][0-9]{0,5})\.([01])")
 _INT_CODES = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
 
 # Top-level state arity of each class, as its `state` property returns it.
@@ -88,16 +83,11 @@ def cache_classes(cache: list) -> list[str]:
     return [type(c).__name__ for c in cache]
 
 
-def _check_class(c: Any) -> str:
+def _normalize_one(c: Any) -> Any:
     name = type(c).__name__
     # An exact type match: a subclass stored under its own name would not decode.
     if ALLOWED_CLASSES.get(name) is not type(c):
         raise CodecError(f"encode: unsupported cache class {type(c).__module__}.{name}")
-    return name
-
-
-def _normalize_one(c: Any) -> Any:
-    name = _check_class(c)
     if name == "CacheList":
         return mlc.CacheList(*(_normalize_one(x) for x in c.caches))
     state = list(c.state)
@@ -124,7 +114,7 @@ def normalize(cache: list) -> list:
     `_idx` points into the ring. The input is not mutated.
     """
     out = [_normalize_one(c) for c in cache]
-    mx.eval([x for x in tree_flatten([c.state for c in out]) if isinstance(x, mx.array)])
+    mx.eval([v for _, v in tree_flatten([c.state for c in out]) if isinstance(v, mx.array)])
     return out
 
 
@@ -180,11 +170,7 @@ def encode(cache: list, metadata: dict[str, str] | None = None) -> bytes:
     header: dict[str, Any] = {}
     offset = 0
     for key, code, shape, payload in entries:
-        header[key] = {
-            "dtype": code,
-            "shape": shape,
-            "data_offsets": [offset, offset + payload.nbytes],
-        }
+        header[key] = dict(dtype=code, shape=shape, data_offsets=[offset, offset + payload.nbytes])
         offset += payload.nbytes
     header["__metadata__"] = dict(tree_flatten([meta, cache_classes(cache), scalars]))
     try:
@@ -271,7 +257,7 @@ class _Decoder:
         if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
             raise self.fail(f"tensor {key!r}: entry must have exactly dtype, shape, data_offsets")
         code, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if code not in _DTYPES:
+        if not isinstance(code, str) or code not in _DTYPES:
             raise self.fail(f"tensor {key!r}: dtype {code!r} not allowed")
         if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
             raise self.fail(f"tensor {key!r}: shape must be a list of at most {_MAX_NDIM} dims")
@@ -297,24 +283,18 @@ class _Decoder:
         classes: dict[int, str] = {}
         scalar_parts: dict[int, dict[int, str]] = {}
         for key, value in meta.items():
-            head, _, rest = key.partition(".")
-            parts = rest.split(".")
+            m = _META_KEY.fullmatch(key)
             if key.startswith("0."):
-                user[rest] = value  # user keys may contain dots; keep them whole
-            elif head == "1" and len(parts) == 1 and _is_index(rest):
-                classes[int(rest)] = value
+                user[key[2:]] = value  # user keys may contain dots; keep them whole
             elif key == "2.0":
                 if value != "":
                     raise self.fail("scalar list sentinel '2.0' is not empty")
-            elif (
-                head == "2"
-                and len(parts) == 2
-                and all(map(_is_index, parts))
-                and parts[1] in ("0", "1")
-            ):
-                scalar_parts.setdefault(int(parts[0]), {})[int(parts[1])] = value
-            else:
+            elif m is None:
                 raise self.fail(f"unexpected metadata key {key!r}")
+            elif m[1] is not None:
+                classes[int(m[1])] = value
+            else:
+                scalar_parts.setdefault(int(m[2]), {})[int(m[3])] = value
         if "2.0" not in meta:
             raise self.fail("metadata has no scalar list")
         if not classes or sorted(classes) != list(range(len(classes))):

@@ -113,7 +113,8 @@ def resolve_model_path(model: str | Path) -> Path:
         try:
             from huggingface_hub import snapshot_download
 
-            return Path(snapshot_download(str(model), local_files_only=True))
+            cache_dir = os.environ.get("HF_HUB_CACHE") or None  # read now, not at import
+            return Path(snapshot_download(str(model), local_files_only=True, cache_dir=cache_dir))
         except Exception as e:
             raise ModelError(
                 f"model {model!r}: not a local directory and not in the local hub cache "

@@ -90,6 +90,44 @@ class EntryMeta:
         }
 
 
+# LMDB allows one open environment per file per process: Stores of one path share it.
+_ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly]
+
+
+def _open_env(path: Path, *, readonly: bool, map_size: int) -> lmdb.Environment:
+    key = str(path.resolve())
+    held = _ENVS.get(key)
+    if held is not None:
+        if held[2] and not readonly:
+            raise StoreError(f"{path}: already open read-only in this process; close it first")
+        held[1] += 1
+        return held[0]
+    env = lmdb.open(
+        key,
+        map_size=map_size,
+        max_dbs=4,
+        readonly=readonly,
+        create=not readonly,
+        writemap=False,
+        sync=True,
+        metasync=True,
+        max_readers=256,
+    )
+    _ENVS[key] = [env, 1, readonly]
+    return env
+
+
+def _close_env(path: Path) -> None:
+    key = str(path.resolve())
+    held = _ENVS.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] <= 0:
+        del _ENVS[key]
+        held[0].close()
+
+
 def blob_checksum(blob) -> int:
     return xxhash.xxh3_64_intdigest(blob)
 
@@ -114,17 +152,7 @@ class Store:
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=map_size,
-                max_dbs=4,
-                readonly=readonly,
-                create=not readonly,
-                writemap=False,
-                sync=True,
-                metasync=True,
-                max_readers=256,
-            )
+            self.env = _open_env(self.path, readonly=readonly, map_size=map_size)
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
         except lmdb.Error as e:
@@ -135,7 +163,9 @@ class Store:
     # -- plumbing ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        self.env.close()
+        if self.env is not None:
+            _close_env(self.path)
+            self.env = None
 
     def __enter__(self) -> Store:
         return self

@@ -42,6 +42,7 @@ ARCHITECTURES: dict[str, dict] = {
         intermediate_size=128,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=32,  # a head dim that kv_bits group sizes (32, 64) divide
         rms_norm_eps=1e-5,
         vocab_size=512,
         tie_word_embeddings=True,

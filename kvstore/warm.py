@@ -63,8 +63,17 @@ class PinResult:
 
 
 @dataclass
+class Purged:
+    key: str
+    label: str
+    model: str
+    cause: str
+
+
+@dataclass
 class WarmReport:
     pins: list[PinResult] = field(default_factory=list)
+    purged: list[Purged] = field(default_factory=list)
     models_loaded: int = 0
     seconds: float = 0.0
 
@@ -124,7 +133,9 @@ def release_model() -> None:
     mx.clear_cache()
 
 
-def encode_pin(model, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes, dict]:
+def encode_pin(
+    model, plan: ModelPlan, pp: PlannedPin, *, manifest: Path | None = None
+) -> tuple[bytes, dict]:
     """Prefill one pin and encode it; returns the blob and the meta fields for Store.put."""
     from kvstore.prefill import prefill
 
@@ -140,9 +151,46 @@ def encode_pin(model, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes, dict]:
         template_hash=plan.template_hash,
         classes=codec.cache_classes(cache),
         extra={"adapter": plan.spec.adapter, "kv_bits": plan.spec.kv_bits,
-               "kv_group_size": plan.spec.kv_group_size, "source": "manifest"},
+               "kv_group_size": plan.spec.kv_group_size, "source": "manifest",
+               "manifest": str(manifest) if manifest else None},
     )
     return blob, fields
+
+
+def _ident(spec: ModelSpec) -> tuple:
+    return (spec.path, spec.adapter, spec.kv_bits, spec.kv_group_size if spec.kv_bits else None)
+
+
+def _meta_ident(meta) -> tuple:
+    kv_bits = meta.extra.get("kv_bits")
+    return (meta.model, meta.extra.get("adapter"), kv_bits,
+            meta.extra.get("kv_group_size", 64) if kv_bits else None)
+
+
+def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
+    """This manifest's stored pins that no longer hold: model changed, pin removed or re-rendered
+    to other tokens, chat template changed, or model gone from the manifest."""
+    out = []
+    for meta in store.metas(errors=[]):
+        if meta.extra.get("source") != "manifest" or meta.extra.get("manifest") != str(
+            manifest.path
+        ):
+            continue
+        plan = plans.get(_meta_ident(meta))
+        if plan is None:
+            if any(_ident(s) == _meta_ident(meta) for s in manifest.models):
+                continue  # its model failed to plan: keep what we have, do not guess
+            cause = "model removed from the manifest"
+        elif meta.fingerprint != plan.fingerprint.digest:
+            cause = "model changed (weights, config or adapter)"
+        elif meta.key not in {pp.key for pp in plan.pins}:
+            cause = "pin removed, or its rendered tokens changed"
+        elif meta.template_hash != plan.template_hash:
+            cause = "chat template or tokenizer changed"
+        else:
+            continue
+        out.append(Purged(meta.key.hex(), meta.label, meta.model, cause))
+    return out
 
 
 def warm(
@@ -152,20 +200,37 @@ def warm(
     home: Path,
     progress: Callable[[str], None] | None = None,
     put: Callable[[bytes, bytes, dict], None] | None = None,
+    delete: Callable[[list[bytes]], None] | None = None,
+    purge: bool = True,
 ) -> WarmReport:
-    """Make every pin of `manifest` present in `store`. `put` overrides where new entries go."""
+    """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
+    then prefill the missing. `put` and `delete` override where writes go (e.g. the daemon)."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
     put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
+    delete = delete or store.delete
+    plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
-            plan = plan_model(spec, store, home=home)
+            plans[_ident(spec)] = plan_model(spec, store, home=home)
         except KVStoreError as e:
             for prefix in spec.prefixes:
                 report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))
             log.error("%s", e)
-            continue
+    if purge:
+        report.purged = stale_pins(manifest, store, plans)
+        if report.purged:
+            delete([bytes.fromhex(p.key) for p in report.purged])
+            gone = {p.key for p in report.purged}
+            for plan in plans.values():
+                for pp in plan.pins:
+                    pp.present = pp.present and pp.key.hex() not in gone
+        for p in report.purged:
+            log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
+            say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
+    for plan in plans.values():
+        spec = plan.spec
         missing = [pp for pp in plan.pins if not pp.present]
         for pp in plan.pins:
             if pp.pin.warning:
@@ -188,7 +253,14 @@ def warm(
         try:
             for i, pp in enumerate(missing, 1):
                 t = time.perf_counter()
-                blob, fields = encode_pin(model, plan, pp)
+                try:
+                    blob, fields = encode_pin(model, plan, pp, manifest=manifest.path)
+                except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
+                    msg = f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}"
+                    report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
+                                                 len(pp.pin.tokens), "failed", error=msg))
+                    log.error("%s", msg)
+                    continue
                 put(pp.key, blob, fields)
                 dt = time.perf_counter() - t
                 report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),

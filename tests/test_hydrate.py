@@ -1,0 +1,118 @@
+"""Hydrated KV equals a fresh prefill, array for array, and a prompt extending a pin prefills only
+its suffix with the same logits as a cold run of the same split."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import pytest
+from helpers import TWO_PINS, assert_same_kv, manifest_for
+from mlx_lm import load
+from mlx_lm.models.cache import LRUPromptCache
+
+from client import hydrate
+from kvstore.manifest import load_manifest
+from kvstore.prefill import prefill
+from kvstore.store import Store
+from kvstore.warm import warm
+
+
+def _warm(tmp_path, home, model_path, extra=""):
+    manifest = load_manifest(manifest_for(tmp_path, model_path, TWO_PINS, extra=extra))
+    with Store(home) as store:
+        report = warm(manifest, store, home=home)
+        metas = {m.label: m for m in store.metas()}
+    assert report.warmed == 2 and not report.failed
+    return metas
+
+
+def _prompt(tokenizer, system: str, user: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, kv_bits):
+    if kv_bits and any_model_path.name != "llama":
+        pytest.skip("kv_bits is exercised on the plain-attention model")
+    extra = f"kv_bits = {kv_bits}\nkv_group_size = 32" if kv_bits else ""
+    metas = _warm(tmp_path, kv_home, any_model_path, extra)
+    model, tokenizer = load(str(any_model_path))
+    lru = LRUPromptCache(max_size=10)
+    report = hydrate(lru, "m", any_model_path, home=kv_home, model=model, kv_bits=kv_bits,
+                     kv_group_size=32)
+    assert report.warning is None
+    assert report.entries == 2
+    assert report.tokens == sum(m.ntokens for m in metas.values())
+    assert len(lru) == 2
+
+    for meta in metas.values():
+        tokens = meta.token_ids()
+        fresh = prefill(model, tokens, kv_bits=kv_bits, kv_group_size=32)
+        cache, rest = lru.fetch_nearest_cache("m", tokens)
+        assert rest == []
+        assert_same_kv(cache, fresh)
+        if kv_bits:
+            assert {type(c).__name__ for c in cache} == {"QuantizedKVCache"}
+
+    # a real request continuing the classify pin: only the suffix is prefilled
+    system = load_manifest(tmp_path / "manifest.toml").models[0].prefixes[0].messages[0]["content"]
+    prompt = _prompt(tokenizer, system, "My invoice 2291 was charged twice.")
+    pin = metas["classify"].token_ids()
+    assert prompt[: len(pin)] == pin
+    cache, rest = lru.fetch_nearest_cache("m", prompt)
+    assert len(rest) == len(prompt) - len(pin)
+    hydrated_logits = model(mx.array(rest)[None], cache=cache)
+    cold = prefill(model, pin, kv_bits=kv_bits, kv_group_size=32)
+    cold_logits = model(mx.array(rest)[None], cache=cold)
+    assert mx.array_equal(hydrated_logits, cold_logits).item()
+
+
+def test_hydrate_ignores_other_fingerprints(llama_path, hybrid_path, kv_home, tmp_path):
+    _warm(tmp_path, kv_home, hybrid_path)
+    lru = LRUPromptCache()
+    report = hydrate(lru, "llama", llama_path, home=kv_home)
+    assert report.entries == 0 and len(lru) == 0
+    # kv_bits is part of identity: the plain entries are not the quantized model's
+    _warm(tmp_path, kv_home, llama_path)
+    report = hydrate(lru, "llama", llama_path, home=kv_home, kv_bits=8)
+    assert report.entries == 0 and len(lru) == 0
+
+
+def test_hydrate_never_raises(llama_path, kv_home, tmp_path, caplog):
+    lru = LRUPromptCache()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        report = hydrate(lru, "m", llama_path, home=tmp_path / "missing-home")
+    assert report.entries == 0 and report.warning and "prefilling as usual" in report.warning
+    assert sum("not hydrating" in r.message for r in caplog.records) == 1
+    report = hydrate(lru, "m", tmp_path / "no-such-model", home=kv_home)
+    assert report.entries == 0 and "no-such-model" in report.warning
+
+
+def test_hydrate_reports_lru_overflow(llama_path, kv_home, tmp_path):
+    _warm(tmp_path, kv_home, llama_path)
+    lru = LRUPromptCache(max_size=1)
+    report = hydrate(lru, "m", llama_path, home=kv_home)
+    assert report.entries == 2 and report.dropped == 1
+    assert "max_size" in report.warning
+
+
+def test_hydrated_arrays_survive_store_close_and_rewrite(llama_path, kv_home, tmp_path):
+    """mlx is lazy: hydrated arrays must own their bytes, not point into LMDB pages."""
+    metas = _warm(tmp_path, kv_home, llama_path)
+    model, _ = load(str(llama_path))
+    lru = LRUPromptCache()
+    hydrate(lru, "m", llama_path, home=kv_home, model=model)
+    with Store(kv_home) as store:  # overwrite the blobs' pages with other data
+        store.delete([m.key for m in metas.values()])
+        for i in range(8):
+            store.put(bytes([i]) * 32, bytes(2**20), tokens=b"\0\0\0\0", label="junk")
+    for meta in metas.values():
+        tokens = meta.token_ids()
+        cache, _ = lru.fetch_nearest_cache("m", tokens)
+        assert_same_kv(cache, prefill(model, tokens))

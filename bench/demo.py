@@ -48,14 +48,17 @@ def run_calls(model_path: Path, home: Path) -> int:
     model, tokenizer = load(str(model_path))
     lru = LRUPromptCache(max_size=16)
     report = hydrate(lru, str(model_path), model_path, home=home, model=model)
-    print(f"hydrated {report.entries} entries ({report.tokens} tokens, "
-          f"{report.nbytes / 2**20:.1f} MiB) in {report.seconds * 1000:.1f} ms")
+    print(
+        f"hydrated {report.entries} entries ({report.tokens} tokens, "
+        f"{report.nbytes / 2**20:.1f} MiB) in {report.seconds * 1000:.1f} ms"
+    )
 
     def call(prompt, cache):
         t = time.perf_counter()
         out, prefill_s = [], None
-        for r in stream_generate(model, tokenizer, prompt, max_tokens=MAX_TOKENS,
-                                 prompt_cache=cache):
+        for r in stream_generate(
+            model, tokenizer, prompt, max_tokens=MAX_TOKENS, prompt_cache=cache
+        ):
             if prefill_s is None:
                 prefill_s = time.perf_counter() - t  # time to the first token: the prefill
             out.append(r.token)
@@ -63,10 +66,13 @@ def run_calls(model_path: Path, home: Path) -> int:
 
     rows, ok = [], True
     for name, stage in STAGES.items():
-        messages = [{"role": "system", "content": stage["system"]},
-                    {"role": "user", "content": user_turn(name)}]
-        prompt = tokenizer.apply_chat_template(messages, tools=stage["tools"],
-                                               add_generation_prompt=True)
+        messages = [
+            {"role": "system", "content": stage["system"]},
+            {"role": "user", "content": user_turn(name)},
+        ]
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=stage["tools"], add_generation_prompt=True
+        )
         if hasattr(prompt, "keys"):
             prompt = prompt["input_ids"]
         cold_out, cold_s = call(prompt, make_prompt_cache(model))
@@ -79,17 +85,28 @@ def run_calls(model_path: Path, home: Path) -> int:
         rows.append((name, len(prompt), len(prompt) - len(rest), len(rest), cold_s, warm_s, same))
         mx.clear_cache()
 
-    head = ("stage", "prompt tok", "from store", "prefilled", "prefill s (no store)",
-            "prefill s (hydrated)", "same output")
+    head = (
+        "stage",
+        "prompt tok",
+        "from store",
+        "prefilled",
+        "prefill s (no store)",
+        "prefill s (hydrated)",
+        "same output",
+    )
     print("\n" + " | ".join(head))
     print(" | ".join("-" * len(h) for h in head))
     for name, n, stored, pre, cold, warm, same in rows:
-        print(f"{name:10} | {n:10d} | {stored:10d} | {pre:9d} | {cold:20.4f} | {warm:20.4f} | "
-              f"{'yes' if same else 'NO'}")
+        print(
+            f"{name:10} | {n:10d} | {stored:10d} | {pre:9d} | {cold:20.4f} | {warm:20.4f} | "
+            f"{'yes' if same else 'NO'}"
+        )
     tot_cold, tot_warm = sum(r[4] for r in rows), sum(r[5] for r in rows)
-    print(f"\nprefill total: {tot_cold:.3f}s without the store, {tot_warm:.3f}s hydrated "
-          f"({tot_cold / max(tot_warm, 1e-9):.1f}x); {sum(r[2] for r in rows)} of "
-          f"{sum(r[1] for r in rows)} prompt tokens came from the store")
+    print(
+        f"\nprefill total: {tot_cold:.3f}s without the store, {tot_warm:.3f}s hydrated "
+        f"({tot_cold / max(tot_warm, 1e-9):.1f}x); {sum(r[2] for r in rows)} of "
+        f"{sum(r[1] for r in rows)} prompt tokens came from the store"
+    )
     return 0 if ok else 1
 
 

@@ -52,7 +52,7 @@ def hydrate(
     kv_group_size: int = 64,
     model: Any = None,
 ) -> HydrateReport:
-    """Insert every stored entry valid for this model into `prompt_cache` (an mlx-lm LRUPromptCache).
+    """Insert every stored entry valid for this model into `prompt_cache` (an LRUPromptCache).
 
     `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
     you have it: its cache layout is then read from it instead of being rebuilt from config.json.
@@ -85,9 +85,7 @@ def hydrate(
                 except KeyError:
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
                     continue
-                prompt_cache.insert_cache(
-                    model_key, meta.token_ids(), cache, cache_type="system"
-                )
+                prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
                 report.entries += 1
                 report.tokens += meta.ntokens
                 report.nbytes += meta.nbytes

@@ -1,4 +1,7 @@
-"""The `kvstore` command line (click). User errors exit non-zero with one line naming what was wrong."""
+"""The `kvstore` command line (click).
+
+User errors exit non-zero with one line naming what was wrong.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import click
 
 from kvstore import __version__
 from kvstore.errors import KVStoreError
+from kvstore.eviction import select_for_eviction
 from kvstore.settings import ensure_home, resolve_home
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
@@ -79,14 +83,15 @@ def open_store(home: Path, *, write: bool = False):
 
 
 def resolve_keys(store, texts: tuple[str, ...]) -> list[bytes]:
-    """Full or unique-prefix hex keys to stored keys."""
+    """Full keys, unique prefixes of them, or unique prefixes of the prefix-hash half (what `ls`
+    shows: the first half of every key of one model is the same fingerprint)."""
     all_keys = [k.hex() for k in store.keys()]
     out = []
     for t in texts:
         t = t.lower()
         if not re.fullmatch(r"[0-9a-f]+", t):
             raise click.ClickException(f"key {t!r} is not hex")
-        hits = [k for k in all_keys if k.startswith(t)]
+        hits = [k for k in all_keys if k.startswith(t) or k[32:].startswith(t)]
         if len(hits) != 1:
             what = "no entry" if not hits else f"{len(hits)} entries"
             raise click.ClickException(f"key {t!r} matches {what}; give more hex digits")
@@ -107,8 +112,13 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--manifest", "-m", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Manifest TOML (default: manifest.toml in the home).")
+@click.option(
+    "--manifest",
+    "-m",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Manifest TOML (default: manifest.toml in the home).",
+)
 @home_option
 @user_errors
 def warm(manifest: Path | None, home: Path) -> None:
@@ -134,8 +144,10 @@ def warm(manifest: Path | None, home: Path) -> None:
         click.echo(line)
         if p.warning:
             click.echo(f"warning: {p.warning}", err=True)
-    click.echo(f"{report.warmed} warmed, {len(report.pins) - report.warmed - len(report.failed)} "
-               f"present, {len(report.failed)} failed in {report.seconds:.2f}s")
+    click.echo(
+        f"{report.warmed} warmed, {len(report.pins) - report.warmed - len(report.failed)} "
+        f"present, {len(report.failed)} failed in {report.seconds:.2f}s"
+    )
     if report.failed:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
 
@@ -188,67 +200,28 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
         with open_store(home) as store:
             errors: list = []
             metas = store.metas(errors=errors)
-    metas = [m for m in metas if (model is None or m.model == model)
-             and (label is None or m.label == label)]
+    metas = [
+        m
+        for m in metas
+        if (model is None or m.model == model) and (label is None or m.label == label)
+    ]
     if as_json:
         click.echo(json.dumps([m.to_json() for m in metas], indent=1))
     else:
         previews = _previews(metas)
-        click.echo(f"{'KEY':14} {'LABEL':16} {'TOKENS':>6} {'SIZE':>10} PIN {'HITS':>4} "
-                   f"{'LAST USED':>10}  MODEL / FIRST TOKENS")
+        click.echo(
+            f"{'KEY':14} {'LABEL':16} {'TOKENS':>6} {'SIZE':>10} PIN {'HITS':>4} "
+            f"{'LAST USED':>10}  MODEL / FIRST TOKENS"
+        )
         for m in sorted(metas, key=lambda m: (m.model, m.label)):
-            click.echo(f"{m.key.hex()[:12]:14} {m.label[:16]:16} {m.ntokens:6d} "
-                       f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
-                       f"{_age(m.last_used):>10}  {Path(m.model).name}: {previews[m.key]!r}")
+            click.echo(
+                f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
+                f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
+                f"{_age(m.last_used):>10}  {Path(m.model).name}: {previews[m.key]!r}"
+            )
         click.echo(f"{len(metas)} entries, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
         click.echo(f"warning: {e}", err=True)
-
-
-def _current_fingerprints(metas, home: Path) -> dict[tuple, bytes | None]:
-    from kvstore.identity import FileHashCache, model_fingerprint
-    from kvstore.settings import FILEHASH_NAME
-
-    cache = FileHashCache(home / FILEHASH_NAME)
-    out: dict[tuple, bytes | None] = {}
-    for m in metas:
-        ident = (m.model, m.extra.get("adapter"), m.extra.get("kv_bits"),
-                 m.extra.get("kv_group_size", 64))
-        if ident not in out:
-            try:
-                out[ident] = model_fingerprint(m.model, adapter_path=ident[1], kv_bits=ident[2],
-                                               kv_group_size=ident[3], hash_cache=cache).digest
-            except KVStoreError:
-                out[ident] = None
-    return out
-
-
-def select_for_eviction(metas, *, keys=(), label=None, model=None, unpinned=False, stale=False,
-                        everything=False, to_size=None, home: Path) -> list:
-    """Entries matching every given filter; `to_size` then picks least recently used unpinned ones."""
-    chosen = list(metas)
-    if keys:
-        chosen = [m for m in chosen if m.key in set(keys)]
-    if label is not None:
-        chosen = [m for m in chosen if m.label == label]
-    if model is not None:
-        chosen = [m for m in chosen if m.model == model]
-    if unpinned:
-        chosen = [m for m in chosen if not m.pinned]
-    if stale:
-        current = _current_fingerprints(chosen, home)
-        chosen = [m for m in chosen if current[(m.model, m.extra.get("adapter"),
-                  m.extra.get("kv_bits"), m.extra.get("kv_group_size", 64))] != m.fingerprint]
-    if to_size is not None:
-        total = sum(m.nbytes for m in metas)
-        victims = []
-        for m in sorted((m for m in chosen if not m.pinned), key=lambda m: m.last_used):
-            if total <= to_size:
-                break
-            victims.append(m)
-            total -= m.nbytes
-        chosen = victims
-    return chosen
 
 
 @main.command()
@@ -270,18 +243,28 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
     kvstore evict --unpinned --to-size 2G
     """
     if not (keys or label or model or unpinned or stale or everything or to_size):
-        raise click.UsageError("name what to evict: KEY..., --label, --model, --unpinned, "
-                               "--stale, --to-size or --all")
+        raise click.UsageError(
+            "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
+        )
     size = parse_size(to_size) if to_size else None
     with open_store(home, write=True) as store:
         resolved = resolve_keys(store, keys) if keys else ()
         metas = store.metas(errors=[])
-        victims = select_for_eviction(metas, keys=resolved, label=label, model=model,
-                                      unpinned=unpinned, stale=stale, everything=everything,
-                                      to_size=size, home=home)
+        victims = select_for_eviction(
+            metas,
+            keys=resolved,
+            label=label,
+            model=model,
+            unpinned=unpinned,
+            stale=stale,
+            everything=everything,
+            to_size=size,
+            home=home,
+        )
         n = store.delete(m.key for m in victims)
-    click.echo(f"evicted {n} entr{'y' if n == 1 else 'ies'}, "
-               f"{human_size(sum(m.nbytes for m in victims))}")
+    click.echo(
+        f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(sum(m.nbytes for m in victims))}"
+    )
 
 
 @main.command()
@@ -322,8 +305,11 @@ def verify(repair: bool, home: Path) -> None:
         return
     with open_store(home, write=repair) as store:
         n = len(store.keys())
-        bar = (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total)) \
-            if _tty() else None
+        bar = (
+            (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
+            if _tty()
+            else None
+        )
         problems = store.check(repair=repair, progress=bar)
     for p in problems:
         click.echo(f"bad entry {p.key.hex()}: {p.reason}")
@@ -352,8 +338,12 @@ def export_cmd(key: str, file: Path, home: Path) -> None:
 @main.command(name="import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--model", required=True, help="Model path the cache was made with.")
-@click.option("--tokens", "tokens_file", type=click.Path(exists=True, dir_okay=False,
-              path_type=Path), help="JSON list of the cached token ids.")
+@click.option(
+    "--tokens",
+    "tokens_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSON list of the cached token ids.",
+)
 @click.option("--prompt", default=None, help="The prompt given to mlx_lm.cache_prompt.")
 @click.option("--adapter", default=None, help="LoRA adapter the cache was made with.")
 @click.option("--label", default="imported")
@@ -371,8 +361,17 @@ def import_cmd(file, model, tokens_file, prompt, adapter, label, pin, home: Path
     if (tokens_file is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
     with open_store(home, write=True) as store:
-        meta = import_file(store, file, model=model, tokens_file=tokens_file, prompt=prompt,
-                           adapter=adapter, label=label, pin=pin, home=home)
+        meta = import_file(
+            store,
+            file,
+            model=model,
+            tokens_file=tokens_file,
+            prompt=prompt,
+            adapter=adapter,
+            label=label,
+            pin=pin,
+            home=home,
+        )
     click.echo(f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)})")
 
 
@@ -391,13 +390,26 @@ def fingerprint(model_path, adapter, kv_bits, kv_group_size, as_json, home: Path
 
     t = time.perf_counter()
     cache = FileHashCache(home / FILEHASH_NAME if home.is_dir() else None)
-    fp = model_fingerprint(model_path, adapter_path=adapter, kv_bits=kv_bits,
-                           kv_group_size=kv_group_size, hash_cache=cache)
+    fp = model_fingerprint(
+        model_path,
+        adapter_path=adapter,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        hash_cache=cache,
+    )
     th = template_hash(model_path)
     dt = time.perf_counter() - t
     if as_json:
-        click.echo(json.dumps({"fingerprint": fp.hex, "template_hash": th.hex(),
-                               "layout": [list(x) for x in fp.layout], "seconds": dt}))
+        click.echo(
+            json.dumps(
+                {
+                    "fingerprint": fp.hex,
+                    "template_hash": th.hex(),
+                    "layout": [list(x) for x in fp.layout],
+                    "seconds": dt,
+                }
+            )
+        )
     else:
         click.echo(fp.hex)
 

@@ -6,7 +6,7 @@ class KVStoreError(Exception):
 
 
 class ManifestError(KVStoreError):
-    """A manifest (or a file it references) is malformed; the message names file, model, prefix, field."""
+    """A manifest (or a file it references) is malformed; names file, model, prefix, field."""
 
 
 class CodecError(KVStoreError):

@@ -105,7 +105,7 @@ def hash_file(path: Path) -> bytes:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """A local directory as given, or a hub id resolved from the local hub cache only (never downloads)."""
+    """A local directory as given, or a hub id resolved from the local hub cache (no download)."""
     p = Path(model).expanduser()
     if p.is_dir():
         return p.resolve()
@@ -152,7 +152,7 @@ def describe_cache(c) -> tuple:
 def cache_layout(model_dir: Path, model=None) -> tuple:
     """The per-layer cache layout of a model; without a loaded model, built from config alone.
 
-    mlx arrays are lazy, so instantiating the architecture without evaluating it allocates no weights.
+    mlx arrays are lazy: instantiating the architecture without evaluating it allocates no weights.
     """
     from mlx_lm.models.cache import make_prompt_cache
 

@@ -18,7 +18,7 @@ def prefill(
     kv_group_size: int = 64,
     step: int = PREFILL_STEP,
 ) -> list:
-    """Run `tokens` through `model` into a fresh prompt cache; quantize it as generate(kv_bits=...) would."""
+    """Run `tokens` through `model` into a fresh prompt cache, quantized as generate(kv_bits=)."""
     if not tokens:
         raise ValueError("cannot prefill an empty prefix")
     cache = make_prompt_cache(model)

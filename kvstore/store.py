@@ -2,7 +2,8 @@
 
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
 `_write`, the one place that grows the map; readers recover from MapResizedError. Blob bytes read
-through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their transaction.
+through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
+transaction.
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ class Store:
     def metas(self, fingerprint: bytes = b"", *, errors: list | None = None) -> list[EntryMeta]:
         """Every entry's meta (one model's with `fingerprint`): one range scan, short transaction.
 
-        Unreadable metas are appended to `errors` (as CorruptEntryError) when it is given, else raised.
+        Unreadable metas are appended to `errors` (as CorruptEntryError) if given, else raised.
         """
         raw = self._read(lambda txn: list(self._scan(txn, fingerprint)))
         out = []
@@ -239,14 +240,16 @@ class Store:
         return out
 
     def keys(self) -> list[bytes]:
-        return self._read(lambda txn: [bytes(k) for k in txn.cursor(self._meta).iternext(values=False)])
+        return self._read(
+            lambda txn: [bytes(k) for k in txn.cursor(self._meta).iternext(values=False)]
+        )
 
     def get_meta(self, key: bytes) -> EntryMeta | None:
         raw = self._read(lambda txn: txn.get(key, db=self._meta))
         return None if raw is None else EntryMeta.unpack(key, bytes(raw))
 
     def load(self, key: bytes, tokens: bytes | None = None) -> tuple[EntryMeta, list]:
-        """Meta and decoded cache of one entry. `tokens` (packed) must equal the stored ids when given."""
+        """Meta and decoded cache of one entry; `tokens` (packed), if given, must match."""
 
         def fn(txn):
             raw = txn.get(key, db=self._meta)
@@ -283,7 +286,7 @@ class Store:
     # -- writes -------------------------------------------------------------------------------
 
     def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
-        """Store one entry. An existing entry with the same key and blob keeps its `created` and hits."""
+        """Store one entry; the same key and blob again keeps `created` and hits."""
         if len(key) != KEY_BYTES:
             raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         now = time.time()
@@ -378,13 +381,20 @@ class Store:
 
     # -- administration -----------------------------------------------------------------------
 
-    def check(self, *, repair: bool = False, decode: bool = True,
-              progress: Callable[[int, int], None] | None = None) -> list[CorruptEntryError]:
-        """Verify every entry (meta, blob length, checksum, full decode); `repair` deletes bad ones."""
+    def check(
+        self,
+        *,
+        repair: bool = False,
+        decode: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[CorruptEntryError]:
+        """Verify every entry (meta, length, checksum, full decode); `repair` deletes bad ones."""
         problems: list[CorruptEntryError] = []
         meta_keys = set(self.keys())
         blob_keys = set(
-            self._read(lambda txn: [bytes(k) for k in txn.cursor(self._blob).iternext(values=False)])
+            self._read(
+                lambda txn: [bytes(k) for k in txn.cursor(self._blob).iternext(values=False)]
+            )
         )
         for k in sorted(blob_keys - meta_keys):
             problems.append(CorruptEntryError(k, "blob without meta"))

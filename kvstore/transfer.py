@@ -85,11 +85,17 @@ def import_file(
     quantized = [c for c in cache if type(c).__name__ == "QuantizedKVCache"]
     kv_bits = quantized[0].bits if quantized else None
     group = quantized[0].group_size if quantized else 64
-    fp = model_fingerprint(model_dir, adapter_path=adapter, kv_bits=kv_bits, kv_group_size=group,
-                           hash_cache=FileHashCache(home / FILEHASH_NAME))
+    fp = model_fingerprint(
+        model_dir,
+        adapter_path=adapter,
+        kv_bits=kv_bits,
+        kv_group_size=group,
+        hash_cache=FileHashCache(home / FILEHASH_NAME),
+    )
     # the file's layout, with quantized layers read back as the plain KVCache the model makes
-    got = tuple(("KVCache",) if type(c).__name__ == "QuantizedKVCache" else describe_cache(c)
-                for c in cache)
+    got = tuple(
+        ("KVCache",) if type(c).__name__ == "QuantizedKVCache" else describe_cache(c) for c in cache
+    )
     if got != fp.layout:
         raise KVStoreError(
             f"{file}: cache layout {[g[0] for g in got]} does not match model {model!r} "
@@ -101,8 +107,10 @@ def import_file(
             f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
             "pass the exact prompt (or --tokens) it was made from"
         )
-    metadata = {"model": metadata.get("model", model),
-                "tokenizer_config": metadata.get("tokenizer_config", "{}")}
+    metadata = {
+        "model": metadata.get("model", model),
+        "tokenizer_config": metadata.get("tokenizer_config", "{}"),
+    }
     blob = codec.encode(cache, metadata)
     return store.put(
         entry_key(fp.digest, tokens),

@@ -150,9 +150,13 @@ def encode_pin(
         model=plan.spec.path,
         template_hash=plan.template_hash,
         classes=codec.cache_classes(cache),
-        extra={"adapter": plan.spec.adapter, "kv_bits": plan.spec.kv_bits,
-               "kv_group_size": plan.spec.kv_group_size, "source": "manifest",
-               "manifest": str(manifest) if manifest else None},
+        extra={
+            "adapter": plan.spec.adapter,
+            "kv_bits": plan.spec.kv_bits,
+            "kv_group_size": plan.spec.kv_group_size,
+            "source": "manifest",
+            "manifest": str(manifest) if manifest else None,
+        },
     )
     return blob, fields
 
@@ -163,8 +167,12 @@ def _ident(spec: ModelSpec) -> tuple:
 
 def _meta_ident(meta) -> tuple:
     kv_bits = meta.extra.get("kv_bits")
-    return (meta.model, meta.extra.get("adapter"), kv_bits,
-            meta.extra.get("kv_group_size", 64) if kv_bits else None)
+    return (
+        meta.model,
+        meta.extra.get("adapter"),
+        kv_bits,
+        meta.extra.get("kv_group_size", 64) if kv_bits else None,
+    )
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
@@ -236,8 +244,16 @@ def warm(
             if pp.pin.warning:
                 log.warning("%s", pp.pin.warning)
             if pp.present:
-                report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
-                                             len(pp.pin.tokens), "present", warning=pp.pin.warning))
+                report.pins.append(
+                    PinResult(
+                        spec.path,
+                        pp.pin.name,
+                        pp.key.hex(),
+                        len(pp.pin.tokens),
+                        "present",
+                        warning=pp.pin.warning,
+                    )
+                )
         if not missing:
             continue
         say(f"loading {spec.path} to warm {len(missing)} pin(s)")
@@ -245,8 +261,16 @@ def warm(
             model = load_model(plan)
         except KVStoreError as e:
             for pp in missing:
-                report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
-                                             len(pp.pin.tokens), "failed", error=str(e)))
+                report.pins.append(
+                    PinResult(
+                        spec.path,
+                        pp.pin.name,
+                        pp.key.hex(),
+                        len(pp.pin.tokens),
+                        "failed",
+                        error=str(e),
+                    )
+                )
             log.error("%s", e)
             continue
         report.models_loaded += 1
@@ -257,17 +281,36 @@ def warm(
                     blob, fields = encode_pin(model, plan, pp, manifest=manifest.path)
                 except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
                     msg = f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}"
-                    report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
-                                                 len(pp.pin.tokens), "failed", error=msg))
+                    report.pins.append(
+                        PinResult(
+                            spec.path,
+                            pp.pin.name,
+                            pp.key.hex(),
+                            len(pp.pin.tokens),
+                            "failed",
+                            error=msg,
+                        )
+                    )
                     log.error("%s", msg)
                     continue
                 put(pp.key, blob, fields)
                 dt = time.perf_counter() - t
-                report.pins.append(PinResult(spec.path, pp.pin.name, pp.key.hex(),
-                                             len(pp.pin.tokens), "warmed", dt, len(blob),
-                                             warning=pp.pin.warning))
-                say(f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
-                    f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s")
+                report.pins.append(
+                    PinResult(
+                        spec.path,
+                        pp.pin.name,
+                        pp.key.hex(),
+                        len(pp.pin.tokens),
+                        "warmed",
+                        dt,
+                        len(blob),
+                        warning=pp.pin.warning,
+                    )
+                )
+                say(
+                    f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
+                    f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
+                )
         finally:
             del model
             release_model()

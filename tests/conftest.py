@@ -57,10 +57,7 @@ def kv_home(tmp_path, monkeypatch) -> Path:
 def no_leaked_threads():
     before = set(threading.enumerate())
     yield
-    leaked = [
-        t for t in threading.enumerate()
-        if t not in before and t.is_alive() and not t.daemon
-    ]
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
     assert not leaked, f"test leaked threads: {leaked}"
 
 

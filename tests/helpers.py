@@ -7,20 +7,33 @@ from pathlib import Path
 import mlx.core as mx
 
 
-def manifest_for(tmp: Path, model: Path, prefixes: str, *, extra: str = "") -> Path:
-    path = tmp / "manifest.toml"
+def manifest_for(
+    tmp: Path, model: Path, prefixes: str, *, extra: str = "", name: str = "manifest.toml"
+) -> Path:
+    path = tmp / name
     path.write_text(f'[[model]]\npath = "{model}"\n{extra}\n{prefixes}')
     return path
 
 
-TWO_PINS = """
+CLASSIFY = (
+    "You are the router. Classify the request into one of billing, outage, account or other, "
+    "and answer with JSON only. Quote the words that decided it, keep the reason under twenty "
+    "words, and when the request mentions several topics pick the one the user asks you to act "
+    "on first."
+)
+SYNTHESIZE = (
+    "You are the writer. Turn the approved plan into a short, friendly reply with the next step "
+    "first. Use plain words and short sentences, one idea each, no jargon, and sign as the support "
+    "team; never promise refunds or credits without a human."
+)
+TWO_PINS = f"""
 [[model.prefix]]
 name = "classify"
-messages = [{ role = "system", content = "You are the router. Classify the request into one of billing, outage, account or other, and answer with JSON only. Quote the words that decided it, keep the reason under twenty words, and when the request mentions several topics pick the one the user asks you to act on first." }]
+messages = [{{ role = "system", content = "{CLASSIFY}" }}]
 
 [[model.prefix]]
 name = "synthesize"
-messages = [{ role = "system", content = "You are the writer. Turn the approved plan into a short, friendly reply with the next step first. Use plain words and short sentences, one idea each, no jargon, and sign as the support team; never promise refunds or credits without a human." }]
+messages = [{{ role = "system", content = "{SYNTHESIZE}" }}]
 """
 
 

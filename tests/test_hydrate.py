@@ -44,8 +44,9 @@ def test_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, kv_bits
     metas = _warm(tmp_path, kv_home, any_model_path, extra)
     model, tokenizer = load(str(any_model_path))
     lru = LRUPromptCache(max_size=10)
-    report = hydrate(lru, "m", any_model_path, home=kv_home, model=model, kv_bits=kv_bits,
-                     kv_group_size=32)
+    report = hydrate(
+        lru, "m", any_model_path, home=kv_home, model=model, kv_bits=kv_bits, kv_group_size=32
+    )
     assert report.warning is None
     assert report.entries == 2
     assert report.tokens == sum(m.ntokens for m in metas.values())

@@ -81,7 +81,7 @@ def test_touch_does_not_change_fingerprint_and_cache_is_used(model_copy, tmp_pat
     assert fp(model_copy, hash_cache=FileHashCache(path)) == before
     # a cached identity skips reading: a fake digest in the cache is what gets used
     cache = FileHashCache(path)
-    key = str((model_copy / "model.safetensors"))
+    key = str(model_copy / "model.safetensors")
     cache._data[key][5] = b"\xff" * 16
     assert fp(model_copy, hash_cache=cache) != before
 

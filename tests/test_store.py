@@ -78,8 +78,12 @@ def test_reader_survives_writer_growing_the_map(kv_home):
 
     with Store(kv_home, map_size=2**20) as writer:
         _put(writer, b"\x08" * 16, [0])
-        child = subprocess.Popen([sys.executable, "-c", READER, str(kv_home)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", READER, str(kv_home)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdout.readline().strip() == "1"
         for i in range(1, 10):
             _put(writer, b"\x08" * 16, [i], size=2**20)

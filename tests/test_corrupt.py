@@ -1,0 +1,106 @@
+"""Corrupt blob, corrupt meta, truncated value, disallowed class: verify names them, hydrate
+skips them (and inserts the healthy ones), nothing raises into the app."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from click.testing import CliRunner
+from helpers import TWO_PINS, manifest_for
+from mlx_lm.models.cache import LRUPromptCache
+
+from client import hydrate
+from kvstore.cli import main
+from kvstore.manifest import load_manifest
+from kvstore.store import Store, blob_checksum
+from kvstore.warm import warm
+
+
+@pytest.fixture
+def warmed(llama_path, kv_home, tmp_path):
+    manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
+    with Store(kv_home) as store:
+        warm(manifest, store, home=kv_home)
+        metas = {m.label: m for m in store.metas()}
+    return metas
+
+
+def _raw_put(home, key: bytes, *, meta: bytes | None = None, blob: bytes | None = None):
+    with Store(home) as store, store.env.begin(write=True) as txn:
+        if meta is not None:
+            txn.put(key, meta, db=store._meta)
+        if blob is not None:
+            txn.put(key, blob, db=store._blob)
+
+
+def _with_class_name(blob: bytes, old: str, new: str) -> bytes:
+    """Rewrite a class name in the safetensors header, keeping the blob otherwise valid."""
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"] = {
+        k: (new if v == old else v) for k, v in header["__metadata__"].items()
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw + blob[8 + n :]
+
+
+def _doctor(home, key: bytes, how: str) -> None:
+    with Store(home) as store:
+        meta = store.get_meta(key)
+        blob = store.read_blob(key)
+    if how == "bitflip":
+        b = bytearray(blob)
+        b[len(b) // 2] ^= 0x10
+        _raw_put(home, key, blob=bytes(b))
+    elif how == "meta":
+        _raw_put(home, key, meta=b"\xc1not msgpack")
+    elif how == "truncated":
+        _raw_put(home, key, blob=blob[: len(blob) // 3])
+    elif how == "class":
+        bad = _with_class_name(blob, "KVCache", "Path")
+        meta.nbytes, meta.checksum = len(bad), blob_checksum(bad)
+        _raw_put(home, key, meta=meta.pack(), blob=bad)
+
+
+@pytest.mark.parametrize(
+    "how,reason",
+    [
+        ("bitflip", "checksum"),
+        ("meta", "unreadable meta"),
+        ("truncated", "blob is"),
+        ("class", "not allowed"),
+    ],
+)
+def test_verify_names_and_hydrate_skips(warmed, llama_path, kv_home, how, reason):
+    bad, good = warmed["classify"], warmed["synthesize"]
+    _doctor(kv_home, bad.key, how)
+
+    result = CliRunner().invoke(main, ["verify", "--home", str(kv_home)])
+    assert result.exit_code == 1
+    assert bad.key.hex() in result.output and reason in result.output
+    assert good.key.hex() not in result.output
+
+    lru = LRUPromptCache()
+    report = hydrate(lru, "m", llama_path, home=kv_home)
+    assert report.entries == 1 and report.labels == ["synthesize"]
+    assert report.warning and "verify" in report.warning
+    assert any(bad.key.hex() in s for s in report.skipped)
+
+    # repair deletes only the bad entry; the store then verifies clean
+    result = CliRunner().invoke(main, ["verify", "--repair", "--home", str(kv_home)])
+    assert result.exit_code == 1 and "deleted" in result.output
+    result = CliRunner().invoke(main, ["verify", "--home", str(kv_home)])
+    assert result.exit_code == 0, result.output
+    with Store(kv_home) as store:
+        assert [m.label for m in store.metas()] == ["synthesize"]
+
+
+def test_garbage_store_file_gives_one_warning(llama_path, kv_home):
+    (kv_home / "store").mkdir(parents=True)
+    (kv_home / "store" / "data.mdb").write_bytes(b"\0garbage" * 1000)
+    lru = LRUPromptCache()
+    report = hydrate(lru, "m", llama_path, home=kv_home)
+    assert report.entries == 0 and "prefilling as usual" in report.warning

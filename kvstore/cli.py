@@ -217,7 +217,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
             click.echo(
                 f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
                 f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
-                f"{_age(m.last_used):>10}  {Path(m.model).name}: {previews[m.key]!r}"
+                f"{_age(m.last_used):>10}  {Path(m.model).name}: \"{previews[m.key]}\""
             )
         click.echo(f"{len(metas)} entries, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:

@@ -1,3 +1,5 @@
 """The kvstore daemon: the store's one writer (socket server, warmer, watcher, service files)."""
 
-__all__: list[str] = []
+from daemon.server import Daemon, run
+
+__all__ = ["Daemon", "run"]

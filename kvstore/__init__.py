@@ -12,6 +12,7 @@ from kvstore.errors import (
 )
 from kvstore.identity import Fingerprint, model_fingerprint, template_hash
 from kvstore.keys import entry_key, prefix_hash
+from kvstore.remote import DaemonClient, connect
 from kvstore.store import EntryMeta, Store
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CodecError",
     "CorruptEntryError",
+    "DaemonClient",
     "DaemonError",
     "EntryMeta",
     "Fingerprint",
@@ -28,6 +30,7 @@ __all__ = [
     "ProtocolError",
     "Store",
     "StoreError",
+    "connect",
     "entry_key",
     "model_fingerprint",
     "prefix_hash",

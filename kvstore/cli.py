@@ -18,6 +18,7 @@ import click
 from kvstore import __version__
 from kvstore.errors import KVStoreError
 from kvstore.eviction import select_for_eviction
+from kvstore.remote import RemoteWriter, connect, warm_report
 from kvstore.settings import ensure_home, resolve_home
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
@@ -133,8 +134,14 @@ def warm(manifest: Path | None, home: Path) -> None:
 
     manifest = manifest or home / MANIFEST_NAME
     m = load_manifest(manifest)
-    with open_store(home, write=True) as store:
-        report = do_warm(m, store, home=home, progress=_progress)
+    client = connect(home)
+    if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
+        _progress(f"warming through the daemon for {home}; its log shows the progress")
+        with client:
+            report = warm_report(client.warm(m.path))
+    else:
+        with open_store(home, write=True) as store:
+            report = do_warm(m, store, home=home, progress=_progress)
     for p in report.purged:
         click.echo(f"purged   {p.label:20} {p.key[:12]}  {p.model}: {p.cause}")
     for p in report.pins:
@@ -247,6 +254,23 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
         )
     size = parse_size(to_size) if to_size else None
+    client = connect(home)
+    if client is not None:  # the daemon is the writer: it selects and deletes in one job
+        with client, open_store(home) as store:
+            resolved = resolve_keys(store, keys) if keys else []
+            res = client.request(
+                "evict",
+                keys=list(resolved),
+                label=label,
+                model=model,
+                unpinned=unpinned,
+                stale=stale,
+                all=everything,
+                to_size=size,
+            )
+        n = res["evicted"]
+        click.echo(f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(res['bytes'])}")
+        return
     with open_store(home, write=True) as store:
         resolved = resolve_keys(store, keys) if keys else ()
         metas = store.metas(errors=[])
@@ -360,9 +384,11 @@ def import_cmd(file, model, tokens_file, prompt, adapter, label, pin, home: Path
 
     if (tokens_file is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
-    with open_store(home, write=True) as store:
+    client = connect(home)
+    # With a daemon running, the entry goes through it (it verifies and commits); else directly.
+    with client or open_store(home, write=True) as store:
         meta = import_file(
-            store,
+            RemoteWriter(client) if client is not None else store,
             file,
             model=model,
             tokens_file=tokens_file,

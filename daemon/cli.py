@@ -1,0 +1,46 @@
+"""`kvstore daemon`: registered through the `kvstore.commands` entry point, so the core CLI never
+imports this package. Heavy imports wait until the command runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from kvstore.settings import resolve_home
+
+
+@click.command(name="daemon")
+@click.option(
+    "--manifest",
+    "-m",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Manifest TOML to warm and watch (default: manifest.toml in the home, if any).",
+)
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KVSTORE_HOME",
+    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+def daemon_cmd(manifest: Path | None, home: Path | None, log_level: str) -> None:
+    """Run the store's writer in the foreground (what launchd and systemd run).
+
+    Warms the manifest's missing pins, watches its files, serves the socket; SIGTERM stops it,
+    SIGHUP re-reads the manifest. One daemon per home.
+
+    \b
+    kvstore daemon --manifest pins.toml
+    """
+    from daemon.server import run, setup_logging
+
+    setup_logging(log_level)
+    sys.exit(run(resolve_home(home), manifest=manifest))

@@ -1,0 +1,247 @@
+"""The daemon's socket commands: `cmd_<name>(args, conn)` returns a result or raises.
+
+Reads (ping, stats, ls) use the store directly from the connection's thread; every write is a job
+on the one writer thread, and the handler waits for it. A raised KVStoreError, ValueError or
+TypeError becomes an error reply naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from daemon.ledger import Ledger, validate
+from daemon.lifecycle import peak_rss_bytes, rss_bytes
+from daemon.upkeep import Upkeep
+from daemon.writer import Writer
+from kvstore import codec
+from kvstore.errors import CodecError, KVStoreError
+from kvstore.eviction import select_for_eviction
+from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.manifest import load_manifest
+from kvstore.store import Store, blob_checksum
+
+if TYPE_CHECKING:
+    from daemon.server import Connection
+
+log = logging.getLogger("kvstore.daemon")
+
+_EVICT_FILTERS = ("keys", "label", "model", "unpinned", "stale", "all", "to_size")
+
+
+def _want(
+    args: dict[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    default: Any = None,
+    *,
+    required: bool = False,
+) -> Any:
+    """One argument of a request, type-checked: bad input is an error reply, not a crash."""
+    if name not in args or args[name] is None:
+        if required:
+            raise ValueError(f"argument {name!r} is required")
+        return default
+    value = args[name]
+    if not isinstance(value, kind):
+        raise ValueError(f"argument {name!r} must be {kind}, not {type(value).__name__}")
+    return value
+
+
+class Commands:
+    """Mixed into the Daemon, which provides these attributes."""
+
+    home: Path
+    store: Store
+    writer: Writer
+    upkeep: Upkeep
+    ledger: Ledger
+    settings: dict[str, Any]
+    manifests: list[Path]
+    started: float
+    stopping: threading.Event
+    watcher_mode: Callable[[], str]
+    request_stop: Callable[[str], None]
+    reload: Callable[[str], Future]
+    watch: Callable[[Path], None]
+
+    def write(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the writer thread and wait for it."""
+        return self.writer.submit(name, fn).result()
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def cmd_ping(self, args: dict, conn: Connection) -> dict[str, Any]:
+        return {"pid": os.getpid(), "home": str(self.home), "uptime": time.time() - self.started}
+
+    def cmd_stats(self, args: dict, conn: Connection) -> dict[str, Any]:
+        data = self.store.stats()
+        data["settings"] = dict(self.settings)
+        data["daemon"] = {
+            "pid": os.getpid(),
+            "uptime": time.time() - self.started,
+            "rss": rss_bytes(),
+            "peak_rss": peak_rss_bytes(),
+            "watcher": self.watcher_mode(),
+            "manifests": [str(p) for p in self.manifests],
+            "writing": self.writer.current,
+            "last_warm": self.upkeep.last_warm,
+        }
+        data["ledger"] = self.ledger.stats()
+        return data
+
+    def cmd_ls(self, args: dict, conn: Connection) -> list[dict[str, Any]]:
+        model = _want(args, "model", str)
+        label = _want(args, "label", str)
+        return [
+            m.to_json()
+            for m in self.store.metas(errors=[])
+            if (model is None or m.model == model) and (label is None or m.label == label)
+        ]
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def cmd_put(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """An entry, inline or streamed as `{"data": bytes}` frames; verified before commit."""
+        # A streamed put that fails midway leaves chunk frames unread: close rather than parse them.
+        conn.close_after_reply = args.get("blob") is None
+        key = _want(args, "key", bytes, required=True)
+        fields = dict(_want(args, "fields", dict, required=True))
+        nbytes = _want(args, "nbytes", int, required=True)
+        checksum = _want(args, "checksum", int, required=True)
+        tokens = fields.get("tokens")
+        if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % 4:
+            raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
+        # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
+        if xxhash.xxh3_128(tokens).digest() != key[FINGERPRINT_BYTES:]:
+            raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
+        budget = int(self.settings["max_bytes"])
+        if not 0 < nbytes <= budget:
+            raise ValueError(f"put {key.hex()}: {nbytes} bytes is outside 1..max_bytes={budget}")
+        blob = args.get("blob")
+        if blob is None:
+            blob = conn.receive_stream(nbytes)
+            conn.close_after_reply = False
+        elif not isinstance(blob, bytes):
+            raise ValueError("argument 'blob' must be bytes")
+        if len(blob) != nbytes or blob_checksum(blob) != checksum:
+            raise ValueError(f"put {key.hex()}: blob length or checksum does not match")
+
+        def job():
+            # Decoded here, on the writer (main) thread: see daemon.writer on mlx and threads.
+            try:
+                codec.decode(blob, name=f"put {key.hex()}")
+            except CodecError as e:
+                raise ValueError(str(e)) from None
+            meta = self.store.put(key, blob, **fields)
+            log.info(
+                "put %s %r of %s: %d tokens, %d bytes",
+                key.hex(),
+                meta.label,
+                meta.model,
+                meta.ntokens,
+                meta.nbytes,
+            )
+            self.upkeep.enforce_budget()
+            return meta
+
+        meta = self.write("put", job)
+        return {"key": meta.key, "meta": meta.pack()}
+
+    def cmd_evict(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """The filters of `kvstore evict`; full 32-byte keys (the CLI resolves hex prefixes)."""
+        keys = _want(args, "keys", list, [])
+        if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
+            raise ValueError(f"argument 'keys' must be a list of {KEY_BYTES}-byte keys")
+        if not any(args.get(f) for f in _EVICT_FILTERS):
+            raise ValueError(f"name what to evict: one of {', '.join(_EVICT_FILTERS)}")
+        label, model = _want(args, "label", str), _want(args, "model", str)
+        to_size = _want(args, "to_size", int)
+
+        def job():
+            victims = select_for_eviction(
+                self.store.metas(errors=[]),
+                keys=keys,
+                label=label,
+                model=model,
+                unpinned=bool(args.get("unpinned")),
+                stale=bool(args.get("stale")),
+                everything=bool(args.get("all")),
+                to_size=to_size,
+                home=self.home,
+            )
+            n = self.store.delete(m.key for m in victims)
+            for m in victims:
+                log.info(
+                    "evicted %s %r of %s (%d bytes): requested",
+                    m.key.hex(),
+                    m.label,
+                    m.model,
+                    m.nbytes,
+                )
+            return {
+                "evicted": n,
+                "bytes": sum(m.nbytes for m in victims),
+                "keys": [m.key.hex() for m in victims],
+            }
+
+        return self.write("evict", job)
+
+    def cmd_warm(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """Reconcile one manifest (or, without one, every manifest the daemon watches). A manifest
+        warmed here is watched from then on, so its pins stay true."""
+        given = _want(args, "manifest", str)
+        if given is None:
+            return {"reports": self.reload("warm request").result()}
+        path = Path(given).expanduser().absolute()
+        manifest = load_manifest(path)  # a bad manifest is the caller's error, not a log line
+        self.watch(path)
+        return {
+            "reports": [
+                self.write("warm", lambda: self.upkeep.warm(manifest, cause="warm request"))
+            ]
+        }
+
+    def cmd_touch(self, args: dict, conn: Connection) -> dict[str, Any]:
+        keys = _want(args, "keys", list, required=True)
+        if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
+            raise ValueError(f"argument 'keys' must be a list of {KEY_BYTES}-byte keys")
+        return {"touched": self.write("touch", lambda: self.store.touch(keys))}
+
+    def cmd_record(self, args: dict, conn: Connection) -> dict[str, Any]:
+        records = validate(args.get("records"))
+        return {"recorded": self.write("record", lambda: self.ledger.append(records))}
+
+    # -- process ------------------------------------------------------------------------------
+
+    def cmd_reload(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """Re-read settings and every manifest, and reconcile (what SIGHUP does)."""
+        return {"reports": self.reload("reload request").result()}
+
+    def cmd_shutdown(self, args: dict, conn: Connection) -> dict[str, Any]:
+        self.request_stop("shutdown request")
+        return {"pid": os.getpid()}
+
+    def dispatch(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        cmd, args = msg.get("cmd"), msg.get("args", {})
+        handler = getattr(self, f"cmd_{cmd}", None) if isinstance(cmd, str) else None
+        if handler is None:
+            return {"ok": False, "error": f"unknown command {cmd!r}"}
+        if not isinstance(args, dict):
+            return {"ok": False, "error": f"{cmd}: args must be a map"}
+        try:
+            return {"ok": True, "result": handler(args, conn)}
+        except (KVStoreError, ValueError, TypeError) as e:
+            log.warning("%s: %s", cmd, e)
+            return {"ok": False, "error": f"{cmd}: {e}"}
+        except Exception as e:  # a bug must cost one request, never the daemon
+            log.exception("%s failed", cmd)
+            return {"ok": False, "error": f"{cmd}: internal error: {type(e).__name__}: {e}"}

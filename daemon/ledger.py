@@ -1,0 +1,111 @@
+"""The prefill ledger: per-call stats that clients report, kept for `kvstore stats`.
+
+Records append to one msgpack stream in the home (a crash loses at most a torn tail, which is
+skipped on load); the per model+label summary is rebuilt from it at start and kept in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger("kvstore.daemon")
+
+LEDGER_NAME = "ledger.msgpack"
+FIELDS: dict[str, type | tuple[type, ...]] = {
+    "model": str,
+    "label": str,
+    "prompt_tokens": int,
+    "cached_tokens": int,
+    "prefilled_tokens": int,
+    "prefill_s": (int, float),
+    "decode_s": (int, float),
+}
+OPTIONAL: dict[str, type | tuple[type, ...]] = {"generated_tokens": int, "ts": (int, float)}
+SUMMED = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens", "prefill_s",
+          "decode_s")  # fmt: skip
+MAX_BATCH = 10_000  # records per request
+
+
+def validate(records: Any) -> list[dict[str, Any]]:
+    """A batch as sent by a client; raises ValueError naming the first bad record or field."""
+    if not isinstance(records, list) or len(records) > MAX_BATCH:
+        raise ValueError(f"records must be a list of at most {MAX_BATCH} maps")
+    out = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"record {i} is not a map")
+        for name, kind in FIELDS.items():
+            v = r.get(name)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise ValueError(f"record {i}: field {name!r} missing or not {kind}")
+        rec = {name: r[name] for name in FIELDS}
+        for name, kind in OPTIONAL.items():  # kept when well-typed; anything else is dropped
+            if isinstance(r.get(name), kind) and not isinstance(r[name], bool):
+                rec[name] = r[name]
+        out.append(rec)
+    return out
+
+
+class Ledger:
+    def __init__(self, home: Path):
+        self.path = home / LEDGER_NAME
+        self.summary: dict[tuple[str, str], dict[str, float]] = {}
+        self.records = 0
+        if self.path.is_file():
+            self._load()
+
+    def _load(self) -> None:
+        unpacker = msgpack.Unpacker(raw=False)
+        with open(self.path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                unpacker.feed(chunk)
+                try:
+                    for rec in unpacker:
+                        if isinstance(rec, dict):
+                            self._add(rec)
+                except Exception as e:  # a torn or foreign tail: keep what parsed
+                    log.warning("ledger %s: unreadable tail skipped (%s)", self.path, e)
+                    return
+
+    def _add(self, rec: dict[str, Any]) -> None:
+        try:
+            key = (rec["model"], rec["label"])
+            s = self.summary.setdefault(key, dict.fromkeys(("calls", *SUMMED), 0))
+            s["calls"] += 1
+            for name in SUMMED:
+                s[name] += rec.get(name, 0)
+            self.records += 1
+        except (KeyError, TypeError):
+            pass
+
+    def append(self, records: list[dict[str, Any]]) -> int:
+        """Persist a validated batch (one write, then fsync) and fold it into the summary."""
+        data = b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for r in records:
+            self._add(r)
+        return len(records)
+
+    def stats(self) -> dict[str, Any]:
+        rows = []
+        for (model, label), s in sorted(self.summary.items()):
+            prompt = s["prompt_tokens"]
+            rows.append(
+                {
+                    "model": model,
+                    "label": label,
+                    **s,
+                    "cached_ratio": s["cached_tokens"] / prompt if prompt else 0.0,
+                }
+            )
+        return {"records": self.records, "by_model_label": rows}

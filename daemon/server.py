@@ -1,0 +1,392 @@
+"""`kvstore daemon`: the store's one writer, serving a unix socket in the foreground.
+
+Threads: the main thread accepts connections and handles signals; one thread per connection reads
+frames and answers them; the writer thread runs every store write in order; the watcher thread
+turns file changes into reconcile jobs. Shutdown stops accepting, lets the write in flight finish,
+closes LMDB and removes the socket, well within the 5 s launchd and systemd allow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import signal
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from daemon.commands import Commands
+from daemon.ledger import Ledger
+from daemon.lifecycle import (
+    DaemonRunning,
+    acquire_lock,
+    bind_socket,
+    check_peer,
+    cred_layout,
+    rss_bytes,
+)
+from daemon.upkeep import Upkeep, watched_files
+from daemon.writer import Writer
+from kvstore import protocol
+from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
+from kvstore.store import Store
+
+log = logging.getLogger("kvstore.daemon")
+
+_READS = frozenset({"ping", "stats", "ls"})  # not worth a log line each
+
+
+class Connection:
+    """One client socket and the timeouts that apply to it."""
+
+    def __init__(self, sock: socket.socket, settings: dict[str, Any]):
+        self.sock = sock
+        self.max_bytes = int(settings["max_frame_bytes"])
+        self.header_timeout = float(settings["header_timeout"])
+        self.idle_timeout = float(settings["idle_timeout"])
+        self.close_after_reply = False
+        self.requests = 0
+
+    def next_request(self) -> dict[str, Any] | None:
+        # The first frame must come quickly (a connection that says nothing holds a slot);
+        # later ones may wait idle_timeout. Once a frame starts, all of it within header_timeout.
+        wait = self.header_timeout if self.requests == 0 else self.idle_timeout
+        msg = protocol.recv(
+            self.sock, max_bytes=self.max_bytes, timeout=wait, frame_timeout=self.header_timeout
+        )
+        self.requests += 1
+        return msg
+
+    def receive_stream(self, nbytes: int) -> bytes:
+        """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all."""
+        parts, got = [], 0
+        while got < nbytes:
+            msg = protocol.recv(
+                self.sock,
+                max_bytes=self.max_bytes,
+                timeout=self.idle_timeout,
+                frame_timeout=self.header_timeout,
+            )
+            if msg is None:
+                raise ProtocolError(f"connection closed after {got} of {nbytes} streamed bytes")
+            data = msg.get("data")
+            if not isinstance(data, bytes) or not data or got + len(data) > nbytes:
+                raise ProtocolError("a streamed put frame must hold the next `data` bytes")
+            parts.append(data)
+            got += len(data)
+        return b"".join(parts)
+
+    def reply(self, obj: dict[str, Any]) -> None:
+        self.sock.settimeout(self.idle_timeout)  # a client that never reads cannot pin a thread
+        try:
+            protocol.send(self.sock, obj, max_bytes=self.max_bytes)
+        except ProtocolError as e:  # e.g. an `ls` too large for one frame
+            protocol.send(self.sock, protocol.error(str(e)), max_bytes=self.max_bytes)
+
+
+class Daemon(Commands):
+    def __init__(
+        self,
+        home: Path,
+        *,
+        store: Store,
+        settings: dict[str, Any],
+        manifests: list[Path],
+        listener: socket.socket,
+        socket_path: Path,
+    ):
+        self.home = home
+        self.store = store
+        self.settings = settings
+        self.manifests = manifests
+        self.listener = listener
+        self.socket_path = socket_path
+        self.started = time.time()
+        self.stopping = threading.Event()
+        self.stop_reason = ""
+        self.writer = Writer()
+        self.upkeep = Upkeep(store, home, settings, self.stopping)
+        self.ledger = Ledger(home)
+        self.watcher: Any = None
+        self._watcher_lock = threading.Lock()
+        self._layout = cred_layout()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns_lock = threading.Lock()
+        self._pending: Future | None = None
+        self._pending_lock = threading.Lock()
+        self._hup = False
+        self._wake_r, self._wake_w = socket.socketpair()
+
+    # -- control ------------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        if not self.stopping.is_set():
+            self.stop_reason = reason
+            self.stopping.set()
+        self._wake()
+
+    def reload(self, cause: str, *, settings: bool = True) -> Future:
+        """Queue a reconcile of every manifest; one already queued and not started absorbs this."""
+        if settings:
+            try:
+                self.settings.update(load_settings(self.home))
+            except KVStoreError as e:
+                log.error("reload: %s (keeping the previous settings)", e)
+        with self._pending_lock:
+            pending = self._pending
+            if pending is not None and not pending.running() and not pending.done():
+                return pending
+            self._pending = self.writer.submit(
+                "reconcile", lambda: self.upkeep.reconcile(list(self.manifests), cause=cause)
+            )
+            return self._pending
+
+    def watcher_mode(self) -> str:
+        return getattr(self.watcher, "mode", "off")
+
+    def _on_files_changed(self, changed: set[Path]) -> None:
+        names = ", ".join(sorted(str(p) for p in changed)[:5])
+        log.info("files changed (%s%s): reconciling", names, ", ..." if len(changed) > 5 else "")
+        self.reload(f"files changed: {names}", settings=False)
+
+    def watch(self, manifest: Path) -> None:
+        """Watch one more manifest from now on (a warm request named it). The watcher lists its
+        files only at start and after a change, so it is restarted with the new list."""
+        if manifest in self.manifests:
+            return
+        self.manifests.append(manifest)
+        log.info("now watching manifest %s", manifest)
+        with self._watcher_lock:
+            if self.watcher is not None and not self.stopping.is_set():
+                self.watcher.stop()
+                self._start_watcher()
+
+    def _start_watcher(self) -> None:
+        try:
+            from daemon.watcher import Watcher
+        except ImportError as e:  # pragma: no cover - only while the watcher is being written
+            log.warning("file watching unavailable (%s); SIGHUP or `kvstore warm` re-reads", e)
+            return
+        self.watcher = Watcher(
+            lambda: watched_files(list(self.manifests)),
+            self._on_files_changed,
+            debounce=float(self.settings["debounce"]),
+            poll_interval=float(self.settings["poll_interval"]),
+        )
+        self.watcher.start()
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Accept on a side thread; run write jobs on this (the main) thread until stopped."""
+        self._install_signals()
+        log.info(
+            "serving %s for home %s (pid %d, manifests: %s, rss %.0f MiB)",
+            self.socket_path,
+            self.home,
+            os.getpid(),
+            ", ".join(map(str, self.manifests)) or "none",
+            rss_bytes() / 2**20,
+        )
+        acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
+        acceptor.start()
+        try:
+            if self.manifests:
+                self.reload("boot", settings=False)
+            with self._watcher_lock:
+                self._start_watcher()
+            log.info("watcher mode: %s", self.watcher_mode())
+            self.writer.run(self.stopping)
+        finally:
+            self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
+            acceptor.join()
+            self._shutdown()
+        return 0
+
+    def _install_signals(self) -> None:
+        # Python runs handlers on the main thread, between the writer's jobs' bytecodes or while
+        # it waits for the next job; the in-flight write finishes, a warm stops between pins.
+        def stop(signum: int, frame: object) -> None:
+            self.request_stop(signal.Signals(signum).name)
+
+        def hup(signum: int, frame: object) -> None:
+            self._hup = True
+            self._wake()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGHUP, hup)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    def _accept_loop(self) -> None:
+        """Accepts until stopping; then closes and removes the socket at once, so clients fall
+        back to writing directly while the write in flight finishes."""
+        interval = float(self.settings["reader_check_interval"])
+        next_check = time.monotonic() + interval
+        self.listener.setblocking(False)
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.listener, selectors.EVENT_READ)
+                sel.register(self._wake_r, selectors.EVENT_READ)
+                while not self.stopping.is_set():
+                    for key, _ in sel.select(timeout=max(0.0, next_check - time.monotonic())):
+                        if key.fileobj is self.listener:
+                            self._accept()
+                        else:
+                            self._wake_r.recv(4096)
+                    if self._hup:
+                        self._hup = False
+                        log.info("SIGHUP: re-reading settings and manifests")
+                        self.reload("SIGHUP")
+                    if time.monotonic() >= next_check:
+                        if n := self.store.reader_check():
+                            log.info("reader_check: cleared %d stale reader slot(s)", n)
+                        next_check = time.monotonic() + interval
+        except Exception:  # a bug here must still stop the daemon cleanly, not hang it
+            log.exception("accept loop failed")
+            self.request_stop("error")
+        finally:
+            self.listener.close()
+            try:
+                self.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+            log.info("stopping (%s): socket closed and removed", self.stop_reason)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(True)
+        if not check_peer(sock, self._layout):  # before reading a single byte
+            log.warning("refused a connection from another user")
+            sock.close()
+            return
+        cap = int(self.settings["max_connections"])
+        with self._conns_lock:
+            full = len(self._conns) >= cap
+            if not full:
+                t = threading.Thread(
+                    target=self._serve_conn, args=(sock,), daemon=True, name="kvstore-conn"
+                )
+                self._conns[sock] = t
+        if full:
+            log.warning("refused a connection: %d open, the cap is max_connections=%d", cap, cap)
+            try:
+                sock.settimeout(1.0)
+                protocol.send(sock, protocol.error(f"too many connections (max_connections={cap})"))
+            except OSError:
+                pass
+            sock.close()
+            return
+        t.start()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        conn = Connection(sock, self.settings)
+        try:
+            while not self.stopping.is_set():
+                try:
+                    msg = conn.next_request()
+                except ProtocolError as e:
+                    log.warning("connection closed: %s", e)
+                    try:  # the stream is out of step now: say why, then hang up
+                        sock.settimeout(1.0)
+                        protocol.send(sock, protocol.error(str(e)))
+                    except OSError:
+                        pass
+                    return
+                if msg is None:
+                    return
+                if msg.get("cmd") not in _READS:
+                    log.info("request %s", msg.get("cmd"))
+                conn.reply(self.dispatch(msg, conn))
+                if conn.close_after_reply:
+                    return
+        except OSError:
+            return  # the client went away mid-reply
+        finally:
+            sock.close()
+            with self._conns_lock:
+                self._conns.pop(sock, None)
+
+    def _shutdown(self) -> None:
+        """After the writer returned and the socket is gone: watcher, connections, LMDB."""
+        deadline = time.monotonic() + 1.0
+        with self._watcher_lock:
+            if self.watcher is not None:
+                self.watcher.stop()
+        with self._conns_lock:
+            conns = dict(self._conns)
+        for sock in conns:  # wakes threads blocked waiting for a client's next frame
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in conns.values():
+            t.join(max(0.0, deadline - time.monotonic()))
+        self.store.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        log.info("stopped")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One line per event on stderr: launchd and journald keep it."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s kvstore-daemon[%(process)d] %(levelname)s %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def run(home: Path, *, manifest: Path | None = None) -> int:
+    """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. Exit status."""
+    home = ensure_home(home.expanduser().absolute())
+    try:
+        lock_fd = acquire_lock(home)  # before anything else touches the home
+    except DaemonRunning as e:
+        log.error("%s", e)
+        return 1
+    try:
+        if manifest is not None:
+            manifest = manifest.expanduser().absolute()
+            if not manifest.is_file():
+                log.error("%s: manifest file not found", manifest)
+                return 1
+            manifests = [manifest]
+        else:
+            default = home / MANIFEST_NAME
+            manifests = [default] if default.is_file() else []
+        settings = load_settings(home)
+        store = Store(home)  # opening it runs reader_check
+        try:
+            listener, path = bind_socket(home, backlog=int(settings["max_connections"]))
+        except KVStoreError:
+            store.close()
+            raise
+        return Daemon(
+            home,
+            store=store,
+            settings=settings,
+            manifests=manifests,
+            listener=listener,
+            socket_path=path,
+        ).serve()
+    except KVStoreError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        os.close(lock_fd)

@@ -1,0 +1,200 @@
+"""Keeping the store true: reconcile manifests (warm) and hold the byte budget.
+
+Everything here runs on the writer thread. The warm itself is kvstore.warm.warm: it purges stale
+pins, loads a model only when a pin is missing, and releases it afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from daemon.lifecycle import peak_rss_bytes, rss_bytes, trim_heap
+from kvstore.errors import KVStoreError
+from kvstore.eviction import select_for_eviction
+from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
+from kvstore.manifest import Manifest, load_manifest, manifest_files
+from kvstore.store import Store
+from kvstore.warm import WarmReport, warm
+
+log = logging.getLogger("kvstore.daemon")
+
+
+class WarmCancelled(KVStoreError):
+    """The daemon is stopping: the warm stopped between pins (those done are kept)."""
+
+
+class RssSampler:
+    """Peak resident memory while a block runs, sampled on a side thread (ru_maxrss only knows
+    the lifetime peak, which says nothing about a second warm)."""
+
+    def __init__(self, interval: float = 0.05 if sys.platform.startswith("linux") else 0.5):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvstore-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self) -> RssSampler:
+        self.before = rss_bytes()
+        self._maxrss_before = peak_rss_bytes()
+        self.peak = self.before
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        maxrss = peak_rss_bytes()
+        if maxrss > self._maxrss_before:  # a new lifetime peak: it happened inside this block
+            self.peak = max(self.peak, maxrss)
+        self.after = rss_bytes()
+        self.peak = max(self.peak, self.after)
+
+
+def watched_files(manifest_paths: list[Path]) -> list[Path]:
+    """What the watcher re-hashes: each manifest and the files it references, and each model's
+    config, weights, tokenizer and chat-template files and adapter files."""
+    out: list[Path] = []
+    for path in manifest_paths:
+        out.append(path)
+        try:
+            m = load_manifest(path)
+        except KVStoreError:
+            continue  # mid-edit or gone: the manifest itself stays watched
+        out.extend(manifest_files(m))
+        for spec in m.models:
+            try:
+                model_dir = resolve_model_path(spec.path)
+            except KVStoreError:
+                continue
+            out.extend(p for g in WEIGHT_GLOBS for p in sorted(model_dir.glob(g)))
+            # Template files that do not exist yet are watched too: adding one changes the template.
+            out.extend(model_dir / name for name in TEMPLATE_FILES)
+            if spec.adapter:
+                adir = Path(spec.adapter).expanduser()
+                out.extend(p for g in ADAPTER_GLOBS for p in sorted(adir.glob(g)))
+    return list(dict.fromkeys(out))
+
+
+def report_dict(report: WarmReport, manifest: Manifest) -> dict[str, Any]:
+    d = asdict(report)
+    d.update(manifest=str(manifest.path), warmed=report.warmed, failed=len(report.failed))
+    return d
+
+
+class Upkeep:
+    """The warm/reconcile and budget jobs; owned by the daemon, run on its writer thread."""
+
+    def __init__(
+        self, store: Store, home: Path, settings: dict[str, Any], stopping: threading.Event
+    ):
+        self.store = store
+        self.home = home
+        self.settings = settings
+        self.stopping = stopping
+        self.last_warm: dict[str, Any] | None = None
+        self._pins_over_budget = False
+
+    def _progress(self, msg: str) -> None:
+        if self.stopping.is_set():
+            raise WarmCancelled("the daemon is stopping; the warm stopped between pins")
+        if not msg.startswith("purged pin"):  # kvstore.warm logs purges itself
+            log.info("warm: %s", msg)
+
+    def warm(self, manifest: Manifest, *, cause: str) -> dict[str, Any]:
+        log.info("warm %s (%s)", manifest.path, cause)
+        with RssSampler() as rss:
+            report = warm(manifest, self.store, home=self.home, progress=self._progress, purge=True)
+            if report.models_loaded:
+                trim_heap()  # kvstore.warm released the model; hand its freed pages back too
+        present = sum(p.status == "present" for p in report.pins)
+        log.info(
+            "warm %s done in %.2fs: %d warmed, %d present, %d failed, %d purged, %d model(s) "
+            "loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
+            manifest.path,
+            report.seconds,
+            report.warmed,
+            present,
+            len(report.failed),
+            len(report.purged),
+            report.models_loaded,
+            rss.before / 2**20,
+            rss.peak / 2**20,
+            rss.after / 2**20,
+        )
+        for p in report.failed:
+            log.error("warm: pin %r of %s failed: %s", p.name, p.model, p.error)
+        self.last_warm = {
+            "at": time.time(),
+            "manifest": str(manifest.path),
+            "cause": cause,
+            "seconds": report.seconds,
+            "warmed": report.warmed,
+            "present": present,
+            "failed": len(report.failed),
+            "purged": len(report.purged),
+            "models_loaded": report.models_loaded,
+            "rss_before": rss.before,
+            "rss_peak": rss.peak,
+            "rss_after": rss.after,
+        }
+        self.enforce_budget()
+        return report_dict(report, manifest)
+
+    def reconcile(self, manifest_paths: list[Path], *, cause: str) -> list[dict[str, Any]]:
+        """Warm every manifest; one that does not load is logged and its pins are left alone."""
+        reports = []
+        for path in manifest_paths:
+            try:
+                manifest = load_manifest(path)
+            except KVStoreError as e:
+                log.error("reconcile: %s (its pins are kept until it loads again)", e)
+                continue
+            try:
+                reports.append(self.warm(manifest, cause=cause))
+            except WarmCancelled:
+                log.info("warm of %s cancelled: the daemon is stopping", path)
+                break
+        return reports
+
+    def enforce_budget(self) -> list[str]:
+        """Evict least recently used unpinned entries until the store is under max_bytes."""
+        budget = int(self.settings["max_bytes"])
+        metas = self.store.metas(errors=[])
+        total = sum(m.nbytes for m in metas)
+        evicted: list[str] = []
+        if total > budget:
+            victims = select_for_eviction(metas, to_size=budget, home=self.home)
+            if victims:
+                self.store.delete(m.key for m in victims)
+            for m in victims:
+                evicted.append(m.key.hex())
+                log.info(
+                    "evicted %s %r of %s (%d bytes, last used %s): over the budget max_bytes=%d",
+                    m.key.hex(),
+                    m.label,
+                    m.model,
+                    m.nbytes,
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.last_used)),
+                    budget,
+                )
+        pinned = sum(m.nbytes for m in metas if m.pinned)
+        over = pinned > budget
+        if over and not self._pins_over_budget:
+            log.warning(
+                "pins alone hold %d bytes, over the budget max_bytes=%d: pins are never "
+                "evicted automatically; raise max_bytes or pin less",
+                pinned,
+                budget,
+            )
+        self._pins_over_budget = over
+        return evicted

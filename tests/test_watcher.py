@@ -1,0 +1,192 @@
+"""The file watcher: real files, a real observer, short debounce windows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from watchdog.observers import Observer
+
+from daemon.watcher import Watcher, file_digest
+
+DEBOUNCE = 0.2
+QUIET = DEBOUNCE * 4  # long enough that a second call would have arrived
+
+
+class Calls:
+    """What on_change received, with a way to wait for the next call."""
+
+    def __init__(self) -> None:
+        self.calls: list[set[Path]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, changed: set[Path]) -> None:
+        with self._cond:
+            self.calls.append(changed)
+            self._cond.notify_all()
+
+    def wait(self, n: int = 1, timeout: float = 5.0) -> list[set[Path]]:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.calls) >= n, timeout)
+        time.sleep(QUIET)
+        return self.calls
+
+
+def _start(paths, calls, **kw) -> Watcher:
+    w = Watcher(paths, calls, debounce=DEBOUNCE, **kw)
+    w.start()
+    return w
+
+
+def _save_by_rename(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.swp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@pytest.fixture
+def prompt(tmp_path) -> Path:
+    p = tmp_path / "prompts" / "system.md"
+    p.parent.mkdir()
+    p.write_text("You are the router.")
+    return p
+
+
+def test_atomic_save_by_rename_gives_one_call(prompt):
+    calls = Calls()
+    w = _start(lambda: [prompt], calls)
+    try:
+        assert w.mode == "watchdog"
+        assert w.directories == {prompt.parent}
+        _save_by_rename(prompt, "You are the new router.")
+        assert calls.wait() == [{prompt}]
+    finally:
+        w.stop()
+
+
+def test_burst_of_edits_is_debounced(prompt):
+    calls = Calls()
+    w = _start(lambda: [prompt], calls)
+    try:
+        for i in range(50):
+            prompt.write_text(f"edit {i}")
+        got = calls.wait()
+        assert 1 <= len(got) <= 2
+        assert all(c == {prompt} for c in got)
+    finally:
+        w.stop()
+
+
+def test_touch_without_content_change_gives_no_call(prompt):
+    calls = Calls()
+    w = _start(lambda: [prompt], calls)
+    try:
+        os.utime(prompt, ns=(1, 1))
+        prompt.write_text(prompt.read_text())  # rewritten with the same bytes
+        assert calls.wait(timeout=DEBOUNCE * 3) == []
+    finally:
+        w.stop()
+
+
+def test_deleting_a_watched_file_is_a_change(prompt, tmp_path):
+    other = tmp_path / "tools.json"
+    other.write_text("[]")
+    calls = Calls()
+    w = _start(lambda: [prompt, other], calls)
+    try:
+        prompt.unlink()
+        assert calls.wait() == [{prompt}]
+    finally:
+        w.stop()
+
+
+def test_newly_referenced_file_gets_watched(prompt, tmp_path):
+    # The manifest names the extra file only after its first edit, as a real manifest would.
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text("v1")
+    extra = tmp_path / "late" / "tools.json"  # its directory does not exist yet either
+
+    def paths() -> list[Path]:
+        return [manifest, extra] if manifest.read_text() == "v2" else [manifest]
+
+    calls = Calls()
+    w = _start(paths, calls)
+    try:
+        assert w.watched == {manifest}
+        _save_by_rename(manifest, "v2")
+        assert calls.wait() == [{manifest}]
+        assert w.watched == {manifest, extra}
+        extra.parent.mkdir()
+        extra.write_text('[{"name": "search"}]')
+        assert calls.wait(2) == [{manifest}, {extra}]
+        assert extra.parent in w.directories
+    finally:
+        w.stop()
+
+
+def test_observer_start_failure_falls_back_to_polling(prompt, caplog):
+    calls = Calls()
+    limit = OSError(28, "inotify watch limit reached")
+    with (
+        mock.patch.object(Observer, "start", side_effect=limit),
+        caplog.at_level(logging.WARNING, logger="kvstore.daemon"),
+    ):
+        w = _start(lambda: [prompt], calls, poll_interval=0.1)
+    try:
+        assert w.mode == "polling"
+        assert w.directories == frozenset()
+        assert "inotify watch limit reached" in caplog.text
+        assert "re-hashing" in caplog.text
+        prompt.write_text("changed while polling")
+        assert calls.wait() == [{prompt}]
+    finally:
+        w.stop()
+
+
+def test_on_change_errors_are_logged_and_watching_goes_on(prompt, caplog):
+    seen = Calls()
+
+    def flaky(changed: set[Path]) -> None:
+        seen(changed)
+        if len(seen.calls) == 1:
+            raise RuntimeError("warm failed")
+
+    w = _start(lambda: [prompt], flaky)
+    try:
+        prompt.write_text("one")
+        seen.wait()
+        prompt.write_text("two")
+        assert seen.wait(2) == [{prompt}, {prompt}]
+        assert w.is_alive()
+        assert "warm failed" in caplog.text
+    finally:
+        w.stop()
+
+
+def test_stop_joins_every_thread_and_is_idempotent(prompt):
+    before = set(threading.enumerate())
+    w = _start(lambda: [prompt], Calls())
+    assert w.is_alive() and not w.daemon
+    w.stop()
+    w.stop()
+    assert not w.is_alive()
+    # The observer's threads are daemon threads the leak fixture would not see: check them here.
+    assert set(threading.enumerate()) <= before
+    Watcher(lambda: [prompt], Calls()).stop()  # stopping one never started is harmless
+
+
+def test_big_safetensors_compared_by_stat_identity(tmp_path):
+    big = tmp_path / "model.safetensors"
+    with open(big, "wb") as f:
+        f.truncate(64 * 2**20)
+    with mock.patch("daemon.watcher.hash_file") as hash_file:
+        first = file_digest(big)
+        hash_file.assert_not_called()
+    os.utime(big, ns=(1, 1))
+    assert file_digest(big) != first
+    assert file_digest(tmp_path / "missing.safetensors") is None

@@ -1,0 +1,350 @@
+"""`kvstore analyze`: how much of each stage's prompts a prefix cache can serve, and what would.
+
+For every stage of a capture: the prefix all its calls share (in tokens with --model, and in
+bytes), where the first dynamic block starts, and the cacheable share after a static-first
+reordering: lines identical in every call stay in their messages, in order, and the lines that
+vary move into one trailing user turn. The reordered prompts are rendered and measured the same
+way, so the figure is what a cache would see, template quirks included.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvstore.errors import KVStoreError
+
+CONTEXT = 30  # characters of stable text shown before the first dynamic block
+DYNAMIC = 50  # at most this many characters of the dynamic block (it ends at a line end)
+
+
+class CaptureError(KVStoreError):
+    """A capture file cannot be read."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    stage: str
+    line: int
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
+    tools: tuple[dict, ...] | None = None
+
+
+@dataclass
+class StageReport:
+    stage: str
+    calls: int
+    unit: str  # "tokens" with a model, else "bytes": the unit of reorder_share
+    mean_bytes: float
+    stable_bytes: int
+    byte_share: float
+    mean_tokens: float | None
+    stable_tokens: int | None
+    token_share: float | None
+    first_dynamic_byte: int | None  # None: every call is the same prompt
+    first_dynamic_token: int | None
+    context_before: str
+    dynamic: str  # the first call's text from the first divergence to its line's end
+    reorder_share: float
+    static_lines: int  # lines of the first call that are the same in every call
+    lines: int
+
+    @property
+    def snippet(self) -> str:
+        if self.first_dynamic_byte is None:
+            return "(no dynamic block: every call is the same prompt)"
+        return f"...{_show(self.context_before)}[[{_show(self.dynamic)}]]"
+
+
+def load_capture(path: str | Path) -> list[Capture]:
+    """Read JSONL lines of {"stage", and "text" or "messages" (+ "tools")}."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CaptureError(f"{path}: cannot read the capture: {e}") from None
+    out = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CaptureError(f"{path}:{n}: not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise CaptureError(f"{path}:{n}: each line must be a JSON object")
+        text, messages, tools = obj.get("text"), obj.get("messages"), obj.get("tools")
+        if isinstance(text, str) == isinstance(messages, list):
+            raise CaptureError(f'{path}:{n}: give either "text" (a string) or "messages"')
+        if messages is not None and not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+        ):
+            raise CaptureError(
+                f"{path}:{n}: messages must be {{role, content}} objects with string content"
+            )
+        out.append(
+            Capture(
+                str(obj.get("stage", "(none)")),
+                n,
+                text,
+                tuple(messages) if messages is not None else None,
+                tuple(tools) if isinstance(tools, list) else None,
+            )
+        )
+    if not out:
+        raise CaptureError(f"{path}: no captured prompts")
+    return out
+
+
+class Renderer:
+    """Turns a prompt into the text (and tokens) a server would feed the model."""
+
+    def __init__(self, tokenizer: Any = None):
+        self.tokenizer = tokenizer
+
+    def text(self, messages: Sequence[dict] | None, tools: Any, text: str | None) -> str:
+        if text is not None:
+            return text
+        if self.tokenizer is None:
+            return _generic_chat(messages or (), tools)
+        return self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages or ()],
+            tools=list(tools) if tools else None,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+
+    def tokens(self, rendered: str, *, raw_text: bool) -> list[int] | None:
+        if self.tokenizer is None:
+            return None
+        # As mlx_lm.server: chat renderings carry their own special tokens; raw text gets BOS.
+        ids = self.tokenizer.encode(rendered, add_special_tokens=raw_text)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _generic_chat(messages: Sequence[dict], tools: Any) -> str:
+    """A template-free rendering for byte-level stats: tools follow the system turn, as most
+    chat templates place them."""
+    parts = [f"<|{m.get('role', '')}|>\n{m['content']}\n" for m in messages]
+    if tools:
+        at = 1 if messages and messages[0].get("role") == "system" else 0
+        parts.insert(at, "<|tools|>\n" + json.dumps(list(tools), sort_keys=True) + "\n")
+    return "".join(parts) + "<|assistant|>\n"
+
+
+def common_prefix(seqs: Sequence[Sequence]) -> int:
+    n = 0
+    for column in zip(*seqs, strict=False):
+        if any(x != column[0] for x in column[1:]):
+            break
+        n += 1
+    return n
+
+
+def _static_lines(groups: list[list[str]]) -> list[str]:
+    """Lines of the first group present in every group (multiset), in the first group's order."""
+    budget = Counter(groups[0])
+    for g in groups[1:]:
+        budget &= Counter(g)
+    out = []
+    for line in groups[0]:
+        if budget[line] > 0:
+            budget[line] -= 1
+            out.append(line)
+    return out
+
+
+def _without(lines: list[str], static: list[str]) -> list[str]:
+    budget = Counter(static)
+    out = []
+    for line in lines:
+        if budget[line] > 0:
+            budget[line] -= 1
+        else:
+            out.append(line)
+    return out
+
+
+def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
+    """The calls reordered static-first; also (static lines, lines) of the first call."""
+    if any(c.messages is None for c in calls):
+        groups = [(c.text or "").splitlines(keepends=True) for c in calls]
+        static = _static_lines(groups)
+        out = [
+            Capture(c.stage, c.line, text="".join(static + _without(g, static)))
+            for c, g in zip(calls, groups)
+        ]
+        return out, len(static), len(groups[0])
+    # Messages align by position while every call has the same role there.
+    aligned = 0
+    for column in zip(*(c.messages for c in calls), strict=False):
+        if any(m.get("role") != column[0].get("role") for m in column):
+            break
+        aligned += 1
+    statics = [
+        _static_lines([c.messages[i]["content"].splitlines(keepends=True) for c in calls])
+        for i in range(aligned)
+    ]
+    out = []
+    for c in calls:
+        head, moved = [], []
+        for i, m in enumerate(c.messages):
+            lines = m["content"].splitlines(keepends=True)
+            static = statics[i] if i < aligned else []
+            if static:
+                head.append({"role": m.get("role"), "content": "".join(static)})
+            moved += _without(lines, static)
+        if moved:
+            head.append({"role": "user", "content": "".join(moved)})
+        out.append(Capture(c.stage, c.line, messages=tuple(head), tools=c.tools))
+    n_lines = sum(len(m["content"].splitlines()) for m in calls[0].messages)
+    return out, sum(len(s) for s in statics), n_lines
+
+
+def _measure(renderer: Renderer, calls: list[Capture]) -> tuple[list[str], list | None]:
+    texts = [renderer.text(c.messages, c.tools, c.text) for c in calls]
+    if renderer.tokenizer is None:
+        return texts, None
+    return texts, [renderer.tokens(t, raw_text=c.text is not None) for t, c in zip(texts, calls)]
+
+
+def _share(stable: int, lengths: Sequence[int]) -> float:
+    mean = sum(lengths) / len(lengths)
+    return stable / mean if mean else 1.0
+
+
+def analyze_stage(stage: str, calls: list[Capture], renderer: Renderer) -> StageReport:
+    texts, tokens = _measure(renderer, calls)
+    nbytes = [len(t.encode()) for t in texts]
+    chars = common_prefix(texts)
+    # Stable bytes end at a character boundary: a split multi-byte character is not stable.
+    stable_bytes = len(texts[0][:chars].encode())
+    same = len(set(texts)) == 1
+    first = texts[0]
+    line_end = first.find("\n", chars)
+    dyn_end = min(len(first), chars + DYNAMIC, line_end if line_end >= 0 else len(first))
+    if dyn_end == chars:  # the dynamic block starts with a line break: show the next line
+        dyn_end = min(len(first), chars + DYNAMIC)
+    stable_tokens = common_prefix(tokens) if tokens else None
+    reordered, n_static, n_lines = static_first(calls)
+    r_texts, r_tokens = _measure(renderer, reordered)
+    if r_tokens is not None:
+        reorder = _share(common_prefix(r_tokens), [len(t) for t in r_tokens])
+    else:
+        reorder = _share(
+            len(r_texts[0][: common_prefix(r_texts)].encode()), [len(t.encode()) for t in r_texts]
+        )
+    return StageReport(
+        stage=stage,
+        calls=len(calls),
+        unit="tokens" if tokens else "bytes",
+        mean_bytes=sum(nbytes) / len(nbytes),
+        stable_bytes=stable_bytes,
+        byte_share=_share(stable_bytes, nbytes),
+        mean_tokens=sum(map(len, tokens)) / len(tokens) if tokens else None,
+        stable_tokens=stable_tokens,
+        token_share=_share(stable_tokens, [len(t) for t in tokens]) if tokens else None,
+        first_dynamic_byte=None if same else stable_bytes,
+        first_dynamic_token=None if same or not tokens else stable_tokens,
+        context_before="" if same else first[max(0, chars - CONTEXT) : chars],
+        dynamic="" if same else first[chars:dyn_end],
+        # Prompts already static-first may render a hair differently reordered; never report less.
+        reorder_share=max(
+            reorder,
+            _share(stable_tokens, [len(t) for t in tokens])
+            if tokens
+            else _share(stable_bytes, nbytes),
+        ),
+        static_lines=n_static,
+        lines=n_lines,
+    )
+
+
+def analyze(captures: list[Capture], *, tokenizer: Any = None) -> list[StageReport]:
+    """One report per stage, in order of first appearance."""
+    stages: dict[str, list[Capture]] = {}
+    for c in captures:
+        stages.setdefault(c.stage, []).append(c)
+    renderer = Renderer(tokenizer)
+    return [analyze_stage(name, calls, renderer) for name, calls in stages.items()]
+
+
+def _show(text: str) -> str:
+    return text.replace("\n", "\\n")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def format_table(reports: list[StageReport]) -> str:
+    rows = [
+        f"{'stage':20} {'calls':>5} {'stable tok':>10} {'stable B':>9} "
+        f"{'1st dynamic @tok/B':>19} {'static-first':>12}"
+    ]
+    for r in reports:
+        at = (
+            "-"
+            if r.first_dynamic_byte is None
+            else (
+                f"{'-' if r.first_dynamic_token is None else r.first_dynamic_token}/"
+                f"{r.first_dynamic_byte}"
+            )
+        )
+        rows.append(
+            f"{r.stage[:20]:20} {r.calls:5d} {_pct(r.token_share):>10} "
+            f"{_pct(r.byte_share):>9} {at:>19} {_pct(r.reorder_share):>12}"
+        )
+        rows.append(f"  first dynamic block: {r.snippet}")
+        if r.calls == 1:
+            rows.append("  (one call: nothing to compare; capture more calls of this stage)")
+        else:
+            rows.append(
+                f"  {r.static_lines} of {r.lines} lines are the same in every call; "
+                f"static-first ({r.unit}) moves the rest into a trailing user turn"
+            )
+    return "\n".join(rows)
+
+
+@click.command(name="analyze", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("captured", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Render with this model's chat template and count tokens (else bytes only).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+def analyze_cmd(captured: Path, model: str | None, as_json: bool) -> None:
+    """Show how much of each stage's prompts a prefix cache can serve.
+
+    CAPTURED is JSONL: one {"stage": ..., "messages": [...], "tools"?} or {"stage", "text"} per
+    call. Per stage: the share of the prompt common to every call, where the first dynamic
+    block starts (with a snippet), and the share a static-first reordering would make cacheable.
+
+    \b
+    kvstore analyze captured.jsonl --model ./Qwen3.5-9B-8bit
+    """
+    try:
+        captures = load_capture(captured)
+        tokenizer = None
+        if model is not None:
+            from mlx_lm.utils import load_tokenizer
+
+            from kvstore.identity import resolve_model_path
+
+            tokenizer = load_tokenizer(resolve_model_path(model))
+        reports = analyze(captures, tokenizer=tokenizer)
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps([asdict(r) | {"snippet": r.snippet} for r in reports], indent=2))
+    else:
+        click.echo(format_table(reports))

@@ -1,0 +1,343 @@
+"""`kvstore serve`: mlx-lm's own OpenAI-compatible server, with the persistent prompt cache.
+
+The server runs in-process, unchanged, with two of its module globals replaced for the duration
+of `serve()` by thin subclasses:
+
+- `mlx_lm.server.ModelProvider` -> hydrates the store's entries for a model right after
+  `ModelProvider._load` loaded it, under the key the server uses (`ModelProvider.model_key`,
+  the tuple (model_path, adapter_path, draft_model_path)).
+- `mlx_lm.server.LRUPromptCache` -> the instance `mlx_lm.server.run` builds is the one hydrated;
+  with --persist-system-prompts its `insert_cache(..., cache_type="system")` calls (the batched
+  path snapshots the system-prompt segment under that type) are also sent to the daemon.
+
+Both generation paths then see the entries: the batched path and `_serve_single` both call
+`prompt_cache.fetch_nearest_cache(model_provider.model_key, prompt)`, and `cached_tokens` is
+`len(prompt) - len(rest)` of that call. `check_server_shape` verifies these assumptions up front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import queue
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from client.hydrate import hydrate
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.serve")
+
+PERSIST_QUEUE = 8  # system prefixes waiting to be sent; more are dropped (never block a request)
+
+
+class ServeError(KVStoreError):
+    """mlx_lm.server does not have the shape `kvstore serve` hooks into."""
+
+
+def check_server_shape(server: Any) -> None:
+    """Fail with one clear message when mlx_lm.server no longer looks like 0.30-0.32's."""
+    problems = []
+    for name in ("main", "run", "ModelProvider", "LRUPromptCache"):
+        if not hasattr(server, name):
+            problems.append(f"mlx_lm.server.{name} is missing")
+    provider = getattr(server, "ModelProvider", None)
+    for name in ("_load", "load"):
+        if provider is not None and not callable(getattr(provider, name, None)):
+            problems.append(f"ModelProvider.{name} is missing")
+    lru = getattr(server, "LRUPromptCache", None)
+    if lru is not None:
+        params = inspect.signature(lru.insert_cache).parameters
+        if "cache_type" not in params:
+            problems.append("LRUPromptCache.insert_cache has no cache_type keyword")
+    try:
+        run_src = inspect.getsource(server.run)
+        load_src = inspect.getsource(provider._load)
+    except (AttributeError, OSError, TypeError):
+        run_src = load_src = ""
+    if "LRUPromptCache(" not in run_src:
+        problems.append("mlx_lm.server.run no longer builds its LRUPromptCache by that name")
+    if "self.model_key =" not in load_src:
+        problems.append("ModelProvider._load no longer sets model_key")
+    if problems:
+        import mlx_lm
+
+        raise ServeError(
+            f"kvstore serve does not support this mlx-lm ({mlx_lm.__version__}): "
+            + "; ".join(problems)
+            + ". Run plain `mlx_lm.server`, or install mlx-lm 0.30-0.32."
+        )
+
+
+class SystemPromptPersister:
+    """Sends new system-prompt caches to the daemon from a background thread.
+
+    The request path only evaluates and enqueues; encoding and the socket happen here. With no
+    daemon, one warning, then prefixes are dropped and serving goes on.
+    """
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.queue: queue.Queue = queue.Queue(PERSIST_QUEUE)
+        self.seen: set[tuple] = set()
+        self.warned = False
+        self.sent = 0
+        self.thread = threading.Thread(target=self._run, name="kvstore-persist", daemon=True)
+        self.thread.start()
+
+    def offer(self, target: dict[str, Any], tokens: Sequence[int], cache: list) -> None:
+        ident = (target["fingerprint"], tuple(tokens))
+        if ident in self.seen:
+            return
+        self.seen.add(ident)
+        import mlx.core as mx
+
+        # Evaluate on the generation thread (its stream); the worker only reads finished arrays.
+        mx.eval([c.state for c in cache])
+        try:
+            self.queue.put_nowait((target, list(tokens), cache))
+        except queue.Full:
+            self.seen.discard(ident)
+            log.debug("kvstore: persist queue full; dropping a system prefix")
+
+    def _run(self) -> None:
+        client = None
+        while True:
+            target, tokens, cache = self.queue.get()
+            try:
+                client = self._send(client, target, tokens, cache)
+            except Exception as e:  # persisting is best effort: never take the server down
+                client = None
+                self._warn(f"kvstore: could not persist a system prefix: {e}")
+
+    def _send(self, client: Any, target: dict[str, Any], tokens: list[int], cache: list) -> Any:
+        from kvstore import codec
+        from kvstore.keys import entry_key, pack_tokens
+        from kvstore.store import Store
+
+        key = entry_key(target["fingerprint"], tokens)
+        with contextlib.suppress(KVStoreError), Store(self.home, readonly=True) as store:
+            meta = store.get_meta(key)
+            if meta is not None and meta.tokens == pack_tokens(tokens):
+                return client  # hydrated or persisted before
+        if client is None:
+            client = _connect(self.home)
+            if client is None:
+                self._warn(
+                    f"kvstore: no daemon answers on {self.home}; new system prompts are not "
+                    "persisted (start `kvstore daemon`)"
+                )
+                return None
+        blob = codec.encode(cache, {"model": target["model"], "tokenizer_config": "{}"})
+        fields = dict(
+            tokens=pack_tokens(tokens),
+            label="system",
+            pinned=False,
+            model=target["model"],
+            template_hash=target["template_hash"],
+            classes=codec.cache_classes(cache),
+            extra={
+                "adapter": target["adapter"],
+                "kv_bits": target["kv_bits"],
+                "kv_group_size": target["kv_group_size"],
+                "source": "serve",
+            },
+        )
+        client.put(key, blob, fields)
+        self.sent += 1
+        log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), target["model"])
+        return client
+
+    def _warn(self, msg: str) -> None:
+        if not self.warned:
+            self.warned = True
+            log.warning("%s", msg)
+
+
+def _connect(home: Path) -> Any:
+    try:
+        from kvstore.remote import connect
+    except ImportError:  # the daemon's client end is not installed in this build
+        return None
+    return connect(home)
+
+
+class _Hooks:
+    """What the two subclasses share: the server's one prompt cache and the persist target."""
+
+    def __init__(self, home: Path, persist: bool):
+        self.home = home
+        self.cache: Any = None
+        self.persister = SystemPromptPersister(home) if persist else None
+        self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
+
+    def on_load(self, provider: Any) -> None:
+        key = provider.model_key
+        model_path, adapter, draft = key
+        if self.cache is None:
+            log.error(
+                "kvstore: mlx_lm.server built no LRUPromptCache that kvstore could see; "
+                "serving without stored prefixes"
+            )
+            return
+        if draft is not None or getattr(provider, "is_distributed", False):
+            # A draft model's cache is appended to the model's; stored entries hold only the latter.
+            log.warning(
+                "kvstore: not hydrating %s: draft models and distributed serving are "
+                "not supported; prefilling as usual",
+                model_path,
+            )
+            return
+        args = provider.cli_args
+        report = hydrate(
+            self.cache,
+            key,
+            model_path,
+            home=self.home,
+            adapter_path=adapter,
+            kv_bits=args.kv_bits,
+            kv_group_size=args.kv_group_size,
+            model=provider.model,
+        )
+        if not (report.warning and not report.entries):  # hydrate already said why not
+            log.info(
+                "kvstore: hydrated %d entries (%d tokens) for %s in %.2fs%s",
+                report.entries,
+                report.tokens,
+                model_path,
+                report.seconds,
+                f": {', '.join(report.labels)}" if report.labels else "",
+            )
+        if self.persister is not None and report.fingerprint:
+            from kvstore.identity import resolve_model_path, template_hash
+
+            self.targets[key] = dict(
+                fingerprint=bytes.fromhex(report.fingerprint),
+                model=str(model_path),
+                adapter=adapter,
+                kv_bits=args.kv_bits,
+                kv_group_size=args.kv_group_size,
+                template_hash=template_hash(resolve_model_path(model_path)),
+            )
+
+    def on_insert(self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str):
+        target = self.targets.get(model_key)
+        if self.persister is not None and cache_type == "system" and target is not None:
+            try:
+                self.persister.offer(target, tokens, cache)
+            except Exception as e:  # never fail the insert the server asked for
+                log.warning("kvstore: not persisting a system prefix: %s", e)
+
+
+def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type]:
+    class PersistentModelProvider(server.ModelProvider):
+        def _load(self, *args: Any, **kwargs: Any) -> None:
+            super()._load(*args, **kwargs)
+            hooks.on_load(self)
+
+    class PersistentServerCache(server.LRUPromptCache):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            hooks.cache = self
+
+        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+            hooks.on_insert(model, tokens, prompt_cache, cache_type)
+
+    return PersistentModelProvider, PersistentServerCache
+
+
+@contextlib.contextmanager
+def patched_server(home: Path, *, persist: bool = False) -> Iterator[Any]:
+    """mlx_lm.server with the kvstore hooks installed; restored on exit."""
+    from mlx_lm import server
+
+    check_server_shape(server)
+    hooks = _Hooks(home, persist)
+    provider_cls, cache_cls = _subclasses(server, hooks)
+    saved = server.ModelProvider, server.LRUPromptCache
+    server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
+    try:
+        yield server
+    finally:
+        server.ModelProvider, server.LRUPromptCache = saved
+
+
+def serve(
+    model: str,
+    *,
+    home: Path,
+    port: int | None = None,
+    persist: bool = False,
+    server_args: Sequence[str] = (),
+) -> None:
+    """Run mlx_lm.server's main() with `--model model` and `server_args`, hydrated from `home`."""
+    argv = ["mlx_lm.server", "--model", model]
+    if port is not None:
+        argv += ["--port", str(port)]
+    argv += list(server_args)
+    with patched_server(home, persist=persist) as server:
+        saved_argv = sys.argv
+        sys.argv = argv  # main() parses sys.argv: every mlx_lm.server option passes through
+        try:
+            server.main()
+        finally:
+            sys.argv = saved_argv
+
+
+@click.command(
+    name="serve",
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": ["-h", "--help"],
+    },
+)
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KVSTORE_HOME",
+    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
+@click.option("--model", "-m", required=True, help="Model directory or hub id, as mlx_lm.server.")
+@click.option("--port", type=int, default=None, help="HTTP port (mlx_lm.server's default: 8080).")
+@click.option(
+    "--persist-system-prompts",
+    is_flag=True,
+    help="Send new system-prompt prefixes to the daemon, so later starts hydrate them.",
+)
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def serve_cmd(
+    home: Path | None,
+    model: str,
+    port: int | None,
+    persist_system_prompts: bool,
+    server_args: tuple[str, ...],
+) -> None:
+    """Run mlx_lm.server with the persistent prompt cache.
+
+    Stored entries of the model are hydrated into the server's prompt cache when it loads the
+    model, so the first request after a start reports them in
+    usage.prompt_tokens_details.cached_tokens. Other options go to mlx_lm.server as they are.
+
+    \b
+    kvstore serve --model ./Qwen3.5-9B-8bit --port 8080 --prompt-cache-size 20
+    """
+    from kvstore.settings import resolve_home
+
+    try:
+        serve(
+            model,
+            home=resolve_home(home),
+            port=port,
+            persist=persist_system_prompts,
+            server_args=server_args,
+        )
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None

@@ -1,0 +1,228 @@
+"""`kvstore serve` through real HTTP: a real mlx_lm.server subprocess reports the warmed pin's
+tokens as cached on the first request after each start, on the batched and sequential paths."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from helpers import TWO_PINS, manifest_for
+
+from kvstore.manifest import load_manifest
+from kvstore.store import Store
+from kvstore.warm import warm
+
+START_TIMEOUT = 90.0  # seconds for a server to import mlx-lm, load the tiny model and answer
+REQUEST_TIMEOUT = 60.0
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `kvstore serve` subprocess; always stopped by `stop()`."""
+
+    def __init__(self, home: Path, model: Path, log: Path, *extra: str):
+        self.port = _free_port()
+        self.log = log
+        cmd = [
+            sys.executable,
+            "-c",
+            "from kvstore.cli import main; main()",
+            "serve",
+            "--home",
+            str(home),
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            *extra,
+        ]
+        self.out = log.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"server not ready in {START_TIMEOUT}s:\n{self.log.read_text()}")
+
+    def chat(self, messages: list[dict], **extra) -> dict:
+        body = dict(messages=messages, max_tokens=4, temperature=0.0, **extra)
+        req = urllib.request.Request(
+            self.url("/v1/chat/completions"),
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.out.close()
+
+
+def _cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _serve_once(home: Path, model: Path, log: Path, messages: list[dict], **extra) -> dict:
+    server = Server(home, model, log)
+    try:
+        server.wait_ready()
+        return server.chat(messages, **extra)
+    finally:
+        server.stop()
+
+
+def test_first_request_after_start_is_served_from_the_store(llama_path, kv_home, tmp_path):
+    manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
+    with Store(kv_home) as store:
+        assert warm(manifest, store, home=kv_home).warmed == 2
+        pin = {m.label: m.ntokens for m in store.metas()}["classify"]
+    system = manifest.models[0].prefixes[0].messages[0]["content"]
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "My invoice 2291 was charged twice."},
+    ]
+    log = tmp_path / "server.log"
+
+    # batched path (no seed), then a restart on the sequential path (a seed forces it)
+    batched = _serve_once(kv_home, llama_path, log, messages)
+    assert _cached(batched) >= pin, log.read_text()
+    assert batched["usage"]["prompt_tokens"] > _cached(batched)
+    sequential = _serve_once(kv_home, llama_path, log, messages, seed=0)
+    assert _cached(sequential) >= pin, log.read_text()
+    assert "kvstore: hydrated 2 entries" in log.read_text()
+
+    # control: the same request against an empty home prefills everything
+    cold = _serve_once(tmp_path / "empty-home", llama_path, log, messages)
+    assert _cached(cold) == 0
+    assert cold["usage"]["prompt_tokens"] == batched["usage"]["prompt_tokens"]
+    # hydrated and cold runs answer the same (greedy)
+    assert cold["choices"][0]["message"]["content"] == batched["choices"][0]["message"]["content"]
+
+
+def _system_messages(n: int) -> list[dict]:
+    system = f"You are reviewer {n}. Check the plan against the policy, list every risk you find."
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Plan: refund the second charge."},
+    ]
+
+
+def test_persist_without_a_daemon_warns_once_and_keeps_serving(llama_path, tmp_path):
+    home, log = tmp_path / "home", tmp_path / "server.log"
+    server = Server(home, llama_path, log, "--persist-system-prompts")
+    try:
+        server.wait_ready()
+        for n in range(3):  # three new system prompts, each snapshotted by the batched path
+            reply = server.chat(_system_messages(n))
+            assert reply["usage"]["completion_tokens"] > 0
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert text.count("no daemon answers") == 1, text
+
+
+def _daemon_available() -> bool:
+    from kvstore.cli import main
+
+    return "daemon" in main.commands
+
+
+@pytest.mark.skipif(not _daemon_available(), reason="the daemon command is not installed yet")
+def test_persisted_system_prompt_is_cached_after_a_restart(llama_path, tmp_path):
+    from kvstore.remote import connect
+
+    home, log = tmp_path / "home", tmp_path / "server.log"
+    with (tmp_path / "daemon.log").open("wb") as dlog:
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from kvstore.cli import main; main()",
+                "daemon",
+                "--home",
+                str(home),
+            ],
+            stdout=dlog,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while (client := connect(home)) is None:
+            assert daemon.poll() is None and time.monotonic() < deadline, "daemon did not start"
+            time.sleep(0.2)
+        client.close()
+        messages = _system_messages(7)
+        server = Server(home, llama_path, log, "--persist-system-prompts")
+        try:
+            server.wait_ready()
+            assert _cached(server.chat(messages)) == 0
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            while True:  # persisting is write-behind: wait for the entry to land
+                with contextlib.suppress(Exception), Store(home, readonly=True) as store:
+                    stored = [m for m in store.metas() if m.label == "system"]
+                    if stored:
+                        break
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        finally:
+            server.stop()
+        again = _serve_once(home, llama_path, log, messages)
+        assert _cached(again) >= stored[0].ntokens > 0
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(timeout=10)
+
+
+def test_server_shape_check_names_what_changed(tmp_path):
+    import types
+
+    from mlx_lm import server
+
+    from client.serve import ServeError, check_server_shape, patched_server
+
+    check_server_shape(server)  # the installed mlx-lm is the one we hook
+    with pytest.raises(ServeError, match="mlx_lm.server.run is missing"):
+        check_server_shape(types.SimpleNamespace(main=server.main))
+    original = server.ModelProvider, server.LRUPromptCache
+    with patched_server(tmp_path / "home") as patched:
+        assert issubclass(patched.ModelProvider, original[0])
+        assert issubclass(patched.LRUPromptCache, original[1])
+    assert (server.ModelProvider, server.LRUPromptCache) == original

@@ -26,5 +26,12 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format kvstore daemon client tests bench
 
+bench: $(STAMP)
+	$(PY) -m bench.run --full
+
+# under three minutes on a 2-core box; `make bench-quick REFERENCE=1` refreshes bench/results/reference
+bench-quick: $(STAMP)
+	$(PY) -m bench.run --quick $(if $(REFERENCE),--reference)
+
 clean:
 	rm -rf $(VENV) .demo .pytest_cache

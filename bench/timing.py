@@ -1,0 +1,67 @@
+"""Interleaved repetitions and robust summaries: on a shared, noisy 2-core box the ratio of two
+medians measured side by side is the result; an absolute time is only context."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Stats:
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Stats:
+        s = sorted(samples)
+        if len(s) >= 4:
+            q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive")
+        else:
+            q1, q3 = s[0], s[-1]
+        return cls(statistics.median(s), q1, q3, s[0], s[-1], len(s))
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def ms(self) -> str:
+        return f"{self.median * 1e3:.2f} ms [{self.q1 * 1e3:.2f}-{self.q3 * 1e3:.2f}]"
+
+
+def interleave(
+    alternatives: dict[str, Callable[[], object]],
+    *,
+    reps: int,
+    warmup: int = 1,
+    before: Callable[[str], None] | None = None,
+) -> dict[str, Stats]:
+    """Time each alternative `reps` times in round-robin order, after `warmup` untimed rounds.
+
+    Round-robin (rotating which goes first) spreads background noise over all alternatives
+    instead of letting it land on whichever ran during a burst. `before(name)` runs untimed.
+    """
+    names = list(alternatives)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + reps):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            if before:
+                before(name)
+            t = time.perf_counter()
+            alternatives[name]()
+            dt = time.perf_counter() - t
+            if r >= warmup:
+                samples[name].append(dt)
+    return {n: Stats.of(s) for n, s in samples.items()}
+
+
+def once(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t

@@ -1,5 +1,6 @@
-"""`make demo`: warm a four-stage manifest on a tiny generated model, then, in a fresh process,
-run each stage's call without the store and with a hydrated cache, side by side.
+"""`make demo`: the daemon warms a four-stage manifest on a tiny generated model at boot, then a
+fresh app process hydrates the store and runs each stage's call without the store and with the
+hydrated cache, side by side.
 
 Everything lives under .demo/ (model, home, manifest); nothing else on the machine is touched.
 """
@@ -111,6 +112,24 @@ def run_calls(model_path: Path, home: Path) -> int:
     return 0 if ok else 1
 
 
+def wait_for_boot_warm(home: Path, daemon: subprocess.Popen, timeout: float = 300.0) -> dict:
+    """Poll the daemon until its boot warm has run; returns its last_warm record."""
+    from kvstore.remote import connect
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            raise SystemExit(f"the daemon exited with {daemon.returncode}; see its log above")
+        client = connect(home, timeout=5)
+        if client is not None:
+            with client:
+                last = client.request("stats")["daemon"]["last_warm"]
+            if last:
+                return last
+        time.sleep(0.2)
+    raise SystemExit(f"the daemon did not finish its boot warm within {timeout:.0f}s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", action="store_true", help=argparse.SUPPRESS)
@@ -123,16 +142,40 @@ def main() -> int:
 
     model, home, manifest = setup()
     env = {**os.environ, "KVSTORE_HOME": str(home)}
-    print(f"warming {manifest} into {home}")
+    print(f"starting the daemon on {home}; it warms {manifest} at boot")
     t = time.perf_counter()
-    subprocess.run(kvstore_cmd("warm", "--manifest", str(manifest)), env=env, check=True)
-    print(f"warm took {time.perf_counter() - t:.1f}s (process start included)\n")
-    subprocess.run(kvstore_cmd("ls"), env=env, check=True)
-    print("\nrestarting: a fresh process hydrates the store, then runs every stage twice")
-    return subprocess.run(
-        [sys.executable, "-m", "bench.demo", "--calls", "--model", str(model), "--home", str(home)],
-        env=env,
-    ).returncode
+    daemon = subprocess.Popen(kvstore_cmd("daemon", "--manifest", str(manifest)), env=env)
+    try:
+        last = wait_for_boot_warm(home, daemon)
+        print(
+            f"boot warm: {last['warmed']} pins warmed in {last['seconds']:.1f}s "
+            f"({time.perf_counter() - t:.1f}s with the daemon's start); daemon memory "
+            f"{last['rss_before'] / 2**20:.0f} MiB before, {last['rss_peak'] / 2**20:.0f} MiB "
+            f"peak, {last['rss_after'] / 2**20:.0f} MiB after (the model is released)\n"
+        )
+        subprocess.run(kvstore_cmd("ls"), env=env, check=True)
+        print(
+            "\nrestarting the app: a fresh process hydrates the store, then runs every stage twice"
+        )
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "bench.demo",
+                "--calls",
+                "--model",
+                str(model),
+                "--home",
+                str(home),
+            ],
+            env=env,
+        ).returncode
+    finally:
+        daemon.terminate()  # SIGTERM: the daemon finishes its write, closes LMDB, exits 0
+        try:
+            daemon.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
 
 
 if __name__ == "__main__":

@@ -100,7 +100,28 @@ def resolve_keys(store, texts: tuple[str, ...]) -> list[bytes]:
     return out
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _PluginGroup(click.Group):
+    """Adds the commands the daemon and client packages register under the entry-point group
+    `kvstore.commands`, loaded only when named, so this core package never imports them."""
+
+    @staticmethod
+    def _plugins() -> dict:
+        return {ep.name: ep for ep in entry_points(group="kvstore.commands")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._plugins()))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        cmd = super().get_command(ctx, name)
+        if cmd is None and (ep := self._plugins().get(name)) is not None:
+            try:
+                cmd = ep.load()
+            except Exception as e:  # a broken plugin must not take the core CLI down
+                raise click.ClickException(f"command {name!r} unavailable: {e}") from None
+        return cmd
+
+
+@click.group(cls=_PluginGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvstore")
 def main() -> None:
     """kvstore: persistent prefix KV caches for mlx-lm.
@@ -438,19 +459,6 @@ def fingerprint(model_path, adapter, kv_bits, kv_group_size, as_json, home: Path
         )
     else:
         click.echo(fp.hex)
-
-
-def _load_plugins() -> None:
-    """Commands of the daemon and client packages register through entry points, so this core
-    package never imports them."""
-    for ep in entry_points(group="kvstore.commands"):
-        try:
-            main.add_command(ep.load(), ep.name)
-        except Exception as e:  # a broken plugin must not take the core CLI down
-            click.echo(f"warning: command {ep.name!r} unavailable: {e}", err=True)
-
-
-_load_plugins()
 
 
 if __name__ == "__main__":

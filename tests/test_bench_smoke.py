@@ -1,14 +1,9 @@
 """Keep the benchmark harness from rotting: one tiny measurement each, no timing assertions."""
 
-import sys
-from pathlib import Path
-
-# bench/ is not an installed package (python -m bench.run runs from the repo root)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import hydrate, pipeline, run  # noqa: E402
-from bench.shapes import HYBRID_9B, KV28_F16, make_cache  # noqa: E402
-from kvstore import codec  # noqa: E402
+# bench/ is not an installed package: pytest's `pythonpath = ["."]` (pyproject) finds it
+from bench import hydrate, pipeline, run
+from bench.shapes import HYBRID_9B, KV28_F16, make_cache
+from kvstore import codec
 
 
 def test_tiers_carry_the_motivating_prompt_totals():

@@ -245,7 +245,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
             click.echo(
                 f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
                 f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
-                f"{_age(m.last_used):>10}  {Path(m.model).name}: \"{previews[m.key]}\""
+                f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
             )
         click.echo(f"{len(metas)} entries, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
@@ -317,25 +317,56 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
 @home_option
 @user_errors
 def stats(as_json: bool, home: Path) -> None:
-    """Store size, entries, pins and settings."""
+    """Store size, entries, pins, settings; with a daemon running, its state and the prefill
+    ledger (per model and label: calls, tokens from cache, tokens prefilled, seconds).
+
+    \b
+    kvstore stats
+    kvstore stats --json | jq .ledger
+    """
     from kvstore.settings import load_settings
 
-    settings = load_settings(home)
-    if not (home / "store" / "data.mdb").is_file():
+    client = connect(home, timeout=10)
+    if client is not None:
+        with client:
+            data = client.request("stats")
+    elif not (home / "store" / "data.mdb").is_file():
         data = {"path": str(home / "store"), "entries": 0, "bytes": 0}
     else:
         with open_store(home) as store:
             data = store.stats()
-    data["settings"] = settings
+    data.setdefault("settings", load_settings(home))
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
     for k, v in data.items():
-        if k == "settings":
-            continue
-        click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
+        if not isinstance(v, dict):
+            click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
+    daemon = data.get("daemon")
+    if daemon:
+        click.echo(
+            f"daemon         pid {daemon['pid']}, up {daemon['uptime']:.0f}s, "
+            f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
+        )
+    else:
+        click.echo("daemon         not running (the ledger is kept by the daemon)")
+    rows = (data.get("ledger") or {}).get("by_model_label") or []
+    if rows:
+        click.echo(
+            f"\n{'MODEL':20} {'LABEL':14} {'CALLS':>6} {'PROMPT':>8} {'CACHED':>8} "
+            f"{'PREFILLED':>9} {'PREFILL S':>9} {'SAVED S~':>8}"
+        )
+        for r in rows:
+            # seconds saved, estimated at this label's own measured prefill rate
+            rate = r["prefill_s"] / r["prefilled_tokens"] if r["prefilled_tokens"] else 0.0
+            click.echo(
+                f"{Path(r['model']).name[:20]:20} {r['label'][:14]:14} {r['calls']:6d} "
+                f"{r['prompt_tokens']:8d} {r['cached_tokens']:8d} "
+                f"{r['prefilled_tokens']:9d} {r['prefill_s']:9.2f} "
+                f"{r['cached_tokens'] * rate:8.2f}"
+            )
     click.echo("settings:")
-    for k, v in settings.items():
+    for k, v in data["settings"].items():
         click.echo(f"  {k:22} {v}")
 
 

@@ -1,5 +1,61 @@
-"""The thin kvstore client: hydrate stored prefix caches into mlx-lm's LRUPromptCache."""
+"""The thin kvstore client: hydrate stored prefix caches into mlx-lm's LRUPromptCache, pin stage
+prefixes at runtime, and record every call's prefill cost.
+
+`from client import hydrate` stays light: the modules that pull in mlx_lm.server and friends
+(serve, parity, analyze) load on first use of one of their names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
 
 from client.hydrate import HydrateReport, hydrate
 
-__all__ = ["HydrateReport", "hydrate"]
+# name -> module, imported on first access (module __getattr__, PEP 562)
+_LAZY = {
+    "PersistentPromptCache": "client.persistent",
+    "Pin": "client.persistent",
+    "CallStats": "client.stats",
+    "LabelSummary": "client.stats",
+    "StatsRecorder": "client.stats",
+    "generate": "client.stats",
+    "stream_generate": "client.stats",
+    "StageReport": "client.analyze",
+    "analyze": "client.analyze",
+    "load_capture": "client.analyze",
+    "ParityReport": "client.parity",
+    "load_prompts": "client.parity",
+    "run_parity": "client.parity",
+    "patched_server": "client.serve",
+    "serve": "client.serve",
+}
+
+__all__ = ["HydrateReport", "hydrate", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Importing client.serve or client.analyze files the submodule on the package under the
+        # name of its exported function; the function must win, as with eager imports.
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,308 @@
+"""PersistentPromptCache: mlx-lm's LRUPromptCache, hydrated from the store, with runtime pins.
+
+Pins live in the LRU's trie, so `fetch_nearest_cache` finds them with mlx-lm's own search and
+copy semantics, but not in its eviction order or byte count, so the LRU never evicts them. One
+mlx-lm behaviour needs undoing: inserting a trimmable cache pops every stored prefix of it, which
+would drop a pin as soon as a chained transcript extends it; `insert_cache` puts those pins back.
+
+New pins (and, opt-in, chained transcripts) go to the daemon through the write-behind queue.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
+
+from client.hydrate import HydrateReport, hydrate
+from client.stats import StatsRecorder
+from client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
+from kvstore.errors import KVStoreError
+from kvstore.settings import resolve_home
+
+log = logging.getLogger("kvstore.client")
+
+PIN_TYPE = "system"  # the LRU cache_type pins are filed under (as hydrate files stored entries)
+
+
+@dataclass(frozen=True)
+class Pin:
+    name: str
+    tokens: tuple[int, ...]
+    source: str  # where its KV came from: "memory", "store" or "prefill"
+    seconds: float  # what pin() took on the caller's thread
+    persist_s: float  # of which: handing the cache to the write-behind queue
+    queued: bool  # sent towards the daemon to persist
+    warning: str | None = None  # the stable-boundary cut fell inside the pinned content
+
+
+class PersistentPromptCache(LRUPromptCache):
+    """An LRUPromptCache for one loaded model that survives restarts through the kvstore daemon.
+
+    >>> cache = PersistentPromptCache(model, tokenizer, "/models/Qwen3-8B")
+    >>> cache.pin("classify", messages=[{"role": "system", "content": ROUTER}])
+    >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        model_path: str | Path,
+        *,
+        model_key: Any = None,
+        home: str | Path | None = None,
+        adapter_path: str | Path | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        max_size: int = 10,
+        max_bytes: int = 1 << 63,
+        persist_chains: bool = False,
+        stats: bool = True,
+        verbose: bool | None = None,
+    ):
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.model, self.tokenizer = model, tokenizer
+        self.model_path = str(model_path)
+        self.model_key = self.model_path if model_key is None else model_key
+        self.home = resolve_home(home)
+        self.adapter_path = None if adapter_path is None else str(adapter_path)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.persist_chains = persist_chains
+        self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Pin, Any]] = {}  # -> (pin, entry)
+        self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
+        self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
+        self._hydrating = True
+        self._writer = WriteBehind(self.home)
+        # Unsent stats and pins still reach the daemon when the app exits without close().
+        ref = weakref.ref(self)
+        self._at_exit = lambda: (c := ref()) is not None and c.close()
+        atexit.register(self._at_exit)
+        self.stats = (
+            StatsRecorder(self.model_path, writer=self._writer, verbose=verbose) if stats else None
+        )
+        self._template_hash: bytes | None = None
+        try:
+            self.report: HydrateReport = hydrate(
+                self,
+                self.model_key,
+                model_path,
+                home=self.home,
+                adapter_path=adapter_path,
+                kv_bits=kv_bits,
+                kv_group_size=kv_group_size,
+                model=model,
+            )
+        finally:
+            self._hydrating = False
+        fp = self.report.fingerprint
+        self.fingerprint: bytes | None = bytes.fromhex(fp) if fp else None
+
+    # -- LRUPromptCache, with pins kept out of its eviction ----------------------------------
+
+    def __len__(self) -> int:
+        return len(self._lru) + len(self._pins)
+
+    @property
+    def nbytes(self) -> int:
+        return self._n_bytes + sum(entry.nbytes for _, entry in self._pins.values())
+
+    @property
+    def pins(self) -> dict[str, Pin]:
+        return {pin.name: pin for pin, _ in self._pins.values()}
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> None:
+        ident = tuple(tokens)
+        if (model, ident) in self._pins:
+            return  # the pin already holds exactly this KV; replacing it would unpin it
+        if self._hydrating:
+            self._hydrated.add(ident)
+        shadowed = []
+        if self._pins and can_trim_prompt_cache(prompt_cache):
+            shadowed = [
+                (t, entry)
+                for (m, t), (_, entry) in self._pins.items()
+                if m == model and len(t) < len(ident) and ident[: len(t)] == t
+            ]
+        # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
+        # are not in its byte count: count them in first so its budget check sees true numbers.
+        for _, entry in shadowed:
+            self._n_bytes += entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] += entry.nbytes
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        for t, entry in shadowed:
+            self._trie.add(model, list(t), entry)
+        if self.persist_chains and not self._hydrating and model == self.model_key:
+            self._persist(list(tokens), prompt_cache, label="chain", pinned=False)
+
+    # -- pins --------------------------------------------------------------------------------
+
+    def pin(
+        self,
+        name: str,
+        *,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tokens: Sequence[int] | None = None,
+        tools: Iterable[Mapping[str, Any]] | None = None,
+    ) -> Pin:
+        """Register a stage prefix that the LRU never evicts: chat `messages` (rendered with the
+        stable-boundary rule, optionally with `tools`) or exact `tokens`.
+
+        Its KV comes from memory or the store when present; otherwise the loaded model prefills
+        it here, once, and the daemon is asked to persist it (off the request path).
+        """
+        t0 = time.perf_counter()
+        if (messages is None) == (tokens is None):
+            raise ValueError("pin: give exactly one of messages= or tokens=")
+        warning = None
+        if messages is not None:
+            ids, warning = self._render(name, messages, tools)
+        else:
+            ids = tuple(int(t) for t in tokens)
+        if not ids:
+            raise ValueError(f"pin {name!r}: no tokens to pin")
+        key = (self.model_key, ids)
+        if key in self._pins:
+            return self._pins[key][0]
+        source, cache = self._find(ids)
+        if cache is None:
+            from kvstore.prefill import prefill
+
+            source = "prefill"
+            cache = prefill(self.model, ids, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+        queued, persist_s = False, 0.0
+        if source != "store" and ids not in self._hydrated:
+            t1 = time.perf_counter()
+            queued = self._persist(list(ids), cache, label=name, pinned=True)
+            persist_s = time.perf_counter() - t1
+        pin = Pin(name, ids, source, time.perf_counter() - t0, persist_s, queued, warning)
+        self._attach(pin, cache)
+        log.info(
+            "kvstore: pinned %r: %d tokens from %s in %.3f s", name, len(ids), source, pin.seconds
+        )
+        return pin
+
+    def _render(
+        self, name: str, messages: Sequence[Mapping[str, Any]], tools: Iterable | None
+    ) -> tuple[tuple[int, ...], str | None]:
+        from kvstore.manifest import PrefixSpec
+        from kvstore.render import render_prefix
+
+        spec = PrefixSpec(
+            name=name,
+            messages=tuple(dict(m) for m in messages),
+            text=None,
+            file=None,
+            tools=None,
+            tools_data=tuple(dict(t) for t in tools) if tools else None,
+        )
+        rendered = render_prefix(self.tokenizer, spec)
+        return rendered.tokens, rendered.warning
+
+    def _find(self, ids: tuple[int, ...]) -> tuple[str, list | None]:
+        """The KV of exactly these tokens from memory (no copy: the pin takes the entry over) or
+        the store; (source, None) when neither has it."""
+        found = self._trie.search(self.model_key, list(ids))
+        if found.exact is not None:
+            return "memory", self._trie.get(self.model_key, list(ids)).prompt_cache
+        if self.fingerprint is None:
+            return "", None
+        from kvstore.keys import entry_key, pack_tokens
+        from kvstore.store import Store
+
+        try:
+            with Store(self.home, readonly=True) as store:
+                _, cache = store.load(entry_key(self.fingerprint, ids), pack_tokens(ids))
+        except KeyError:
+            return "", None
+        except KVStoreError as e:  # already said once by hydrate; prefill as if absent
+            log.debug("kvstore: pin lookup in the store failed: %s", e)
+            return "", None
+        self._hydrated.add(ids)
+        return "store", cache
+
+    def _attach(self, pin: Pin, cache: list) -> None:
+        entry = LRUPromptCache.CacheEntry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
+        prev = self._trie.add(self.model_key, list(pin.tokens), entry)
+        if prev is not None:  # an LRU entry of the same tokens: take it off the LRU's books
+            self._n_bytes -= prev.nbytes
+            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
+            self._lru.remove(self.model_key, list(pin.tokens))
+        self._pins[(self.model_key, pin.tokens)] = (pin, entry)
+
+    # -- write-behind ------------------------------------------------------------------------
+
+    def _persist(self, tokens: list[int], cache: list, *, label: str, pinned: bool) -> bool:
+        """Hand an evaluated cache to the write-behind worker; a few microseconds here."""
+        ident = tuple(tokens)
+        if self.fingerprint is None or ident in self._offered:
+            return False
+        import mlx.core as mx
+
+        # Normally a no-op (prefill and generation evaluate); it keeps graph work off the worker.
+        mx.eval([c.state for c in cache])
+        what = f"{'pin' if pinned else 'chain'} {label!r} ({len(tokens)} tokens)"
+        # The LRU holds this same cache object and never mutates it (fetch hands out copies), so
+        # the worker may read it later without a copy here.
+        job = Job(what, lambda c: self._send(c, tokens, cache, label, pinned))
+        if not self._writer.submit(job):
+            return False
+        self._offered.add(ident)
+        return True
+
+    def _send(self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool) -> None:
+        from kvstore import codec
+        from kvstore.identity import template_hash
+        from kvstore.keys import entry_key, pack_tokens
+
+        if self._template_hash is None:
+            self._template_hash = template_hash(self.model_path)
+        blob = codec.encode(cache, {"model": self.model_path, "tokenizer_config": "{}"})
+        fields = dict(
+            tokens=pack_tokens(tokens),
+            label=label,
+            pinned=pinned,
+            model=self.model_path,
+            template_hash=self._template_hash,
+            classes=codec.cache_classes(cache),
+            extra={
+                "adapter": self.adapter_path,
+                "kv_bits": self.kv_bits,
+                "kv_group_size": self.kv_group_size,
+                "source": "pin" if pinned else "chain",
+            },
+        )
+        client.put(entry_key(self.fingerprint, tokens), blob, fields)
+
+    def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
+        """Send queued pins and stats to the daemon; wait (at most `timeout`) until it has them."""
+        if self.stats is not None:
+            self.stats.flush(timeout)
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Flush, then stop the write-behind thread. The cache itself keeps working."""
+        atexit.unregister(self._at_exit)
+        if self.stats is not None:
+            self.stats.close(timeout)
+        self._writer.close(timeout)
+
+    def __enter__(self) -> PersistentPromptCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

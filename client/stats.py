@@ -1,0 +1,271 @@
+"""Prefill stats by default: what each call cost, and how much of its prompt the cache served.
+
+`stream_generate` / `generate` wrap mlx-lm's own: fetch the nearest cached prefix, generate on the
+rest, insert the transcript (mlx-lm's within-query chaining), and record one `CallStats`. The
+record is logged on "kvstore.client", kept in memory and batched to the daemon's ledger off the
+request path. A team once read its prefill cost as zero for months, so the per-call line is
+printed to stderr unless logging already shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from client.writebehind import Job, WriteBehind
+
+log = logging.getLogger("kvstore.client")
+
+BATCH_RECORDS = 32  # records per `record` request to the daemon
+BATCH_SECONDS = 5.0  # oldest unsent record waits at most this long for the next call to send it
+
+
+@dataclass(frozen=True)
+class CallStats:
+    model: str
+    label: str
+    prompt_tokens: int
+    cached_tokens: int  # served from the prompt cache (hydrated from the store, or in memory)
+    prefilled_tokens: int
+    prefill_s: float
+    decode_s: float
+    generated_tokens: int = 0
+    ts: float = 0.0
+
+    def line(self) -> str:
+        return (
+            f"kvstore: {self.label}: {self.prompt_tokens} prompt tokens, {self.cached_tokens} "
+            f"from cache, {self.prefilled_tokens} prefilled in {self.prefill_s:.3f} s; "
+            f"{self.generated_tokens} generated in {self.decode_s:.3f} s"
+        )
+
+
+@dataclass
+class LabelSummary:
+    calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def saved_s(self) -> float:
+        """Estimated prefill seconds the cache saved, at this label's own prefill rate."""
+        if not self.prefilled_tokens:
+            return 0.0
+        return self.cached_tokens * self.prefill_s / self.prefilled_tokens
+
+
+class StatsRecorder:
+    """Per-call stats for one model: `.calls`, `.summary()`, and batches to the daemon.
+
+    `verbose`: True prints each call's line to stderr, False only logs it at INFO, None (default)
+    prints unless INFO records of "kvstore.client" already reach a handler.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        writer: WriteBehind | None = None,
+        home: str | Path | None = None,
+        send: bool = True,
+        verbose: bool | None = None,
+    ):
+        self.model = str(model)
+        self.verbose = verbose
+        self.calls: list[CallStats] = []
+        self._own_writer = writer is None and send
+        self._writer = WriteBehind(home) if self._own_writer else writer
+        self._unsent: list[dict[str, Any]] = []
+        self._last_send = 0.0
+
+    def record(
+        self,
+        *,
+        label: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        prefill_s: float,
+        decode_s: float,
+        generated_tokens: int = 0,
+    ) -> CallStats:
+        call = CallStats(
+            model=self.model,
+            label=label,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            prefilled_tokens=prompt_tokens - cached_tokens,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            generated_tokens=generated_tokens,
+            ts=time.time(),
+        )
+        self.calls.append(call)
+        line = call.line()
+        log.info("%s", line)
+        if self._should_print():
+            print(line, file=sys.stderr)
+        if self._writer is not None:
+            self._unsent.append(asdict(call))
+            self._send()
+        return call
+
+    def summary(self) -> dict[str, LabelSummary]:
+        out: dict[str, LabelSummary] = {}
+        for c in self.calls:
+            s = out.setdefault(c.label, LabelSummary())
+            s.calls += 1
+            s.prompt_tokens += c.prompt_tokens
+            s.cached_tokens += c.cached_tokens
+            s.prefilled_tokens += c.prefilled_tokens
+            s.prefill_s += c.prefill_s
+            s.decode_s += c.decode_s
+        return out
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Send every unsent record now and wait for the daemon to take them."""
+        self._send(force=True)
+        return self._writer.flush(timeout) if self._writer is not None else True
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._send(force=True)
+        if self._own_writer and self._writer is not None:
+            self._writer.close(timeout)
+
+    def _send(self, force: bool = False) -> None:
+        if not self._unsent or self._writer is None:
+            return
+        due = time.monotonic() - self._last_send >= BATCH_SECONDS
+        if not (force or due or len(self._unsent) >= BATCH_RECORDS):
+            return
+        batch, self._unsent = self._unsent, []
+        self._last_send = time.monotonic()
+        self._writer.submit(
+            Job(
+                f"{len(batch)} prefill stats records",
+                lambda client: client.request("record", records=batch),
+            )
+        )
+
+    def _should_print(self) -> bool:
+        if self.verbose is not None:
+            return self.verbose
+        return not (log.isEnabledFor(logging.INFO) and log.hasHandlers())
+
+
+def _cache_tokens(cache: list) -> int | None:
+    """Tokens a prompt cache holds, from its attention layers' offsets (None if none has one)."""
+    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
+    return max(offsets) if offsets else None
+
+
+def stream_generate(
+    prompt_cache: Any,
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    *,
+    label: str = "default",
+    model_key: Any = None,
+    stats: StatsRecorder | None = None,
+    **kwargs: Any,
+) -> Iterator[Any]:
+    """mlx_lm.stream_generate through an LRUPromptCache, recording the call's prefill stats.
+
+    `prompt_cache` is a PersistentPromptCache (its model_key and stats are used), an mlx-lm
+    LRUPromptCache (pass `model_key`, and `stats` to record), or None. Yields mlx-lm's
+    GenerationResponse objects; the transcript is inserted back into the cache at the end.
+    """
+    import mlx_lm
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
+        special = bos is None or not prompt.startswith(bos)
+        prompt = tokenizer.encode(prompt, add_special_tokens=special)
+    tokens = list(prompt)
+    if model_key is None:
+        model_key = getattr(prompt_cache, "model_key", None)
+    if stats is None:
+        stats = getattr(prompt_cache, "stats", None)
+    for name in ("kv_bits", "kv_group_size"):  # quantize fresh caches as the stored pins are
+        if getattr(prompt_cache, "kv_bits", None) is not None:
+            kwargs.setdefault(name, getattr(prompt_cache, name))
+
+    cache, rest = None, tokens
+    if prompt_cache is not None:
+        if model_key is None:
+            raise ValueError("stream_generate: pass model_key for a plain LRUPromptCache")
+        cache, rest = prompt_cache.fetch_nearest_cache(model_key, tokens)
+    if cache is not None and not rest:
+        # An exact hit: mlx-lm needs one token to sample from, so re-run the last one.
+        if can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        else:
+            cache, rest = None, tokens
+    if cache is None:
+        cache = make_prompt_cache(model)
+    generated: list[int] = []
+    prefill_s = decode_s = 0.0
+    t0 = time.perf_counter()
+    try:
+        for resp in mlx_lm.stream_generate(model, tokenizer, rest, prompt_cache=cache, **kwargs):
+            if not generated:
+                prefill_s = resp.prompt_tokens / resp.prompt_tps if resp.prompt_tps else 0.0
+            generated.append(resp.token)
+            yield resp
+    finally:
+        # Also when the caller stops early: the call still cost what it cost.
+        decode_s = max(0.0, time.perf_counter() - t0 - prefill_s)
+        if stats is not None:
+            stats.record(
+                label=label,
+                prompt_tokens=len(tokens),
+                cached_tokens=len(tokens) - len(rest),
+                prefill_s=prefill_s,
+                decode_s=decode_s,
+                generated_tokens=len(generated),
+            )
+        if prompt_cache is not None:
+            transcript = tokens + generated
+            held = _cache_tokens(cache)
+            # mlx-lm runs one token ahead: key the entry by what the cache really holds.
+            if held is not None and held <= len(transcript):
+                transcript = transcript[:held]
+            if held is None or held == len(transcript):
+                prompt_cache.insert_cache(model_key, transcript, cache)
+
+
+def generate(
+    prompt_cache: Any,
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    *,
+    label: str = "default",
+    model_key: Any = None,
+    stats: StatsRecorder | None = None,
+    **kwargs: Any,
+) -> str:
+    """`stream_generate`, returning the whole text (as mlx_lm.generate)."""
+    return "".join(
+        r.text
+        for r in stream_generate(
+            prompt_cache,
+            model,
+            tokenizer,
+            prompt,
+            label=label,
+            model_key=model_key,
+            stats=stats,
+            **kwargs,
+        )
+    )

@@ -1,0 +1,152 @@
+"""Write-behind: send new entries and prefill stats to the daemon from one background thread.
+
+The request path only enqueues a job holding references to already-evaluated arrays; encoding
+and the socket happen on the worker. The queue is bounded: when it is full the job is dropped
+with a counted warning rather than blocking generation. With no daemon, jobs are dropped after
+one warning and the app goes on as if kvstore were not there.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.settings import resolve_home
+
+log = logging.getLogger("kvstore.client")
+
+QUEUE_SIZE = 16  # jobs waiting for the worker; more are dropped (never block a request)
+CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued jobs before abandoning them
+
+
+@dataclass(frozen=True)
+class Job:
+    what: str  # for warnings: "pin 'classify'", "3 stats records"
+    run: Callable[[Any], Any]  # called on the worker with a connected kvstore.remote.DaemonClient
+
+
+class WriteBehind:
+    """One worker thread and a bounded queue of jobs for the daemon of `home`."""
+
+    def __init__(self, home: str | Path | None = None, *, maxsize: int = QUEUE_SIZE):
+        self.home = resolve_home(home)
+        self.sent = 0  # jobs the daemon accepted
+        self.dropped = 0  # jobs dropped: queue full or no daemon
+        self.failed = 0  # jobs the daemon refused or that broke midway
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize)
+        self._cond = threading.Condition()
+        self._pending = 0  # submitted and not finished: what flush() waits on
+        self._no_daemon_warned = False
+        self._closed = False
+        self._client: Any = None
+        # A daemon thread, so an app that never calls close() still exits; atexit flushes it.
+        self.thread = threading.Thread(target=self._run, name="kvstore-write-behind", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    def submit(self, job: Job) -> bool:
+        """Enqueue without blocking; False (and a counted warning) when it had to be dropped."""
+        if self._closed:
+            return False
+        with self._cond:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+            self.dropped += 1
+            if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8...: counted, not a flood
+                log.warning(
+                    "kvstore: write-behind queue full (%d jobs); dropped %s (%d dropped so far)",
+                    self._queue.maxsize,
+                    job.what,
+                    self.dropped,
+                )
+            return False
+        return True
+
+    def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
+        """Wait until every submitted job has finished; False if `timeout` ran out first."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> bool:
+        """Finish queued jobs (waiting at most `timeout`), then stop and join the worker."""
+        if self._closed:
+            return not self.thread.is_alive()
+        self._closed = True
+        atexit.unregister(self.close)
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self.thread.is_alive():
+            log.warning(
+                "kvstore: the daemon did not take %d queued writes within %.0f s; abandoning them",
+                self._pending,
+                timeout,
+            )
+            return False
+        return True
+
+    # -- the worker --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while (job := self._queue.get()) is not None:
+                try:
+                    self._do(job)
+                finally:
+                    with self._cond:
+                        self._pending -= 1
+                        self._cond.notify_all()
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def _do(self, job: Job) -> None:
+        client = self._connection()
+        if client is None:
+            self.dropped += 1
+            if not self._no_daemon_warned:
+                self._no_daemon_warned = True
+                log.warning(
+                    "kvstore: no daemon answers on %s; new pins, chains and prefill stats stay in "
+                    "this process (start `kvstore daemon` to persist them)",
+                    self.home,
+                )
+            return
+        try:
+            job.run(client)
+            self.sent += 1
+        except Exception as e:  # persisting is best effort: never take the app down
+            self.failed += 1
+            self._client = None
+            client.close()
+            log.warning("kvstore: could not send %s to the daemon: %s", job.what, e)
+
+    def _connection(self) -> Any:
+        # Reconnect per job while none answers: cheap (no socket file, or a refused connect), and
+        # a daemon started after the app is picked up without a restart.
+        if self._client is None:
+            from kvstore.remote import connect
+
+            self._client = connect(self.home)
+        return self._client

@@ -8,8 +8,6 @@ prefixes at runtime, and record every call's prefill cost.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 from client.hydrate import HydrateReport, hydrate
@@ -24,14 +22,14 @@ _LAZY = {
     "generate": "client.stats",
     "stream_generate": "client.stats",
     "StageReport": "client.analyze",
-    "analyze": "client.analyze",
     "load_capture": "client.analyze",
     "ParityReport": "client.parity",
     "load_prompts": "client.parity",
     "run_parity": "client.parity",
     "patched_server": "client.serve",
-    "serve": "client.serve",
 }
+# client.serve.serve and client.analyze.analyze are not re-exported: a package attribute cannot be
+# both the submodule and the function of the same name.
 
 __all__ = ["HydrateReport", "hydrate", *_LAZY]
 
@@ -47,15 +45,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Importing client.serve or client.analyze files the submodule on the package under the
-        # name of its exported function; the function must win, as with eager imports.
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -155,13 +155,6 @@ def test_persist_without_a_daemon_warns_once_and_keeps_serving(llama_path, tmp_p
     assert text.count("no daemon answers") == 1, text
 
 
-def _daemon_available() -> bool:
-    from kvstore.cli import main
-
-    return "daemon" in main.commands
-
-
-@pytest.mark.skipif(not _daemon_available(), reason="the daemon command is not installed yet")
 def test_persisted_system_prompt_is_cached_after_a_restart(llama_path, tmp_path):
     from kvstore.remote import connect
 

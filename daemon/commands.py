@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from daemon.ledger import Ledger, validate
 from daemon.lifecycle import peak_rss_bytes, rss_bytes
 from daemon.upkeep import Upkeep
 from daemon.writer import Writer
@@ -26,6 +25,7 @@ from kvstore import codec
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.eviction import select_for_eviction
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.ledger import Ledger, validate
 from kvstore.manifest import load_manifest
 from kvstore.store import Store, blob_checksum
 

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from daemon.commands import Commands
-from daemon.ledger import Ledger
 from daemon.lifecycle import (
     DaemonRunning,
     acquire_lock,
@@ -33,6 +32,7 @@ from daemon.upkeep import Upkeep, watched_files
 from daemon.writer import Writer
 from kvstore import protocol
 from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.ledger import Ledger
 from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
 from kvstore.store import Store
 

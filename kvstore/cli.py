@@ -335,6 +335,10 @@ def stats(as_json: bool, home: Path) -> None:
     else:
         with open_store(home) as store:
             data = store.stats()
+    if "ledger" not in data:
+        from kvstore.ledger import Ledger
+
+        data["ledger"] = Ledger(home).stats()
     data.setdefault("settings", load_settings(home))
     if as_json:
         click.echo(json.dumps(data, indent=1))
@@ -349,7 +353,7 @@ def stats(as_json: bool, home: Path) -> None:
             f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
         )
     else:
-        click.echo("daemon         not running (the ledger is kept by the daemon)")
+        click.echo("daemon         not running")
     rows = (data.get("ledger") or {}).get("by_model_label") or []
     if rows:
         click.echo(
@@ -357,13 +361,11 @@ def stats(as_json: bool, home: Path) -> None:
             f"{'PREFILLED':>9} {'PREFILL S':>9} {'SAVED S~':>8}"
         )
         for r in rows:
-            # seconds saved, estimated at this label's own measured prefill rate
-            rate = r["prefill_s"] / r["prefilled_tokens"] if r["prefilled_tokens"] else 0.0
             click.echo(
                 f"{Path(r['model']).name[:20]:20} {r['label'][:14]:14} {r['calls']:6d} "
                 f"{r['prompt_tokens']:8d} {r['cached_tokens']:8d} "
                 f"{r['prefilled_tokens']:9d} {r['prefill_s']:9.2f} "
-                f"{r['cached_tokens'] * rate:8.2f}"
+                f"{r['saved_s']:8.2f}"
             )
     click.echo("settings:")
     for k, v in data["settings"].items():

@@ -199,3 +199,25 @@ def test_import_from_mlx_lm_cache_prompt(llama_path, hybrid_path, kv_home, tmp_p
     with Store(kv_home) as store:
         meta, cache = store.load(bytes.fromhex(entry["key"]))
     assert_same_kv(cache, load_prompt_cache(str(cache_file)))
+
+
+def test_stats_shows_the_prefill_ledger(kv_home):
+    from kvstore.ledger import Ledger, validate
+
+    kv_home.mkdir(parents=True)
+    rec = dict(
+        model="/m/qwen",
+        label="classify",
+        prompt_tokens=1000,
+        cached_tokens=900,
+        prefilled_tokens=100,
+        prefill_s=0.5,
+        decode_s=1.0,
+    )
+    Ledger(kv_home).append(validate([rec, rec]))
+    data = json.loads(run("stats", "--json").output)
+    (row,) = data["ledger"]["by_model_label"]
+    assert row["calls"] == 2 and row["cached_tokens"] == 1800 and row["prefilled_tokens"] == 200
+    assert row["saved_s"] == pytest.approx(1800 * 1.0 / 200)  # at the label's own prefill rate
+    out = run("stats").output
+    assert "classify" in out and "SAVED" in out and "9.00" in out

@@ -12,10 +12,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from daemon.ledger import validate
 from daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
 from kvstore import protocol, remote
 from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.ledger import validate
 from kvstore.settings import SOCKET_NAME
 
 

@@ -1,5 +1,7 @@
 """The prefill ledger: per-call stats that clients report, kept for `kvstore stats`.
 
+The daemon appends; `kvstore stats` reads the same file when no daemon runs.
+
 Records append to one msgpack stream in the home (a crash loses at most a torn tail, which is
 skipped on load); the per model+label summary is rebuilt from it at start and kept in memory.
 """
@@ -13,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-log = logging.getLogger("kvstore.daemon")
+log = logging.getLogger("kvstore")
 
 LEDGER_NAME = "ledger.msgpack"
 FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -106,6 +108,10 @@ class Ledger:
                     "label": label,
                     **s,
                     "cached_ratio": s["cached_tokens"] / prompt if prompt else 0.0,
+                    # seconds saved, estimated at this label's own measured prefill rate
+                    "saved_s": s["cached_tokens"] * s["prefill_s"] / s["prefilled_tokens"]
+                    if s["prefilled_tokens"]
+                    else 0.0,
                 }
             )
         return {"records": self.records, "by_model_label": rows}

@@ -264,8 +264,9 @@ def test_readme_example_runs(llama_path, kv_home, capsys):
     """The README section's code, as written, with the tiny model in place of MODEL."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[1] / "client" / "README_SECTION_APPS.md").read_text()
-    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text.split("## In-process apps", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
     line = 'MODEL = "/models/Qwen3.5-9B-8bit"'
     assert line in code
     ns: dict = {}

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from kvstore.cli import home_option
 from kvstore.errors import KVStoreError
 
 MAX_TOKENS = 16  # greedy steps per prompt
@@ -328,12 +329,7 @@ def _table(report: ParityReport) -> str:
     "(chunking noise may need a looser --atol).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-@click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="KVSTORE_HOME",
-    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
-)
+@home_option
 def parity_cmd(
     manifest: Path | None,
     prompts: Path,

@@ -30,6 +30,7 @@ from typing import Any
 import click
 
 from client.hydrate import hydrate
+from kvstore.cli import home_option
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.serve")
@@ -299,12 +300,7 @@ def serve(
         "help_option_names": ["-h", "--help"],
     },
 )
-@click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="KVSTORE_HOME",
-    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
-)
+@home_option
 @click.option("--model", "-m", required=True, help="Model directory or hub id, as mlx_lm.server.")
 @click.option("--port", type=int, default=None, help="HTTP port (mlx_lm.server's default: 8080).")
 @click.option(

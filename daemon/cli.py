@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.settings import resolve_home
+from kvstore.cli import home_option
 
 
 @click.command(name="daemon")
@@ -19,19 +19,14 @@ from kvstore.settings import resolve_home
     default=None,
     help="Manifest TOML to warm and watch (default: manifest.toml in the home, if any).",
 )
-@click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="KVSTORE_HOME",
-    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
-)
+@home_option
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
 )
-def daemon_cmd(manifest: Path | None, home: Path | None, log_level: str) -> None:
+def daemon_cmd(manifest: Path | None, home: Path, log_level: str) -> None:
     """Run the store's writer in the foreground (what launchd and systemd run).
 
     Warms the manifest's missing pins, watches its files, serves the socket; SIGTERM stops it,
@@ -43,4 +38,4 @@ def daemon_cmd(manifest: Path | None, home: Path | None, log_level: str) -> None
     from daemon.server import run, setup_logging
 
     setup_logging(log_level)
-    sys.exit(run(resolve_home(home), manifest=manifest))
+    sys.exit(run(home, manifest=manifest))

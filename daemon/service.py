@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.settings import resolve_home
+from kvstore.cli import home_option
 
 LABEL = "dev.kvstore.daemon"  # one per user: reinstalling with another home replaces it
 UNIT_NAME = "kvstore.service"
@@ -252,15 +252,6 @@ _manifest_option = click.option(
     default=None,
     help="Manifest the daemon warms and watches (default: the home's manifest.toml).",
 )
-# Same --home as kvstore.cli's home_option, built here because importing kvstore.cli first would
-# make it load this module (its plugin) while this module is still half-imported.
-_home_option = click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="KVSTORE_HOME",
-    callback=lambda _ctx, _param, value: resolve_home(value),
-    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
-)
 _dry_run_option = click.option(
     "--dry-run", is_flag=True, help="Print the file path and commands instead of running them."
 )
@@ -281,7 +272,7 @@ def service_cmd() -> None:
 @click.option("--launchd", "kind", flag_value="launchd", help="The LaunchAgent plist.")
 @click.option("--systemd", "kind", flag_value="systemd", help="The systemd user unit.")
 @_manifest_option
-@_home_option
+@home_option
 def print_cmd(kind: str | None, manifest: Path | None, home: Path) -> None:
     """Print the service file (this OS's kind unless --launchd or --systemd)."""
     spec = service_spec(home, manifest)
@@ -293,7 +284,7 @@ def print_cmd(kind: str | None, manifest: Path | None, home: Path) -> None:
 @service_cmd.command()
 @_manifest_option
 @_dry_run_option
-@_home_option
+@home_option
 def install(manifest: Path | None, dry_run: bool, home: Path) -> None:
     """Install, enable and start the daemon service for this home."""
     kind = host_kind()

@@ -39,18 +39,13 @@ def human_size(n: float) -> str:
     return str(n)
 
 
-def home_option(f):
-    @click.option(
-        "--home",
-        type=click.Path(file_okay=False, path_type=Path),
-        envvar="KVSTORE_HOME",
-        help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
-    )
-    @functools.wraps(f)
-    def wrapper(*args, home, **kwargs):
-        return f(*args, home=resolve_home(home), **kwargs)
-
-    return wrapper
+home_option = click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KVSTORE_HOME",
+    callback=lambda _ctx, _param, value: resolve_home(value),
+    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
 
 
 def user_errors(f):

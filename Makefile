@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvstore daemon client tests bench
-	$(PY) -m pytest -q -m "not stress" tests
+	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvstore daemon client tests bench
@@ -25,6 +25,11 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format kvstore daemon client tests bench
+
+# the reliability battery at full scale (tests/test_reliability_*.py); figures go to
+# bench/results/reliability.json. `make test` runs the same tests at their quick scale.
+stress: $(STAMP)
+	KVSTORE_STRESS=1 $(PY) -m pytest -q tests/test_reliability_*.py
 
 bench: $(STAMP)
 	$(PY) -m bench.run --full

@@ -371,7 +371,9 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
             default = home / MANIFEST_NAME
             manifests = [default] if default.is_file() else []
         settings = load_settings(home)
-        store = Store(home)  # opening it runs reader_check
+        store = Store(  # opening it runs reader_check
+            home, map_size=int(settings["map_size"]), max_map_size=int(settings["max_map_size"])
+        )
         try:
             listener, path = bind_socket(home, backlog=int(settings["max_connections"]))
         except KVStoreError:

@@ -9,6 +9,8 @@ transaction.
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -95,7 +97,7 @@ class EntryMeta:
 _ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly]
 
 
-def _open_env(path: Path, *, readonly: bool, map_size: int) -> lmdb.Environment:
+def _open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> lmdb.Environment:
     key = str(path.resolve())
     held = _ENVS.get(key)
     if held is not None:
@@ -112,7 +114,7 @@ def _open_env(path: Path, *, readonly: bool, map_size: int) -> lmdb.Environment:
         writemap=False,
         sync=True,
         metasync=True,
-        max_readers=256,
+        max_readers=max_readers,
     )
     _ENVS[key] = [env, 1, readonly]
     return env
@@ -129,6 +131,18 @@ def _close_env(path: Path) -> None:
         held[0].close()
 
 
+def _space_hint(path: Path) -> str:
+    """LMDB reports a short write (disk full, a file size limit) as a bare EIO: name the
+    likely causes, with the figures to check them."""
+    try:
+        free = shutil.disk_usage(path).free
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (OSError, ValueError):
+        return ""
+    limit = "" if soft == resource.RLIM_INFINITY else f", file size limit {soft} bytes"
+    return f" (disk full or a file size limit? {free // 2**20} MiB free there{limit})"
+
+
 def blob_checksum(blob) -> int:
     return xxhash.xxh3_64_intdigest(blob)
 
@@ -143,6 +157,7 @@ class Store:
         readonly: bool = False,
         map_size: int = DEFAULTS["map_size"],
         max_map_size: int = DEFAULTS["max_map_size"],
+        max_readers: int = 256,
     ):
         self.path = Path(home) / STORE_DIR
         self.readonly = readonly
@@ -153,7 +168,9 @@ class Store:
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.env = _open_env(self.path, readonly=readonly, map_size=map_size)
+            self.env = _open_env(
+                self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
+            )
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
         except lmdb.Error as e:
@@ -196,7 +213,9 @@ class Store:
                     ) from None
                 self.env.set_mapsize(size * 2)  # no transaction is open here
             except lmdb.Error as e:
-                raise StoreError(f"{self.path}: write failed: {e}") from None
+                raise StoreError(
+                    f"{self.path}: write failed: {e}{_space_hint(self.path)}"
+                ) from None
 
     def _read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
         self._check_pid()
@@ -206,6 +225,14 @@ class Store:
                     return fn(txn)
             except lmdb.MapResizedError:
                 self.env.set_mapsize(0)  # adopt the size another process grew the map to
+            except lmdb.ReadersFullError:
+                # Every slot is held, often by readers that died: reader_check() (the daemon
+                # runs it periodically) frees those. Say so instead of a bare lmdb error.
+                raise StoreError(
+                    f"{self.path}: all LMDB reader slots are in use "
+                    f"({self.env.max_readers()} max_readers); dead readers are cleared by the "
+                    "daemon's periodic reader_check, or close some readers"
+                ) from None
         raise StoreError(f"{self.path}: the map keeps being resized under this reader")
 
     def reader_check(self) -> int:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
+
+from kvstore.remote import DaemonClient, connect
 
 
 def manifest_for(
@@ -65,3 +72,73 @@ def assert_same_kv(a: list, b: list) -> None:
     for x, y in zip(la, lb):
         assert x.shape == y.shape and x.dtype == y.dtype
         assert mx.array_equal(x, y).item(), "hydrated KV differs from a fresh prefill"
+
+
+# -- a daemon as a real process (test_daemon and the reliability battery) ----------------------
+
+START_TIMEOUT = 60.0
+
+
+class Proc:
+    """A `kvstore daemon` child process and its log."""
+
+    def __init__(self, home: Path, *args: str, log: Path, preexec_fn=None, code: str = ""):
+        """`code`, if given, is run with `python -c` instead of `kvstore daemon` (a daemon with
+        a patched call, say); `preexec_fn` runs in the child before exec (rlimits)."""
+        self.home, self.log = home, log
+        argv = ["-c", code] if code else ["-m", "kvstore.cli", "daemon"]
+        with log.open("ab") as f:
+            self.p = subprocess.Popen(
+                [sys.executable, *argv, "--home", str(home), *args],
+                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                preexec_fn=preexec_fn,
+            )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while (c := connect(self.home)) is None:
+            assert self.p.poll() is None, f"daemon exited {self.p.returncode}:\n{self.text()}"
+            assert time.monotonic() < deadline, f"daemon did not answer:\n{self.text()}"
+            time.sleep(0.05)
+        c.close()
+
+    def request(self, cmd: str, **args):
+        with DaemonClient(self.home) as c:
+            return c.request(cmd, **args)
+
+    def wait_warm(self) -> dict:
+        deadline = time.monotonic() + START_TIMEOUT
+        while (w := self.request("stats")["daemon"]["last_warm"]) is None:
+            assert time.monotonic() < deadline, self.text()
+            time.sleep(0.05)
+        return w
+
+    def wait_log(self, text: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text():
+            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.text()}"
+            time.sleep(0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, float]:
+        t = time.monotonic()
+        self.p.send_signal(sig)
+        try:
+            rc = self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = self.p.wait()
+        return rc, time.monotonic() - t
+
+    def rss(self) -> int:
+        """The daemon's resident memory now, in bytes (Linux /proc)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0

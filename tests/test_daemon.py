@@ -18,69 +18,13 @@ from pathlib import Path
 import msgpack
 import pytest
 from click.testing import CliRunner
-from helpers import TWO_PINS, manifest_for
+from helpers import TWO_PINS, Proc, manifest_for
 
 from kvstore import protocol, remote
 from kvstore.cli import main
 from kvstore.errors import DaemonError, ProtocolError
 from kvstore.remote import DaemonClient, connect
 from kvstore.store import Store
-
-START_TIMEOUT = 60.0
-
-
-class Proc:
-    """A `kvstore daemon` child process and its log."""
-
-    def __init__(self, home: Path, *args: str, log: Path):
-        self.home, self.log = home, log
-        with log.open("ab") as f:
-            self.p = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli", "daemon", "--home", str(home), *args],
-                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            )  # fmt: skip
-
-    @property
-    def pid(self) -> int:
-        return self.p.pid
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while (c := connect(self.home)) is None:
-            assert self.p.poll() is None, f"daemon exited {self.p.returncode}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"daemon did not answer:\n{self.text()}"
-            time.sleep(0.05)
-        c.close()
-
-    def request(self, cmd: str, **args):
-        with DaemonClient(self.home) as c:
-            return c.request(cmd, **args)
-
-    def wait_warm(self) -> dict:
-        deadline = time.monotonic() + START_TIMEOUT
-        while (w := self.request("stats")["daemon"]["last_warm"]) is None:
-            assert time.monotonic() < deadline, self.text()
-            time.sleep(0.05)
-        return w
-
-    def wait_log(self, text: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.text():
-            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.text()}"
-            time.sleep(0.05)
-
-    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, float]:
-        t = time.monotonic()
-        self.p.send_signal(sig)
-        try:
-            rc = self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            rc = self.p.wait()
-        return rc, time.monotonic() - t
 
 
 def entries(home: Path) -> dict[str, dict]:

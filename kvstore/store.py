@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,8 +95,50 @@ class EntryMeta:
         }
 
 
-# LMDB allows one open environment per file per process: Stores of one path share it.
-_ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly]
+class _Gate:
+    """Many read transactions, or one writer: LMDB's set_mapsize needs no other transaction of
+    this process open, and py-lmdb's abort of a write transaction that hit MapFullError waits for
+    every other thread's operations to drain (readers that keep starting ones starve it: a hang
+    seen with lmdb 3.0). The daemon reads on connection threads while it writes, so a write
+    transaction and any resize run with this process's readers held off."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = 0
+        self._resizing = False
+
+    @contextmanager
+    def txn(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._open:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+# LMDB allows one open environment per file per process: Stores of one path share it (and its
+# resize gate).
+_ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly, gate]
 
 
 def _open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> lmdb.Environment:
@@ -116,7 +160,7 @@ def _open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) ->
         metasync=True,
         max_readers=max_readers,
     )
-    _ENVS[key] = [env, 1, readonly]
+    _ENVS[key] = [env, 1, readonly, _Gate()]
     return env
 
 
@@ -171,6 +215,7 @@ class Store:
             self.env = _open_env(
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
+            self._gate = _ENVS[str(self.path.resolve())][3]
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
         except lmdb.Error as e:
@@ -200,6 +245,10 @@ class Store:
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: opened read-only")
+        with self._gate.exclusive():
+            return self._write_locked(fn)
+
+    def _write_locked(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -211,7 +260,7 @@ class Store:
                         f"{self.path}: store map is full at {size} bytes and the cap "
                         f"max_map_size={self.max_map_size} is reached; evict entries or raise it"
                     ) from None
-                self.env.set_mapsize(size * 2)  # no transaction is open here
+                self.env.set_mapsize(size * 2)  # no transaction of this process is open
             except lmdb.Error as e:
                 raise StoreError(
                     f"{self.path}: write failed: {e}{_space_hint(self.path)}"
@@ -221,10 +270,11 @@ class Store:
         self._check_pid()
         for _ in range(3):
             try:
-                with self.env.begin(buffers=buffers) as txn:
+                with self._gate.txn(), self.env.begin(buffers=buffers) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                self.env.set_mapsize(0)  # adopt the size another process grew the map to
+                with self._gate.exclusive():
+                    self.env.set_mapsize(0)  # adopt the size another process grew the map to
             except lmdb.ReadersFullError:
                 # Every slot is held, often by readers that died: reader_check() (the daemon
                 # runs it periodically) frees those. Say so instead of a bare lmdb error.

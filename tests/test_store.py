@@ -157,3 +157,42 @@ def test_lmdb_settings(kv_home):
         flags = store.env.flags()
         assert flags["writemap"] is False and flags["sync"] is True
         assert isinstance(store.env, lmdb.Environment)
+
+
+def test_map_growth_waits_for_this_process_readers(kv_home):
+    """set_mapsize needs no open transaction in the process: reads on other threads (the
+    daemon's connection threads) hold the gate, so growth waits for them (without it, this
+    hangs in py-lmdb's abort of the write that hit MapFullError)."""
+    import threading
+
+    from kvstore.store import _Gate
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    with Store(kv_home, map_size=2**20) as store:
+        _put(store, b"\x0a" * 16, [0])
+
+        def read_forever():
+            try:
+                while not stop.is_set():
+                    for m in store.metas():
+                        assert store.read_blob(m.key) == bytes(m.nbytes)
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        readers = [threading.Thread(target=read_forever) for _ in range(3)]
+        for t in readers:
+            t.start()
+        try:
+            sizes = set()
+            with mock.patch.object(_Gate, "exclusive", wraps=store._gate.exclusive) as gate:
+                for i in range(1, 24):
+                    _put(store, b"\x0a" * 16, [i], size=2**20)
+                    sizes.add(store.env.info()["map_size"])
+        finally:
+            stop.set()
+            for t in readers:
+                t.join()
+        assert gate.call_count == 23 and len(sizes) >= 4  # the map doubled under the readers
+        assert not errors, errors
+        assert len(store.metas()) == 24

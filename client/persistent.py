@@ -30,6 +30,7 @@ from kvstore.settings import resolve_home
 log = logging.getLogger("kvstore.client")
 
 PIN_TYPE = "system"  # the LRU cache_type pins are filed under (as hydrate files stored entries)
+HIT_BATCH_S = 5.0  # seconds between batches of hits sent to the daemon
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class PersistentPromptCache(LRUPromptCache):
         self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Pin, Any]] = {}  # -> (pin, entry)
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
         self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
+        self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
+        self._hits_sent = time.monotonic()
         self._hydrating = True
         self._writer = WriteBehind(self.home)
         # Unsent stats and pins still reach the daemon when the app exits without close().
@@ -148,6 +151,42 @@ class PersistentPromptCache(LRUPromptCache):
             self._trie.add(model, list(t), entry)
         if self.persist_chains and not self._hydrating and model == self.model_key:
             self._persist(list(tokens), prompt_cache, label="chain", pinned=False)
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and model == self.model_key and len(rest) < len(tokens):
+            self._record_hit(tokens, len(tokens) - len(rest))
+        return cache, rest
+
+    def _record_hit(self, tokens: list[int], served: int) -> None:
+        """Tell the daemon which stored prefix a fetch reused (hits, last_used: the order its
+        budget evicts in), batched through the write-behind queue every HIT_BATCH_S seconds.
+        A prefix counts whether its stored entry or an in-memory transcript extending it served."""
+        if self.fingerprint is None:
+            return
+        best = max(
+            (
+                t
+                for t in self._hydrated | self._offered
+                if len(t) <= served and tuple(tokens[: len(t)]) == t
+            ),
+            key=len,
+            default=None,
+        )
+        if best is None:
+            return
+        from kvstore.keys import entry_key
+
+        self._hits.append(entry_key(self.fingerprint, best))
+        if time.monotonic() - self._hits_sent >= HIT_BATCH_S:
+            self._send_hits()
+
+    def _send_hits(self) -> None:
+        keys, self._hits, self._hits_sent = self._hits, [], time.monotonic()
+        if keys:
+            self._writer.submit(
+                Job(f"{len(keys)} hits", lambda client: client.request("touch", keys=keys))
+            )
 
     # -- pins --------------------------------------------------------------------------------
 
@@ -290,6 +329,7 @@ class PersistentPromptCache(LRUPromptCache):
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Send queued pins and stats to the daemon; wait (at most `timeout`) until it has them."""
+        self._send_hits()
         if self.stats is not None:
             self.stats.flush(timeout)
         return self._writer.flush(timeout)
@@ -297,6 +337,7 @@ class PersistentPromptCache(LRUPromptCache):
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush, then stop the write-behind thread. The cache itself keeps working."""
         atexit.unregister(self._at_exit)
+        self._send_hits()
         if self.stats is not None:
             self.stats.close(timeout)
         self._writer.close(timeout)

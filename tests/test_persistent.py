@@ -13,9 +13,8 @@ import time
 
 import mlx_lm
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, assert_same_kv, manifest_for
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for
 from mlx_lm import load
-from test_daemon import Proc  # the daemon engineer's child-process wrapper
 
 from client import PersistentPromptCache, generate
 from client.writebehind import Job, WriteBehind
@@ -211,6 +210,30 @@ def test_chaining_is_persisted_only_when_asked(daemon, llama, llama_path):
     chains = [e for e in ls(daemon.home) if e["label"] == "chain"]
     assert len(chains) == 1 and not chains[0]["pinned"]
     assert chains[0]["tokens"] == len(prompt) + 4
+
+
+def test_store_hits_reach_the_daemon(daemon, llama, llama_path):
+    """Fetches that reuse a stored pin are reported to the daemon (hits, last_used), so its
+    budget evicts by real use; a prompt that does not start with the pin is no hit."""
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, verbose=False) as c:
+        c.pin("classify", messages=ROUTER)
+        assert c.flush()
+    (before,) = ls(daemon.home)
+    assert before["hits"] == 0
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, verbose=False) as c:
+        for user in ("Refund my order.", "Where is my parcel?"):
+            generate(
+                c, model, tokenizer, chat(tokenizer, CLASSIFY, user), label="classify", max_tokens=2
+            )
+        again = chat(tokenizer, CLASSIFY, "Where is my parcel?") + [11, 12]
+        generate(c, model, tokenizer, again, label="classify", max_tokens=2)  # via a transcript
+        other = chat(tokenizer, SYNTHESIZE, "Say hi.")
+        generate(c, model, tokenizer, other, label="synthesize", max_tokens=2)  # not the pin
+        assert c.flush()
+    (after,) = ls(daemon.home)
+    assert after["hits"] == 3 and after["last_used"] > before["last_used"]
+    assert after["created"] == before["created"]
 
 
 def test_no_daemon_one_warning_and_unchanged_output(llama, llama_path, kv_home, caplog):

@@ -176,15 +176,27 @@ def _meta_ident(meta) -> tuple:
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
-    """This manifest's stored pins that no longer hold: model changed, pin removed or re-rendered
-    to other tokens, chat template changed, or model gone from the manifest."""
+    """Entries that no longer hold for this manifest: its pins whose model changed, that were
+    removed or re-rendered to other tokens, whose chat template changed, or whose model left the
+    manifest; and any entry (a runtime pin, a chain, an import) of one of its models that was
+    stored under an older fingerprint of that model."""
     out = []
     for meta in store.metas(errors=[]):
-        if meta.extra.get("source") != "manifest" or meta.extra.get("manifest") != str(
-            manifest.path
-        ):
-            continue
         plan = plans.get(_meta_ident(meta))
+        ours = meta.extra.get("source") == "manifest" and meta.extra.get("manifest") == str(
+            manifest.path
+        )
+        if not ours:
+            if plan is not None and meta.fingerprint != plan.fingerprint.digest:
+                out.append(
+                    Purged(
+                        meta.key.hex(),
+                        meta.label,
+                        meta.model,
+                        "model changed (weights, config or adapter)",
+                    )
+                )
+            continue
         if plan is None:
             if any(_ident(s) == _meta_ident(meta) for s in manifest.models):
                 continue  # its model failed to plan: keep what we have, do not guess

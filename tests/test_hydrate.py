@@ -36,10 +36,15 @@ def _prompt(tokenizer, system: str, user: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-@pytest.mark.parametrize("kv_bits", [None, 8])
-def test_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, kv_bits):
-    if kv_bits and any_model_path.name != "llama":
-        pytest.skip("kv_bits is exercised on the plain-attention model")
+def test_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path):
+    _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, None)
+
+
+def test_hydrate_equals_fresh_prefill_kv_bits_8(llama_path, kv_home, tmp_path):
+    _check_hydrate_equals_fresh_prefill(llama_path, kv_home, tmp_path, 8)
+
+
+def _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, kv_bits):
     extra = f"kv_bits = {kv_bits}\nkv_group_size = 32" if kv_bits else ""
     metas = _warm(tmp_path, kv_home, any_model_path, extra)
     model, tokenizer = load(str(any_model_path))

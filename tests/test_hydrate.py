@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
-import pytest
 from helpers import TWO_PINS, assert_same_kv, manifest_for
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
-from kvstore.identity import FileHashCache, describe_cache, model_fingerprint
+from kvstore.identity import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
 from kvstore.store import Store
 
@@ -33,12 +33,25 @@ class HydrateReport:
     warning: str | None = None
 
 
-def _layout_of(model: Any) -> tuple | None:
-    if model is None:
-        return None
-    from mlx_lm.models.cache import make_prompt_cache
+def _has_adapter(model: Any) -> bool:
+    """LoRA / DoRA layers in a loaded model: an adapter the caller did not name."""
+    if model is None or not hasattr(model, "modules"):
+        return False
+    names = {"LoRALinear", "LoRASwitchLinear", "LoRAEmbedding", "DoRALinear", "DoRAEmbedding"}
+    return any(type(m).__name__ in names for m in model.modules())
 
-    return tuple(describe_cache(c) for c in make_prompt_cache(model))
+
+def _other_versions(store: Store, model_path: str | Path) -> str | None:
+    """Nothing stored for this fingerprint: were entries made for another version of it?"""
+    wanted = {str(model_path), str(Path(model_path).expanduser().resolve())}
+    stale = [m for m in store.metas(errors=[]) if m.model in wanted]
+    if not stale:
+        return None
+    return (
+        f"kvstore: {len(stale)} stored entr{'y' if len(stale) == 1 else 'ies'} for {model_path} "
+        "were made with another version of it (weights, config, adapter or KV quantization "
+        "differ), so none is used; `kvstore warm` (or the daemon) re-warms them"
+    )
 
 
 def hydrate(
@@ -50,23 +63,31 @@ def hydrate(
     adapter_path: str | Path | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
     model: Any = None,
 ) -> HydrateReport:
     """Insert every stored entry valid for this model into `prompt_cache` (an LRUPromptCache).
 
     `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
     you have it: its cache layout is then read from it instead of being rebuilt from config.json.
+    `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with.
     """
     t0 = time.perf_counter()
     report = HydrateReport()
     home = resolve_home(home)
     try:
+        if adapter_path is None and _has_adapter(model):
+            raise KVStoreError(
+                "the model has LoRA layers but no adapter_path was given; pass the adapter the "
+                "model was loaded with (its weights are part of the entries' identity)"
+            )
         fp = model_fingerprint(
             model_path,
             adapter_path=adapter_path,
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
-            layout=_layout_of(model),
+            quantized_kv_start=quantized_kv_start,
+            model_object=model,
             hash_cache=FileHashCache(home / FILEHASH_NAME),
         )
         report.fingerprint = fp.hex
@@ -91,6 +112,8 @@ def hydrate(
                 report.nbytes += meta.nbytes
                 report.labels.append(meta.label)
             report.dropped = max(0, report.entries - (len(prompt_cache) - before))
+            if not metas and not errors:
+                report.warning = _other_versions(store, model_path)
     except KVStoreError as e:
         report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
     except Exception as e:  # the cache must never take the app down

@@ -133,6 +133,7 @@ def greedy(
     max_tokens: int,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
 ) -> tuple[list[int], list]:
     """Greedy tokens and the raw logits of every step (mlx-lm's generate_step, default sampler)."""
     import mlx.core as mx
@@ -153,6 +154,7 @@ def greedy(
         logits_processors=[record],
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     ):
         out.append(int(token))
     return out, logits
@@ -235,11 +237,16 @@ def run_parity(
             adapter_path=spec.adapter,
             kv_bits=spec.kv_bits,
             kv_group_size=spec.kv_group_size,
+            quantized_kv_start=spec.quantized_kv_start,
             model=model,
         )
         if hyd.warning:
             report.warnings.append(hyd.warning)
-        quant = dict(kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size)
+        quant = dict(
+            kv_bits=spec.kv_bits,
+            kv_group_size=spec.kv_group_size,
+            quantized_kv_start=spec.quantized_kv_start,
+        )
         for p in group:
             tokens = prompt_tokens(tokenizer, p)
             cache, rest = lru.fetch_nearest_cache(MODEL_KEY, tokens)

@@ -63,6 +63,7 @@ class PersistentPromptCache(LRUPromptCache):
         adapter_path: str | Path | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        quantized_kv_start: int = 5000,
         max_size: int = 10,
         max_bytes: int = 1 << 63,
         persist_chains: bool = False,
@@ -76,6 +77,7 @@ class PersistentPromptCache(LRUPromptCache):
         self.home = resolve_home(home)
         self.adapter_path = None if adapter_path is None else str(adapter_path)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.quantized_kv_start = quantized_kv_start
         self.persist_chains = persist_chains
         self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Pin, Any]] = {}  # -> (pin, entry)
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
@@ -101,6 +103,7 @@ class PersistentPromptCache(LRUPromptCache):
                 adapter_path=adapter_path,
                 kv_bits=kv_bits,
                 kv_group_size=kv_group_size,
+                quantized_kv_start=quantized_kv_start,
                 model=model,
             )
         finally:
@@ -222,7 +225,13 @@ class PersistentPromptCache(LRUPromptCache):
             from kvstore.prefill import prefill
 
             source = "prefill"
-            cache = prefill(self.model, ids, kv_bits=self.kv_bits, kv_group_size=self.kv_group_size)
+            cache = prefill(
+                self.model,
+                ids,
+                kv_bits=self.kv_bits,
+                kv_group_size=self.kv_group_size,
+                quantized_kv_start=self.quantized_kv_start,
+            )
         queued, persist_s = False, 0.0
         if source != "store" and ids not in self._hydrated:
             t1 = time.perf_counter()
@@ -322,6 +331,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "adapter": self.adapter_path,
                 "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size,
+                "quantized_kv_start": self.quantized_kv_start,
                 "source": "pin" if pinned else "chain",
             },
         )

@@ -147,6 +147,7 @@ class SystemPromptPersister:
                 "adapter": target["adapter"],
                 "kv_bits": target["kv_bits"],
                 "kv_group_size": target["kv_group_size"],
+                "quantized_kv_start": target["quantized_kv_start"],
                 "source": "serve",
             },
         )
@@ -204,6 +205,7 @@ class _Hooks:
             adapter_path=adapter,
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
+            quantized_kv_start=args.quantized_kv_start,
             model=provider.model,
         )
         if not (report.warning and not report.entries):  # hydrate already said why not
@@ -224,6 +226,7 @@ class _Hooks:
                 adapter=adapter,
                 kv_bits=args.kv_bits,
                 kv_group_size=args.kv_group_size,
+                quantized_kv_start=args.quantized_kv_start,
                 template_hash=template_hash(resolve_model_path(model_path)),
             )
 

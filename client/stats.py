@@ -195,7 +195,7 @@ def stream_generate(
         model_key = getattr(prompt_cache, "model_key", None)
     if stats is None:
         stats = getattr(prompt_cache, "stats", None)
-    for name in ("kv_bits", "kv_group_size"):  # quantize fresh caches as the stored pins are
+    for name in ("kv_bits", "kv_group_size", "quantized_kv_start"):  # as the stored pins are
         if getattr(prompt_cache, "kv_bits", None) is not None:
             kwargs.setdefault(name, getattr(prompt_cache, name))
 

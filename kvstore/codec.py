@@ -83,6 +83,32 @@ def cache_classes(cache: list) -> list[str]:
     return [type(c).__name__ for c in cache]
 
 
+def cache_tokens(cache: list) -> int | None:
+    """How many tokens a prompt cache holds: the offset every offset-keeping layer agrees on
+    (ArraysCache state has none), or None when they disagree or no layer keeps one."""
+    offsets: set[int] = set()
+
+    def visit(c: Any) -> None:
+        if type(c).__name__ == "CacheList":
+            for x in c.caches:
+                visit(x)
+        elif isinstance(getattr(c, "offset", None), int):
+            offsets.add(c.offset)
+
+    for c in cache:
+        visit(c)
+    return offsets.pop() if len(offsets) == 1 else None
+
+
+def keeps_no_offset(cache: list) -> bool:
+    """True when no layer keeps a token offset (a pure state-space model's ArraysCache)."""
+    return all(
+        keeps_no_offset(list(c.caches)) if type(c).__name__ == "CacheList"
+        else not isinstance(getattr(c, "offset", None), int)
+        for c in cache
+    )  # fmt: skip
+
+
 def _normalize_one(c: Any) -> Any:
     name = type(c).__name__
     # An exact type match: a subclass stored under its own name would not decode.

@@ -13,15 +13,6 @@ from kvstore.errors import KVStoreError
 from kvstore.store import EntryMeta
 
 
-def _ident(m: EntryMeta) -> tuple:
-    return (
-        m.model,
-        m.extra.get("adapter"),
-        m.extra.get("kv_bits"),
-        m.extra.get("kv_group_size", 64),
-    )
-
-
 def _current_fingerprints(metas: Iterable[EntryMeta], home: Path) -> dict[tuple, bytes | None]:
     from kvstore.identity import FileHashCache, model_fingerprint
     from kvstore.settings import FILEHASH_NAME
@@ -29,15 +20,13 @@ def _current_fingerprints(metas: Iterable[EntryMeta], home: Path) -> dict[tuple,
     cache = FileHashCache(home / FILEHASH_NAME)
     out: dict[tuple, bytes | None] = {}
     for m in metas:
-        ident = _ident(m)
+        ident = m.ident()
         if ident not in out:
+            model, adapter, kv_bits, group, qstart = ident
+            quant = {"kv_group_size": group, "quantized_kv_start": qstart} if kv_bits else {}
             try:
                 out[ident] = model_fingerprint(
-                    m.model,
-                    adapter_path=ident[1],
-                    kv_bits=ident[2],
-                    kv_group_size=ident[3],
-                    hash_cache=cache,
+                    model, adapter_path=adapter, kv_bits=kv_bits, hash_cache=cache, **quant
                 ).digest
             except KVStoreError:
                 out[ident] = None
@@ -69,7 +58,7 @@ def select_for_eviction(
         chosen = [m for m in chosen if not m.pinned]
     if stale:
         current = _current_fingerprints(chosen, home)
-        chosen = [m for m in chosen if current[_ident(m)] != m.fingerprint]
+        chosen = [m for m in chosen if current[m.ident()] != m.fingerprint]
     if to_size is not None:
         total = sum(m.nbytes for m in metas)
         victims = []

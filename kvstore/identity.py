@@ -174,10 +174,15 @@ def model_fingerprint(
     adapter_path: str | Path | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
     layout: tuple | None = None,
+    model_object=None,
     hash_cache: FileHashCache | None = None,
 ) -> Fingerprint:
-    """Hash of everything that changes the KV of given tokens for this model as it would be run."""
+    """Hash of everything that changes the KV of given tokens for this model as it would be run.
+
+    The cache layout comes from `layout`, else the loaded `model_object`, else config.json.
+    """
     model_dir = resolve_model_path(model)
     cache = hash_cache or FileHashCache(None)
     files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
@@ -190,12 +195,13 @@ def model_fingerprint(
             raise ModelError(f"adapter {str(adapter_path)!r}: no adapter files in that directory")
         files += [(f"adapter/{p.relative_to(adir)}", p) for p in afiles]
     if layout is None:
-        layout = cache_layout(model_dir)
+        layout = cache_layout(model_dir, model_object)
     h = xxhash.xxh3_128()
     for name, path in files:
         h.update(f"{name}\0{path.stat().st_size}\0".encode())
         h.update(cache.digest(path))
-    h.update(repr((layout, kv_bits, kv_group_size if kv_bits else None, CODEC_VERSION)).encode())
+    quant = (kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
+    h.update(repr((layout, quant, CODEC_VERSION)).encode())
     cache.save()
     return Fingerprint(h.digest(), layout, kv_bits, kv_group_size)
 

@@ -17,7 +17,10 @@ KEY_BYTES = 32
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32: compact in meta and compared in one memcmp."""
-    return np.asarray(tokens, dtype="<u4").tobytes()
+    try:
+        return np.asarray(tokens, dtype="<u4").tobytes()
+    except (OverflowError, ValueError, TypeError):
+        raise ValueError("token ids must be integers in 0 .. 2**32-1") from None
 
 
 def unpack_tokens(data: bytes) -> list[int]:

@@ -23,10 +23,11 @@ else:  # pragma: no cover - exercised only on 3.10
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_KV_GROUP_SIZE = 64
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _TOP_KEYS = ("model",)
-_MODEL_KEYS = ("path", "adapter", "kv_bits", "kv_group_size", "prefix")
+_MODEL_KEYS = ("path", "adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "prefix")
 _PREFIX_KEYS = ("name", "messages", "text", "file", "tools")
 _MESSAGE_KEYS = ("role", "content")
 
@@ -51,6 +52,7 @@ class ModelSpec:
     adapter: str | None
     kv_bits: int | None
     kv_group_size: int
+    quantized_kv_start: int  # as generate(quantized_kv_start=): KV is quantized from this offset
     prefixes: tuple[PrefixSpec, ...]
 
 
@@ -153,6 +155,9 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     group = table.get("kv_group_size", DEFAULT_KV_GROUP_SIZE)
     if not _is_int(group) or group not in KV_GROUP_SIZES:
         raise where.error("kv_group_size", f"must be one of {_list(KV_GROUP_SIZES)}, got {group!r}")
+    qstart = table.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
+    if not _is_int(qstart) or qstart < 0:
+        raise where.error("quantized_kv_start", f"must be an integer >= 0, got {qstart!r}")
     prefixes = table.get("prefix", [])
     if not isinstance(prefixes, list) or not all(isinstance(p, dict) for p in prefixes):
         raise where.error("prefix", "must be an array of tables written as [[model.prefix]]")
@@ -171,6 +176,7 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
         adapter=_resolve_local(adapter, base) if adapter is not None else None,
         kv_bits=kv_bits,
         kv_group_size=group,
+        quantized_kv_start=qstart,
         prefixes=tuple(specs),
     )
 

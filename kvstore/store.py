@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,9 @@ _META_FIELDS = (
     "tokens", "ntokens", "label", "pinned", "model", "fingerprint", "template_hash", "created",
     "last_used", "hits", "nbytes", "checksum", "codec", "classes",
 )  # fmt: skip
+
+
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized from this offset on
 
 
 @dataclass
@@ -54,6 +57,29 @@ class EntryMeta:
     classes: list[str]
     extra: dict[str, Any] = field(default_factory=dict)  # adapter, kv_bits, source ...
 
+    def type_error(self) -> str | None:
+        """The first field whose type is wrong (stored or sent by a client), or None."""
+        for name, kind in _FIELD_TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                return f"field {name!r} must be {getattr(kind, '__name__', kind)}"
+        if not all(isinstance(c, str) for c in self.classes):
+            return "field 'classes' must be a list of str"
+        if not all(isinstance(k, str) for k in self.extra):
+            return "field 'extra' must have str keys"
+        return None
+
+    def ident(self) -> tuple:
+        """The model as it was run: path, adapter and KV quantization (what a manifest names)."""
+        kv_bits = self.extra.get("kv_bits")
+        return (
+            self.model,
+            self.extra.get("adapter"),
+            kv_bits,
+            self.extra.get("kv_group_size", 64) if kv_bits else None,
+            self.extra.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START) if kv_bits else None,
+        )
+
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)
 
@@ -72,12 +98,15 @@ class EntryMeta:
             meta = cls(key=key, **d)
         except Exception as e:
             raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
+        if problem := meta.type_error():
+            raise CorruptEntryError(key, f"unreadable meta ({problem})")
         if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != key[:FINGERPRINT_BYTES]:
             raise CorruptEntryError(key, "meta does not match its key or token count")
         return meta
 
     def to_json(self) -> dict[str, Any]:
         return {
+            **self.extra,  # first: it can never shadow the fields below
             "key": self.key.hex(),
             "model": self.model,
             "fingerprint": self.fingerprint.hex(),
@@ -91,8 +120,15 @@ class EntryMeta:
             "hits": self.hits,
             "classes": self.classes,
             "codec": self.codec,
-            **self.extra,
         }
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "tokens": bytes, "ntokens": int, "label": str, "pinned": bool, "model": str,
+    "fingerprint": bytes, "template_hash": bytes, "created": (int, float),
+    "last_used": (int, float), "hits": int, "nbytes": int, "checksum": int, "codec": int,
+    "classes": list, "extra": dict,
+}  # fmt: skip
 
 
 class _Gate:
@@ -139,6 +175,10 @@ class _Gate:
 # LMDB allows one open environment per file per process: Stores of one path share it (and its
 # resize gate).
 _ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly, gate]
+
+
+# An environment must not be used across fork(): a child starts with none.
+os.register_at_fork(after_in_child=_ENVS.clear)
 
 
 def _open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> lmdb.Environment:
@@ -340,6 +380,19 @@ class Store:
 
         return self._read(fn, buffers=True)
 
+    def blob_ok(self, meta: EntryMeta) -> bool:
+        """The stored blob has its meta's length and checksum (no decode: ~30 GB/s)."""
+
+        def fn(txn):
+            blob = txn.get(meta.key, db=self._blob)
+            return (
+                blob is not None
+                and len(blob) == meta.nbytes
+                and (blob_checksum(blob) == meta.checksum)
+            )
+
+        return self._read(fn, buffers=True)
+
     def read_blob(self, key: bytes) -> bytes:
         blob = self._read(lambda txn: txn.get(key, db=self._blob))
         if blob is None:
@@ -358,6 +411,11 @@ class Store:
             cache, _ = codec.decode(blob, name=f"entry {key.hex()}")
         except CodecError as e:
             raise CorruptEntryError(key, str(e)) from None
+        held = codec.cache_tokens(cache)
+        if held != meta.ntokens and not (held is None and codec.keeps_no_offset(cache)):
+            raise CorruptEntryError(
+                key, f"its KV holds {held} tokens but the entry is {meta.ntokens} tokens"
+            )
         return cache
 
     # -- writes -------------------------------------------------------------------------------
@@ -373,6 +431,30 @@ class Store:
         if unknown:
             raise StoreError(f"unknown meta field(s): {sorted(unknown)}")
 
+        tokens = fields.get("tokens")
+        if not isinstance(tokens, bytes) or len(tokens) % 4:
+            raise StoreError("field 'tokens' must be packed uint32 token ids (bytes)")
+        draft = EntryMeta(
+            key=key,
+            tokens=tokens,
+            ntokens=len(tokens) // 4,
+            label=fields.get("label", ""),
+            pinned=fields.get("pinned", False),
+            model=fields.get("model", ""),
+            fingerprint=key[:FINGERPRINT_BYTES],
+            template_hash=fields.get("template_hash") or b"",
+            created=now,
+            last_used=now,
+            hits=0,
+            nbytes=len(blob),
+            checksum=checksum,
+            codec=fields.get("codec", codec.CODEC_VERSION),
+            classes=list(fields.get("classes", [])),
+            extra=extra,
+        )
+        if problem := draft.type_error():
+            raise StoreError(f"entry {key.hex()}: {problem}")
+
         def fn(txn):
             old_raw = txn.get(key, db=self._meta)
             old = None
@@ -381,24 +463,12 @@ class Store:
                     old = EntryMeta.unpack(key, old_raw)
                 except CorruptEntryError:
                     old = None
-            same = old is not None and old.checksum == checksum and old.tokens == fields["tokens"]
-            meta = EntryMeta(
-                key=key,
-                tokens=fields["tokens"],
-                ntokens=len(fields["tokens"]) // 4,
-                label=fields.get("label", ""),
-                pinned=bool(fields.get("pinned", False)) or bool(same and old.pinned),
-                model=fields.get("model", ""),
-                fingerprint=key[:FINGERPRINT_BYTES],
-                template_hash=fields.get("template_hash", b""),
+            same = old is not None and old.checksum == checksum and old.tokens == tokens
+            meta = replace(
+                draft,
+                pinned=draft.pinned or bool(same and old.pinned),
                 created=old.created if same else now,
-                last_used=now,
                 hits=old.hits if same else 0,
-                nbytes=len(blob),
-                checksum=checksum,
-                codec=fields.get("codec", codec.CODEC_VERSION),
-                classes=list(fields.get("classes", [])),
-                extra=extra,
             )
             txn.put(key, blob, db=self._blob)
             txn.put(key, meta.pack(), db=self._meta)

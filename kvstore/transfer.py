@@ -47,14 +47,6 @@ def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
     return list(tok.encode(prompt))
 
 
-def _cache_tokens(cache: list) -> int:
-    """Tokens a decoded prompt cache holds (its first layer's offset)."""
-    first = cache[0]
-    while type(first).__name__ == "CacheList":
-        first = first.caches[0]
-    return int(getattr(first, "offset", -1))
-
-
 def import_file(
     store: Store,
     file: Path,
@@ -71,13 +63,16 @@ def import_file(
     try:
         cache, metadata = codec.decode(blob, name=str(file))
     except CodecError as e:
-        raise KVStoreError(f"{file}: not a valid prompt-cache file: {e}") from None
+        raise KVStoreError(f"not a valid prompt-cache file: {e}") from None  # e names the file
     model_dir = resolve_model_path(model)
     if tokens_file is not None:
         try:
             tokens = json.loads(Path(tokens_file).read_text())
-            if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
-                raise ValueError("expected a JSON list of integers")
+            if not (
+                isinstance(tokens, list)
+                and all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens)
+            ):
+                raise ValueError("expected a JSON list of token ids (integers 0 .. 2**32-1)")
         except (OSError, ValueError) as e:
             raise KVStoreError(f"{tokens_file}: cannot read token ids: {e}") from None
     else:
@@ -101,8 +96,8 @@ def import_file(
             f"{file}: cache layout {[g[0] for g in got]} does not match model {model!r} "
             f"({[g[0] for g in fp.layout]}); was it made with another model?"
         )
-    held = _cache_tokens(cache)
-    if held != len(tokens):
+    held = codec.cache_tokens(cache)
+    if held != len(tokens) and not (held is None and codec.keeps_no_offset(cache)):
         raise KVStoreError(
             f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
             "pass the exact prompt (or --tokens) it was made from"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import codec
-from kvstore.errors import KVStoreError, ModelError
+from kvstore.errors import CorruptEntryError, KVStoreError, ModelError
 from kvstore.identity import (
     FileHashCache,
     Fingerprint,
@@ -96,6 +96,7 @@ def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan
         adapter_path=spec.adapter,
         kv_bits=spec.kv_bits,
         kv_group_size=spec.kv_group_size,
+        quantized_kv_start=spec.quantized_kv_start,
         hash_cache=FileHashCache(home / FILEHASH_NAME),
     )
     tokenizer = load_tokenizer(model_dir)
@@ -105,8 +106,14 @@ def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan
         key = entry_key(fp.digest, pin.tokens)
         present = False
         if store is not None:
-            meta = store.get_meta(key)
-            present = meta is not None and meta.tokens == pack_tokens(pin.tokens)
+            try:
+                meta = store.get_meta(key)
+            except CorruptEntryError:
+                meta = None  # re-warmed: the put replaces it
+            # a present pin whose blob went bad is warmed again, not skipped by every hydrate
+            present = (
+                meta is not None and meta.tokens == pack_tokens(pin.tokens) and store.blob_ok(meta)
+            )
         plan.pins.append(PlannedPin(spec, pin, key, present))
     return plan
 
@@ -140,7 +147,11 @@ def encode_pin(
     from kvstore.prefill import prefill
 
     cache = prefill(
-        model, pp.pin.tokens, kv_bits=plan.spec.kv_bits, kv_group_size=plan.spec.kv_group_size
+        model,
+        pp.pin.tokens,
+        kv_bits=plan.spec.kv_bits,
+        kv_group_size=plan.spec.kv_group_size,
+        quantized_kv_start=plan.spec.quantized_kv_start,
     )
     blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
     fields = dict(
@@ -154,6 +165,7 @@ def encode_pin(
             "adapter": plan.spec.adapter,
             "kv_bits": plan.spec.kv_bits,
             "kv_group_size": plan.spec.kv_group_size,
+            "quantized_kv_start": plan.spec.quantized_kv_start,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
         },
@@ -162,17 +174,9 @@ def encode_pin(
 
 
 def _ident(spec: ModelSpec) -> tuple:
-    return (spec.path, spec.adapter, spec.kv_bits, spec.kv_group_size if spec.kv_bits else None)
-
-
-def _meta_ident(meta) -> tuple:
-    kv_bits = meta.extra.get("kv_bits")
-    return (
-        meta.model,
-        meta.extra.get("adapter"),
-        kv_bits,
-        meta.extra.get("kv_group_size", 64) if kv_bits else None,
-    )
+    """What EntryMeta.ident() gives for this spec's entries."""
+    quant = (spec.kv_group_size, spec.quantized_kv_start) if spec.kv_bits else (None, None)
+    return (spec.path, spec.adapter, spec.kv_bits, *quant)
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
@@ -182,7 +186,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     stored under an older fingerprint of that model."""
     out = []
     for meta in store.metas(errors=[]):
-        plan = plans.get(_meta_ident(meta))
+        plan = plans.get(meta.ident())
         ours = meta.extra.get("source") == "manifest" and meta.extra.get("manifest") == str(
             manifest.path
         )
@@ -198,7 +202,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
                 )
             continue
         if plan is None:
-            if any(_ident(s) == _meta_ident(meta) for s in manifest.models):
+            if any(_ident(s) == meta.ident() for s in manifest.models):
                 continue  # its model failed to plan: keep what we have, do not guess
             cause = "model removed from the manifest"
         elif meta.fingerprint != plan.fingerprint.digest:
@@ -305,7 +309,22 @@ def warm(
                     )
                     log.error("%s", msg)
                     continue
-                put(pp.key, blob, fields)
+                try:
+                    put(pp.key, blob, fields)
+                except KVStoreError as e:  # the map cap, a full disk: say so, go on
+                    msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
+                    report.pins.append(
+                        PinResult(
+                            spec.path,
+                            pp.pin.name,
+                            pp.key.hex(),
+                            len(pp.pin.tokens),
+                            "failed",
+                            error=msg,
+                        )
+                    )
+                    log.error("%s", msg)
+                    continue
                 dt = time.perf_counter() - t
                 report.pins.append(
                     PinResult(

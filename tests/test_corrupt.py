@@ -104,3 +104,27 @@ def test_garbage_store_file_gives_one_warning(llama_path, kv_home):
     lru = LRUPromptCache()
     report = hydrate(lru, "m", llama_path, home=kv_home)
     assert report.entries == 0 and "prefilling as usual" in report.warning
+
+
+def test_kv_that_does_not_cover_its_tokens_is_rejected(llama_path, kv_home):
+    """A cache of 5 tokens stored under 3 token ids would serve KV for tokens not asked for."""
+    from mlx_lm import load
+
+    from kvstore import codec
+    from kvstore.keys import entry_key, pack_tokens
+    from kvstore.prefill import prefill
+
+    model, _ = load(str(llama_path))
+    from kvstore.identity import model_fingerprint
+
+    fp = model_fingerprint(llama_path).digest
+    blob = codec.encode(prefill(model, [5, 6, 7, 8, 9]))
+    with Store(kv_home) as store:
+        bad = store.put(entry_key(fp, [5, 6, 7]), blob, tokens=pack_tokens([5, 6, 7]))
+        good = store.put(entry_key(fp, [5, 6, 7, 8, 9]), blob, tokens=pack_tokens([5, 6, 7, 8, 9]))
+        problems = store.check()
+    assert [p.key for p in problems] == [bad.key] and "holds 5 tokens" in problems[0].reason
+    lru = LRUPromptCache()
+    report = hydrate(lru, "m", llama_path, home=kv_home)
+    assert report.entries == 1 and any(bad.key.hex() in s for s in report.skipped)
+    assert good.key != bad.key

@@ -8,7 +8,8 @@ import logging
 import mlx.core as mx
 from helpers import TWO_PINS, assert_same_kv, manifest_for
 from mlx_lm import load
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from client import hydrate
 from kvstore.manifest import load_manifest
@@ -35,35 +36,55 @@ def _prompt(tokenizer, system: str, user: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
+    """The reference, from mlx-lm's own pieces: one forward pass into make_prompt_cache, then
+    generate's maybe_quantize_kv_cache (kvstore's prefill is not used to check itself)."""
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    if quant:
+        maybe_quantize_kv_cache(cache, quant["quantized_kv_start"], quant["kv_group_size"],
+                                quant["kv_bits"])  # fmt: skip
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 def test_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path):
     _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, None)
 
 
-def test_hydrate_equals_fresh_prefill_kv_bits_8(llama_path, kv_home, tmp_path):
-    _check_hydrate_equals_fresh_prefill(llama_path, kv_home, tmp_path, 8)
+def test_kv_bits_pins_quantize_as_generate_does(llama_path, kv_home, tmp_path):
+    # quantized from the first token (quantized_kv_start = 0): QuantizedKVCache entries
+    quant = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    caches = _check_hydrate_equals_fresh_prefill(llama_path, kv_home, tmp_path, quant)
+    assert {type(c).__name__ for cache in caches for c in cache} == {"QuantizedKVCache"}
 
 
-def _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, kv_bits):
-    extra = f"kv_bits = {kv_bits}\nkv_group_size = 32" if kv_bits else ""
+def test_kv_bits_pins_below_quantized_kv_start_stay_full_precision(llama_path, kv_home, tmp_path):
+    # mlx-lm's default start (5000 tokens): a cold generate(kv_bits=8) keeps these short
+    # prefixes unquantized, so the stored pins must too, under the kv_bits=8 fingerprint
+    quant = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=5000)
+    caches = _check_hydrate_equals_fresh_prefill(llama_path, kv_home, tmp_path, quant)
+    assert {type(c).__name__ for cache in caches for c in cache} == {"KVCache"}
+
+
+def _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, quant):
+    extra = "".join(f"{k} = {v}\n" for k, v in (quant or {}).items())
     metas = _warm(tmp_path, kv_home, any_model_path, extra)
     model, tokenizer = load(str(any_model_path))
     lru = LRUPromptCache(max_size=10)
-    report = hydrate(
-        lru, "m", any_model_path, home=kv_home, model=model, kv_bits=kv_bits, kv_group_size=32
-    )
+    report = hydrate(lru, "m", any_model_path, home=kv_home, model=model, **(quant or {}))
     assert report.warning is None
     assert report.entries == 2
     assert report.tokens == sum(m.ntokens for m in metas.values())
     assert len(lru) == 2
 
+    hydrated = []
     for meta in metas.values():
         tokens = meta.token_ids()
-        fresh = prefill(model, tokens, kv_bits=kv_bits, kv_group_size=32)
         cache, rest = lru.fetch_nearest_cache("m", tokens)
         assert rest == []
-        assert_same_kv(cache, fresh)
-        if kv_bits:
-            assert {type(c).__name__ for c in cache} == {"QuantizedKVCache"}
+        assert_same_kv(cache, _mlx_lm_prefill(model, tokens, quant))
+        hydrated.append(cache)
 
     # a real request continuing the classify pin: only the suffix is prefilled
     system = load_manifest(tmp_path / "manifest.toml").models[0].prefixes[0].messages[0]["content"]
@@ -73,9 +94,10 @@ def _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, kv_bi
     cache, rest = lru.fetch_nearest_cache("m", prompt)
     assert len(rest) == len(prompt) - len(pin)
     hydrated_logits = model(mx.array(rest)[None], cache=cache)
-    cold = prefill(model, pin, kv_bits=kv_bits, kv_group_size=32)
+    cold = _mlx_lm_prefill(model, pin, quant)
     cold_logits = model(mx.array(rest)[None], cache=cold)
     assert mx.array_equal(hydrated_logits, cold_logits).item()
+    return hydrated
 
 
 def test_hydrate_ignores_other_fingerprints(llama_path, hybrid_path, kv_home, tmp_path):
@@ -121,3 +143,28 @@ def test_hydrated_arrays_survive_store_close_and_rewrite(llama_path, kv_home, tm
         tokens = meta.token_ids()
         cache, _ = lru.fetch_nearest_cache("m", tokens)
         assert_same_kv(cache, prefill(model, tokens))
+
+
+def test_a_model_with_lora_layers_needs_its_adapter_named(llama_path, kv_home, tmp_path):
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    _warm(tmp_path, kv_home, llama_path)
+    model, _ = load(str(llama_path))
+    linear_to_lora_layers(model, 1, {"rank": 4, "scale": 1.0, "dropout": 0.0})
+    lru = LRUPromptCache()
+    report = hydrate(lru, "m", llama_path, home=kv_home, model=model)
+    assert report.entries == 0 and len(lru) == 0  # base-model KV never goes into an adapted model
+    assert "adapter" in report.warning
+
+
+def test_entries_of_another_model_version_are_named_in_one_warning(llama_path, kv_home, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    _warm(tmp_path, kv_home, model)
+    config = model / "config.json"
+    config.write_text(config.read_text().replace("1e-05", "2e-05"))
+    report = hydrate(LRUPromptCache(), "m", model, home=kv_home)
+    assert report.entries == 0
+    assert "2 stored entries" in report.warning and "another version" in report.warning

@@ -196,3 +196,60 @@ def test_map_growth_waits_for_this_process_readers(kv_home):
         assert gate.call_count == 23 and len(sizes) >= 4  # the map doubled under the readers
         assert not errors, errors
         assert len(store.metas()) == 24
+
+
+def test_put_refuses_fields_of_the_wrong_type(kv_home):
+    with Store(kv_home) as store:
+        for bad, field in (
+            (dict(label=7), "label"),
+            (dict(extra="x"), "extra"),
+            (dict(pinned="yes"), "pinned"),
+            (dict(classes=[1]), "classes"),
+            (dict(extra={1: "x"}), "extra"),
+        ):
+            with pytest.raises(StoreError, match=field):
+                _put(store, b"\x0b" * 16, [1], **bad)
+        assert store.metas() == []
+
+
+def test_a_poisoned_meta_is_one_bad_entry_not_a_broken_store(kv_home):
+    import msgpack
+
+    from kvstore.errors import CorruptEntryError
+
+    with Store(kv_home) as store:
+        good = _put(store, b"\x0c" * 16, [1], label="good", extra={"key": "shadow"})
+        bad = _put(store, b"\x0c" * 16, [2], label="bad")
+        raw = msgpack.unpackb(store.env.begin().get(bad.key, db=store._meta), raw=False)
+        raw["label"], raw["extra"] = 7, "x"
+        with store.env.begin(write=True) as txn:
+            txn.put(bad.key, msgpack.packb(raw, use_bin_type=True), db=store._meta)
+        errors: list = []
+        metas = store.metas(errors=errors)
+        assert [m.label for m in metas] == ["good"]
+        assert isinstance(errors[0], CorruptEntryError) and "label" in errors[0].reason
+        assert metas[0].to_json()["key"] == good.key.hex()  # extra can never shadow a field
+
+
+def test_a_forked_child_never_reuses_the_parents_environment(kv_home):
+    """py-lmdb refuses a second open of a path inside one process, and a forked child counts as
+    the parent: the child gets a clear StoreError, never the parent's environment object."""
+    import os
+
+    with Store(kv_home) as parent:
+        _put(parent, b"\x0d" * 16, [1])
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = b"?"
+            try:
+                child = Store(kv_home, readonly=True)
+                code = b"R" if child.env is parent.env else b"N"
+            except StoreError as e:
+                code = b"E" if "already open" in str(e) else b"?"
+            finally:
+                os.write(w, code)
+                os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        assert os.read(r, 1) in (b"E", b"N")  # an error or a fresh environment, never reuse

@@ -52,6 +52,7 @@ def test_text_prefix_and_model_options(tmp_path: Path) -> None:
     )
     (model,) = load_manifest(write(tmp_path, body)).models
     assert (model.adapter, model.kv_bits, model.kv_group_size) == ("/adapters/router", 8, 32)
+    assert model.quantized_kv_start == 5000  # mlx_lm.generate's default
     (prefix,) = model.prefixes
     assert prefix.text == "Answer in JSON." and prefix.messages is None
 
@@ -114,6 +115,11 @@ ERRORS = {
     ),
     "unknown_top_key": ('modle = 1\n[[model]]\npath = "/m"\n', {}, ["modle"]),
     "kv_bits_range": ('[[model]]\npath = "/m"\nkv_bits = 7\n', {}, ["kv_bits", "7"]),
+    "quantized_kv_start": (
+        '[[model]]\npath = "/m"\nquantized_kv_start = -1\n',
+        {},
+        ["quantized_kv_start", "-1"],
+    ),
     "kv_bits_type": ('[[model]]\npath = "/m"\nkv_bits = "8"\n', {}, ["kv_bits"]),
     "kv_bits_bool": ('[[model]]\npath = "/m"\nkv_bits = true\n', {}, ["kv_bits"]),
     "group_size": ('[[model]]\npath = "/m"\nkv_group_size = 48\n', {}, ["kv_group_size"]),

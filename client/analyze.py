@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from kvstore.cli import home_option  # every command takes --home (analyze reads no store)
 from kvstore.errors import KVStoreError
 
 CONTEXT = 30  # characters of stable text shown before the first dynamic block
@@ -322,7 +323,8 @@ def format_table(reports: list[StageReport]) -> str:
     help="Render with this model's chat template and count tokens (else bytes only).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-def analyze_cmd(captured: Path, model: str | None, as_json: bool) -> None:
+@home_option
+def analyze_cmd(captured: Path, model: str | None, as_json: bool, home: Path) -> None:
     """Show how much of each stage's prompts a prefix cache can serve.
 
     CAPTURED is JSONL: one {"stage": ..., "messages": [...], "tools"?} or {"stage", "text"} per

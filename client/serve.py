@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import queue
 import sys
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import click
 
 from client.hydrate import hydrate
+from client.writebehind import Job, WriteBehind
 from kvstore.cli import home_option
 from kvstore.errors import KVStoreError
 
@@ -77,20 +76,17 @@ def check_server_shape(server: Any) -> None:
 
 
 class SystemPromptPersister:
-    """Sends new system-prompt caches to the daemon from a background thread.
+    """Sends new system-prompt caches to the daemon through the client's write-behind queue.
 
-    The request path only evaluates and enqueues; encoding and the socket happen here. With no
-    daemon, one warning, then prefixes are dropped and serving goes on.
+    The request path only evaluates and enqueues; encoding and the socket happen on its worker.
+    With no daemon, one warning, then prefixes are dropped and serving goes on.
     """
 
     def __init__(self, home: Path):
         self.home = home
-        self.queue: queue.Queue = queue.Queue(PERSIST_QUEUE)
+        self.writer = WriteBehind(home, maxsize=PERSIST_QUEUE)
         self.seen: set[tuple] = set()
-        self.warned = False
         self.sent = 0
-        self.thread = threading.Thread(target=self._run, name="kvstore-persist", daemon=True)
-        self.thread.start()
 
     def offer(self, target: dict[str, Any], tokens: Sequence[int], cache: list) -> None:
         ident = (target["fingerprint"], tuple(tokens))
@@ -101,23 +97,15 @@ class SystemPromptPersister:
 
         # Evaluate on the generation thread (its stream); the worker only reads finished arrays.
         mx.eval([c.state for c in cache])
-        try:
-            self.queue.put_nowait((target, list(tokens), cache))
-        except queue.Full:
-            self.seen.discard(ident)
-            log.debug("kvstore: persist queue full; dropping a system prefix")
+        tokens = list(tokens)
+        job = Job(
+            f"system prefix ({len(tokens)} tokens)",
+            lambda client: self._send(client, target, tokens, cache),
+        )
+        if not self.writer.submit(job):
+            self.seen.discard(ident)  # offered again the next time the server inserts it
 
-    def _run(self) -> None:
-        client = None
-        while True:
-            target, tokens, cache = self.queue.get()
-            try:
-                client = self._send(client, target, tokens, cache)
-            except Exception as e:  # persisting is best effort: never take the server down
-                client = None
-                self._warn(f"kvstore: could not persist a system prefix: {e}")
-
-    def _send(self, client: Any, target: dict[str, Any], tokens: list[int], cache: list) -> Any:
+    def _send(self, client: Any, target: dict[str, Any], tokens: list[int], cache: list) -> None:
         from kvstore import codec
         from kvstore.keys import entry_key, pack_tokens
         from kvstore.store import Store
@@ -126,15 +114,7 @@ class SystemPromptPersister:
         with contextlib.suppress(KVStoreError), Store(self.home, readonly=True) as store:
             meta = store.get_meta(key)
             if meta is not None and meta.tokens == pack_tokens(tokens):
-                return client  # hydrated or persisted before
-        if client is None:
-            client = _connect(self.home)
-            if client is None:
-                self._warn(
-                    f"kvstore: no daemon answers on {self.home}; new system prompts are not "
-                    "persisted (start `kvstore daemon`)"
-                )
-                return None
+                return  # hydrated or persisted before
         blob = codec.encode(cache, {"model": target["model"], "tokenizer_config": "{}"})
         fields = dict(
             tokens=pack_tokens(tokens),
@@ -154,20 +134,6 @@ class SystemPromptPersister:
         client.put(key, blob, fields)
         self.sent += 1
         log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), target["model"])
-        return client
-
-    def _warn(self, msg: str) -> None:
-        if not self.warned:
-            self.warned = True
-            log.warning("%s", msg)
-
-
-def _connect(home: Path) -> Any:
-    try:
-        from kvstore.remote import connect
-    except ImportError:  # the daemon's client end is not installed in this build
-        return None
-    return connect(home)
 
 
 class _Hooks:

@@ -146,7 +146,12 @@ class WriteBehind:
         # Reconnect per job while none answers: cheap (no socket file, or a refused connect), and
         # a daemon started after the app is picked up without a restart.
         if self._client is None:
+            from kvstore.errors import KVStoreError
             from kvstore.remote import connect
 
-            self._client = connect(self.home)
+            try:
+                self._client = connect(self.home)
+            except KVStoreError as e:  # a busy daemon (too many connections): this job is dropped
+                log.debug("kvstore: %s", e)
+                return None
         return self._client

@@ -56,6 +56,51 @@ def _want(
     return value
 
 
+_PUT_FIELDS: dict[str, tuple[type, str]] = {
+    "label": (str, "str"),
+    "model": (str, "str"),
+    "pinned": (bool, "bool"),
+    "template_hash": (bytes, "bytes"),
+    "classes": (list, "a list of str"),
+    "extra": (dict, "a map with str keys and msgpack-simple values"),
+}
+_SIMPLE = (type(None), bool, int, float, str, bytes)
+_MAX_DEPTH = 8
+
+
+def _simple(value: Any, depth: int = 0) -> bool:
+    """A value msgpack stores and reads back as itself: scalars, bytes, and lists or str-keyed
+    maps of those (nested at most _MAX_DEPTH deep)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(2**63) <= value < 2**64
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth >= _MAX_DEPTH:
+        return False
+    if isinstance(value, list):
+        return all(_simple(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _simple(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def check_put_fields(fields: dict[str, Any]) -> None:
+    """The meta fields of a put, type-checked before anything is queued; raises ValueError
+    naming the first bad field (`tokens` is checked with the key)."""
+    for name, value in fields.items():
+        if name == "tokens":
+            continue
+        if name not in _PUT_FIELDS:
+            raise ValueError(f"field {name!r} is not one a put may set ({', '.join(_PUT_FIELDS)})")
+        kind, what = _PUT_FIELDS[name]
+        if not isinstance(value, kind):
+            raise ValueError(f"field {name!r} must be {what}, not {type(value).__name__}")
+        if name == "classes" and not all(isinstance(c, str) for c in value):
+            raise ValueError(f"field {name!r} must be {what}")
+        if name == "extra" and not _simple(value):
+            raise ValueError(f"field {name!r} must be {what}")
+
+
 class Commands:
     """Mixed into the Daemon, which provides these attributes."""
 
@@ -74,8 +119,8 @@ class Commands:
     watch: Callable[[Path], None]
 
     def write(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the writer thread and wait for it."""
-        return self.writer.submit(name, fn).result()
+        """Run `fn` on the writer thread and wait for it (`dispatch` logs a failure)."""
+        return self.writer.submit(name, fn, reported=True).result()
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -120,6 +165,7 @@ class Commands:
         tokens = fields.get("tokens")
         if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % 4:
             raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
+        check_put_fields(fields)
         # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
         if xxhash.xxh3_128(tokens).digest() != key[FINGERPRINT_BYTES:]:
             raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
@@ -127,7 +173,7 @@ class Commands:
         if not 0 < nbytes <= budget:
             raise ValueError(f"put {key.hex()}: {nbytes} bytes is outside 1..max_bytes={budget}")
         blob = args.get("blob")
-        if blob is None:
+        if blob is None:  # into one buffer of nbytes (at most max_bytes, checked above)
             blob = conn.receive_stream(nbytes)
             conn.close_after_reply = False
         elif not isinstance(blob, bytes):
@@ -138,9 +184,16 @@ class Commands:
         def job():
             # Decoded here, on the writer (main) thread: see daemon.writer on mlx and threads.
             try:
-                codec.decode(blob, name=f"put {key.hex()}")
+                cache, _ = codec.decode(blob, name=f"put {key.hex()}")
             except CodecError as e:
                 raise ValueError(str(e)) from None
+            # The KV must cover exactly the entry's tokens: more or fewer would be served as the
+            # prefix it claims to be. (A pure state-space cache keeps no offset to compare.)
+            held, ntokens = codec.cache_tokens(cache), len(tokens) // 4
+            if held != ntokens and not (held is None and codec.keeps_no_offset(cache)):
+                what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"
+                raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")
+            del cache
             meta = self.store.put(key, blob, **fields)
             log.info(
                 "put %s %r of %s: %d tokens, %d bytes",
@@ -161,7 +214,10 @@ class Commands:
         keys = _want(args, "keys", list, [])
         if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
             raise ValueError(f"argument 'keys' must be a list of {KEY_BYTES}-byte keys")
-        if not any(args.get(f) for f in _EVICT_FILTERS):
+        # to_size=0 is a filter ("down to 0 bytes"), not its absence.
+        if not any(args.get(f) for f in _EVICT_FILTERS if f != "to_size") and (
+            args.get("to_size") is None
+        ):
             raise ValueError(f"name what to evict: one of {', '.join(_EVICT_FILTERS)}")
         label, model = _want(args, "label", str), _want(args, "model", str)
         to_size = _want(args, "to_size", int)
@@ -194,6 +250,22 @@ class Commands:
             }
 
         return self.write("evict", job)
+
+    def cmd_repair(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """`kvstore verify --repair`: check every entry and delete the bad ones, as one writer
+        job (it decodes, so it runs on the main thread too)."""
+
+        def job():
+            entries = len(self.store.keys())
+            problems = self.store.check(repair=True)
+            for p in problems:
+                log.warning("repair: deleted entry %s: %s", p.key.hex(), p.reason)
+            return {
+                "entries": entries,
+                "problems": [{"key": p.key, "reason": p.reason} for p in problems],
+            }
+
+        return self.write("repair", job)
 
     def cmd_warm(self, args: dict, conn: Connection) -> dict[str, Any]:
         """Reconcile one manifest (or, without one, every manifest the daemon watches). A manifest

@@ -39,6 +39,8 @@ from kvstore.store import Store
 log = logging.getLogger("kvstore.daemon")
 
 _READS = frozenset({"ping", "stats", "ls"})  # not worth a log line each
+# How long shutdown waits for woken connection threads; well inside the 5 s service managers allow.
+CONN_JOIN_SECONDS = 2.5
 
 
 class Connection:
@@ -62,9 +64,12 @@ class Connection:
         self.requests += 1
         return msg
 
-    def receive_stream(self, nbytes: int) -> bytes:
-        """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all."""
-        parts, got = [], 0
+    def receive_stream(self, nbytes: int) -> bytearray:
+        """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all, copied into
+        one buffer allocated up front (the caller caps `nbytes`): no list of parts to join, so
+        the blob is held once, plus one frame."""
+        buf, got = bytearray(nbytes), 0
+        view = memoryview(buf)
         while got < nbytes:
             msg = protocol.recv(
                 self.sock,
@@ -77,9 +82,10 @@ class Connection:
             data = msg.get("data")
             if not isinstance(data, bytes) or not data or got + len(data) > nbytes:
                 raise ProtocolError("a streamed put frame must hold the next `data` bytes")
-            parts.append(data)
+            view[got : got + len(data)] = data
             got += len(data)
-        return b"".join(parts)
+        view.release()
+        return buf
 
     def reply(self, obj: dict[str, Any]) -> None:
         self.sock.settimeout(self.idle_timeout)  # a client that never reads cannot pin a thread
@@ -155,16 +161,16 @@ class Daemon(Commands):
         self.reload(f"files changed: {names}", settings=False)
 
     def watch(self, manifest: Path) -> None:
-        """Watch one more manifest from now on (a warm request named it). The watcher lists its
-        files only at start and after a change, so it is restarted with the new list."""
-        if manifest in self.manifests:
-            return
-        self.manifests.append(manifest)
-        log.info("now watching manifest %s", manifest)
-        with self._watcher_lock:
+        """Watch one more manifest from now on (a warm request named it). The running watcher
+        re-lists its files: the files it already watches keep their baseline, so an edit it has
+        not checked yet is still reported, and nothing already watched is re-hashed."""
+        with self._watcher_lock:  # two warm requests for one new manifest: one append
+            if manifest in self.manifests:
+                return
+            self.manifests.append(manifest)
+            log.info("now watching manifest %s", manifest)
             if self.watcher is not None and not self.stopping.is_set():
-                self.watcher.stop()
-                self._start_watcher()
+                self.watcher.refresh()
 
     def _start_watcher(self) -> None:
         try:
@@ -321,8 +327,13 @@ class Daemon(Commands):
                 self._conns.pop(sock, None)
 
     def _shutdown(self) -> None:
-        """After the writer returned and the socket is gone: watcher, connections, LMDB."""
-        deadline = time.monotonic() + 1.0
+        """After the writer returned and the socket is gone: watcher, connections, LMDB.
+
+        LMDB is closed only once no connection thread is left: closing it under a thread still
+        inside a read would crash, not stop. Woken threads finish at once (their socket is shut
+        down, the writer's queued jobs failed); one that does not within CONN_JOIN_SECONDS is
+        logged and the store is left for the process exit to release."""
+        deadline = time.monotonic() + CONN_JOIN_SECONDS
         with self._watcher_lock:
             if self.watcher is not None:
                 self.watcher.stop()
@@ -335,7 +346,16 @@ class Daemon(Commands):
                 pass
         for t in conns.values():
             t.join(max(0.0, deadline - time.monotonic()))
-        self.store.close()
+        stuck = [t for t in conns.values() if t.is_alive()]
+        if stuck:
+            log.warning(
+                "%d connection thread(s) still busy after %gs; leaving the store open for the "
+                "process exit to release rather than closing it under them",
+                len(stuck),
+                CONN_JOIN_SECONDS,
+            )
+        else:
+            self.store.close()
         self._wake_r.close()
         self._wake_w.close()
         log.info("stopped")

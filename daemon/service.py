@@ -300,14 +300,15 @@ def install(manifest: Path | None, dry_run: bool, home: Path) -> None:
 
 @service_cmd.command()
 @_dry_run_option
-def uninstall(dry_run: bool) -> None:
+@home_option
+def uninstall(dry_run: bool, home: Path) -> None:
     """Stop and disable the daemon service and remove its file."""
     kind = host_kind()
     p = plan(kind, "uninstall")
     if not dry_run:
         if not p.path.exists():
             raise click.ClickException(f"no kvstore service installed ({p.path} does not exist)")
-        require_service_manager(kind)
+        require_service_manager(kind, home)
     execute(p, dry_run=dry_run)
     if not dry_run:
         click.echo(f"removed {p.path}")
@@ -315,12 +316,13 @@ def uninstall(dry_run: bool) -> None:
 
 @service_cmd.command()
 @_dry_run_option
+@home_option
 @click.pass_context
-def status(ctx: click.Context, dry_run: bool) -> None:
+def status(ctx: click.Context, dry_run: bool, home: Path) -> None:
     """Show the service manager's view of the daemon; exits with its status code."""
     kind = host_kind()
     p = plan(kind, "status")
     if not dry_run:
-        require_service_manager(kind)
+        require_service_manager(kind, home)
         click.echo(f"{p.path}: {'installed' if p.path.exists() else 'not installed'}")
     ctx.exit(execute(p, dry_run=dry_run))

@@ -151,7 +151,8 @@ class Upkeep:
         return report_dict(report, manifest)
 
     def reconcile(self, manifest_paths: list[Path], *, cause: str) -> list[dict[str, Any]]:
-        """Warm every manifest; one that does not load is logged and its pins are left alone."""
+        """Warm every manifest; one that does not load is logged and its pins are left alone, one
+        whose warm fails is logged with its path, and the next manifest is warmed regardless."""
         reports = []
         for path in manifest_paths:
             try:
@@ -164,6 +165,8 @@ class Upkeep:
             except WarmCancelled:
                 log.info("warm of %s cancelled: the daemon is stopping", path)
                 break
+            except Exception:  # one manifest's failure must not starve the others
+                log.exception("reconcile: warming %s failed; continuing with the next", path)
         return reports
 
     def enforce_budget(self) -> list[str]:

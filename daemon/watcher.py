@@ -80,9 +80,9 @@ class _Hints(FileSystemEventHandler):
 class Watcher(threading.Thread):
     """A stoppable thread calling `on_change(changed_paths)` when watched files' contents change.
 
-    `paths()` is asked for the files to watch at start and again after every `on_change` (the
-    manifest may now reference other files). `on_change` runs on this thread; its exceptions are
-    logged and the watcher carries on.
+    `paths()` is asked for the files to watch at start, again after every `on_change` (the
+    manifest may now reference other files), and on `refresh()` (the caller's list grew).
+    `on_change` runs on this thread; its exceptions are logged and the watcher carries on.
 
         w = Watcher(lambda: [manifest, prompt], on_change=rewarm)
         w.start()
@@ -107,7 +107,9 @@ class Watcher(threading.Thread):
         self.poll_interval = poll_interval
         self.mode = "unstarted"
         self._stop_event = threading.Event()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # anything to do: a file event, a refresh, a stop
+        self._events = threading.Event()  # a file event arrived since the last check
+        self._refresh = threading.Event()  # refresh() asked to re-list the paths
         self._hashes: dict[Path, Digest] = {}
         self._relevant: frozenset[str] = frozenset()
         self._observer: BaseObserver | None = None
@@ -139,6 +141,15 @@ class Watcher(threading.Thread):
             self._fall_back(e)
         super().start()
 
+    def refresh(self) -> None:
+        """Re-ask `paths()` soon, on this thread, and watch what it adds: new files get their
+        baseline hash then, files already watched keep theirs (so a change not yet checked is
+        still reported), new directories are scheduled. No full re-hash unless a directory was
+        added (a late schedule may have missed a change). Safe from any thread; a no-op once
+        stopped; before `start()`, start takes the current list anyway."""
+        self._refresh.set()
+        self._wake.set()
+
     def stop(self, timeout: float | None = None) -> None:
         """Stop watching and join this thread and the observer's. Idempotent; safe in `finally`,
         before `start()`, and from inside `on_change`."""
@@ -152,22 +163,50 @@ class Watcher(threading.Thread):
     # -- the thread --------------------------------------------------------------------------
 
     def run(self) -> None:
+        next_poll = time.monotonic() + self.poll_interval
         try:
             while not self._stop_event.is_set():
                 if self.mode == "polling":
-                    if self._stop_event.wait(self.poll_interval):
+                    self._wake.wait(max(0.0, next_poll - time.monotonic()))
+                    self._wake.clear()
+                    if self._stop_event.is_set():
                         return
+                    self._apply_refresh()
+                    if time.monotonic() < next_poll:
+                        continue  # woken to refresh: the next re-hash is still the timer's
+                    next_poll = time.monotonic() + self.poll_interval
                 else:
                     self._wake.wait()
+                    if self._stop_event.is_set():
+                        return
+                    self._wake.clear()  # before looking: a hint from now on wakes us again
+                    if not self._events.is_set():  # woken only to refresh the list
+                        self._apply_refresh()
+                        continue
                     if not self._settle():
                         return
+                    self._apply_refresh()
                 self._check()
         finally:
             # Only this thread touches the observer once running, so it is the one to stop it.
             self._stop_observer()
 
     def _hint(self) -> None:
+        self._events.set()
         self._wake.set()
+
+    def _apply_refresh(self) -> None:
+        if not self._refresh.is_set():
+            return
+        self._refresh.clear()
+        paths = self._query_paths()
+        if paths is not None:
+            self._set_paths(paths)  # keeps the baseline of files already watched
+        if self.mode == "watchdog":
+            try:
+                self._reschedule()
+            except OSError as e:
+                self._fall_back(e)
 
     def _settle(self) -> bool:
         """Wait until events stop for one debounce window; False when stopped meanwhile."""
@@ -180,6 +219,7 @@ class Watcher(threading.Thread):
                 return True
 
     def _check(self) -> None:
+        self._events.clear()  # events from here on call for another check
         new = {p: file_digest(p) for p in self._hashes}
         changed = {p for p, d in new.items() if d != self._hashes[p]}
         # Baseline first: a failing on_change must not be re-fired on every later event.

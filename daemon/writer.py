@@ -29,18 +29,21 @@ class ShuttingDown(KVStoreError):
 
 class Writer:
     def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[str, Callable[[], Any], Future]] = queue.Queue()
+        self._jobs: queue.Queue[tuple[str, Callable[[], Any], Future, bool]] = queue.Queue()
         self._closed = False
         self._lock = threading.Lock()  # submit vs close: no job may be queued and never run
         self.current: str | None = None  # name of the job in flight, for stats and logs
 
-    def submit(self, name: str, fn: Callable[[], Any]) -> Future:
+    def submit(self, name: str, fn: Callable[[], Any], *, reported: bool = False) -> Future:
+        """Queue `fn`; its result or exception goes to the returned Future. A failure is logged
+        here unless `reported` (a caller that waits and logs it itself): a job nobody waits on
+        (the boot reconcile, a watcher's) would otherwise fail without a word."""
         fut: Future = Future()
         with self._lock:
             if self._closed:
                 fut.set_exception(ShuttingDown("the daemon is shutting down"))
             else:
-                self._jobs.put((name, fn, fut))
+                self._jobs.put((name, fn, fut, reported))
         return fut
 
     def run(self, stopping: threading.Event) -> None:
@@ -48,23 +51,27 @@ class Writer:
         the queued ones fail with ShuttingDown."""
         while not stopping.is_set():
             try:
-                name, fn, fut = self._jobs.get(timeout=POLL_SECONDS)
+                name, fn, fut, reported = self._jobs.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 continue
             if not fut.set_running_or_notify_cancel():
                 continue
             self.current = name
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:  # the job's failure is its caller's; the writer lives on
+                if not reported:
+                    log.exception("writer: job %s failed", name)
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
             finally:
                 self.current = None
         with self._lock:
             self._closed = True
         while True:
             try:
-                _, _, fut = self._jobs.get_nowait()
+                _, _, fut, _ = self._jobs.get_nowait()
             except queue.Empty:
                 return
             fut.set_exception(ShuttingDown("the daemon is shutting down"))

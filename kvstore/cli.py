@@ -372,20 +372,32 @@ def stats(as_json: bool, home: Path) -> None:
 @home_option
 @user_errors
 def verify(repair: bool, home: Path) -> None:
-    """Check every entry: meta, checksum, and a full decode. Exits 1 naming each bad entry."""
+    """Check every entry: meta, checksum, and a full decode. Exits 1 naming each bad entry.
+
+    Checking reads the store directly. With --repair the deletions are writes: with a daemon
+    running it does the repair (it is the one writer), else this process does.
+    """
     if not (home / "store" / "data.mdb").is_file():
         click.echo("no store: nothing to verify")
         return
-    with open_store(home, write=repair) as store:
-        n = len(store.keys())
-        bar = (
-            (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
-            if _tty()
-            else None
-        )
-        problems = store.check(repair=repair, progress=bar)
-    for p in problems:
-        click.echo(f"bad entry {p.key.hex()}: {p.reason}")
+    client = connect(home) if repair else None  # a busy daemon is an error: never write beside it
+    if client is not None:
+        _progress(f"repairing through the daemon for {home}; it checks every entry")
+        with client:
+            res = client.call("repair", timeout=None)
+        n = res["entries"]
+        problems = [(bytes(p["key"]).hex(), p["reason"]) for p in res["problems"]]
+    else:
+        with open_store(home, write=repair) as store:
+            n = len(store.keys())
+            bar = (
+                (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
+                if _tty()
+                else None
+            )
+            problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
+    for key, reason in problems:
+        click.echo(f"bad entry {key}: {reason}")
     if problems:
         raise click.ClickException(
             f"{len(problems)} of {n} entries failed" + (" and were deleted" if repair else "")

@@ -90,7 +90,12 @@ class Ledger:
         data = b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # a short write would tear a record: write the rest
+                n = os.write(fd, view)
+                if n <= 0:
+                    raise OSError(f"{self.path}: write made no progress")
+                view = view[n:]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -170,8 +170,15 @@ class RemoteWriter:
         return self.client.put(key, blob, fields)
 
 
+BUSY = "too many connections"  # what the daemon says when it refuses one over max_connections
+
+
 def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonClient | None:
-    """A client when a daemon answers on this home's socket, else None (quickly)."""
+    """A client when a daemon answers on this home's socket; None (quickly) when none does.
+
+    Raises DaemonError when a daemon answers but refuses the connection (at its connection cap):
+    the caller must not take that for "no daemon" and write the store as a second writer.
+    """
     try:
         path = socket_path(home)
     except KVStoreError:
@@ -183,8 +190,17 @@ def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonC
     except OSError:
         return None  # a stale socket from a killed daemon, or none listening yet
     try:
-        client.ping()
-    except (DaemonError, OSError):
+        try:
+            client.send({"cmd": "ping", "args": {}})
+        except DaemonError:
+            pass  # a refusal is sent and the socket closed at once: its reason may be waiting
+        client.reply(timeout=2.0)
+    except DaemonError as e:
+        client.close()
+        if BUSY in str(e):
+            raise DaemonError(f"daemon at {path} is busy ({BUSY}); try again") from None
+        return None  # it went away (stopping) or is not a daemon of ours
+    except OSError:
         client.close()
         return None
     client.timeout = timeout

@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / ("reliability.json" if STRESS else "reliability-quick.json")
 
 FINGERPRINT = b"reliability-fp00"  # 16 bytes: the store never interprets it
-WIDTH = 256  # bytes per position of the synthetic KV rows
 
 FIGURES: dict[str, dict[str, Any]] = {}
 
@@ -73,11 +72,19 @@ def _short(v: Any) -> str:
 # -- entries whose content follows from their key ----------------------------------------------
 
 
-def kv_rows(seed: int, version: int, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic uint8 keys and values of about `nbytes` in all, shaped (1, 1, S, WIDTH)."""
-    s = max(1, nbytes // (2 * WIDTH))
-    raw = np.random.default_rng([seed, version]).integers(0, 256, 2 * s * WIDTH, dtype=np.uint8)
-    return raw[: s * WIDTH].reshape(1, 1, s, WIDTH), raw[s * WIDTH :].reshape(1, 1, s, WIDTH)
+ROWS = 2  # every battery entry holds 2 tokens ([seed, 7]): its KV must cover exactly those
+
+
+def kv_rows(
+    seed: int, version: int, nbytes: int, rows: int = ROWS
+) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic uint8 keys and values of about `nbytes` in all, shaped (1, 1, rows, width):
+    the size goes into the row width, so the KV always covers exactly the entry's tokens."""
+    width = max(1, nbytes // (2 * rows))
+    raw = np.random.default_rng([seed, version]).integers(0, 256, 2 * rows * width, np.uint8)
+    return raw[: rows * width].reshape(1, 1, rows, width), raw[rows * width :].reshape(
+        1, 1, rows, width
+    )
 
 
 def blob_of(keys: np.ndarray, values: np.ndarray) -> bytes:
@@ -97,13 +104,15 @@ def blob_of(keys: np.ndarray, values: np.ndarray) -> bytes:
     return len(raw).to_bytes(8, "little") + raw + offset + keys.tobytes() + values.tobytes()
 
 
-def entry(seed: int, nbytes: int, *, version: int = 0) -> tuple[bytes, bytes, dict[str, Any]]:
-    """(key, blob, put fields): the tokens hold the seed, so a reader can re-derive the blob;
+def entry(
+    seed: int, nbytes: int, *, version: int = 0, tokens: list[int] | None = None
+) -> tuple[bytes, bytes, dict[str, Any]]:
+    """(key, blob, put fields): the first token is the seed, so a reader can re-derive the blob;
     `version` (in meta.extra) lets one key be overwritten with other content."""
     from kvstore.keys import entry_key, pack_tokens
 
-    tokens = [seed, 7]
-    blob = blob_of(*kv_rows(seed, version, nbytes))
+    tokens = [seed, 7] if tokens is None else tokens
+    blob = blob_of(*kv_rows(seed, version, nbytes, len(tokens)))
     fields = dict(
         tokens=pack_tokens(tokens),
         label=f"r{seed}",
@@ -120,7 +129,7 @@ def verify_loaded(meta, cache) -> str | None:
     version, size = meta.extra.get("version"), meta.extra.get("size")
     if not isinstance(version, int) or not isinstance(size, int):
         return f"{meta.key.hex()}: meta lacks version/size"
-    keys, values = kv_rows(seed, version, size)
+    keys, values = kv_rows(seed, version, size, meta.ntokens)
     got_k, got_v = np.array(cache[0].keys), np.array(cache[0].values)
     if got_k.shape != keys.shape or not np.array_equal(got_k, keys):
         return f"{meta.key.hex()}: keys differ from seed {seed} version {version}"

@@ -221,3 +221,24 @@ def test_stats_shows_the_prefill_ledger(kv_home):
     assert row["saved_s"] == pytest.approx(1800 * 1.0 / 200)  # at the label's own prefill rate
     out = run("stats").output
     assert "classify" in out and "SAVED" in out and "9.00" in out
+
+
+def _commands(group, ctx, path=()):
+    import click
+
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, click.Context(cmd, parent=ctx), (*path, name))
+        else:
+            yield (*path, name)
+
+
+def test_every_command_lists_home_in_its_help():
+    import click
+
+    commands = list(_commands(main, click.Context(main)))
+    for expected in (("analyze",), ("service", "status"), ("service", "uninstall"), ("verify",)):
+        assert expected in commands
+    missing = [" ".join(c) for c in commands if "--home" not in run(*c, "--help").output]
+    assert not missing, f"commands without --home: {missing}"

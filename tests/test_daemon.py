@@ -435,3 +435,229 @@ def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama
     # the daemon holds no stale state: a warm now finds the pin present again
     r = runner.invoke(main, ["warm", "--manifest", str(shared.manifest), *home])
     assert r.exit_code == 0 and "0 warmed, 2 present" in r.output, r.output
+
+
+# -- review fixes: failures are logged, puts are checked, to_size=0, busy, repair, shutdown ----
+
+
+_BROKEN_WARM = """
+import sys
+import daemon.upkeep as upkeep
+def broken(manifest, *args, **kwargs):
+    raise RuntimeError("the warm broke")
+upkeep.warm = broken
+from kvstore.cli import main
+main(["daemon", *sys.argv[1:]])
+"""
+
+
+def test_a_failing_boot_reconcile_is_logged_and_the_daemon_serves_on(tmp_path, llama_path):
+    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
+    d = Proc(tmp_path / "h", "--manifest", str(manifest), log=tmp_path / "d.log",
+             code=_BROKEN_WARM)  # fmt: skip
+    try:
+        d.wait_ready()
+        d.wait_log(f"reconcile: warming {manifest} failed")
+        line = next(x for x in d.text().splitlines() if "reconcile: warming" in x)
+        assert " ERROR " in line, d.text()
+        assert "RuntimeError: the warm broke" in d.text()  # with its traceback
+        assert d.request("ping")["pid"] == d.pid
+        assert d.request("ls") == []
+        # a reload nobody waits on fails the same way, and is logged again
+        d.request("reload")
+        assert d.text().count(f"reconcile: warming {manifest} failed") >= 2
+    finally:
+        rc, _ = d.stop()
+    assert rc == 0, d.text()
+
+
+def test_writer_logs_a_failed_job_nobody_waits_on(caplog):
+    import threading
+
+    from daemon.writer import Writer
+
+    w, stopping = Writer(), threading.Event()
+
+    def boom():
+        raise RuntimeError("job broke")
+
+    def stop():
+        stopping.set()
+
+    unwaited = w.submit("unwaited", boom)
+    waited = w.submit("waited", boom, reported=True)
+    w.submit("stop", stop)
+    with caplog.at_level("ERROR", logger="kvstore.daemon"):
+        w.run(stopping)
+    with pytest.raises(RuntimeError, match="job broke"):  # the future still has it
+        unwaited.result(0)
+    with pytest.raises(RuntimeError):
+        waited.result(0)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == ["writer: job unwaited failed"]
+    assert errors[0].exc_info is not None
+
+
+def test_reconcile_logs_a_failing_manifest_and_warms_the_next(tmp_path, llama_path, monkeypatch,
+                                                               caplog):  # fmt: skip
+    import threading
+
+    import daemon.upkeep as upkeep_mod
+    from kvstore.warm import WarmReport
+
+    bad = manifest_for(tmp_path, llama_path, TWO_PINS, name="bad.toml")
+    good = manifest_for(tmp_path, llama_path, TWO_PINS, name="good.toml")
+    warmed = []
+
+    def fake_warm(manifest, store, **kwargs):
+        if manifest.path == bad:
+            raise OSError("disk on fire")
+        warmed.append(manifest.path)
+        return WarmReport()
+
+    monkeypatch.setattr(upkeep_mod, "warm", fake_warm)
+    home = tmp_path / "home"
+    home.mkdir()
+    with Store(home) as store:
+        up = upkeep_mod.Upkeep(store, home, {"max_bytes": 2**30}, threading.Event())
+        with caplog.at_level("ERROR", logger="kvstore.daemon"):
+            reports = up.reconcile([bad, good], cause="test")
+    assert warmed == [good] and len(reports) == 1
+    (rec,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert str(bad) in rec.getMessage() and rec.exc_info is not None
+
+
+def test_put_whose_kv_does_not_cover_its_tokens_is_refused(shared, make_entry):
+    for n, held in ((39, "holds 40 tokens"), (41, "holds 40 tokens")):
+        key, blob, fields = make_entry(f"cover-{n}", list(range(7, 7 + n)))  # a 40-token blob
+        with DaemonClient(shared.home) as c, pytest.raises(DaemonError, match=held):
+            c.put(key, blob, fields)
+    labels = {e["label"] for e in entries(shared.home).values()}
+    assert not labels & {"cover-39", "cover-41"}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("label", 5),
+        ("model", b"/models/x"),
+        ("pinned", 1),
+        ("template_hash", "abcd"),
+        ("classes", "KVCache"),
+        ("classes", ["KVCache", 3]),
+        ("extra", [1, 2]),
+        ("extra", {1: "int key"}),
+        ("extra", {"nested": {2: "int key"}}),
+        ("extra", {"ext": msgpack.ExtType(5, b"x")}),
+        ("hits", 1000),
+    ],
+)
+def test_put_with_a_badly_typed_field_is_refused_naming_it(shared, make_entry, field, value):
+    key, blob, fields = make_entry("typed")
+    with DaemonClient(shared.home) as c:
+        with pytest.raises(DaemonError, match=f"field '{field}'"):
+            c.put(key, blob, {**fields, field: value})
+        assert c.ping()["pid"] == shared.pid
+    assert "typed" not in {e["label"] for e in entries(shared.home).values()}
+
+
+def test_evict_to_size_zero_evicts_every_unpinned_entry(shared, make_entry):
+    with DaemonClient(shared.home) as c:
+        for i in range(2):
+            c.put(*make_entry(f"zero-{i}", [600 + i] * 40))
+        res = c.request("evict", to_size=0)
+    assert res["evicted"] == 2
+    left = entries(shared.home).values()
+    assert {e["label"] for e in left} == {"classify", "synthesize"} and all(
+        e["pinned"] for e in left
+    )
+    with DaemonClient(shared.home) as c:
+        c.put(*make_entry("zero-cli", [650] * 40))
+    r = CliRunner().invoke(main, ["evict", "--to-size", "0", "--home", str(shared.home)])
+    assert r.exit_code == 0 and "evicted 1 entry" in r.output, r.output
+
+
+def test_receive_stream_fills_one_buffer():
+    from daemon.server import Connection
+
+    a, b = socket.socketpair()
+    try:
+        conn = Connection(a, {"max_frame_bytes": 2**20, "header_timeout": 2.0,
+                              "idle_timeout": 2.0})  # fmt: skip
+        for part in (b"abc", b"defg", b"h"):
+            protocol.send(b, {"data": part})
+        got = conn.receive_stream(8)
+        assert isinstance(got, bytearray) and got == b"abcdefgh"
+        protocol.send(b, {"data": b"12345"})
+        with pytest.raises(ProtocolError, match="next `data` bytes"):
+            conn.receive_stream(4)  # more than announced
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
+    held = [DaemonClient(shared.home) for _ in range(6)]  # max_connections = 6 in this home
+    try:
+        for c in held:
+            c.ping()
+        with pytest.raises(DaemonError, match="is busy \\(too many connections\\); try again"):
+            connect(shared.home)
+        # the CLI refuses rather than writing the store beside the daemon
+        r = CliRunner().invoke(main, ["evict", "--all", "--home", str(shared.home)])
+        assert r.exit_code == 1 and "busy" in r.output, r.output
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(0.2)
+    assert {"classify", "synthesize"} <= {e["label"] for e in entries(shared.home).values()}
+    c = connect(shared.home)
+    assert c is not None
+    c.close()
+
+
+def test_verify_repair_goes_through_the_daemon(shared):
+    from kvstore.keys import pack_tokens
+
+    key = bytes([0xCD]) * 16 + bytes(16)
+    with Store(shared.home) as store:  # damage made behind the daemon's back
+        store.put(key, b"\x00" * 100, tokens=pack_tokens([1, 2]), label="garbage")
+    home = ["--home", str(shared.home)]
+    r = CliRunner().invoke(main, ["verify", *home])  # a plain verify reads directly
+    assert r.exit_code == 1 and f"bad entry {key.hex()}" in r.output, r.output
+    assert "request repair" not in shared.text()
+    r = CliRunner().invoke(main, ["verify", "--repair", *home])
+    assert r.exit_code == 1 and f"bad entry {key.hex()}" in r.output, r.output
+    assert "were deleted" in r.output
+    shared.wait_log("request repair")
+    shared.wait_log(f"repair: deleted entry {key.hex()}")
+    assert key.hex() not in entries(shared.home)
+    r = CliRunner().invoke(main, ["verify", "--repair", *home])
+    assert r.exit_code == 0 and "entries ok" in r.output, r.output
+
+
+_SLOW_LS = """
+import sys, time
+from daemon.commands import Commands
+def slow_ls(self, args, conn):
+    self.store._read(lambda txn: time.sleep(30))  # stuck inside a read transaction
+    return []
+Commands.cmd_ls = slow_ls
+from kvstore.cli import main
+main(["daemon", *sys.argv[1:]])
+"""
+
+
+def test_shutdown_never_closes_the_store_under_a_busy_connection(tmp_path):
+    d = Proc(tmp_path / "h", log=tmp_path / "d.log", code=_SLOW_LS)
+    d.wait_ready()
+    s = _raw(d.home)
+    try:
+        protocol.send(s, {"cmd": "ls"})
+        time.sleep(0.5)  # the connection thread is inside the read now
+        rc, seconds = d.stop(signal.SIGTERM)
+    finally:
+        s.close()
+    assert rc == 0 and seconds < 5, d.text()
+    assert "connection thread(s) still busy" in d.text()
+    assert "stopped" in d.text()

@@ -136,3 +136,59 @@ def test_weight_change_replaces_every_entry_of_the_old_fingerprint(watched):
     assert old_fp not in {e["fingerprint"] for e in after.values()}
     assert all(e["key"] != before[label]["key"] for label, e in after.items())
     watched.wait_log("model changed (weights, config or adapter)")
+
+
+def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path, llama_path):
+    """Warming a second manifest through the daemon adds its files to the running watcher: an
+    edit made just before (not yet checked) is still reported, and the new files are watched."""
+    from click.testing import CliRunner
+
+    from kvstore.cli import main
+
+    (tmp_path / "router.md").write_text(CLASSIFY)
+    first = tmp_path / "pins.toml"
+    first.write_text(
+        f'[[model]]\npath = "{llama_path}"\n\n'
+        f'[[model.prefix]]\nname = "router"\nfile = "router.md"\n'
+    )
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "writer.md").write_text("You are the writer. Reply in short, kind sentences.")
+    second = other / "more.toml"
+    second.write_text(
+        f'[[model]]\npath = "{llama_path}"\n\n'
+        f'[[model.prefix]]\nname = "writer"\nfile = "writer.md"\n'
+    )
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "settings.toml").write_text("debounce = 0.3\npoll_interval = 1.0\n")
+    d = Proc(home, "--manifest", str(first), log=tmp_path / "daemon.log")
+    try:
+        d.wait_ready()
+        d.wait_warm()
+        router_key = entries(d)["router"]["key"]
+        # An edit the watcher has seen but not yet checked (inside its debounce window) ...
+        (tmp_path / "router.md").write_text(CLASSIFY.replace("JSON only", "one word only"))
+        # ... then a warm request names a new manifest: the running watcher must keep it.
+        r = CliRunner().invoke(main, ["warm", "--manifest", str(second), "--home", str(home)])
+        assert r.exit_code == 0 and "1 warmed" in r.output, r.output
+        deadline = time.monotonic() + 30
+        while entries(d)["router"]["key"] == router_key:
+            assert time.monotonic() < deadline, d.text()
+            time.sleep(0.05)
+        d.wait_log("router.md): reconciling")
+        w = d.request("stats")["daemon"]["last_warm"]
+        while not ("router.md" in w["cause"] and w["manifest"] == str(second)):
+            w = next_warm(d, w["at"])  # that reconcile ends with the second manifest's warm
+        # the newly warmed manifest's own prompt file is watched too
+        writer_key, at = entries(d)["writer"]["key"], w["at"]
+        (other / "writer.md").write_text("You are the editor. Reply in short, kind sentences.")
+        w = next_warm(d, at)
+        while w["warmed"] == 0:  # a reconcile warms the first manifest (nothing) then this one
+            w = next_warm(d, w["at"])
+        assert "writer.md" in w["cause"] and w["manifest"] == str(second)
+        assert entries(d)["writer"]["key"] != writer_key
+        assert "now watching manifest" in d.text()
+    finally:
+        rc, _ = d.stop()
+    assert rc == 0, d.text()

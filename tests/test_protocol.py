@@ -14,7 +14,7 @@ import pytest
 
 from daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
 from kvstore import protocol, remote
-from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.ledger import validate
 from kvstore.settings import SOCKET_NAME
 
@@ -202,3 +202,58 @@ def test_ledger_batches_are_validated():
 def test_path_helpers_do_not_touch_the_fallback_root_for_short_homes(tmp_path, monkeypatch):
     monkeypatch.setattr(remote, "FALLBACK_ROOT", Path("/nonexistent-root"))
     assert remote.socket_path(tmp_path, create=True).parent == tmp_path.absolute()
+
+
+def test_ledger_append_survives_short_writes(tmp_path, monkeypatch):
+    from kvstore import ledger as ledger_mod
+
+    calls = []
+
+    class ShortWrites:  # the ledger's `os`, whose write may write less than asked
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            calls.append(len(data))
+            return os.write(fd, bytes(data[:7]))
+
+    rec = dict(model="m", label="l", prompt_tokens=10, cached_tokens=8, prefilled_tokens=2,
+               prefill_s=0.1, decode_s=1.5)  # fmt: skip
+    monkeypatch.setattr(ledger_mod, "os", ShortWrites())
+    led = ledger_mod.Ledger(tmp_path)
+    assert led.append([rec, {**rec, "label": "k"}]) == 2
+    monkeypatch.undo()
+    assert len(calls) > 2
+    again = ledger_mod.Ledger(tmp_path)  # every record reads back whole
+    assert again.records == 2
+    assert [r["label"] for r in again.stats()["by_model_label"]] == ["k", "l"]
+
+
+def test_connect_raises_when_a_daemon_refuses_but_is_none_when_it_goes_away(tmp_path):
+    import threading
+
+    home = tmp_path / "h"
+    home.mkdir()
+    path = remote.socket_path(home)
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(4)
+    said = [protocol.error("too many connections (max_connections=1)"), None]
+
+    def serve():
+        for reply in said:
+            conn, _ = listener.accept()
+            if reply is not None:  # what the daemon does at its cap: say why, hang up
+                protocol.send(conn, reply)
+            conn.close()  # None: a daemon stopping closes without a word
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with pytest.raises(DaemonError, match=r"daemon at .* is busy \(too many connections\)"):
+            remote.connect(home)
+        assert remote.connect(home) is None
+    finally:
+        t.join(10)
+        listener.close()

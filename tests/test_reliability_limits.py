@@ -228,8 +228,8 @@ def test_every_prefix_hashed_to_one_key_gives_no_wrong_hit(tmp_path, llama_path)
         (key,) = keys
         with Store(home) as store:
             for i, tokens in enumerate(prefixes):
-                _, blob, fields = battery.entry(tokens[0], 4096)  # seed = first token
-                store.put(key, blob, **{**fields, "tokens": pack_tokens(tokens)})
+                _, blob, fields = battery.entry(tokens[0], 4096, tokens=tokens)  # seed = 1st token
+                store.put(key, blob, **fields)
                 for j in range(i + 1):  # every prefix so far, looked up by its own tokens
                     lookups += 1
                     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from client.writebehind import Job, WriteBehind
+from kvstore import codec
 
 log = logging.getLogger("kvstore.client")
 
@@ -160,12 +161,6 @@ class StatsRecorder:
         return not (log.isEnabledFor(logging.INFO) and log.hasHandlers())
 
 
-def _cache_tokens(cache: list) -> int | None:
-    """Tokens a prompt cache holds, from its attention layers' offsets (None if none has one)."""
-    offsets = [c.offset for c in cache if isinstance(getattr(c, "offset", None), int)]
-    return max(offsets) if offsets else None
-
-
 def stream_generate(
     prompt_cache: Any,
     model: Any,
@@ -236,11 +231,11 @@ def stream_generate(
             )
         if prompt_cache is not None:
             transcript = tokens + generated
-            held = _cache_tokens(cache)
+            held = codec.cache_tokens(cache)
             # mlx-lm runs one token ahead: key the entry by what the cache really holds.
             if held is not None and held <= len(transcript):
                 transcript = transcript[:held]
-            if held is None or held == len(transcript):
+            if held == len(transcript) or (held is None and codec.keeps_no_offset(cache)):
                 prompt_cache.insert_cache(model_key, transcript, cache)
 
 

@@ -217,6 +217,68 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     return out
 
 
+def _result(pp: PlannedPin, status: str, **kw) -> PinResult:
+    return PinResult(pp.model.path, pp.pin.name, pp.key.hex(), len(pp.pin.tokens), status, **kw)
+
+
+def _fail(report: WarmReport, pp: PlannedPin, msg: str) -> None:
+    report.pins.append(_result(pp, "failed", error=msg))
+    log.error("%s", msg)
+
+
+def _warm_model(
+    plan: ModelPlan,
+    manifest: Manifest,
+    report: WarmReport,
+    *,
+    put: Callable[[bytes, bytes, dict], None],
+    say: Callable[[str], None],
+) -> None:
+    """Prefill and put one model's missing pins; the model is loaded once and released."""
+    spec = plan.spec
+    for pp in plan.pins:
+        if pp.pin.warning:
+            log.warning("%s", pp.pin.warning)
+        if pp.present:
+            report.pins.append(_result(pp, "present", warning=pp.pin.warning))
+    missing = [pp for pp in plan.pins if not pp.present]
+    if not missing:
+        return
+    say(f"loading {spec.path} to warm {len(missing)} pin(s)")
+    try:
+        model = load_model(plan)
+    except KVStoreError as e:
+        for pp in missing:
+            _fail(report, pp, str(e))
+        return
+    report.models_loaded += 1
+    try:
+        for i, pp in enumerate(missing, 1):
+            t = time.perf_counter()
+            try:
+                blob, fields = encode_pin(model, plan, pp, manifest=manifest.path)
+            except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
+                _fail(
+                    report, pp, f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}"
+                )
+                continue
+            try:
+                put(pp.key, blob, fields)
+            except KVStoreError as e:  # the map cap, a full disk: say so, go on
+                _fail(report, pp, f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}")
+                continue
+            dt = time.perf_counter() - t
+            report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
+                                       warning=pp.pin.warning))  # fmt: skip
+            say(
+                f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
+                f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
+            )
+    finally:
+        del model
+        release_model()
+
+
 def warm(
     manifest: Manifest,
     store: Store,
@@ -254,96 +316,6 @@ def warm(
             log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     for plan in plans.values():
-        spec = plan.spec
-        missing = [pp for pp in plan.pins if not pp.present]
-        for pp in plan.pins:
-            if pp.pin.warning:
-                log.warning("%s", pp.pin.warning)
-            if pp.present:
-                report.pins.append(
-                    PinResult(
-                        spec.path,
-                        pp.pin.name,
-                        pp.key.hex(),
-                        len(pp.pin.tokens),
-                        "present",
-                        warning=pp.pin.warning,
-                    )
-                )
-        if not missing:
-            continue
-        say(f"loading {spec.path} to warm {len(missing)} pin(s)")
-        try:
-            model = load_model(plan)
-        except KVStoreError as e:
-            for pp in missing:
-                report.pins.append(
-                    PinResult(
-                        spec.path,
-                        pp.pin.name,
-                        pp.key.hex(),
-                        len(pp.pin.tokens),
-                        "failed",
-                        error=str(e),
-                    )
-                )
-            log.error("%s", e)
-            continue
-        report.models_loaded += 1
-        try:
-            for i, pp in enumerate(missing, 1):
-                t = time.perf_counter()
-                try:
-                    blob, fields = encode_pin(model, plan, pp, manifest=manifest.path)
-                except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
-                    msg = f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}"
-                    report.pins.append(
-                        PinResult(
-                            spec.path,
-                            pp.pin.name,
-                            pp.key.hex(),
-                            len(pp.pin.tokens),
-                            "failed",
-                            error=msg,
-                        )
-                    )
-                    log.error("%s", msg)
-                    continue
-                try:
-                    put(pp.key, blob, fields)
-                except KVStoreError as e:  # the map cap, a full disk: say so, go on
-                    msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
-                    report.pins.append(
-                        PinResult(
-                            spec.path,
-                            pp.pin.name,
-                            pp.key.hex(),
-                            len(pp.pin.tokens),
-                            "failed",
-                            error=msg,
-                        )
-                    )
-                    log.error("%s", msg)
-                    continue
-                dt = time.perf_counter() - t
-                report.pins.append(
-                    PinResult(
-                        spec.path,
-                        pp.pin.name,
-                        pp.key.hex(),
-                        len(pp.pin.tokens),
-                        "warmed",
-                        dt,
-                        len(blob),
-                        warning=pp.pin.warning,
-                    )
-                )
-                say(
-                    f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
-                    f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
-                )
-        finally:
-            del model
-            release_model()
+        _warm_model(plan, manifest, report, put=put, say=say)
     report.seconds = time.perf_counter() - t0
     return report

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from client.jsonl import read_objects
 from kvstore.cli import home_option  # every command takes --home (analyze reads no store)
 from kvstore.errors import KVStoreError
 
@@ -67,20 +68,8 @@ class StageReport:
 def load_capture(path: str | Path) -> list[Capture]:
     """Read JSONL lines of {"stage", and "text" or "messages" (+ "tools")}."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CaptureError(f"{path}: cannot read the capture: {e}") from None
     out = []
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise CaptureError(f"{path}:{n}: not JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise CaptureError(f"{path}:{n}: each line must be a JSON object")
+    for n, obj in read_objects(path, CaptureError, "the capture"):
         text, messages, tools = obj.get("text"), obj.get("messages"), obj.get("tools")
         if isinstance(text, str) == isinstance(messages, list):
             raise CaptureError(f'{path}:{n}: give either "text" (a string) or "messages"')

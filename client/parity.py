@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from client.jsonl import read_objects
 from kvstore.cli import home_option
 from kvstore.errors import KVStoreError
 
@@ -81,21 +82,9 @@ class ParityReport:
 def load_prompts(path: str | Path) -> list[ParityPrompt]:
     """Read a JSONL file of {"messages": [...], "tools"?, "stage"?, "model"?} (or "text")."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ParityError(f"{path}: cannot read prompts: {e}") from None
     out = []
-    for n, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ParityError(f"{path}:{n}: not JSON: {e}") from None
-        if not isinstance(obj, dict) or not (
-            isinstance(obj.get("messages"), list) or isinstance(obj.get("text"), str)
-        ):
+    for n, obj in read_objects(path, ParityError, "prompts"):
+        if not (isinstance(obj.get("messages"), list) or isinstance(obj.get("text"), str)):
             raise ParityError(f'{path}:{n}: needs a "messages" list (or a "text" string)')
         tools = obj.get("tools")
         if tools is not None and not isinstance(tools, list):

@@ -84,7 +84,7 @@ class _Where:
 
 def load_manifest(path: str | Path) -> Manifest:
     """Read and validate a manifest; every problem raises ManifestError naming where it is."""
-    path = Path(path).expanduser().absolute()
+    path = Path(path).expanduser().resolve()  # one name per file: symlinks too
     where = _Where(path)
     try:
         raw = path.read_bytes()

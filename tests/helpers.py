@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
@@ -142,3 +144,17 @@ class Proc:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+
+@contextmanager
+def serving(d: Proc, *, warm: bool = True) -> Iterator[Proc]:
+    """A started daemon for the block (its boot warm done when `warm`), then SIGTERM: it must
+    exit 0."""
+    try:
+        d.wait_ready()
+        if warm:
+            d.wait_warm()
+        yield d
+    finally:
+        rc, _ = d.stop()
+    assert rc == 0, d.text()

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for
+from helpers import TWO_PINS, Proc, manifest_for, serving
 
 from kvstore import protocol, remote
 from kvstore.cli import main
@@ -44,13 +44,8 @@ def shared(tmp_path_factory, llama_path):
     manifest = manifest_for(root, llama_path, TWO_PINS)
     d = Proc(home, "--manifest", str(manifest), log=root / "daemon.log")
     d.manifest = manifest
-    try:
-        d.wait_ready()
-        d.wait_warm()
+    with serving(d):
         yield d
-    finally:
-        rc, _ = d.stop()
-    assert rc == 0, d.text()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import shutil
 import time
 
 import pytest
-from helpers import CLASSIFY, Proc
+from helpers import CLASSIFY, Proc, serving
 
 from kvstore.remote import DaemonClient
 
@@ -31,13 +31,8 @@ def watched(tmp_path_factory, llama_path):
     (home / "settings.toml").write_text("debounce = 0.2\npoll_interval = 1.0\n")
     d = Proc(home, "--manifest", str(manifest), log=root / "daemon.log")
     d.root, d.model = root, model
-    try:
-        d.wait_ready()
-        d.wait_warm()
+    with serving(d):
         yield d
-    finally:
-        rc, _ = d.stop()
-    assert rc == 0, d.text()
 
 
 def entries(d: Proc) -> dict[str, dict]:

@@ -13,7 +13,7 @@ import time
 
 import mlx_lm
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for, serving
 from mlx_lm import load
 
 from client import PersistentPromptCache, generate
@@ -36,13 +36,8 @@ def llama(llama_path):
 @pytest.fixture(scope="module")
 def daemon_proc(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppc-daemon")
-    d = Proc(root / "home", log=root / "daemon.log")
-    try:
-        d.wait_ready()
+    with serving(Proc(root / "home", log=root / "daemon.log"), warm=False) as d:
         yield d
-    finally:
-        rc, _ = d.stop()
-    assert rc == 0, d.text()
 
 
 @pytest.fixture

@@ -114,7 +114,7 @@ def run_calls(model_path: Path, home: Path) -> int:
 
 def wait_for_boot_warm(home: Path, daemon: subprocess.Popen, timeout: float = 300.0) -> dict:
     """Poll the daemon until its boot warm has run; returns its last_warm record."""
-    from kvstore.remote import connect
+    from kvstore.daemon_client import connect
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

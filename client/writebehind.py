@@ -29,7 +29,7 @@ CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued jobs before abandoning 
 @dataclass(frozen=True)
 class Job:
     what: str  # for warnings: "pin 'classify'", "3 stats records"
-    run: Callable[[Any], Any]  # called on the worker with a connected kvstore.remote.DaemonClient
+    run: Callable[[Any], Any]  # called on the worker with a connected DaemonClient
 
 
 class WriteBehind:
@@ -146,8 +146,8 @@ class WriteBehind:
         # Reconnect per job while none answers: cheap (no socket file, or a refused connect), and
         # a daemon started after the app is picked up without a restart.
         if self._client is None:
+            from kvstore.daemon_client import connect
             from kvstore.errors import KVStoreError
-            from kvstore.remote import connect
 
             try:
                 self._client = connect(self.home)

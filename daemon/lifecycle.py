@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvstore.daemon_client import socket_path
 from kvstore.errors import KVStoreError
-from kvstore.remote import socket_path
 from kvstore.settings import LOCK_NAME
 
 # struct ucred (Linux SO_PEERCRED): pid_t pid, uid_t uid, gid_t gid.

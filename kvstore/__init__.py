@@ -1,5 +1,6 @@
 """kvstore: a persistent on-disk store of pinned-prefix KV caches for mlx-lm."""
 
+from kvstore.daemon_client import DaemonClient, connect
 from kvstore.errors import (
     CodecError,
     CorruptEntryError,
@@ -12,7 +13,6 @@ from kvstore.errors import (
 )
 from kvstore.identity import Fingerprint, model_fingerprint, template_hash
 from kvstore.keys import entry_key, prefix_hash
-from kvstore.remote import DaemonClient, connect
 from kvstore.store import EntryMeta, Store
 
 __version__ = "0.1.0"

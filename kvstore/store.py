@@ -3,228 +3,29 @@
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
 `_write`, the one place that grows the map; readers recover from MapResizedError. Blob bytes read
 through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
-transaction.
+transaction. The meta record lives in `kvstore.entry`, the environment in `kvstore.lmdbenv`.
 """
 
 from __future__ import annotations
 
 import os
-import resource
-import shutil
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import msgpack
 import xxhash
 
 from kvstore import codec
+from kvstore.entry import _META_FIELDS, DEFAULT_QUANTIZED_KV_START, SCHEMA_VERSION, EntryMeta
 from kvstore.errors import CodecError, CorruptEntryError, StoreError
-from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES, unpack_tokens
+from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
 from kvstore.settings import DEFAULTS, STORE_DIR
 
-SCHEMA_VERSION = 1
-_META_FIELDS = (
-    "tokens", "ntokens", "label", "pinned", "model", "fingerprint", "template_hash", "created",
-    "last_used", "hits", "nbytes", "checksum", "codec", "classes",
-)  # fmt: skip
-
-
-DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized from this offset on
-
-
-@dataclass
-class EntryMeta:
-    key: bytes
-    tokens: bytes  # packed little-endian uint32 token ids
-    ntokens: int
-    label: str
-    pinned: bool
-    model: str  # model path as given
-    fingerprint: bytes
-    template_hash: bytes
-    created: float
-    last_used: float
-    hits: int
-    nbytes: int
-    checksum: int  # xxh3-64 of the blob
-    codec: int
-    classes: list[str]
-    extra: dict[str, Any] = field(default_factory=dict)  # adapter, kv_bits, source ...
-
-    def type_error(self) -> str | None:
-        """The first field whose type is wrong (stored or sent by a client), or None."""
-        for name, kind in _FIELD_TYPES.items():
-            value = getattr(self, name)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                return f"field {name!r} must be {getattr(kind, '__name__', kind)}"
-        if not all(isinstance(c, str) for c in self.classes):
-            return "field 'classes' must be a list of str"
-        if not all(isinstance(k, str) for k in self.extra):
-            return "field 'extra' must have str keys"
-        return None
-
-    def ident(self) -> tuple:
-        """The model as it was run: path, adapter and KV quantization (what a manifest names)."""
-        kv_bits = self.extra.get("kv_bits")
-        return (
-            self.model,
-            self.extra.get("adapter"),
-            kv_bits,
-            self.extra.get("kv_group_size", 64) if kv_bits else None,
-            self.extra.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START) if kv_bits else None,
-        )
-
-    def token_ids(self) -> list[int]:
-        return unpack_tokens(self.tokens)
-
-    def pack(self) -> bytes:
-        d = asdict(self)
-        d.pop("key")
-        d["v"] = SCHEMA_VERSION
-        return msgpack.packb(d, use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, key: bytes, raw: bytes) -> EntryMeta:
-        try:
-            d = msgpack.unpackb(raw, raw=False)
-            if not isinstance(d, dict) or d.pop("v", None) != SCHEMA_VERSION:
-                raise ValueError("unknown meta schema")
-            meta = cls(key=key, **d)
-        except Exception as e:
-            raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
-        if problem := meta.type_error():
-            raise CorruptEntryError(key, f"unreadable meta ({problem})")
-        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != key[:FINGERPRINT_BYTES]:
-            raise CorruptEntryError(key, "meta does not match its key or token count")
-        return meta
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.extra,  # first: it can never shadow the fields below
-            "key": self.key.hex(),
-            "model": self.model,
-            "fingerprint": self.fingerprint.hex(),
-            "template_hash": self.template_hash.hex(),
-            "label": self.label,
-            "tokens": self.ntokens,
-            "nbytes": self.nbytes,
-            "pinned": self.pinned,
-            "created": self.created,
-            "last_used": self.last_used,
-            "hits": self.hits,
-            "classes": self.classes,
-            "codec": self.codec,
-        }
-
-
-_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "tokens": bytes, "ntokens": int, "label": str, "pinned": bool, "model": str,
-    "fingerprint": bytes, "template_hash": bytes, "created": (int, float),
-    "last_used": (int, float), "hits": int, "nbytes": int, "checksum": int, "codec": int,
-    "classes": list, "extra": dict,
-}  # fmt: skip
-
-
-class _Gate:
-    """Many read transactions, or one writer: LMDB's set_mapsize needs no other transaction of
-    this process open, and py-lmdb's abort of a write transaction that hit MapFullError waits for
-    every other thread's operations to drain (readers that keep starting ones starve it: a hang
-    seen with lmdb 3.0). The daemon reads on connection threads while it writes, so a write
-    transaction and any resize run with this process's readers held off."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = 0
-        self._resizing = False
-
-    @contextmanager
-    def txn(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._open += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._open -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._resizing = True
-            while self._open:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
-
-
-# LMDB allows one open environment per file per process: Stores of one path share it (and its
-# resize gate).
-_ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly, gate]
-
-
-# An environment must not be used across fork(): a child starts with none.
-os.register_at_fork(after_in_child=_ENVS.clear)
-
-
-def _open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> lmdb.Environment:
-    key = str(path.resolve())
-    held = _ENVS.get(key)
-    if held is not None:
-        if held[2] and not readonly:
-            raise StoreError(f"{path}: already open read-only in this process; close it first")
-        held[1] += 1
-        return held[0]
-    env = lmdb.open(
-        key,
-        map_size=map_size,
-        max_dbs=4,
-        readonly=readonly,
-        create=not readonly,
-        writemap=False,
-        sync=True,
-        metasync=True,
-        max_readers=max_readers,
-    )
-    _ENVS[key] = [env, 1, readonly, _Gate()]
-    return env
-
-
-def _close_env(path: Path) -> None:
-    key = str(path.resolve())
-    held = _ENVS.get(key)
-    if held is None:
-        return
-    held[1] -= 1
-    if held[1] <= 0:
-        del _ENVS[key]
-        held[0].close()
-
-
-def _space_hint(path: Path) -> str:
-    """LMDB reports a short write (disk full, a file size limit) as a bare EIO: name the
-    likely causes, with the figures to check them."""
-    try:
-        free = shutil.disk_usage(path).free
-        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    except (OSError, ValueError):
-        return ""
-    limit = "" if soft == resource.RLIM_INFINITY else f", file size limit {soft} bytes"
-    return f" (disk full or a file size limit? {free // 2**20} MiB free there{limit})"
+__all__ = ["DEFAULT_QUANTIZED_KV_START", "SCHEMA_VERSION", "EntryMeta", "Store", "blob_checksum"]
 
 
 def blob_checksum(blob) -> int:
@@ -252,10 +53,10 @@ class Store:
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.env = _open_env(
+            self.env = open_env(
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
-            self._gate = _ENVS[str(self.path.resolve())][3]
+            self._gate = ENVS[str(self.path.resolve())][3]
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
         except lmdb.Error as e:
@@ -267,7 +68,7 @@ class Store:
 
     def close(self) -> None:
         if self.env is not None:
-            _close_env(self.path)
+            close_env(self.path)
             self.env = None
 
     def __enter__(self) -> Store:
@@ -302,9 +103,7 @@ class Store:
                     ) from None
                 self.env.set_mapsize(size * 2)  # no transaction of this process is open
             except lmdb.Error as e:
-                raise StoreError(
-                    f"{self.path}: write failed: {e}{_space_hint(self.path)}"
-                ) from None
+                raise StoreError(f"{self.path}: write failed: {e}{space_hint(self.path)}") from None
 
     def _read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
         self._check_pid()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kvstore.remote import DaemonClient, connect
+from kvstore.daemon_client import DaemonClient, connect
 
 
 def manifest_for(

@@ -20,10 +20,10 @@ import pytest
 from click.testing import CliRunner
 from helpers import TWO_PINS, Proc, manifest_for, serving
 
-from kvstore import protocol, remote
+from kvstore import daemon_client, protocol
 from kvstore.cli import main
+from kvstore.daemon_client import DaemonClient, connect
 from kvstore.errors import DaemonError, ProtocolError
-from kvstore.remote import DaemonClient, connect
 from kvstore.store import Store
 
 
@@ -117,13 +117,13 @@ def test_second_daemon_is_refused_and_the_first_keeps_serving(shared):
     assert f"pid {shared.pid}" in r.stderr and "already runs" in r.stderr
     assert time.monotonic() - t < 15
     assert shared.request("ping")["pid"] == shared.pid
-    assert remote.socket_path(shared.home).exists()
+    assert daemon_client.socket_path(shared.home).exists()
 
 
 def test_sigterm_exits_zero_quickly_and_removes_the_socket(tmp_path):
     d = Proc(tmp_path / "h", log=tmp_path / "d.log")
     d.wait_ready()
-    sock = remote.socket_path(d.home)
+    sock = daemon_client.socket_path(d.home)
     assert sock.stat().st_mode & 0o777 == 0o600
     assert d.home.stat().st_mode & 0o777 == 0o700
     rc, seconds = d.stop(signal.SIGTERM)
@@ -136,7 +136,7 @@ def test_kill_9_leaves_a_socket_the_next_daemon_takes_over(tmp_path):
     first = Proc(tmp_path / "h", log=tmp_path / "d.log")
     first.wait_ready()
     first.stop(signal.SIGKILL)
-    assert remote.socket_path(first.home).exists()  # stale: nobody listens
+    assert daemon_client.socket_path(first.home).exists()  # stale: nobody listens
     assert connect(first.home) is None
     second = Proc(tmp_path / "h", log=tmp_path / "d.log")
     try:
@@ -148,12 +148,12 @@ def test_kill_9_leaves_a_socket_the_next_daemon_takes_over(tmp_path):
 
 def test_a_home_too_deep_for_sun_path_serves_on_the_fallback(tmp_path):
     home = tmp_path / ("deep-" * 25) / "home"
-    assert len(str(home / "kvstore.sock")) >= remote.SUN_PATH_MAX
+    assert len(str(home / "kvstore.sock")) >= daemon_client.SUN_PATH_MAX
     d = Proc(home, log=tmp_path / "d.log")
     try:
         d.wait_ready()
-        path = remote.socket_path(home)
-        assert path.parent == remote.fallback_dir() and path.exists()
+        path = daemon_client.socket_path(home)
+        assert path.parent == daemon_client.fallback_dir() and path.exists()
         assert d.request("ping")["pid"] == d.pid
     finally:
         assert d.stop()[0] == 0
@@ -289,7 +289,7 @@ def test_touch_record_and_stats(shared):
 def _raw(home: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(5)
-    s.connect(str(remote.socket_path(home)))
+    s.connect(str(daemon_client.socket_path(home)))
     return s
 
 
@@ -367,7 +367,7 @@ def test_silent_connections_time_out_and_the_cap_holds(shared):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
 def test_another_uid_is_refused_before_anything_is_read(shared):
-    sock = remote.socket_path(shared.home)
+    sock = daemon_client.socket_path(shared.home)
     home_mode, sock_mode = shared.home.stat().st_mode & 0o777, sock.stat().st_mode & 0o777
     os.chmod(shared.home, 0o711)  # let the other user reach the socket: the uid check must hold
     os.chmod(sock, 0o666)

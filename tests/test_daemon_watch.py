@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import CLASSIFY, Proc, serving
 
-from kvstore.remote import DaemonClient
+from kvstore.daemon_client import DaemonClient
 
 
 @pytest.fixture(scope="module")

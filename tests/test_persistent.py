@@ -18,9 +18,9 @@ from mlx_lm import load
 
 from client import PersistentPromptCache, generate
 from client.writebehind import Job, WriteBehind
+from kvstore.daemon_client import DaemonClient
 from kvstore.manifest import load_manifest
 from kvstore.prefill import prefill
-from kvstore.remote import DaemonClient
 from kvstore.store import Store
 from kvstore.warm import warm
 

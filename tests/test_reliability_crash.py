@@ -18,8 +18,8 @@ import time
 import battery
 from helpers import Proc
 
-from kvstore import store as store_mod
-from kvstore.remote import DaemonClient
+from kvstore import lmdbenv as store_mod
+from kvstore.daemon_client import DaemonClient
 from kvstore.store import Store
 
 MIN_BYTES, MAX_BYTES = 4 * 1024, 4 * 1024 * 1024
@@ -68,7 +68,7 @@ def test_kill_9_writer_at_random_moments(tmp_path):
     trials = battery.scale(30, 200)
     home = tmp_path / "home"
     rng = random.Random(20260601)
-    assert not store_mod._ENVS, "an environment open at fork would be shared with the child"
+    assert not store_mod.ENVS, "an environment open at fork would be shared with the child"
     kept: list[bytes] = []  # acknowledged keys still in the store, checked again at the end
     acked_count = 0
     killed_mid_put = committed_unacked = missing = problems_seen = 0
@@ -103,7 +103,7 @@ def test_kill_9_writer_at_random_moments(tmp_path):
             # writer dies while reusing freed pages too, not only while growing the file.
             kept += acked[:2]
             store.delete(acked[2:])
-        assert not store_mod._ENVS
+        assert not store_mod.ENVS
     with Store(home) as store:
         final = store.check()  # the full decode of everything, once
         stats = store.stats()

@@ -19,9 +19,9 @@ import battery
 import pytest
 from helpers import Proc
 
+from kvstore.daemon_client import DaemonClient
 from kvstore.errors import DaemonError, StoreError
 from kvstore.keys import entry_key, pack_tokens
-from kvstore.remote import DaemonClient
 from kvstore.store import Store
 
 MiB = 2**20

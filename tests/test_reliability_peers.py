@@ -15,9 +15,9 @@ import battery
 import pytest
 from helpers import Proc
 
-from kvstore import protocol, remote
+from kvstore import daemon_client, protocol
+from kvstore.daemon_client import DaemonClient
 from kvstore.errors import ProtocolError
-from kvstore.remote import DaemonClient
 from kvstore.store import Store, blob_checksum
 
 HEADER_TIMEOUT = 1.0
@@ -42,7 +42,7 @@ def peer_daemon(tmp_path_factory):
 def _raw(home) -> socket.socket:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(5)
-    s.connect(str(remote.socket_path(home)))
+    s.connect(str(daemon_client.socket_path(home)))
     return s
 
 
@@ -66,7 +66,7 @@ def _pct(xs: list[float], p: float) -> float:
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to switch to another uid")
 def test_modes_and_other_uids_refused_without_a_byte_read(peer_daemon):
     """test_daemon checks one foreign connection; here 20 in a row, the cap unaffected."""
-    home, sock = peer_daemon.home, remote.socket_path(peer_daemon.home)
+    home, sock = peer_daemon.home, daemon_client.socket_path(peer_daemon.home)
     home_mode, sock_mode = home.stat().st_mode & 0o777, sock.stat().st_mode & 0o777
     assert (home_mode, sock_mode) == (0o700, 0o600)
     attempts = 20

@@ -16,7 +16,7 @@ from pathlib import Path
 import battery
 from helpers import Proc
 
-from kvstore.remote import DaemonClient
+from kvstore.daemon_client import DaemonClient
 from kvstore.store import Store
 
 BATTERY = Path(battery.__file__)

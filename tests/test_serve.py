@@ -156,7 +156,7 @@ def test_persist_without_a_daemon_warns_once_and_keeps_serving(llama_path, tmp_p
 
 
 def test_persisted_system_prompt_is_cached_after_a_restart(llama_path, tmp_path):
-    from kvstore.remote import connect
+    from kvstore.daemon_client import connect
 
     home, log = tmp_path / "home", tmp_path / "server.log"
     with (tmp_path / "daemon.log").open("wb") as dlog:

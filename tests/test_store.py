@@ -165,7 +165,7 @@ def test_map_growth_waits_for_this_process_readers(kv_home):
     hangs in py-lmdb's abort of the write that hit MapFullError)."""
     import threading
 
-    from kvstore.store import _Gate
+    from kvstore.lmdbenv import Gate as _Gate
 
     errors: list[BaseException] = []
     stop = threading.Event()

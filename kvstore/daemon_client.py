@@ -160,7 +160,7 @@ class DaemonClient:
         return res["reports"][0]
 
 
-class RemoteWriter:
+class DaemonWriter:
     """A Store-shaped `put` that goes through the daemon (for code written against Store)."""
 
     def __init__(self, client: DaemonClient):

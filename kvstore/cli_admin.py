@@ -1,0 +1,253 @@
+"""`kvstore ls | evict | stats | verify`: what is stored, and keeping it within bounds."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from kvstore.cli import (
+    _progress,
+    _tty,
+    home_option,
+    human_size,
+    main,
+    open_store,
+    parse_size,
+    resolve_keys,
+    user_errors,
+)
+from kvstore.daemon_client import connect
+from kvstore.eviction import select_for_eviction
+
+
+def _age(ts: float) -> str:
+    s = max(0.0, time.time() - ts)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _previews(metas) -> dict[bytes, str]:
+    """First tokens of each entry, decoded with its model's tokenizer when that loads."""
+    from kvstore.identity import resolve_model_path
+
+    tokenizers: dict[str, object] = {}
+    out = {}
+    for m in metas:
+        if m.model not in tokenizers:
+            try:
+                from mlx_lm.utils import load_tokenizer
+
+                tokenizers[m.model] = load_tokenizer(resolve_model_path(m.model))
+            except Exception:
+                tokenizers[m.model] = None
+        tok = tokenizers[m.model]
+        ids = m.token_ids()[:24]
+        text = tok.decode(ids) if tok is not None else " ".join(map(str, ids))
+        out[m.key] = text.replace("\n", "\\n")[:48]
+    return out
+
+
+@main.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, as a list.")
+@click.option("--model", default=None, help="Only entries of this model path.")
+@click.option("--label", default=None, help="Only entries with this label.")
+@home_option
+@user_errors
+def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> None:
+    """List stored entries.
+
+    \b
+    kvstore ls
+    kvstore ls --json | jq '.[] | select(.pinned)'
+    """
+    if not (home / "store" / "data.mdb").is_file():
+        metas, errors = [], []
+    else:
+        with open_store(home) as store:
+            errors: list = []
+            metas = store.metas(errors=errors)
+    metas = [
+        m
+        for m in metas
+        if (model is None or m.model == model) and (label is None or m.label == label)
+    ]
+    if as_json:
+        click.echo(json.dumps([m.to_json() for m in metas], indent=1))
+    else:
+        previews = _previews(metas)
+        click.echo(
+            f"{'KEY':14} {'LABEL':16} {'TOKENS':>6} {'SIZE':>10} PIN {'HITS':>4} "
+            f"{'LAST USED':>10}  MODEL / FIRST TOKENS"
+        )
+        for m in sorted(metas, key=lambda m: (m.model, m.label)):
+            click.echo(
+                f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
+                f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
+                f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
+            )
+        click.echo(f"{len(metas)} entries, {human_size(sum(m.nbytes for m in metas))}")
+    for e in errors:
+        click.echo(f"warning: {e}", err=True)
+
+
+@main.command()
+@click.argument("keys", nargs=-1)
+@click.option("--label", default=None, help="Entries with this label.")
+@click.option("--model", default=None, help="Entries of this model path (as stored).")
+@click.option("--unpinned", is_flag=True, help="Only unpinned entries.")
+@click.option("--stale", is_flag=True, help="Entries whose model changed or is gone.")
+@click.option("--all", "everything", is_flag=True, help="Every entry.")
+@click.option("--to-size", default=None, help="Evict LRU unpinned entries until the store fits.")
+@home_option
+@user_errors
+def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) -> None:
+    """Remove entries. Filters combine (AND); at least one is required.
+
+    \b
+    kvstore evict 3fa2c1          # one key (a unique hex prefix)
+    kvstore evict --label classify
+    kvstore evict --unpinned --to-size 2G
+    """
+    if not (keys or label or model or unpinned or stale or everything or to_size):
+        raise click.UsageError(
+            "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
+        )
+    size = parse_size(to_size) if to_size else None
+    client = connect(home)
+    if client is not None:  # the daemon is the writer: it selects and deletes in one job
+        with client, open_store(home) as store:
+            resolved = resolve_keys(store, keys) if keys else []
+            res = client.request(
+                "evict",
+                keys=list(resolved),
+                label=label,
+                model=model,
+                unpinned=unpinned,
+                stale=stale,
+                all=everything,
+                to_size=size,
+            )
+        n = res["evicted"]
+        click.echo(f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(res['bytes'])}")
+        return
+    with open_store(home, write=True) as store:
+        resolved = resolve_keys(store, keys) if keys else ()
+        metas = store.metas(errors=[])
+        victims = select_for_eviction(
+            metas,
+            keys=resolved,
+            label=label,
+            model=model,
+            unpinned=unpinned,
+            stale=stale,
+            everything=everything,
+            to_size=size,
+            home=home,
+        )
+        n = store.delete(m.key for m in victims)
+    click.echo(
+        f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(sum(m.nbytes for m in victims))}"
+    )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@home_option
+@user_errors
+def stats(as_json: bool, home: Path) -> None:
+    """Store size, entries, pins, settings; with a daemon running, its state and the prefill
+    ledger (per model and label: calls, tokens from cache, tokens prefilled, seconds).
+
+    \b
+    kvstore stats
+    kvstore stats --json | jq .ledger
+    """
+    from kvstore.settings import load_settings
+
+    client = connect(home, timeout=10)
+    if client is not None:
+        with client:
+            data = client.request("stats")
+    elif not (home / "store" / "data.mdb").is_file():
+        data = {"path": str(home / "store"), "entries": 0, "bytes": 0}
+    else:
+        with open_store(home) as store:
+            data = store.stats()
+    if "ledger" not in data:
+        from kvstore.ledger import Ledger
+
+        data["ledger"] = Ledger(home).stats()
+    data.setdefault("settings", load_settings(home))
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    for k, v in data.items():
+        if not isinstance(v, dict):
+            click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
+    daemon = data.get("daemon")
+    if daemon:
+        click.echo(
+            f"daemon         pid {daemon['pid']}, up {daemon['uptime']:.0f}s, "
+            f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
+        )
+    else:
+        click.echo("daemon         not running")
+    rows = (data.get("ledger") or {}).get("by_model_label") or []
+    if rows:
+        click.echo(
+            f"\n{'MODEL':20} {'LABEL':14} {'CALLS':>6} {'PROMPT':>8} {'CACHED':>8} "
+            f"{'PREFILLED':>9} {'PREFILL S':>9} {'SAVED S~':>8}"
+        )
+        for r in rows:
+            click.echo(
+                f"{Path(r['model']).name[:20]:20} {r['label'][:14]:14} {r['calls']:6d} "
+                f"{r['prompt_tokens']:8d} {r['cached_tokens']:8d} "
+                f"{r['prefilled_tokens']:9d} {r['prefill_s']:9.2f} "
+                f"{r['saved_s']:8.2f}"
+            )
+    click.echo("settings:")
+    for k, v in data["settings"].items():
+        click.echo(f"  {k:22} {v}")
+
+
+@main.command()
+@click.option("--repair", is_flag=True, help="Delete the entries that fail.")
+@home_option
+@user_errors
+def verify(repair: bool, home: Path) -> None:
+    """Check every entry: meta, checksum, and a full decode. Exits 1 naming each bad entry.
+
+    Checking reads the store directly. With --repair the deletions are writes: with a daemon
+    running it does the repair (it is the one writer), else this process does.
+    """
+    if not (home / "store" / "data.mdb").is_file():
+        click.echo("no store: nothing to verify")
+        return
+    client = connect(home) if repair else None  # a busy daemon is an error: never write beside it
+    if client is not None:
+        _progress(f"repairing through the daemon for {home}; it checks every entry")
+        with client:
+            res = client.call("repair", timeout=None)
+        n = res["entries"]
+        problems = [(bytes(p["key"]).hex(), p["reason"]) for p in res["problems"]]
+    else:
+        with open_store(home, write=repair) as store:
+            n = len(store.keys())
+            bar = (
+                (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
+                if _tty()
+                else None
+            )
+            problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
+    for key, reason in problems:
+        click.echo(f"bad entry {key}: {reason}")
+    if problems:
+        raise click.ClickException(
+            f"{len(problems)} of {n} entries failed" + (" and were deleted" if repair else "")
+        )
+    click.echo(f"{n} entries ok")

@@ -200,16 +200,16 @@ def cut_warning(
     for part, reason in lost:
         cause, todo = REASONS[reason]
         at = f" (ends at token {part.end})" if part.end else ""
-        pieces.append(f"the {part.name}{at} is not in the pin: {cause}")
+        where = "in requests" if reason == "not_rendered" else "in the pin"
+        pieces.append(f"the {part.name}{at} is not {where}: {cause}")
         advice.append(todo)
-    return (
-        f"pin {name!r}: the stable prefix ends at token {keep} of {content_end} "
-        f"(... {before!r} | {after!r} ...); only {keep} tokens can be cached. "
-        + "; ".join(pieces)
-        + ". "
-        + ". ".join(dict.fromkeys(advice))
-        + "."
-    )
+    head = f"pin {name!r}: "
+    if any(reason != "not_rendered" for _, reason in lost):
+        head += (
+            f"the stable prefix ends at token {keep} of {content_end} "
+            f"(... {before!r} | {after!r} ...); only {keep} tokens can be cached. "
+        )
+    return head + "; ".join(pieces) + ". " + ". ".join(dict.fromkeys(advice)) + "."
 
 
 def single_turn_warning(

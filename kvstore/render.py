@@ -87,6 +87,17 @@ def render_prefix(
     return pin
 
 
+def pin_extra(pin: RenderedPin, template_kwargs: dict | None) -> dict:
+    """Meta extra fields of a rendered chat pin: the template arguments it was rendered with,
+    and for a clock-bound pin the local date it holds for."""
+    out: dict = {}
+    if template_kwargs:
+        out["chat_template_kwargs"] = dict(template_kwargs)
+    if pin.valid_date:
+        out["valid_date"] = pin.valid_date
+    return out
+
+
 class _Requests:
     """Renders requests of the pinned messages as mlx_lm.server does, at a chosen clock."""
 

@@ -87,12 +87,12 @@ def render_prefix(
     return pin
 
 
-def pin_extra(pin: RenderedPin, template_kwargs: dict | None) -> dict:
-    """Meta extra fields of a rendered chat pin: the template arguments it was rendered with,
-    and for a clock-bound pin the local date it holds for."""
+def pin_extra(pin: RenderedPin, template_kwargs: dict | None, *, chat: bool = True) -> dict:
+    """Meta extra fields of a rendered pin: for a chat pin the template arguments it was rendered
+    with ({} for none: `kvstore serve` compares them), for a clock-bound pin its local date."""
     out: dict = {}
-    if template_kwargs:
-        out["chat_template_kwargs"] = dict(template_kwargs)
+    if chat:
+        out["chat_template_kwargs"] = dict(template_kwargs or {})
     if pin.valid_date:
         out["valid_date"] = pin.valid_date
     return out

@@ -183,10 +183,17 @@ def encode_pin(
             "quantized_kv_start": plan.spec.quantized_kv_start,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
-            **pin_extra(pp.pin, pp.prefix.chat_template_kwargs if pp.prefix else None),
+            **_pin_extra(pp),
         },
     )
     return blob, fields
+
+
+def _pin_extra(pp: PlannedPin) -> dict:
+    if pp.prefix is None:
+        return pin_extra(pp.pin, None, chat=False)
+    chat = pp.prefix.messages is not None
+    return pin_extra(pp.pin, pp.prefix.chat_template_kwargs, chat=chat)
 
 
 def _ident(spec: ModelSpec) -> tuple:

@@ -222,3 +222,27 @@ if __name__ == "__main__":
                 f"pin {r.pin:5} {'warned' if r.warned else '':6} {'FAILED' if r.failed else ''}"
                 f" {r.clock} {'single-turn' if r.multi_turn is False else ''}"
             )
+
+
+def test_analyze_says_single_turn_only_for_mistral_nemo(family_models, tmp_path) -> None:  # noqa: F811
+    import json
+
+    from click.testing import CliRunner
+
+    from kvstore.cli import main
+
+    capture = tmp_path / "captured.jsonl"
+    system = {"role": "system", "content": SYSTEM_PROMPT}
+    calls = [{"stage": "support", "messages": [system, {"role": "user", "content": u}]}
+             for u in USER_TURNS]  # fmt: skip
+    capture.write_text("".join(json.dumps(c) + "\n" for c in calls))
+    model = family_models.path("mistral_nemo")
+    table = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(model)])
+    assert table.exit_code == 0, table.output
+    assert "single-turn only" in table.output
+    assert "moves it to the last user turn" in table.output
+    qwen = family_models.path("qwen3")
+    res = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(qwen), "--json"])
+    (report,) = json.loads(res.output)
+    assert report["pin_multi_turn"] is True and report["pin_warning"] is None
+    assert report["pin_tokens"] >= report["stable_tokens"] - 1 > 0

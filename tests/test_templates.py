@@ -207,6 +207,35 @@ def _old_render() -> Callable:
     return module.render_prefix
 
 
+def tomorrow_figure(models: FamilyModels, render: Callable = render_prefix) -> float:
+    """Share of what tomorrow's requests share that the pin kvstore holds then serves: the pin
+    re-warmed with tomorrow's clock (this code) or the one warmed today (the rule before)."""
+    shared = served = 0
+    for family, kind in cases():
+        if (family.name, kind) in NO_REQUESTS:
+            continue
+        tok = models.tokenizer(family)
+        messages, tools = pinned_for(family, kind)
+        spec = PrefixSpec(kind, tuple(messages), None, None, None, tuple(tools) if tools else None)
+        try:
+            if render is render_prefix:
+                pin = render(tok, spec, now=TOMORROW.replace(hour=0, minute=0, second=5))
+            else:
+                with clock_at(TODAY):
+                    pin = render(tok, spec)
+        except KVStoreError:
+            pin = None  # failed to warm: serves nothing
+        with clock_at(TOMORROW.replace(hour=8)):
+            reqs = [
+                request_tokens(tok, messages + [{"role": "user", "content": u}], tools=tools)
+                for u in USER_TURNS[:2]
+            ]
+        shared += common_prefix_len(*reqs)
+        if pin is not None and all(r[: len(pin.tokens)] == list(pin.tokens) for r in reqs):
+            served += len(pin.tokens)
+    return served / shared
+
+
 if __name__ == "__main__":
     import logging
     import tempfile
@@ -216,6 +245,7 @@ if __name__ == "__main__":
     for label, render in (("before", _old_render()), ("after", render_prefix)):
         figure, rows = coverage_figure(models, render)
         print(f"{label}: {100 * figure:.1f}% of shared static tokens served")
+        print(f"  next day: {100 * tomorrow_figure(models, render):.1f}% served")
         for r in rows:
             print(
                 f"  {r.family:26} {r.kind:9} shared {r.shared:5} served {r.served:5} "

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import logging
 from collections.abc import Iterator
 from contextvars import ContextVar
 
+log = logging.getLogger("kvstore")
 _NOW: ContextVar[_dt.datetime | None] = ContextVar("kvstore_template_now", default=None)
 
 
@@ -52,7 +54,9 @@ def install() -> bool:
 @contextlib.contextmanager
 def clock_at(now: _dt.datetime) -> Iterator[None]:
     """Templates rendered inside this block (in this thread or context) see `now`."""
-    install()
+    if not install():
+        # Someone else replaced transformers' clock: probes cannot move it; say so, go on.
+        log.warning("kvstore: cannot set the chat template clock; dates are not probed")
     token = _NOW.set(now)
     try:
         yield

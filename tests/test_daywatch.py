@@ -149,6 +149,14 @@ messages = [{{ role = "system", content = "{BAD} {SYSTEM}" }}]
     assert "good:" not in result.output.split("Error:")[-1]
     entries = json.loads(CliRunner().invoke(main, ["ls", "--json"]).output)
     assert [e["label"] for e in entries] == ["good"]
+    # A pin that fails later keeps what it had stored (a template error is no reason to drop it).
+    manifest.write_text(manifest.read_text().replace(f"{BAD} ", "Fine. "))
+    assert CliRunner().invoke(main, ["warm", "--manifest", str(manifest)]).exit_code == 0
+    manifest.write_text(manifest.read_text().replace("Fine. ", f"{BAD} "))
+    result = CliRunner().invoke(main, ["warm", "--manifest", str(manifest)])
+    assert result.exit_code != 0 and "purged" not in result.output
+    entries = json.loads(CliRunner().invoke(main, ["ls", "--json"]).output)
+    assert sorted(e["label"] for e in entries) == ["bad", "good"]
 
 
 KWARG_TEMPLATE = (
@@ -180,3 +188,20 @@ messages = [{{ role = "system", content = "{SYSTEM}" }}]
     assert metas["chatty"].extra["chat_template_kwargs"] == {"terse": False}
     assert "Be terse." in tok.decode(metas["terse"].token_ids())
     assert "Be terse." not in tok.decode(metas["chatty"].token_ids())
+
+
+def test_a_runtime_pin_follows_the_same_rule(dated_model, kv_home):
+    from mlx_lm import load
+
+    from client import PersistentPromptCache
+
+    model, tok = load(str(dated_model))
+    messages = [{"role": "system", "content": SYSTEM}]
+    with PersistentPromptCache(model, tok, dated_model, stats=False) as cache:
+        pin = cache.pin("dated", messages=messages)
+        terse = cache.pin("terse", messages=messages, chat_template_kwargs={"x": 1})
+    assert pin.valid_date == dt.date.today().isoformat() and pin.warning is None
+    assert terse.tokens == pin.tokens  # this template reads no x: same tokens, one entry
+    turns = messages + [{"role": "user", "content": "Is 7 prime?"}]
+    ids = list(tok.apply_chat_template(turns, add_generation_prompt=True))
+    assert ids[: len(pin.tokens)] == list(pin.tokens) and SYSTEM in tok.decode(list(pin.tokens))

@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 from template_families import (
     FAMILIES,
+    FEW_SHOT,
     SYSTEM_PROMPT,
     TOOLS,
     USER_TURNS,
@@ -122,3 +123,26 @@ def test_clock_at_moves_strftime_now(family_models):  # noqa: F811
         tomorrow = request_text(tok, msgs)
     assert "Current date: 2026-12-01" in today
     assert "Current date: 2026-12-02" in tomorrow
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_few_shot_requests_render_and_share_the_examples(
+    family_models,  # noqa: F811
+    family: Family,
+    record_property,
+):
+    tok = family_models.tokenizer(family)
+    tools = TOOLS if family.tools_variant else None
+    with clock_at(DAY):
+        reqs = [
+            request_tokens(tok, messages_for(family, u, few_shot=True), tools=tools)
+            for u in USER_TURNS[:2]
+        ]
+    text = tok.decode(reqs[0])
+    last_example = FEW_SHOT[-1]["content"]
+    assert FEW_SHOT[1]["content"] in text and last_example in text
+    shared = common_prefix_len(*reqs)
+    examples_end = text_end_token(tok, reqs[0], last_example)
+    record_property("shared_prefix_tokens", shared)
+    record_property("examples_end_token", examples_end)
+    assert 0 < shared < min(map(len, reqs)) and examples_end is not None

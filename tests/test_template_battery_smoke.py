@@ -23,6 +23,7 @@ from template_families import (
     messages_for,
     request_text,
     request_tokens,
+    server_system_end,
     text_end_token,
 )
 from template_fixtures import family_models  # noqa: F401
@@ -89,6 +90,12 @@ def test_real_requests_render_with_single_token_control_tokens(
         system_end = text_end_token(tok, reqs[0], SYSTEM_PROMPT)
         assert system_end is not None and system_end <= len(reqs[0])
         record_property("system_end_token", system_end)
+        with clock_at(DAY):
+            server_end = server_system_end(
+                tok, messages_for(family, USER_TURNS[0]), tools=tools, chat_template_kwargs=kwargs
+            )
+        assert 0 <= server_end <= shared  # mlx_lm.server's own system segment of the request
+        record_property("server_system_end", server_end)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)

@@ -483,6 +483,43 @@ def request_text(
     )
 
 
+def server_system_end(
+    tokenizer,
+    messages: Sequence[Mapping],
+    *,
+    tools: list[dict] | None = None,
+    chat_template_kwargs: Mapping[str, object] | None = None,
+) -> int:
+    """Where `mlx_lm.server` ends the "system" segment of this request (0: it makes none).
+
+    As the server does: render the leading system messages plus an empty user turn without a
+    generation prompt, and take the first token where that differs from the request.
+    """
+    prompt = request_tokens(
+        tokenizer, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+    )
+    num_system = 0
+    for m in messages:
+        if m["role"] != "system":
+            break
+        num_system += 1
+    if num_system == 0 or messages[-1]["role"] != "user":
+        return 0
+    sys_tokens = tokenizer.apply_chat_template(
+        list(messages[:num_system]) + [{"role": "user", "content": ""}],
+        add_generation_prompt=False,
+        tools=tools,
+        tokenize=True,
+        **dict(chat_template_kwargs or {}),
+    )
+    if isinstance(sys_tokens, Mapping) or hasattr(sys_tokens, "keys"):
+        sys_tokens = sys_tokens["input_ids"]
+    for i, (a, b) in enumerate(zip(sys_tokens, prompt)):
+        if a != b:
+            return i if i < len(prompt) else 0
+    return 0  # the server sets no boundary when one rendering is a prefix of the other
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b):

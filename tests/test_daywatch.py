@@ -205,3 +205,28 @@ def test_a_runtime_pin_follows_the_same_rule(dated_model, kv_home):
     turns = messages + [{"role": "user", "content": "Is 7 prime?"}]
     ids = list(tok.apply_chat_template(turns, add_generation_prompt=True))
     assert ids[: len(pin.tokens)] == list(pin.tokens) and SYSTEM in tok.decode(list(pin.tokens))
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('"yes"', "must be a table"),
+        ("{ tools = [] }", "'tools' is set by kvstore"),
+        ("{ add_generation_prompt = false }", "'add_generation_prompt' is set by kvstore"),
+    ],
+)
+def test_bad_template_arguments_name_the_field(tmp_path, value, message):
+    from kvstore.errors import ManifestError
+    from kvstore.manifest import load_manifest
+
+    pins = f"""
+[[model.prefix]]
+name = "p"
+chat_template_kwargs = {value}
+messages = [{{ role = "system", content = "hi" }}]
+"""
+    path = manifest_for(tmp_path, tmp_path, pins)
+    with pytest.raises(
+        ManifestError, match=rf"prefix 'p': field 'chat_template_kwargs': {message}"
+    ):
+        load_manifest(path)

@@ -198,7 +198,7 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
         if not covered:
             lost.append((pc, reason))
         elif later_ok is False:
-            later_lost.append((pc, _later_reason(part, later_text, located)))
+            later_lost.append((pc, _later_reason(part, later_text)))
     warnings = []
     if lost:
         warnings.append(
@@ -235,7 +235,7 @@ def _reason(part: coverage.Part, keep: int, keep_req: int, keep_time: int) -> st
     return "time" if keep_time < keep_req and keep == keep_time else "per_request"
 
 
-def _later_reason(part: coverage.Part, later_text: str | None, located: list) -> str:
+def _later_reason(part: coverage.Part, later_text: str | None) -> str:
     """Where a later turn renders the part: after the first user message means the template
     moves it to the last user turn (Mistral's system text and [AVAILABLE_TOOLS])."""
     first_user = later_text.find(CHAT_PROBES[0]) if later_text is not None else -1

@@ -57,6 +57,11 @@ class StageReport:
     reorder_share: float
     static_lines: int  # lines of the first call that are the same in every call
     lines: int
+    # The pin kvstore's rule gives the leading messages every call shares (with --model).
+    pin_tokens: int | None = None
+    pin_multi_turn: bool | None = None  # False: single-turn only (the template moves it)
+    pin_valid_date: str | None = None  # clock-bound: the template prints the date
+    pin_warning: str | None = None
 
     @property
     def snippet(self) -> str:
@@ -257,13 +262,55 @@ def analyze_stage(stage: str, calls: list[Capture], renderer: Renderer) -> Stage
     )
 
 
+def shared_messages(calls: list[Capture]) -> tuple[list[dict], tuple | None]:
+    """The leading messages (and tools) identical in every call, the last turn left out: what a
+    manifest pin of this stage would hold."""
+    if any(c.messages is None for c in calls):
+        return [], None
+    out = []
+    for column in zip(*(c.messages[:-1] for c in calls), strict=False):
+        if any(m != column[0] for m in column):
+            break
+        out.append(dict(column[0]))
+    tools = calls[0].tools if all(c.tools == calls[0].tools for c in calls) else None
+    return out, tools
+
+
+def stage_pin(stage: str, calls: list[Capture], tokenizer: Any) -> dict[str, Any]:
+    """The pin kvstore's stable-boundary rule gives this stage, as a manifest warm would."""
+    from kvstore.manifest import PrefixSpec
+    from kvstore.render import render_prefix
+
+    messages, tools = shared_messages(calls)
+    if not messages:
+        return {}
+    spec = PrefixSpec(stage, tuple(messages), None, None, None, tools)
+    try:
+        pin = render_prefix(tokenizer, spec)
+    except KVStoreError as e:
+        return {"pin_tokens": 0, "pin_warning": str(e)}
+    return {
+        "pin_tokens": len(pin.tokens),
+        "pin_multi_turn": pin.multi_turn,
+        "pin_valid_date": pin.valid_date,
+        "pin_warning": pin.warning,
+    }
+
+
 def analyze(captures: list[Capture], *, tokenizer: Any = None) -> list[StageReport]:
     """One report per stage, in order of first appearance."""
     stages: dict[str, list[Capture]] = {}
     for c in captures:
         stages.setdefault(c.stage, []).append(c)
     renderer = Renderer(tokenizer)
-    return [analyze_stage(name, calls, renderer) for name, calls in stages.items()]
+    reports = []
+    for name, calls in stages.items():
+        report = analyze_stage(name, calls, renderer)
+        if tokenizer is not None:
+            for key, value in stage_pin(name, calls, tokenizer).items():
+                setattr(report, key, value)
+        reports.append(report)
+    return reports
 
 
 def _show(text: str) -> str:
@@ -293,6 +340,14 @@ def format_table(reports: list[StageReport]) -> str:
             f"{_pct(r.byte_share):>9} {at:>19} {_pct(r.reorder_share):>12}"
         )
         rows.append(f"  first dynamic block: {r.snippet}")
+        if r.pin_tokens is not None:
+            notes = [] if r.pin_multi_turn is not False else ["single-turn only"]
+            if r.pin_valid_date:
+                notes.append(f"clock-bound: valid {r.pin_valid_date}, re-warmed daily")
+            more = f" ({'; '.join(notes)})" if notes else ""
+            rows.append(f"  pin of its shared messages: {r.pin_tokens} tokens{more}")
+            if r.pin_warning:
+                rows.append(f"  warning: {r.pin_warning}")
         if r.calls == 1:
             rows.append("  (one call: nothing to compare; capture more calls of this stage)")
         else:

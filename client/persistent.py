@@ -25,6 +25,7 @@ from client.hydrate import HydrateReport, hydrate
 from client.stats import StatsRecorder
 from client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
+from kvstore.render import RenderedPin, pin_extra
 from kvstore.settings import resolve_home
 
 log = logging.getLogger("kvstore.client")
@@ -41,7 +42,8 @@ class Pin:
     seconds: float  # what pin() took on the caller's thread
     persist_s: float  # of which: handing the cache to the write-behind queue
     queued: bool  # sent towards the daemon to persist
-    warning: str | None = None  # the stable-boundary cut fell inside the pinned content
+    warning: str | None = None  # the pin misses pinned content, or serves single turns only
+    valid_date: str | None = None  # clock-bound: the template prints the date; valid this day
 
 
 class PersistentPromptCache(LRUPromptCache):
@@ -69,6 +71,7 @@ class PersistentPromptCache(LRUPromptCache):
         persist_chains: bool = False,
         stats: bool = True,
         verbose: bool | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.model, self.tokenizer = model, tokenizer
@@ -79,6 +82,8 @@ class PersistentPromptCache(LRUPromptCache):
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.quantized_kv_start = quantized_kv_start
         self.persist_chains = persist_chains
+        # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Pin, Any]] = {}  # -> (pin, entry)
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
         self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
@@ -200,9 +205,11 @@ class PersistentPromptCache(LRUPromptCache):
         messages: Sequence[Mapping[str, Any]] | None = None,
         tokens: Sequence[int] | None = None,
         tools: Iterable[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Pin:
         """Register a stage prefix that the LRU never evicts: chat `messages` (rendered with the
-        stable-boundary rule, optionally with `tools`) or exact `tokens`.
+        stable-boundary rule, optionally with `tools` and the template arguments the app's
+        requests use: `chat_template_kwargs`, default the cache's) or exact `tokens`.
 
         Its KV comes from memory or the store when present; otherwise the loaded model prefills
         it here, once, and the daemon is asked to persist it (off the request path).
@@ -210,9 +217,14 @@ class PersistentPromptCache(LRUPromptCache):
         t0 = time.perf_counter()
         if (messages is None) == (tokens is None):
             raise ValueError("pin: give exactly one of messages= or tokens=")
-        warning = None
+        warning, extra = None, {}
         if messages is not None:
-            ids, warning = self._render(name, messages, tools)
+            kwargs = (
+                self.chat_template_kwargs if chat_template_kwargs is None else chat_template_kwargs
+            )
+            rendered = self._render(name, messages, tools, dict(kwargs))
+            ids, warning = rendered.tokens, rendered.warning
+            extra = pin_extra(rendered, dict(kwargs))
         else:
             ids = tuple(int(t) for t in tokens)
         if not ids:
@@ -235,9 +247,12 @@ class PersistentPromptCache(LRUPromptCache):
         queued, persist_s = False, 0.0
         if source != "store" and ids not in self._hydrated:
             t1 = time.perf_counter()
-            queued = self._persist(list(ids), cache, label=name, pinned=True)
+            queued = self._persist(list(ids), cache, label=name, pinned=True, extra=extra)
             persist_s = time.perf_counter() - t1
-        pin = Pin(name, ids, source, time.perf_counter() - t0, persist_s, queued, warning)
+        pin = Pin(
+            name, ids, source, time.perf_counter() - t0, persist_s, queued, warning,
+            extra.get("valid_date"),
+        )  # fmt: skip
         self._attach(pin, cache)
         log.info(
             "kvstore: pinned %r: %d tokens from %s in %.3f s", name, len(ids), source, pin.seconds
@@ -245,9 +260,13 @@ class PersistentPromptCache(LRUPromptCache):
         return pin
 
     def _render(
-        self, name: str, messages: Sequence[Mapping[str, Any]], tools: Iterable | None
-    ) -> tuple[tuple[int, ...], str | None]:
-        from kvstore.manifest import PrefixSpec
+        self,
+        name: str,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Iterable | None,
+        template_kwargs: dict,
+    ) -> RenderedPin:
+        from kvstore.manifest import PrefixSpec, check_template_kwargs
         from kvstore.render import render_prefix
 
         spec = PrefixSpec(
@@ -257,9 +276,9 @@ class PersistentPromptCache(LRUPromptCache):
             file=None,
             tools=None,
             tools_data=tuple(dict(t) for t in tools) if tools else None,
+            chat_template_kwargs=check_template_kwargs(template_kwargs or None),
         )
-        rendered = render_prefix(self.tokenizer, spec)
-        return rendered.tokens, rendered.warning
+        return render_prefix(self.tokenizer, spec)
 
     def _find(self, ids: tuple[int, ...]) -> tuple[str, list | None]:
         """The KV of exactly these tokens from memory (no copy: the pin takes the entry over) or
@@ -294,7 +313,9 @@ class PersistentPromptCache(LRUPromptCache):
 
     # -- write-behind ------------------------------------------------------------------------
 
-    def _persist(self, tokens: list[int], cache: list, *, label: str, pinned: bool) -> bool:
+    def _persist(
+        self, tokens: list[int], cache: list, *, label: str, pinned: bool, extra: dict | None = None
+    ) -> bool:
         """Hand an evaluated cache to the write-behind worker; a few microseconds here."""
         ident = tuple(tokens)
         if self.fingerprint is None or ident in self._offered:
@@ -306,13 +327,15 @@ class PersistentPromptCache(LRUPromptCache):
         what = f"{'pin' if pinned else 'chain'} {label!r} ({len(tokens)} tokens)"
         # The LRU holds this same cache object and never mutates it (fetch hands out copies), so
         # the worker may read it later without a copy here.
-        job = Job(what, lambda c: self._send(c, tokens, cache, label, pinned))
+        job = Job(what, lambda c: self._send(c, tokens, cache, label, pinned, extra or {}))
         if not self._writer.submit(job):
             return False
         self._offered.add(ident)
         return True
 
-    def _send(self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool) -> None:
+    def _send(
+        self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool, extra: dict
+    ) -> None:
         from kvstore import codec
         from kvstore.identity import template_hash
         from kvstore.keys import entry_key, pack_tokens
@@ -333,6 +356,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "kv_group_size": self.kv_group_size,
                 "quantized_kv_start": self.quantized_kv_start,
                 "source": "pin" if pinned else "chain",
+                **extra,
             },
         )
         client.put(entry_key(self.fingerprint, tokens), blob, fields)

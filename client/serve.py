@@ -10,6 +10,9 @@ of `serve()` by thin subclasses:
   with --persist-system-prompts its `insert_cache(..., cache_type="system")` calls (the batched
   path snapshots the system-prompt segment under that type) are also sent to the daemon.
 
+With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
+re-cuts the system segment at kvstore's stable boundary (client.serve_boundary).
+
 Both generation paths then see the entries: the batched path and `_serve_single` both call
 `prompt_cache.fetch_nearest_cache(model_provider.model_key, prompt)`, and `cached_tokens` is
 `len(prompt) - len(rest)` of that call. `check_server_shape` verifies these assumptions up front.
@@ -28,6 +31,7 @@ from typing import Any
 import click
 
 from client.hydrate import hydrate
+from client.serve_boundary import StableSystemSegment, template_args_warning
 from client.writebehind import Job, WriteBehind
 from kvstore.cli import home_option
 from kvstore.errors import KVStoreError
@@ -44,7 +48,7 @@ class ServeError(KVStoreError):
 def check_server_shape(server: Any) -> None:
     """Fail with one clear message when mlx_lm.server no longer looks like 0.30-0.32's."""
     problems = []
-    for name in ("main", "run", "ModelProvider", "LRUPromptCache"):
+    for name in ("main", "run", "ModelProvider", "LRUPromptCache", "ResponseGenerator"):
         if not hasattr(server, name):
             problems.append(f"mlx_lm.server.{name} is missing")
     provider = getattr(server, "ModelProvider", None)
@@ -61,6 +65,11 @@ def check_server_shape(server: Any) -> None:
         load_src = inspect.getsource(provider._load)
     except (AttributeError, OSError, TypeError):
         run_src = load_src = ""
+    generator = getattr(server, "ResponseGenerator", None)
+    if generator is not None and not callable(getattr(generator, "_tokenize", None)):
+        problems.append("ResponseGenerator._tokenize is missing")
+    if "ResponseGenerator(" not in run_src:
+        problems.append("mlx_lm.server.run no longer builds its ResponseGenerator by that name")
     if "LRUPromptCache(" not in run_src:
         problems.append("mlx_lm.server.run no longer builds its LRUPromptCache by that name")
     if "self.model_key =" not in load_src:
@@ -88,7 +97,9 @@ class SystemPromptPersister:
         self.seen: set[tuple] = set()
         self.sent = 0
 
-    def offer(self, target: dict[str, Any], tokens: Sequence[int], cache: list) -> None:
+    def offer(
+        self, target: dict[str, Any], tokens: Sequence[int], cache: list, extra: dict | None = None
+    ) -> None:
         ident = (target["fingerprint"], tuple(tokens))
         if ident in self.seen:
             return
@@ -100,12 +111,14 @@ class SystemPromptPersister:
         tokens = list(tokens)
         job = Job(
             f"system prefix ({len(tokens)} tokens)",
-            lambda client: self._send(client, target, tokens, cache),
+            lambda client: self._send(client, target, tokens, cache, extra or {}),
         )
         if not self.writer.submit(job):
             self.seen.discard(ident)  # offered again the next time the server inserts it
 
-    def _send(self, client: Any, target: dict[str, Any], tokens: list[int], cache: list) -> None:
+    def _send(
+        self, client: Any, target: dict[str, Any], tokens: list[int], cache: list, extra: dict
+    ) -> None:
         from kvstore import codec
         from kvstore.keys import entry_key, pack_tokens
         from kvstore.store import Store
@@ -129,6 +142,7 @@ class SystemPromptPersister:
                 "kv_group_size": target["kv_group_size"],
                 "quantized_kv_start": target["quantized_kv_start"],
                 "source": "serve",
+                **extra,
             },
         )
         client.put(key, blob, fields)
@@ -143,6 +157,7 @@ class _Hooks:
         self.home = home
         self.cache: Any = None
         self.persister = SystemPromptPersister(home) if persist else None
+        self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
 
     def on_load(self, provider: Any) -> None:
@@ -183,6 +198,8 @@ class _Hooks:
                 report.seconds,
                 f": {', '.join(report.labels)}" if report.labels else "",
             )
+        if report.fingerprint:
+            self._check_template_args(report.fingerprint, args)
         if self.persister is not None and report.fingerprint:
             from kvstore.identity import resolve_model_path, template_hash
 
@@ -196,16 +213,29 @@ class _Hooks:
                 template_hash=template_hash(resolve_model_path(model_path)),
             )
 
+    def _check_template_args(self, fingerprint: str, args: Any) -> None:
+        from kvstore.store import Store
+
+        try:
+            with Store(self.home, readonly=True) as store:
+                metas = store.metas(bytes.fromhex(fingerprint), errors=[])
+        except KVStoreError:
+            return  # hydrate has said why already
+        warning = template_args_warning(metas, getattr(args, "chat_template_args", None))
+        if warning:
+            log.warning("%s", warning)
+
     def on_insert(self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str):
         target = self.targets.get(model_key)
         if self.persister is not None and cache_type == "system" and target is not None:
             try:
-                self.persister.offer(target, tokens, cache)
+                extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
+                self.persister.offer(target, tokens, cache, extra)
             except Exception as e:  # never fail the insert the server asked for
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
-def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type]:
+def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, *args: Any, **kwargs: Any) -> None:
             super()._load(*args, **kwargs)
@@ -220,7 +250,19 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type]:
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
             hooks.on_insert(model, tokens, prompt_cache, cache_type)
 
-    return PersistentModelProvider, PersistentServerCache
+    class StableSegmentGenerator(server.ResponseGenerator):
+        def _tokenize(self, tokenizer, request, args):
+            out = super()._tokenize(tokenizer, request, args)
+            if hooks.boundary is None:
+                return out
+            try:
+                cli_args = self.model_provider.cli_args
+                return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
+            except Exception as e:  # never fail the request: mlx-lm's own segment then
+                log.warning("kvstore: keeping mlx-lm's system segment: %s", e)
+                return out
+
+    return PersistentModelProvider, PersistentServerCache, StableSegmentGenerator
 
 
 @contextlib.contextmanager
@@ -230,13 +272,15 @@ def patched_server(home: Path, *, persist: bool = False) -> Iterator[Any]:
 
     check_server_shape(server)
     hooks = _Hooks(home, persist)
-    provider_cls, cache_cls = _subclasses(server, hooks)
-    saved = server.ModelProvider, server.LRUPromptCache
+    provider_cls, cache_cls, generator_cls = _subclasses(server, hooks)
+    saved = server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator
     server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
+    if persist:
+        server.ResponseGenerator = generator_cls
     try:
         yield server
     finally:
-        server.ModelProvider, server.LRUPromptCache = saved
+        server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator = saved
 
 
 def serve(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.commands import Commands
+from daemon.daywatch import DayWatch
 from daemon.lifecycle import (
     DaemonRunning,
     acquire_lock,
@@ -117,6 +118,8 @@ class Daemon(Commands):
         self.stop_reason = ""
         self.writer = Writer()
         self.upkeep = Upkeep(store, home, settings, self.stopping)
+        # Clock-bound pins (a template that prints the date) are re-warmed across midnight.
+        self.daywatch = DayWatch(self.upkeep, lambda: list(self.manifests), self.writer.submit)
         self.ledger = Ledger(home)
         self.watcher: Any = None
         self._watcher_lock = threading.Lock()
@@ -207,6 +210,7 @@ class Daemon(Commands):
             with self._watcher_lock:
                 self._start_watcher()
             log.info("watcher mode: %s", self.watcher_mode())
+            self.daywatch.start()
             self.writer.run(self.stopping)
         finally:
             self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
@@ -337,6 +341,7 @@ class Daemon(Commands):
         with self._watcher_lock:
             if self.watcher is not None:
                 self.watcher.stop()
+        self.daywatch.stop()
         with self._conns_lock:
             conns = dict(self._conns)
         for sock in conns:  # wakes threads blocked waiting for a client's next frame

@@ -6,15 +6,18 @@ pins, loads a model only when a pin is missing, and releases it afterwards.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from daemon.lifecycle import peak_rss_bytes, rss_bytes, trim_heap
+from kvstore.clock import local_now
 from kvstore.errors import KVStoreError
 from kvstore.eviction import select_for_eviction
 from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
@@ -95,9 +98,16 @@ class Upkeep:
     """The warm/reconcile and budget jobs; owned by the daemon, run on its writer thread."""
 
     def __init__(
-        self, store: Store, home: Path, settings: dict[str, Any], stopping: threading.Event
+        self,
+        store: Store,
+        home: Path,
+        settings: dict[str, Any],
+        stopping: threading.Event,
+        *,
+        clock: Callable[[], dt.datetime] = local_now,
     ):
         self.store = store
+        self.clock = clock  # the local time pins render for (clock-bound pins); tests move it
         self.home = home
         self.settings = settings
         self.stopping = stopping
@@ -110,10 +120,25 @@ class Upkeep:
         if not msg.startswith("purged pin"):  # kvstore.warm logs purges itself
             log.info("warm: %s", msg)
 
-    def warm(self, manifest: Manifest, *, cause: str) -> dict[str, Any]:
+    def warm(
+        self,
+        manifest: Manifest,
+        *,
+        cause: str,
+        now: dt.datetime | None = None,
+        purge: bool = True,
+    ) -> dict[str, Any]:
         log.info("warm %s (%s)", manifest.path, cause)
+        now = now or self.clock()
         with RssSampler() as rss:
-            report = warm(manifest, self.store, home=self.home, progress=self._progress, purge=True)
+            report = warm(
+                manifest,
+                self.store,
+                home=self.home,
+                progress=self._progress,
+                purge=purge,
+                now=now,
+            )
             if report.models_loaded:
                 trim_heap()  # kvstore.warm released the model; hand its freed pages back too
         present = sum(p.status == "present" for p in report.pins)
@@ -150,7 +175,14 @@ class Upkeep:
         self.enforce_budget()
         return report_dict(report, manifest)
 
-    def reconcile(self, manifest_paths: list[Path], *, cause: str) -> list[dict[str, Any]]:
+    def reconcile(
+        self,
+        manifest_paths: list[Path],
+        *,
+        cause: str,
+        now: dt.datetime | None = None,
+        purge: bool = True,
+    ) -> list[dict[str, Any]]:
         """Warm every manifest; one that does not load is logged and its pins are left alone, one
         whose warm fails is logged with its path, and the next manifest is warmed regardless."""
         reports = []
@@ -161,7 +193,7 @@ class Upkeep:
                 log.error("reconcile: %s (its pins are kept until it loads again)", e)
                 continue
             try:
-                reports.append(self.warm(manifest, cause=cause))
+                reports.append(self.warm(manifest, cause=cause, now=now, purge=purge))
             except WarmCancelled:
                 log.info("warm of %s cancelled: the daemon is stopping", path)
                 break

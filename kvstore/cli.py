@@ -161,6 +161,8 @@ def warm(manifest: Path | None, home: Path) -> None:
         line = f"{p.status:8} {p.name:20} {p.tokens:6d} tokens  {p.model}"
         if p.status == "warmed":
             line += f"  ({human_size(p.nbytes)}, {p.seconds:.2f}s)"
+        if getattr(p, "valid_date", None):  # the template prints the date: re-warmed daily
+            line += f"  valid {p.valid_date}"
         click.echo(line)
         if p.warning:
             click.echo(f"warning: {p.warning}", err=True)

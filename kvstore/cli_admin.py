@@ -89,6 +89,8 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
                 f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
                 f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
                 f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
+                # a clock-bound pin (its template prints the date) holds for one local day
+                + (f"  valid {m.extra['valid_date']}" if m.extra.get("valid_date") else "")
             )
         click.echo(f"{len(metas)} entries, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:

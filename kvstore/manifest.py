@@ -27,8 +27,17 @@ DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _TOP_KEYS = ("model",)
-_MODEL_KEYS = ("path", "adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "prefix")
-_PREFIX_KEYS = ("name", "messages", "text", "file", "tools")
+_MODEL_KEYS = (
+    "path", "adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "chat_template_kwargs",
+    "prefix",
+)  # fmt: skip
+_PREFIX_KEYS = ("name", "messages", "text", "file", "tools", "chat_template_kwargs")
+# Arguments kvstore itself passes to apply_chat_template: a manifest may not override them.
+_RESERVED_TEMPLATE_KWARGS = (
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+)  # fmt: skip
 _MESSAGE_KEYS = ("role", "content")
 
 
@@ -42,6 +51,8 @@ class PrefixSpec:
     file: Path | None
     tools: Path | None
     tools_data: tuple | None
+    # As mlx_lm.server --chat-template-args or the app passes them (enable_thinking, ...).
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class ModelSpec:
     kv_group_size: int
     quantized_kv_start: int  # as generate(quantized_kv_start=): KV is quantized from this offset
     prefixes: tuple[PrefixSpec, ...]
+    chat_template_kwargs: dict | None = None  # every prefix's default
 
 
 @dataclass(frozen=True)
@@ -158,13 +170,14 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     qstart = table.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
     if not _is_int(qstart) or qstart < 0:
         raise where.error("quantized_kv_start", f"must be an integer >= 0, got {qstart!r}")
+    template_kwargs = check_template_kwargs(table.get("chat_template_kwargs"), where)
     prefixes = table.get("prefix", [])
     if not isinstance(prefixes, list) or not all(isinstance(p, dict) for p in prefixes):
         raise where.error("prefix", "must be an array of tables written as [[model.prefix]]")
     specs: list[PrefixSpec] = []
     seen: set[str] = set()
     for i, prefix in enumerate(prefixes):
-        spec = _load_prefix(prefix, i, where, base)
+        spec = _load_prefix(prefix, i, where, base, template_kwargs)
         if spec.name in seen:
             raise where.at(prefix=f"prefix {spec.name!r}").error(
                 "name", "duplicate prefix name in this model; give each prefix a unique name"
@@ -178,10 +191,33 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
         kv_group_size=group,
         quantized_kv_start=qstart,
         prefixes=tuple(specs),
+        chat_template_kwargs=template_kwargs,
     )
 
 
-def _load_prefix(table: dict, index: int, where: _Where, base: Path) -> PrefixSpec:
+def check_template_kwargs(value: Any, where: _Where | None = None) -> dict | None:
+    """A chat_template_kwargs table: string keys, none that kvstore passes itself."""
+    if value is None:
+        return None
+
+    def bad(problem: str) -> Exception:
+        if where is None:
+            return ManifestError(f"chat_template_kwargs: {problem}")
+        return where.error("chat_template_kwargs", problem)
+
+    if not isinstance(value, dict):
+        raise bad("must be a table, e.g. { enable_thinking = false }")
+    for key in value:
+        if not isinstance(key, str):
+            raise bad(f"keys must be strings, got {key!r}")
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise bad(f"{key!r} is set by kvstore as mlx_lm.server sets it; remove it")
+    return dict(value)
+
+
+def _load_prefix(
+    table: dict, index: int, where: _Where, base: Path, template_kwargs: dict | None = None
+) -> PrefixSpec:
     name = table.get("name")
     where = where.at(prefix=f"prefix {name!r}" if isinstance(name, str) else f"prefix #{index}")
     _check_keys(table, _PREFIX_KEYS, where, "[[model.prefix]]")
@@ -204,11 +240,15 @@ def _load_prefix(table: dict, index: int, where: _Where, base: Path) -> PrefixSp
             raise where.error(
                 "tools", "tools apply to chat messages only; remove them or use messages"
             )
+        if table.get("chat_template_kwargs") is not None:
+            raise where.error("chat_template_kwargs", "applies to chat messages only; remove it")
         return PrefixSpec(name, None, text, None, None, None)
     file_text = _read_text(file, "file", where) if file is not None else None
     msgs = _check_messages(messages, file_text, where)
     tools_data = _read_tools(tools, where) if tools is not None else None
-    return PrefixSpec(name, msgs, None, file, tools, tools_data)
+    own = check_template_kwargs(table.get("chat_template_kwargs"), where)
+    merged = {**(template_kwargs or {}), **(own or {})} if (template_kwargs or own) else None
+    return PrefixSpec(name, msgs, None, file, tools, tools_data, merged)
 
 
 def _check_messages(value: Any, file_text: str | None, where: _Where) -> tuple[dict, ...]:

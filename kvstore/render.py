@@ -1,118 +1,273 @@
 """Render a manifest prefix to the token ids a pin stores: the stable boundary rule.
 
-A pin only pays off if real prompts start with exactly its tokens. So the prefix is rendered
-alone and followed by two different probe turns, and only the tokens all three share are kept.
-Templates that put per-request content (a date, the user turn) before the pinned text are
-reported loudly, since they defeat every prefix cache.
+A pin only pays off if real requests start with exactly its tokens, so it is cut from what
+requests look like: the pinned messages followed by several different user turns, rendered with
+add_generation_prompt=True as mlx_lm.server renders them (same tools, same template arguments),
+at several times of day and on other days. The pinned messages are never rendered alone: no
+request looks like that, and templates may take another branch or refuse it. What the cut leaves
+out of the pinned content (kvstore.coverage) is said loudly. When only the date cuts it, the pin
+is today's full prefix and says the date it holds for (`valid_date`); the daemon re-warms it.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore import coverage
+from kvstore.clock import clock_at, local_now
+from kvstore.coverage import PartCoverage
 from kvstore.errors import ManifestError
 from kvstore.manifest import PrefixSpec
 
 log = logging.getLogger("kvstore")
 
-# First characters differ so no BPE merge can make the probes agree past the prefix.
-CHAT_PROBES = ("Alpha: what is 2+2?", "7 zebras, why?")
+# Different first characters, content and lengths: no BPE merge can make them agree past the pin.
+CHAT_PROBES = (
+    "Alpha: what is 2+2?",
+    "7 zebras, why?",
+    "¿Por qué? Explain in one short paragraph why the sky looks blue at noon, please.",
+    '{"task": "summarize", "text": "x"}',
+)
+LATER_TURN_ANSWER = "4."  # the assistant reply between the two user turns of the later-turn probe
 TEXT_PROBES = ("\nAlpha: what is 2+2?", " 7 zebras, why?")
-# Templates such as Llama 3's print a date; a real request may carry any date.
-PROBE_DATES = ("01 Jan 2001", "31 Dec 2099")
-_SNIPPET = 24
-# Why a pin can lose pinned tokens, and what the author can do about it.
-_CUT_REASONS = {
-    "chat": (
-        "the chat template puts content that differs per request before the end of the "
-        "pinned messages",
-        "Move dynamic content after the static prefix",
-    ),
-    "text": ("the text's last tokens merge with what follows it", "End the text at a boundary"),
-}
+# Times of day a request of the same date may be rendered at, and other days it may come on.
+PROBE_TIMES = (dt.time(0, 0, 1), dt.time(23, 59, 58))
+PROBE_DAYS = (1, 400)
 
 
 @dataclass(frozen=True)
 class RenderedPin:
     name: str
-    tokens: tuple[int, ...]  # the pin: the prefix shared by the rendering and every probe
-    rendered: tuple[int, ...]  # the full rendering (add_generation_prompt=False), before the cut
-    content_end: int  # token position where the pinned content ends (approximate)
-    warning: str | None  # set when the cut falls inside the pinned content
+    tokens: tuple[int, ...]  # the pin: the prefix every probe request shares
+    rendered: tuple[int, ...]  # one full probe request, before the cut
+    content_end: int  # token position where the pinned content ends in a request
+    warning: str | None  # set when the pin misses part of the pinned content
+    parts: tuple[PartCoverage, ...] = ()  # system text, each tool, few-shot turns
+    valid_date: str | None = None  # ISO date: the pin holds its template's date for this day
+    multi_turn: bool | None = None  # the pin also prefixes 2nd and later turns (None: text pin)
+    later_turn_tokens: int | None = None  # how many of its tokens a later turn shares
 
     @property
     def cut_into_content(self) -> bool:
-        return self.warning is not None
+        """Part of the pinned content is not in the pin, even on a first turn."""
+        return any(not p.covered for p in self.parts)
+
+    @property
+    def single_turn(self) -> bool:
+        """The pin holds content that 2nd and later turns render elsewhere."""
+        return any(p.covered and p.later_turns is False for p in self.parts)
+
+    @property
+    def clock_bound(self) -> bool:
+        return self.valid_date is not None
 
 
-def render_prefix(tokenizer: Any, prefix: PrefixSpec) -> RenderedPin:
-    """Render `prefix` with `tokenizer` (mlx-lm TokenizerWrapper or a transformers tokenizer)."""
+def render_prefix(
+    tokenizer: Any, prefix: PrefixSpec, *, now: dt.datetime | None = None
+) -> RenderedPin:
+    """Render `prefix` with `tokenizer` (mlx-lm TokenizerWrapper or a transformers tokenizer)
+    as requests on the local day of `now` (default: the real clock) render it."""
     if prefix.text is not None:
-        text, probes, anchors = _render_text(prefix.text)
+        pin = _render_text(tokenizer, prefix)
     elif prefix.messages is not None:
-        text, probes, anchors = _render_messages(tokenizer, prefix)
+        pin = _render_chat(tokenizer, prefix, now or local_now())
     else:
         raise ManifestError(f"prefix {prefix.name!r}: has neither messages nor text")
-    special = prefix.text is not None and _wants_special_tokens(tokenizer, text)
+    if not pin.tokens:
+        raise ManifestError(
+            f"pin {prefix.name!r}: empty: requests built from it share no leading token "
+            f"(the chat template starts with per-request content); nothing can be cached"
+        )
+    if pin.warning:
+        log.warning(pin.warning)
+    return pin
+
+
+def pin_extra(pin: RenderedPin, template_kwargs: dict | None, *, chat: bool = True) -> dict:
+    """Meta extra fields of a rendered pin: for a chat pin the template arguments it was rendered
+    with ({} for none: `kvstore serve` compares them), for a clock-bound pin its local date."""
+    out: dict = {}
+    if chat:
+        out["chat_template_kwargs"] = dict(template_kwargs or {})
+    if pin.valid_date:
+        out["valid_date"] = pin.valid_date
+    return out
+
+
+class _Requests:
+    """Renders requests of the pinned messages as mlx_lm.server does, at a chosen clock."""
+
+    def __init__(self, tokenizer: Any, prefix: PrefixSpec):
+        self.tokenizer, self.name = tokenizer, prefix.name
+        self.messages = [dict(m) for m in prefix.messages or ()]
+        self.tools = [dict(t) for t in prefix.tools_data] if prefix.tools_data else None
+        self.kwargs = dict(prefix.chat_template_kwargs or {})
+
+    def ids(self, turns: list[dict], at: dt.datetime) -> list[int]:
+        with clock_at(at):
+            return _as_ids(self._apply(turns, tokenize=True))
+
+    def text(self, turns: list[dict], at: dt.datetime) -> str:
+        with clock_at(at):
+            out = self._apply(turns, tokenize=False)
+        if not isinstance(out, str):
+            raise ManifestError(
+                f"prefix {self.name!r}: the chat template returned {type(out).__name__}"
+            )
+        return out
+
+    def _apply(self, turns: list[dict], *, tokenize: bool) -> Any:
+        # As mlx_lm.server: TokenizerWrapper.apply_chat_template injects enable_thinking.
+        try:
+            return self.tokenizer.apply_chat_template(
+                self.messages + turns,
+                tools=self.tools,
+                add_generation_prompt=True,
+                tokenize=tokenize,
+                **({"return_dict": False} if tokenize and not _is_wrapper(self.tokenizer) else {}),
+                **self.kwargs,
+            )
+        except ManifestError:
+            raise
+        except Exception as e:
+            raise ManifestError(
+                f"pin {self.name!r}: the chat template failed on a request built from these "
+                f"messages: {type(e).__name__}: {e}"
+            ) from e
+
+
+def _is_wrapper(tokenizer: Any) -> bool:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return isinstance(tokenizer, TokenizerWrapper)
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> RenderedPin:
+    req = _Requests(tokenizer, prefix)
+    first = [_user(CHAT_PROBES[0])]
+    ids0 = req.ids(first, now)
+    text0 = req.text(first, now)
+    keep_req = _common_prefix_len([ids0] + [req.ids([_user(p)], now) for p in CHAT_PROBES[1:]])
+    times = [dt.datetime.combine(now.date(), t, now.tzinfo) for t in PROBE_TIMES]
+    keep_time = _common_prefix_len([ids0] + [req.ids(first, t) for t in times])
+    days = [now + dt.timedelta(days=d) for d in PROBE_DAYS]
+    keep_day = _common_prefix_len([ids0] + [req.ids(first, d) for d in days])
+    keep = min(keep_req, keep_time)
+
+    chars = _CharIndex(tokenizer, text0, ids0, False)
+    user_at = text0.rfind(CHAT_PROBES[0])
+    user_at = len(text0) if user_at < 0 else user_at
+    located = coverage.locate_parts(text0, user_at, req.messages, req.tools)
+    ends = [coverage.token_end(chars.tokens_to_cover, p) for p in located]
+    content_end = max(ends, default=0)
+    valid_date = None
+    if keep_day < keep:
+        if keep_day >= content_end:
+            keep = keep_day  # the date comes after the pinned content: cut there, lose nothing
+        else:
+            valid_date = now.date().isoformat()
+    tokens = ids0[:keep]
+    reach = chars.end_of(keep)
+
+    later = [_user(CHAT_PROBES[0]), {"role": "assistant", "content": LATER_TURN_ANSWER}]
+    later.append(_user(CHAT_PROBES[1]))
+    try:
+        later_ids = req.ids(later, now)
+        later_text = req.text(later, now)
+    except ManifestError as e:
+        log.info("pin %r: no later-turn check: %s", prefix.name, e)
+        later_ids = later_text = None
+    shared = _common_prefix_len([tokens, later_ids]) if later_ids is not None else None
+    later_reach = chars.end_of(shared) if shared is not None else None
+
+    parts, lost, later_lost = [], [], []
+    for part, end in zip(located, ends, strict=True):
+        covered = part.where == "before_user" and reach >= part.end_char
+        later_ok = None if later_reach is None else covered and later_reach >= part.end_char
+        reason = None if covered else _reason(part, keep, keep_req, keep_time)
+        pc = PartCoverage(part.name, end, covered, later_ok, reason)
+        parts.append(pc)
+        if not covered:
+            lost.append((pc, reason))
+        elif later_ok is False:
+            later_lost.append((pc, _later_reason(part, later_text)))
+    warnings = []
+    if lost:
+        warnings.append(
+            coverage.cut_warning(
+                prefix.name,
+                lost,
+                keep=keep,
+                content_end=content_end,
+                context=coverage.snippet(text0, reach),
+            )
+        )
+    if later_lost:
+        warnings.append(
+            coverage.single_turn_warning(
+                prefix.name, later_lost, shared=shared or 0, pin_len=len(tokens)
+            )
+        )
+    return RenderedPin(
+        prefix.name,
+        tuple(tokens),
+        tuple(ids0),
+        content_end,
+        " ".join(warnings) or None,
+        tuple(parts),
+        valid_date,
+        None if shared is None else shared == len(tokens),
+        shared,
+    )
+
+
+def _reason(part: coverage.Part, keep: int, keep_req: int, keep_time: int) -> str:
+    if part.where != "before_user":
+        return part.where
+    return "time" if keep_time < keep_req and keep == keep_time else "per_request"
+
+
+def _later_reason(part: coverage.Part, later_text: str | None) -> str:
+    """Where a later turn renders the part: after the first user message means the template
+    moves it to the last user turn (Mistral's system text and [AVAILABLE_TOOLS])."""
+    first_user = later_text.find(CHAT_PROBES[0]) if later_text is not None else -1
+    if first_user >= 0 and coverage.found_after(later_text, part.needle, first_user):
+        return "moved_to_last_user"
+    return "changed"
+
+
+def _render_text(tokenizer: Any, prefix: PrefixSpec) -> RenderedPin:
+    text = prefix.text or ""
+    special = _wants_special_tokens(tokenizer, text)
     rendered = _encode(tokenizer, text, special)
-    probe_ids = [_encode(tokenizer, p, special) for p in probes]
+    probe_ids = [_encode(tokenizer, text + p, special) for p in TEXT_PROBES]
     keep = _common_prefix_len([rendered, *probe_ids])
     chars = _CharIndex(tokenizer, text, rendered, special)
-    content_chars = _content_end_char(text, anchors)
+    # Whitespace at the end is not content a cache miss would cost.
+    content_chars = len(text.rstrip())
     content_end = chars.tokens_to_cover(content_chars)
+    covered = chars.end_of(keep) >= content_chars
+    part = PartCoverage("text", content_end, covered, None, None if covered else "text")
     warning = None
-    if chars.end_of(keep) < content_chars:
-        kind = "text" if prefix.text is not None else "chat"
-        warning = _cut_warning(prefix.name, kind, text, keep, content_end, chars.end_of(keep))
-        log.warning(warning)
-    return RenderedPin(prefix.name, tuple(rendered[:keep]), tuple(rendered), content_end, warning)
-
-
-def _render_messages(tokenizer: Any, prefix: PrefixSpec) -> tuple[str, list[str], list[str]]:
-    messages = [dict(m) for m in prefix.messages or ()]
-    tools = [dict(t) for t in prefix.tools_data] if prefix.tools_data else None
-    text = _template(tokenizer, prefix.name, messages, tools, add_generation_prompt=False)
-    probes = [
-        _template(
-            tokenizer,
+    if not covered:
+        warning = coverage.cut_warning(
             prefix.name,
-            messages + [{"role": "user", "content": probe}],
-            tools,
-            add_generation_prompt=True,
-            date_string=date,
+            [(part, "text")],
+            keep=keep,
+            content_end=content_end,
+            context=coverage.snippet(text, chars.end_of(keep)),
         )
-        for probe, date in zip(CHAT_PROBES, PROBE_DATES, strict=True)
-    ]
-    anchors = [m["content"] for m in messages] + _tool_anchors(tools or [])
-    return text, probes, anchors
-
-
-def _render_text(text: str) -> tuple[str, list[str], list[str]]:
-    return text, [text + probe for probe in TEXT_PROBES], [text]
-
-
-def _template(
-    tokenizer: Any, name: str, messages: list[dict], tools: list | None, **kwargs: Any
-) -> str:
-    try:
-        try:
-            out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
-        except TypeError:
-            if "date_string" not in kwargs:
-                raise
-            # A template callable that rejects extra kwargs: probe without the date.
-            kwargs.pop("date_string")
-            out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
-    except Exception as e:
-        raise ManifestError(
-            f"prefix {name!r}: the chat template failed on these messages: {e}"
-        ) from e
-    if not isinstance(out, str):
-        raise ManifestError(f"prefix {name!r}: the chat template returned {type(out).__name__}")
-    return out
+    return RenderedPin(
+        prefix.name, tuple(rendered[:keep]), tuple(rendered), content_end, warning, (part,)
+    )
 
 
 def _wants_special_tokens(tokenizer: Any, text: str) -> bool:
@@ -145,30 +300,6 @@ def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
             break
         n += 1
     return n
-
-
-def _tool_anchors(tools: list[dict]) -> list[str]:
-    # Names and descriptions are what templates print verbatim; the JSON layout varies.
-    anchors = []
-    for tool in tools:
-        for table in (tool, tool.get("function")):
-            if isinstance(table, dict):
-                anchors += [v for k, v in table.items() if k in ("name", "description")]
-    return [a for a in anchors if isinstance(a, str)]
-
-
-def _content_end_char(text: str, anchors: list[str]) -> int:
-    """Character offset in `text` where the pinned content ends (0 when none is found)."""
-    end = 0
-    for anchor in anchors:
-        # Whitespace at the edges is not content a cache miss would cost, and templates trim it.
-        anchor = anchor.strip()
-        found = text.rfind(anchor) if anchor else -1
-        if found >= 0:
-            end = max(end, found + len(anchor))
-        elif anchor:
-            log.debug("pinned content not found verbatim in the rendering: %.40r", anchor)
-    return end
 
 
 class _CharIndex:
@@ -213,16 +344,3 @@ def _offset_ends(tokenizer: Any, text: str, ids: list[int], special: bool) -> li
         return ends
     except Exception:  # slow tokenizers have no offsets; decoding still works
         return None
-
-
-def _cut_warning(
-    name: str, kind: str, text: str, keep: int, content_end: int, cut_char: int
-) -> str:
-    cause, advice = _CUT_REASONS[kind]
-    before = text[max(0, cut_char - _SNIPPET) : cut_char]
-    after = text[cut_char : cut_char + _SNIPPET]
-    return (
-        f"pin {name!r}: {cause}; the stable prefix ends at token {keep} of {content_end} "
-        f"(... {before!r} | {after!r} ...); only {keep} tokens can be cached and "
-        f"{content_end - keep} pinned tokens are lost. {advice}."
-    )

@@ -82,25 +82,67 @@ ARCHITECTURES: dict[str, dict] = {
 }
 
 
-def write_tokenizer(path: str | Path, *, chat_template: str = CHAT_TEMPLATE) -> Path:
-    """Train a byte-level BPE tokenizer on a few lines and save it with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def write_tokenizer(
+    path: str | Path,
+    *,
+    chat_template: str = CHAT_TEMPLATE,
+    special_tokens: list[str] | None = None,
+    added_tokens: list[str] | None = None,
+    bos_token: str | None = None,
+    eos_token: str = "<|im_end|>",
+    pad_token: str | None = None,
+    add_bos: bool = False,
+    corpus: list[str] | None = None,
+) -> Path:
+    """Train a byte-level BPE tokenizer on a few lines and save it with a chat template.
+
+    The defaults give the ChatML tokenizer. A real model family's tokenizer is imitated by naming
+    its control tokens (`special_tokens`), its non-special added tokens (`added_tokens`, e.g.
+    Qwen's `<think>`), its BOS/EOS/pad, whether encoding prepends BOS (`add_bos`), and extra
+    corpus lines so the words a test renders stay a few tokens long.
+    """
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    if pad_token is None and special_tokens is None:
+        pad_token = "<|endoftext|>"
+    specials = list(SPECIAL_TOKENS if special_tokens is None else special_tokens)
+    for token in (bos_token, eos_token, pad_token):
+        if token is not None and token not in specials:
+            specials.append(token)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=500,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator((_CORPUS + list(corpus or [])) * 4, trainer)
+    if added_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    if add_bos:
+        if bos_token is None:
+            raise ValueError("add_bos=True needs a bos_token")
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A",
+            pair=f"{bos_token} $A {bos_token} $B",
+            special_tokens=[(bos_token, tok.token_to_id(bos_token))],
+        )
+    named = dict(bos_token=bos_token, eos_token=eos_token, pad_token=pad_token)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok, **{k: v for k, v in named.items() if v is not None}
     )
     fast.chat_template = chat_template
     fast.save_pretrained(str(path))
@@ -108,9 +150,17 @@ def write_tokenizer(path: str | Path, *, chat_template: str = CHAT_TEMPLATE) -> 
 
 
 def make_tiny_model(
-    path: str | Path, arch: str = "llama", *, seed: int = 0, chat_template: str = CHAT_TEMPLATE
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
+    tokenizer: dict | None = None,
 ) -> Path:
-    """Write a random-weight mlx-lm model directory (config, safetensors, tokenizer) to `path`."""
+    """Write a random-weight mlx-lm model directory (config, safetensors, tokenizer) to `path`.
+
+    `tokenizer` holds extra `write_tokenizer` arguments (a family's control tokens, BOS, corpus).
+    """
     from mlx_lm.utils import _get_classes, save_model
 
     if arch not in ARCHITECTURES:
@@ -123,5 +173,5 @@ def make_tiny_model(
     mx.eval(model.parameters())
     save_model(path, model)
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(path, chat_template=chat_template)
+    write_tokenizer(path, chat_template=chat_template, **(tokenizer or {}))
     return path

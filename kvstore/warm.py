@@ -6,6 +6,7 @@ stay resident in a long-lived process.
 
 from __future__ import annotations
 
+import datetime as dt
 import gc
 import logging
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import codec
+from kvstore.clock import local_now
 from kvstore.errors import CorruptEntryError, KVStoreError, ModelError
 from kvstore.identity import (
     FileHashCache,
@@ -24,8 +26,8 @@ from kvstore.identity import (
     template_hash,
 )
 from kvstore.keys import entry_key, pack_tokens
-from kvstore.manifest import Manifest, ModelSpec
-from kvstore.render import RenderedPin, render_prefix
+from kvstore.manifest import Manifest, ModelSpec, PrefixSpec
+from kvstore.render import RenderedPin, pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
 
@@ -38,6 +40,7 @@ class PlannedPin:
     pin: RenderedPin
     key: bytes
     present: bool
+    prefix: PrefixSpec | None = None
 
 
 @dataclass
@@ -47,6 +50,8 @@ class ModelPlan:
     fingerprint: Fingerprint
     template_hash: bytes
     pins: list[PlannedPin] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (pin name, why): this pin only
+    day: dt.date | None = None  # the local date the pins were rendered for
 
 
 @dataclass
@@ -60,6 +65,8 @@ class PinResult:
     nbytes: int = 0
     warning: str | None = None
     error: str | None = None
+    valid_date: str | None = None  # clock-bound pin: the local date it holds for
+    multi_turn: bool | None = None  # also prefixes 2nd and later turns
 
 
 @dataclass
@@ -86,8 +93,11 @@ class WarmReport:
         return [p for p in self.pins if p.status == "failed"]
 
 
-def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan:
-    """Render every pin of one model and find which are missing. Loads the tokenizer only."""
+def plan_model(
+    spec: ModelSpec, store: Store | None, *, home: Path, now: dt.datetime | None = None
+) -> ModelPlan:
+    """Render every pin of one model (as requests on the day of `now` render it) and find which
+    are missing. Loads the tokenizer only. A pin whose rendering fails fails alone."""
     from mlx_lm.utils import load_tokenizer
 
     model_dir = resolve_model_path(spec.path)
@@ -100,9 +110,14 @@ def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan
         hash_cache=FileHashCache(home / FILEHASH_NAME),
     )
     tokenizer = load_tokenizer(model_dir)
-    plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir))
+    now = now or local_now()
+    plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir), day=now.date())
     for prefix in spec.prefixes:
-        pin = render_prefix(tokenizer, prefix)
+        try:
+            pin = render_prefix(tokenizer, prefix, now=now)
+        except KVStoreError as e:
+            plan.failed.append((prefix.name, f"model {spec.path!r}: {e}"))
+            continue
         key = entry_key(fp.digest, pin.tokens)
         present = False
         if store is not None:
@@ -114,7 +129,7 @@ def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan
             present = (
                 meta is not None and meta.tokens == pack_tokens(pin.tokens) and store.blob_ok(meta)
             )
-        plan.pins.append(PlannedPin(spec, pin, key, present))
+        plan.pins.append(PlannedPin(spec, pin, key, present, prefix))
     return plan
 
 
@@ -168,9 +183,17 @@ def encode_pin(
             "quantized_kv_start": plan.spec.quantized_kv_start,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
+            **_pin_extra(pp),
         },
     )
     return blob, fields
+
+
+def _pin_extra(pp: PlannedPin) -> dict:
+    if pp.prefix is None:
+        return pin_extra(pp.pin, None, chat=False)
+    chat = pp.prefix.messages is not None
+    return pin_extra(pp.pin, pp.prefix.chat_template_kwargs, chat=chat)
 
 
 def _ident(spec: ModelSpec) -> tuple:
@@ -207,6 +230,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
             cause = "model removed from the manifest"
         elif meta.fingerprint != plan.fingerprint.digest:
             cause = "model changed (weights, config or adapter)"
+        elif meta.label in {name for name, _ in plan.failed}:
+            continue  # this pin failed to render: keep what it had, do not guess
+        elif _prepared_ahead(meta, plan):
+            continue  # a clock-bound pin prepared for a later day: it is valid then
         elif meta.key not in {pp.key for pp in plan.pins}:
             cause = "pin removed, or its rendered tokens changed"
         elif meta.template_hash != plan.template_hash:
@@ -217,8 +244,24 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     return out
 
 
+def _prepared_ahead(meta, plan: ModelPlan) -> bool:
+    valid = meta.extra.get("valid_date")
+    if not isinstance(valid, str) or plan.day is None:
+        return False
+    return valid > plan.day.isoformat() and any(pp.pin.name == meta.label for pp in plan.pins)
+
+
 def _result(pp: PlannedPin, status: str, **kw) -> PinResult:
-    return PinResult(pp.model.path, pp.pin.name, pp.key.hex(), len(pp.pin.tokens), status, **kw)
+    return PinResult(
+        pp.model.path,
+        pp.pin.name,
+        pp.key.hex(),
+        len(pp.pin.tokens),
+        status,
+        valid_date=pp.pin.valid_date,
+        multi_turn=pp.pin.multi_turn,
+        **kw,
+    )
 
 
 def _fail(report: WarmReport, pp: PlannedPin, msg: str) -> None:
@@ -236,6 +279,9 @@ def _warm_model(
 ) -> None:
     """Prefill and put one model's missing pins; the model is loaded once and released."""
     spec = plan.spec
+    for name, error in plan.failed:
+        report.pins.append(PinResult(spec.path, name, "", 0, "failed", error=error))
+        log.error("%s", error)
     for pp in plan.pins:
         if pp.pin.warning:
             log.warning("%s", pp.pin.warning)
@@ -288,9 +334,11 @@ def warm(
     put: Callable[[bytes, bytes, dict], None] | None = None,
     delete: Callable[[list[bytes]], None] | None = None,
     purge: bool = True,
+    now: dt.datetime | None = None,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
-    then prefill the missing. `put` and `delete` override where writes go (e.g. the daemon)."""
+    then prefill the missing. `put` and `delete` override where writes go (e.g. the daemon).
+    Pins render as requests on the local day of `now` do (default: the real clock)."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
@@ -299,7 +347,7 @@ def warm(
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
-            plans[_ident(spec)] = plan_model(spec, store, home=home)
+            plans[_ident(spec)] = plan_model(spec, store, home=home, now=now)
         except KVStoreError as e:
             for prefix in spec.prefixes:
                 report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))

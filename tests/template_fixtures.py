@@ -1,0 +1,15 @@
+"""Session fixtures for the chat-template battery; import them into a test module to use them.
+
+from template_fixtures import family_models  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import pytest
+from template_families import FamilyModels
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory) -> FamilyModels:
+    """Each family's tiny model (and loaded TokenizerWrapper), built once per session on demand."""
+    return FamilyModels(tmp_path_factory.mktemp("family_models"))

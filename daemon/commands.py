@@ -16,15 +16,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from daemon.lifecycle import peak_rss_bytes, rss_bytes
 from daemon.upkeep import Upkeep
 from daemon.writer import Writer
 from kvstore import codec
+from kvstore.entry import tokens_match_key
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.eviction import select_for_eviction
-from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.keys import KEY_BYTES
 from kvstore.ledger import Ledger, validate
 from kvstore.manifest import load_manifest
 from kvstore.store import Store, blob_checksum
@@ -167,7 +166,7 @@ class Commands:
             raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
         check_put_fields(fields)
         # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
-        if xxhash.xxh3_128(tokens).digest() != key[FINGERPRINT_BYTES:]:
+        if not tokens_match_key(key, tokens):
             raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
         budget = int(self.settings["max_bytes"])
         if not 0 < nbytes <= budget:

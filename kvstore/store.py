@@ -19,7 +19,13 @@ import lmdb
 import xxhash
 
 from kvstore import codec
-from kvstore.entry import _META_FIELDS, DEFAULT_QUANTIZED_KV_START, SCHEMA_VERSION, EntryMeta
+from kvstore.entry import (
+    _META_FIELDS,
+    DEFAULT_QUANTIZED_KV_START,
+    SCHEMA_VERSION,
+    EntryMeta,
+    tokens_match_key,
+)
 from kvstore.errors import CodecError, CorruptEntryError, StoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
@@ -233,6 +239,8 @@ class Store:
         tokens = fields.get("tokens")
         if not isinstance(tokens, bytes) or len(tokens) % 4:
             raise StoreError("field 'tokens' must be packed uint32 token ids (bytes)")
+        if not tokens_match_key(key, tokens):  # every read would refuse it as corrupt
+            raise StoreError(f"entry {key.hex()}: key does not match the entry's tokens")
         draft = EntryMeta(
             key=key,
             tokens=tokens,

@@ -115,7 +115,7 @@ def test_store_refuses_use_after_fork(kv_home):
 def test_forced_collision_never_serves_wrong_kv(llama_path, kv_home, tmp_path):
     """With the prefix hash forced to a constant every pin shares one key: no wrong hit."""
     manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with mock.patch("kvstore.keys.prefix_hash", return_value=b"\x00" * 16):
+    with mock.patch("kvstore.keys.packed_prefix_hash", return_value=b"\x00" * 16):
         with Store(kv_home) as store:
             warm(manifest, store, home=kv_home)
             (meta,) = store.metas()  # the second pin overwrote the first under the same key
@@ -215,15 +215,17 @@ def test_put_refuses_fields_of_the_wrong_type(kv_home):
 def test_a_poisoned_meta_is_one_bad_entry_not_a_broken_store(kv_home):
     import msgpack
 
+    from kvstore.entry import seal
     from kvstore.errors import CorruptEntryError
 
     with Store(kv_home) as store:
         good = _put(store, b"\x0c" * 16, [1], label="good", extra={"key": "shadow"})
         bad = _put(store, b"\x0c" * 16, [2], label="bad")
-        raw = msgpack.unpackb(store.env.begin().get(bad.key, db=store._meta), raw=False)
+        record = msgpack.unpackb(store.env.begin().get(bad.key, db=store._meta), raw=False)
+        raw = msgpack.unpackb(record["body"], raw=False)
         raw["label"], raw["extra"] = 7, "x"
-        with store.env.begin(write=True) as txn:
-            txn.put(bad.key, msgpack.packb(raw, use_bin_type=True), db=store._meta)
+        with store.env.begin(write=True) as txn:  # re-sealed: the type check must catch it
+            txn.put(bad.key, seal(msgpack.packb(raw, use_bin_type=True)), db=store._meta)
         errors: list = []
         metas = store.metas(errors=errors)
         assert [m.label for m in metas] == ["good"]

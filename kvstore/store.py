@@ -1,7 +1,8 @@
 """The LMDB store: entry meta (msgpack) and blobs (safetensors bytes) under 32-byte keys.
 
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
-`_write`, the one place that grows the map; readers recover from MapResizedError. Blob bytes read
+`_write`, the one place that grows the map; readers and writers recover from MapResizedError
+(another process grew the map) by adopting its size. Blob bytes read
 through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
 transaction. The meta record lives in `kvstore.entry`, the environment in `kvstore.lmdbenv`.
 """
@@ -88,7 +89,8 @@ class Store:
             raise StoreError(f"{self.path}: an LMDB environment cannot be used across fork()")
 
     def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        """The one write path: a transaction, retried after doubling the map when it is full."""
+        """The one write path: a transaction, retried after doubling the map when it is full or
+        adopting the size another process grew it to."""
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: opened read-only")
@@ -96,10 +98,20 @@ class Store:
             return self._write_locked(fn)
 
     def _write_locked(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        adopted = 0
         while True:
             try:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
+            except lmdb.MapResizedError:
+                # Another process grew the map past ours: adopt its size (the gate holds this
+                # process's readers off) and retry, as readers do.
+                adopted += 1
+                if adopted > 3:
+                    raise StoreError(
+                        f"{self.path}: the map keeps being resized under this writer"
+                    ) from None
+                self.env.set_mapsize(0)
             except lmdb.MapFullError:
                 size = self.env.info()["map_size"]
                 if size * 2 > self.max_map_size:

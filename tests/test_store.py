@@ -92,6 +92,40 @@ def test_reader_survives_writer_growing_the_map(kv_home):
     assert child.returncode == 0 and out.strip() == "10"
 
 
+GROWER = """
+import sys
+from kvstore.keys import entry_key, pack_tokens
+from kvstore.store import Store
+with Store(sys.argv[1], map_size=2**20) as store:
+    for i in range(1, 10):
+        tokens = [i]
+        store.put(entry_key(b"\\x09" * 16, tokens), bytes(2**20), tokens=pack_tokens(tokens))
+    print(store.env.info()["map_size"], flush=True)
+"""
+
+
+def test_writer_survives_another_process_growing_the_map(kv_home):
+    """Issue 10 item 9: a write after another process doubled the map adopts the new size
+    (MapResizedError on the write path), instead of failing as "disk full?"."""
+    import subprocess
+    import sys
+
+    with Store(kv_home, map_size=2**20) as parent:
+        _put(parent, b"\x09" * 16, [0])  # the parent's environment is open at 1 MiB
+        child = subprocess.run(
+            [sys.executable, "-c", GROWER, str(kv_home)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert child.returncode == 0, child.stderr
+        assert int(child.stdout) > 2**20, "the child should have grown the map"
+        written = _put(parent, b"\x09" * 16, [100], size=2**20)  # a write, before any read
+        assert parent.get_meta(written.key) is not None
+        assert len(parent.metas()) == 11
+        assert parent.env.info()["map_size"] >= int(child.stdout)
+
+
 def test_stores_of_one_path_share_the_environment(kv_home):
     with Store(kv_home) as writer:
         _put(writer, b"\x08" * 16, [0])

@@ -172,7 +172,7 @@ class Commands:
         if not 0 < nbytes <= budget:
             raise ValueError(f"put {key.hex()}: {nbytes} bytes is outside 1..max_bytes={budget}")
         blob = args.get("blob")
-        if blob is None:  # into one buffer of nbytes (at most max_bytes, checked above)
+        if blob is None:  # grows to at most nbytes (itself at most max_bytes, checked above)
             blob = conn.receive_stream(nbytes)
             conn.close_after_reply = False
         elif not isinstance(blob, bytes):

@@ -193,7 +193,8 @@ class Commands:
                 what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"
                 raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")
             del cache
-            meta = self.store.put(key, blob, **fields)
+            # Located by the client (DaemonClient.put): our cwd and HF_HOME are not its own.
+            meta = self.store.put(key, blob, locate=False, **fields)
             log.info(
                 "put %s %r of %s: %d tokens, %d bytes",
                 key.hex(),
@@ -222,6 +223,7 @@ class Commands:
         to_size = _want(args, "to_size", int)
 
         def job():
+            unknown: list = []
             victims = select_for_eviction(
                 self.store.metas(errors=[]),
                 keys=keys,
@@ -232,8 +234,13 @@ class Commands:
                 everything=bool(args.get("all")),
                 to_size=to_size,
                 home=self.home,
+                unknown=unknown,
             )
             n = self.store.delete(m.key for m in victims)
+            for m, why in unknown:
+                log.warning(
+                    "evict --stale kept %s %r of %s: %s", m.key.hex(), m.label, m.model, why
+                )
             for m in victims:
                 log.info(
                     "evicted %s %r of %s (%d bytes): requested",
@@ -246,6 +253,10 @@ class Commands:
                 "evicted": n,
                 "bytes": sum(m.nbytes for m in victims),
                 "keys": [m.key.hex() for m in victims],
+                "unknown": [
+                    {"key": m.key.hex(), "label": m.label, "model": m.model, "reason": why}
+                    for m, why in unknown
+                ],
             }
 
         return self.write("evict", job)

@@ -32,11 +32,52 @@ from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
 from kvstore.settings import DEFAULTS, STORE_DIR
 
-__all__ = ["DEFAULT_QUANTIZED_KV_START", "SCHEMA_VERSION", "EntryMeta", "Store", "blob_checksum"]
+__all__ = [
+    "DEFAULT_QUANTIZED_KV_START",
+    "SCHEMA_VERSION",
+    "EntryMeta",
+    "Store",
+    "blob_checksum",
+    "model_location",
+    "with_model_location",
+]
 
 
 def blob_checksum(blob) -> int:
     return xxhash.xxh3_64_intdigest(blob)
+
+
+def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
+    """Where `model` and `adapter` resolve in this process, as absolute directories (a hub id:
+    its snapshot directory): recorded in each entry's extra at put time as `model_dir` and
+    `adapter_dir`, so a process with another cwd or HF_HOME (the daemon under launchd) can still
+    judge the entry stale or current. What does not resolve here is left out."""
+    from kvstore.errors import ModelError
+    from kvstore.identity import resolve_model_path
+
+    out: dict[str, str] = {}
+    if model:
+        try:
+            out["model_dir"] = str(resolve_model_path(model))
+        except (ModelError, OSError):
+            pass
+    if adapter:
+        adir = Path(adapter).expanduser()
+        if adir.is_dir():
+            out["adapter_dir"] = str(adir.resolve())
+    return out
+
+
+def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
+    model_location)."""
+    extra = fields.get("extra") or {}
+    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
+        return fields  # a bad extra: put's type check names it
+    model, adapter = fields.get("model"), extra.get("adapter")
+    if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
+        return fields  # put's type check names the field
+    return {**fields, "extra": {**model_location(model, adapter), **extra}}
 
 
 class Store:
@@ -237,10 +278,16 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
-        """Store one entry; the same key and blob again keeps `created` and hits."""
+    def put(self, key: bytes, blob: bytes, *, locate: bool = True, **fields: Any) -> EntryMeta:
+        """Store one entry; the same key and blob again keeps `created` and hits.
+
+        `locate` records where the model resolves in this process (see model_location); the
+        daemon passes False for a client's put, which DaemonClient.put located in the client's
+        own cwd and environment: resolving a relative path or hub id here could find another."""
         if len(key) != KEY_BYTES:
             raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        if locate:
+            fields = with_model_location(fields)
         now = time.time()
         checksum = blob_checksum(blob)
         extra = fields.pop("extra", {})

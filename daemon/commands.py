@@ -26,6 +26,7 @@ from kvstore.eviction import select_for_eviction
 from kvstore.keys import KEY_BYTES
 from kvstore.ledger import Ledger, validate
 from kvstore.manifest import load_manifest
+from kvstore.registry import canonical, register, unregister
 from kvstore.store import Store, blob_checksum
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class Commands:
     request_stop: Callable[[str], None]
     reload: Callable[[str], Future]
     watch: Callable[[Path], None]
+    unwatch: Callable[[Path], bool]
+    fixed_manifests: frozenset[Path]
 
     def write(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the writer thread and wait for it (`dispatch` logs a failure)."""
@@ -286,11 +289,32 @@ class Commands:
         path = Path(given).expanduser().absolute()
         manifest = load_manifest(path)  # a bad manifest is the caller's error, not a log line
         self.watch(path)
+        try:  # and from every later start too
+            if register(self.home, manifest.path):
+                log.info("registered manifest %s: reconciled and watched at every start", path)
+        except KVStoreError as e:
+            log.error("%s (watched until this daemon stops)", e)
         return {
             "reports": [
                 self.write("warm", lambda: self.upkeep.warm(manifest, cause="warm request"))
             ]
         }
+
+    def cmd_manifests(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """The manifests watched now, and which of them the daemon was started with."""
+        return {
+            "watched": [str(p) for p in self.manifests],
+            "fixed": sorted(str(p) for p in self.fixed_manifests),
+        }
+
+    def cmd_manifest_remove(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """`kvstore manifests remove PATH`: forget a registered manifest and stop watching it
+        (unless it is the manifest this daemon was started with). Its pins stay stored."""
+        target = canonical(_want(args, "path", str, required=True))
+        removed = unregister(self.home, target)
+        fixed = target in self.fixed_manifests
+        unwatched = False if fixed else self.unwatch(target)
+        return {"removed": removed, "unwatched": unwatched, "still_watched": fixed}
 
     def cmd_touch(self, args: dict, conn: Connection) -> dict[str, Any]:
         keys = _want(args, "keys", list, required=True)

@@ -87,8 +87,9 @@ def remove(path: Path, home: Path) -> None:
         removed, still = unregister(home, target), False
     if still:
         click.echo(
-            f"{target}: the daemon was started with this manifest and keeps watching it; "
-            "restart it without that --manifest to stop"
+            (f"forgot {target}, but " if removed else f"{target}: ")
+            + "the daemon was started with this manifest and keeps watching it; "
+            "restart it without that --manifest (or move the home's manifest.toml) to stop"
         )
         return
     if not removed:

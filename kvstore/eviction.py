@@ -9,6 +9,7 @@ it cannot judge here is kept and reported, never taken for stale.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,11 @@ def _judge(m: EntryMeta, cache) -> Staleness:
             return verdict
     _, _, kv_bits, group, qstart = m.ident()
     quant = {"kv_group_size": group, "quantized_kv_start": qstart} if kv_bits else {}
+    # Load-time overrides the entry was made with (extra["model_config"], when recorded): the
+    # fingerprint covers them, so judging without them would call a valid pin stale.
+    overrides = m.extra.get("model_config")
+    if isinstance(overrides, dict) and overrides:
+        quant["model_config"] = overrides
     try:
         fp = model_fingerprint(
             str(model_dir), adapter_path=adapter_dir, kv_bits=kv_bits, hash_cache=cache, **quant
@@ -89,7 +95,14 @@ def staleness(metas: Iterable[EntryMeta], home: Path) -> dict[bytes, Staleness]:
     seen: dict[tuple, Staleness] = {}
     out = {}
     for m in metas:
-        where = (m.ident(), m.extra.get("model_dir"), m.extra.get("adapter_dir"), m.fingerprint)
+        overrides = json.dumps(m.extra.get("model_config"), sort_keys=True, default=str)
+        where = (
+            m.ident(),
+            overrides,
+            m.extra.get("model_dir"),
+            m.extra.get("adapter_dir"),
+            m.fingerprint,
+        )
         if where not in seen:
             seen[where] = _judge(m, cache)
         out[m.key] = seen[where]

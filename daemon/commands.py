@@ -16,17 +16,17 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from daemon.lifecycle import peak_rss_bytes, rss_bytes
 from daemon.upkeep import Upkeep
 from daemon.writer import Writer
 from kvstore import codec
+from kvstore.entry import tokens_match_key
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.eviction import select_for_eviction
-from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.keys import KEY_BYTES
 from kvstore.ledger import Ledger, validate
 from kvstore.manifest import load_manifest
+from kvstore.registry import canonical, register, unregister
 from kvstore.store import Store, blob_checksum
 
 if TYPE_CHECKING:
@@ -117,6 +117,8 @@ class Commands:
     request_stop: Callable[[str], None]
     reload: Callable[[str], Future]
     watch: Callable[[Path], None]
+    unwatch: Callable[[Path], bool]
+    fixed_manifests: frozenset[Path]
 
     def write(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the writer thread and wait for it (`dispatch` logs a failure)."""
@@ -167,13 +169,13 @@ class Commands:
             raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
         check_put_fields(fields)
         # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
-        if xxhash.xxh3_128(tokens).digest() != key[FINGERPRINT_BYTES:]:
+        if not tokens_match_key(key, tokens):
             raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
         budget = int(self.settings["max_bytes"])
         if not 0 < nbytes <= budget:
             raise ValueError(f"put {key.hex()}: {nbytes} bytes is outside 1..max_bytes={budget}")
         blob = args.get("blob")
-        if blob is None:  # into one buffer of nbytes (at most max_bytes, checked above)
+        if blob is None:  # grows to at most nbytes (itself at most max_bytes, checked above)
             blob = conn.receive_stream(nbytes)
             conn.close_after_reply = False
         elif not isinstance(blob, bytes):
@@ -194,7 +196,8 @@ class Commands:
                 what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"
                 raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")
             del cache
-            meta = self.store.put(key, blob, **fields)
+            # Located by the client (DaemonClient.put): our cwd and HF_HOME are not its own.
+            meta = self.store.put(key, blob, locate=False, **fields)
             log.info(
                 "put %s %r of %s: %d tokens, %d bytes",
                 key.hex(),
@@ -223,6 +226,7 @@ class Commands:
         to_size = _want(args, "to_size", int)
 
         def job():
+            unknown: list = []
             victims = select_for_eviction(
                 self.store.metas(errors=[]),
                 keys=keys,
@@ -233,8 +237,13 @@ class Commands:
                 everything=bool(args.get("all")),
                 to_size=to_size,
                 home=self.home,
+                unknown=unknown,
             )
             n = self.store.delete(m.key for m in victims)
+            for m, why in unknown:
+                log.warning(
+                    "evict --stale kept %s %r of %s: %s", m.key.hex(), m.label, m.model, why
+                )
             for m in victims:
                 log.info(
                     "evicted %s %r of %s (%d bytes): requested",
@@ -247,6 +256,10 @@ class Commands:
                 "evicted": n,
                 "bytes": sum(m.nbytes for m in victims),
                 "keys": [m.key.hex() for m in victims],
+                "unknown": [
+                    {"key": m.key.hex(), "label": m.label, "model": m.model, "reason": why}
+                    for m, why in unknown
+                ],
             }
 
         return self.write("evict", job)
@@ -276,11 +289,32 @@ class Commands:
         path = Path(given).expanduser().absolute()
         manifest = load_manifest(path)  # a bad manifest is the caller's error, not a log line
         self.watch(path)
+        try:  # and from every later start too
+            if register(self.home, manifest.path):
+                log.info("registered manifest %s: reconciled and watched at every start", path)
+        except KVStoreError as e:
+            log.error("%s (watched until this daemon stops)", e)
         return {
             "reports": [
                 self.write("warm", lambda: self.upkeep.warm(manifest, cause="warm request"))
             ]
         }
+
+    def cmd_manifests(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """The manifests watched now, and which of them the daemon was started with."""
+        return {
+            "watched": [str(p) for p in self.manifests],
+            "fixed": sorted(str(p) for p in self.fixed_manifests),
+        }
+
+    def cmd_manifest_remove(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """`kvstore manifests remove PATH`: forget a registered manifest and stop watching it
+        (unless it is the manifest this daemon was started with). Its pins stay stored."""
+        target = canonical(_want(args, "path", str, required=True))
+        removed = unregister(self.home, target)
+        fixed = target in self.fixed_manifests
+        unwatched = False if fixed else self.unwatch(target)
+        return {"removed": removed, "unwatched": unwatched, "still_watched": fixed}
 
     def cmd_touch(self, args: dict, conn: Connection) -> dict[str, Any]:
         keys = _want(args, "keys", list, required=True)

@@ -34,12 +34,13 @@ from daemon.writer import Writer
 from kvstore import protocol
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.ledger import Ledger
+from kvstore.registry import canonical, registered
 from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.daemon")
 
-_READS = frozenset({"ping", "stats", "ls"})  # not worth a log line each
+_READS = frozenset({"ping", "stats", "ls", "manifests"})  # not worth a log line each
 # How long shutdown waits for woken connection threads; well inside the 5 s service managers allow.
 CONN_JOIN_SECONDS = 2.5
 
@@ -66,12 +67,13 @@ class Connection:
         return msg
 
     def receive_stream(self, nbytes: int) -> bytearray:
-        """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all, copied into
-        one buffer allocated up front (the caller caps `nbytes`): no list of parts to join, so
-        the blob is held once, plus one frame."""
-        buf, got = bytearray(nbytes), 0
-        view = memoryview(buf)
-        while got < nbytes:
+        """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all, appended to
+        one buffer that grows with the bytes that arrive (never past `nbytes`, which the caller
+        caps): a client that claims 8 GiB and sends 1 MiB costs the daemon 1 MiB, not 8 GiB of
+        zeroed pages. The blob is still held once (plus CPython's ~1/8 growth slack and one
+        frame); large blocks grow in place through glibc's mremap."""
+        buf = bytearray()
+        while (got := len(buf)) < nbytes:
             msg = protocol.recv(
                 self.sock,
                 max_bytes=self.max_bytes,
@@ -83,9 +85,7 @@ class Connection:
             data = msg.get("data")
             if not isinstance(data, bytes) or not data or got + len(data) > nbytes:
                 raise ProtocolError("a streamed put frame must hold the next `data` bytes")
-            view[got : got + len(data)] = data
-            got += len(data)
-        view.release()
+            buf += data
         return buf
 
     def reply(self, obj: dict[str, Any]) -> None:
@@ -106,11 +106,15 @@ class Daemon(Commands):
         manifests: list[Path],
         listener: socket.socket,
         socket_path: Path,
+        fixed_manifests: tuple[Path, ...] = (),
     ):
         self.home = home
         self.store = store
         self.settings = settings
         self.manifests = manifests
+        # The --manifest (or the home's manifest.toml) it was started with: not the registry's
+        # to forget.
+        self.fixed_manifests = frozenset(canonical(p) for p in fixed_manifests)
         self.listener = listener
         self.socket_path = socket_path
         self.started = time.time()
@@ -168,12 +172,25 @@ class Daemon(Commands):
         re-lists its files: the files it already watches keep their baseline, so an edit it has
         not checked yet is still reported, and nothing already watched is re-hashed."""
         with self._watcher_lock:  # two warm requests for one new manifest: one append
-            if manifest in self.manifests:
+            if canonical(manifest) in {canonical(p) for p in self.manifests}:
                 return
             self.manifests.append(manifest)
             log.info("now watching manifest %s", manifest)
             if self.watcher is not None and not self.stopping.is_set():
                 self.watcher.refresh()
+
+    def unwatch(self, manifest: Path) -> bool:
+        """Stop watching one manifest (named by any path to it); False when it was not."""
+        target = canonical(manifest)
+        with self._watcher_lock:
+            kept = [p for p in self.manifests if canonical(p) != target]
+            if len(kept) == len(self.manifests):
+                return False
+            self.manifests[:] = kept
+            log.info("no longer watching manifest %s", target)
+            if self.watcher is not None and not self.stopping.is_set():
+                self.watcher.refresh()
+            return True
 
     def _start_watcher(self) -> None:
         try:
@@ -377,6 +394,32 @@ def setup_logging(level: str = "INFO") -> None:
     root.setLevel(level.upper())
 
 
+def registered_manifests(home: Path, already: list[Path]) -> list[Path]:
+    """The manifests registered in the home (kvstore.registry) not among `already`. One that is
+    gone is logged and still watched, so it is reconciled when it comes back; a damaged registry
+    is logged: neither stops the daemon."""
+    try:
+        entries = registered(home)
+    except KVStoreError as e:
+        log.error("%s (starting without the registered manifests)", e)
+        return []
+    have = {canonical(p) for p in already}
+    out = []
+    for r in entries:
+        if r.path in have:
+            continue
+        have.add(r.path)
+        if not r.present:
+            log.warning(
+                "registered manifest %s is gone; watching for it to come back "
+                "(`kvstore manifests remove %s` forgets it)",
+                r.path,
+                r.path,
+            )
+        out.append(r.path)
+    return out
+
+
 def run(home: Path, *, manifest: Path | None = None) -> int:
     """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. Exit status."""
     home = ensure_home(home.expanduser().absolute())
@@ -395,6 +438,8 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
         else:
             default = home / MANIFEST_NAME
             manifests = [default] if default.is_file() else []
+        fixed = tuple(manifests)
+        manifests += registered_manifests(home, manifests)
         settings = load_settings(home)
         store = Store(  # opening it runs reader_check
             home, map_size=int(settings["map_size"]), max_map_size=int(settings["max_map_size"])
@@ -411,6 +456,7 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
             manifests=manifests,
             listener=listener,
             socket_path=path,
+            fixed_manifests=fixed,
         ).serve()
     except KVStoreError as e:
         log.error("%s", e)

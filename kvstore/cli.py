@@ -175,7 +175,7 @@ def warm(manifest: Path | None, home: Path) -> None:
 
 
 # The commands live by responsibility; importing them registers them on `main`.
-from kvstore import cli_admin, cli_transfer  # noqa: E402, F401
+from kvstore import cli_admin, cli_manifests, cli_transfer  # noqa: E402, F401
 
 # `python -m kvstore.cli`: run the module's group, the one the commands registered on.
 if __name__ == "__main__":

@@ -102,7 +102,11 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
 @click.option("--label", default=None, help="Entries with this label.")
 @click.option("--model", default=None, help="Entries of this model path (as stored).")
 @click.option("--unpinned", is_flag=True, help="Only unpinned entries.")
-@click.option("--stale", is_flag=True, help="Entries whose model changed or is gone.")
+@click.option(
+    "--stale",
+    is_flag=True,
+    help="Entries whose model changed or is gone (those it cannot judge here are kept).",
+)
 @click.option("--all", "everything", is_flag=True, help="Every entry.")
 @click.option("--to-size", default=None, help="Evict LRU unpinned entries until the store fits.")
 @home_option
@@ -136,10 +140,12 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             )
         n = res["evicted"]
         click.echo(f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(res['bytes'])}")
+        _report_unknown(res.get("unknown") or [])
         return
     with open_store(home, write=True) as store:
         resolved = resolve_keys(store, keys) if keys else ()
         metas = store.metas(errors=[])
+        unknown: list = []
         victims = select_for_eviction(
             metas,
             keys=resolved,
@@ -150,11 +156,25 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             everything=everything,
             to_size=size,
             home=home,
+            unknown=unknown,
         )
         n = store.delete(m.key for m in victims)
     click.echo(
         f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(sum(m.nbytes for m in victims))}"
     )
+    _report_unknown(
+        [{"key": m.key.hex(), "label": m.label, "model": m.model, "reason": r} for m, r in unknown]
+    )
+
+
+def _report_unknown(unknown: list[dict]) -> None:
+    """--stale never deletes what it cannot judge: say which entries were kept, and why."""
+    if not unknown:
+        return
+    n = len(unknown)
+    click.echo(f"kept {n} entr{'y' if n == 1 else 'ies'} whose staleness is unknown here:")
+    for u in unknown:
+        click.echo(f"  {u['key'][32:44]} {u['label'][:16]:16} {u['model']}: {u['reason']}")
 
 
 @main.command()

@@ -18,7 +18,7 @@ import xxhash
 from kvstore import protocol
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.settings import SOCKET_NAME, resolve_home
-from kvstore.store import EntryMeta, blob_checksum
+from kvstore.store import EntryMeta, blob_checksum, with_model_location
 
 # sun_path holds 104 bytes on macOS and the BSDs, 108 on Linux, NUL terminator included.
 SUN_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
@@ -136,7 +136,10 @@ class DaemonClient:
         return self.request("ping")
 
     def put(self, key: bytes, blob: bytes, fields: dict[str, Any]) -> EntryMeta:
-        """Store an entry through the daemon; blobs over one chunk stream in CHUNK_BYTES frames."""
+        """Store an entry through the daemon; blobs over one chunk stream in CHUNK_BYTES frames.
+        The model is located here, in the putting process's cwd and environment (the daemon's
+        may resolve a relative path or hub id to something else, or not at all)."""
+        fields = with_model_location(fields)
         args = {"key": key, "fields": fields, "nbytes": len(blob), "checksum": blob_checksum(blob)}
         view = memoryview(blob)
         if len(blob) <= protocol.CHUNK_BYTES:

@@ -1,4 +1,10 @@
-"""An entry's meta record: what is stored beside each blob (msgpack), and how it is checked."""
+"""An entry's meta record: what is stored beside each blob (msgpack), and how it is checked.
+
+LMDB keeps no page checksums, so the record carries its own: schema 2 stores the msgpack body with
+its xxh3-64 (`{"v": 2, "body": bytes, "sum": int}`). Schema 1 records (a bare map, no checksum) are
+still read. Every read also checks that the tokens hash to the key's second half, so a flipped byte
+in either is a CorruptEntryError naming the key, never a hit.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
+import xxhash
 
+from kvstore import keys
 from kvstore.errors import CorruptEntryError
 from kvstore.keys import FINGERPRINT_BYTES, unpack_tokens
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+LEGACY_SCHEMA_VERSION = 1  # a bare map without a checksum: read, re-checked, rewritten as 2
 _META_FIELDS = (
     "tokens", "ntokens", "label", "pinned", "model", "fingerprint", "template_hash", "created",
     "last_used", "hits", "nbytes", "checksum", "codec", "classes",
@@ -68,22 +77,38 @@ class EntryMeta:
     def pack(self) -> bytes:
         d = asdict(self)
         d.pop("key")
-        d["v"] = SCHEMA_VERSION
-        return msgpack.packb(d, use_bin_type=True)
+        return seal(msgpack.packb(d, use_bin_type=True))
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> EntryMeta:
+        """Decode and check one stored record; any inconsistency raises CorruptEntryError."""
         try:
             d = msgpack.unpackb(raw, raw=False)
-            if not isinstance(d, dict) or d.pop("v", None) != SCHEMA_VERSION:
-                raise ValueError("unknown meta schema")
+            if not isinstance(d, dict):
+                raise ValueError("not a map")
+            version = d.pop("v", None)
+            if version == SCHEMA_VERSION:
+                body = d.get("body")
+                if not isinstance(body, bytes) or set(d) != {"body", "sum"}:
+                    raise ValueError("schema 2 record without body and sum")
+                if xxhash.xxh3_64_intdigest(body) != d["sum"]:
+                    raise CorruptEntryError(key, "meta checksum mismatch (the record was altered)")
+                d = msgpack.unpackb(body, raw=False)
+                if not isinstance(d, dict):
+                    raise ValueError("body is not a map")
+            elif version != LEGACY_SCHEMA_VERSION:
+                raise ValueError(f"unknown meta schema {version!r}")
             meta = cls(key=key, **d)
+        except CorruptEntryError:
+            raise
         except Exception as e:
             raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
         if problem := meta.type_error():
             raise CorruptEntryError(key, f"unreadable meta ({problem})")
         if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != key[:FINGERPRINT_BYTES]:
             raise CorruptEntryError(key, "meta does not match its key or token count")
+        if not tokens_match_key(key, meta.tokens):
+            raise CorruptEntryError(key, "its tokens do not hash to its key")
         return meta
 
     def to_json(self) -> dict[str, Any]:
@@ -103,6 +128,19 @@ class EntryMeta:
             "classes": self.classes,
             "codec": self.codec,
         }
+
+
+def seal(body: bytes) -> bytes:
+    """A schema-2 record: the msgpack body of the meta and its checksum."""
+    return msgpack.packb(
+        {"v": SCHEMA_VERSION, "body": body, "sum": xxhash.xxh3_64_intdigest(body)},
+        use_bin_type=True,
+    )
+
+
+def tokens_match_key(key: bytes, tokens: bytes) -> bool:
+    """The key's second half is the xxh3-128 of the packed token ids (kvstore.keys)."""
+    return keys.packed_prefix_hash(tokens) == key[FINGERPRINT_BYTES:]
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {

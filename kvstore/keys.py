@@ -28,7 +28,12 @@ def unpack_tokens(data: bytes) -> list[int]:
 
 
 def prefix_hash(tokens: Sequence[int]) -> bytes:
-    return xxhash.xxh3_128(pack_tokens(tokens)).digest()
+    return packed_prefix_hash(pack_tokens(tokens))
+
+
+def packed_prefix_hash(packed: bytes) -> bytes:
+    """The key's second half from packed token ids (what every read re-checks)."""
+    return xxhash.xxh3_128_digest(packed)
 
 
 def entry_key(fingerprint: bytes, tokens: Sequence[int]) -> bytes:

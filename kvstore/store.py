@@ -1,7 +1,8 @@
 """The LMDB store: entry meta (msgpack) and blobs (safetensors bytes) under 32-byte keys.
 
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
-`_write`, the one place that grows the map; readers recover from MapResizedError. Blob bytes read
+`_write`, the one place that grows the map; readers and writers recover from MapResizedError
+(another process grew the map) by adopting its size. Blob bytes read
 through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
 transaction. The meta record lives in `kvstore.entry`, the environment in `kvstore.lmdbenv`.
 """
@@ -19,17 +20,64 @@ import lmdb
 import xxhash
 
 from kvstore import codec
-from kvstore.entry import _META_FIELDS, DEFAULT_QUANTIZED_KV_START, SCHEMA_VERSION, EntryMeta
+from kvstore.entry import (
+    _META_FIELDS,
+    DEFAULT_QUANTIZED_KV_START,
+    SCHEMA_VERSION,
+    EntryMeta,
+    tokens_match_key,
+)
 from kvstore.errors import CodecError, CorruptEntryError, StoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
 from kvstore.settings import DEFAULTS, STORE_DIR
 
-__all__ = ["DEFAULT_QUANTIZED_KV_START", "SCHEMA_VERSION", "EntryMeta", "Store", "blob_checksum"]
+__all__ = [
+    "DEFAULT_QUANTIZED_KV_START",
+    "SCHEMA_VERSION",
+    "EntryMeta",
+    "Store",
+    "blob_checksum",
+    "model_location",
+    "with_model_location",
+]
 
 
 def blob_checksum(blob) -> int:
     return xxhash.xxh3_64_intdigest(blob)
+
+
+def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
+    """Where `model` and `adapter` resolve in this process, as absolute directories (a hub id:
+    its snapshot directory): recorded in each entry's extra at put time as `model_dir` and
+    `adapter_dir`, so a process with another cwd or HF_HOME (the daemon under launchd) can still
+    judge the entry stale or current. What does not resolve here is left out."""
+    from kvstore.errors import ModelError
+    from kvstore.identity import resolve_model_path
+
+    out: dict[str, str] = {}
+    if model:
+        try:
+            out["model_dir"] = str(resolve_model_path(model))
+        except (ModelError, OSError):
+            pass
+    if adapter:
+        adir = Path(adapter).expanduser()
+        if adir.is_dir():
+            out["adapter_dir"] = str(adir.resolve())
+    return out
+
+
+def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
+    model_location)."""
+    extra = fields.get("extra") or {}
+    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
+        return fields  # a bad extra: put's type check names it
+    model, adapter = fields.get("model"), extra.get("adapter")
+    if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
+        return fields  # put's type check names the field
+    return {**fields, "extra": {**model_location(model, adapter), **extra}}
 
 
 class Store:
@@ -82,7 +130,8 @@ class Store:
             raise StoreError(f"{self.path}: an LMDB environment cannot be used across fork()")
 
     def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        """The one write path: a transaction, retried after doubling the map when it is full."""
+        """The one write path: a transaction, retried after doubling the map when it is full or
+        adopting the size another process grew it to."""
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: opened read-only")
@@ -90,10 +139,20 @@ class Store:
             return self._write_locked(fn)
 
     def _write_locked(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        adopted = 0
         while True:
             try:
                 with self.env.begin(write=True) as txn:
                     return fn(txn)
+            except lmdb.MapResizedError:
+                # Another process grew the map past ours: adopt its size (the gate holds this
+                # process's readers off) and retry, as readers do.
+                adopted += 1
+                if adopted > 3:
+                    raise StoreError(
+                        f"{self.path}: the map keeps being resized under this writer"
+                    ) from None
+                self.env.set_mapsize(0)
             except lmdb.MapFullError:
                 size = self.env.info()["map_size"]
                 if size * 2 > self.max_map_size:
@@ -219,10 +278,16 @@ class Store:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
-        """Store one entry; the same key and blob again keeps `created` and hits."""
+    def put(self, key: bytes, blob: bytes, *, locate: bool = True, **fields: Any) -> EntryMeta:
+        """Store one entry; the same key and blob again keeps `created` and hits.
+
+        `locate` records where the model resolves in this process (see model_location); the
+        daemon passes False for a client's put, which DaemonClient.put located in the client's
+        own cwd and environment: resolving a relative path or hub id here could find another."""
         if len(key) != KEY_BYTES:
             raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        if locate:
+            fields = with_model_location(fields)
         now = time.time()
         checksum = blob_checksum(blob)
         extra = fields.pop("extra", {})
@@ -233,6 +298,8 @@ class Store:
         tokens = fields.get("tokens")
         if not isinstance(tokens, bytes) or len(tokens) % 4:
             raise StoreError("field 'tokens' must be packed uint32 token ids (bytes)")
+        if not tokens_match_key(key, tokens):  # every read would refuse it as corrupt
+            raise StoreError(f"entry {key.hex()}: key does not match the entry's tokens")
         draft = EntryMeta(
             key=key,
             tokens=tokens,

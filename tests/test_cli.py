@@ -12,6 +12,7 @@ from helpers import TWO_PINS, assert_same_kv, manifest_for
 from mlx_lm.models.cache import load_prompt_cache
 
 from kvstore.cli import main
+from kvstore.keys import entry_key, pack_tokens
 from kvstore.store import Store
 
 
@@ -84,9 +85,9 @@ def test_evict_unpinned_to_size_and_all(warmed, kv_home):
     with Store(kv_home) as store:
         for i in range(3):
             store.put(
-                bytes([0xAB]) * 16 + bytes([i]) * 16,
+                entry_key(bytes([0xAB]) * 16, [i]),
                 bytes(1000 * (i + 1)),
-                tokens=bytes(4),
+                tokens=pack_tokens([i]),
                 label=f"u{i}",
             )
     assert len(ls_json()) == 5

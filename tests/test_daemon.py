@@ -612,9 +612,9 @@ def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
 
 
 def test_verify_repair_goes_through_the_daemon(shared):
-    from kvstore.keys import pack_tokens
+    from kvstore.keys import entry_key, pack_tokens
 
-    key = bytes([0xCD]) * 16 + bytes(16)
+    key = entry_key(bytes([0xCD]) * 16, [1, 2])
     with Store(shared.home) as store:  # damage made behind the daemon's back
         store.put(key, b"\x00" * 100, tokens=pack_tokens([1, 2]), label="garbage")
     home = ["--home", str(shared.home)]

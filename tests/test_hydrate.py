@@ -12,6 +12,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from client import hydrate
+from kvstore.keys import pack_tokens, packed_prefix_hash
 from kvstore.manifest import load_manifest
 from kvstore.prefill import prefill
 from kvstore.store import Store
@@ -138,7 +139,8 @@ def test_hydrated_arrays_survive_store_close_and_rewrite(llama_path, kv_home, tm
     with Store(kv_home) as store:  # overwrite the blobs' pages with other data
         store.delete([m.key for m in metas.values()])
         for i in range(8):
-            store.put(bytes([i]) * 32, bytes(2**20), tokens=b"\0\0\0\0", label="junk")
+            junk = pack_tokens([i])
+            store.put(bytes([i]) * 16 + packed_prefix_hash(junk), bytes(2**20), tokens=junk)
     for meta in metas.values():
         tokens = meta.token_ids()
         cache, _ = lru.fetch_nearest_cache("m", tokens)

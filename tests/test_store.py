@@ -92,6 +92,40 @@ def test_reader_survives_writer_growing_the_map(kv_home):
     assert child.returncode == 0 and out.strip() == "10"
 
 
+GROWER = """
+import sys
+from kvstore.keys import entry_key, pack_tokens
+from kvstore.store import Store
+with Store(sys.argv[1], map_size=2**20) as store:
+    for i in range(1, 10):
+        tokens = [i]
+        store.put(entry_key(b"\\x09" * 16, tokens), bytes(2**20), tokens=pack_tokens(tokens))
+    print(store.env.info()["map_size"], flush=True)
+"""
+
+
+def test_writer_survives_another_process_growing_the_map(kv_home):
+    """Issue 10 item 9: a write after another process doubled the map adopts the new size
+    (MapResizedError on the write path), instead of failing as "disk full?"."""
+    import subprocess
+    import sys
+
+    with Store(kv_home, map_size=2**20) as parent:
+        _put(parent, b"\x09" * 16, [0])  # the parent's environment is open at 1 MiB
+        child = subprocess.run(
+            [sys.executable, "-c", GROWER, str(kv_home)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert child.returncode == 0, child.stderr
+        assert int(child.stdout) > 2**20, "the child should have grown the map"
+        written = _put(parent, b"\x09" * 16, [100], size=2**20)  # a write, before any read
+        assert parent.get_meta(written.key) is not None
+        assert len(parent.metas()) == 11
+        assert parent.env.info()["map_size"] >= int(child.stdout)
+
+
 def test_stores_of_one_path_share_the_environment(kv_home):
     with Store(kv_home) as writer:
         _put(writer, b"\x08" * 16, [0])
@@ -115,7 +149,7 @@ def test_store_refuses_use_after_fork(kv_home):
 def test_forced_collision_never_serves_wrong_kv(llama_path, kv_home, tmp_path):
     """With the prefix hash forced to a constant every pin shares one key: no wrong hit."""
     manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with mock.patch("kvstore.keys.prefix_hash", return_value=b"\x00" * 16):
+    with mock.patch("kvstore.keys.packed_prefix_hash", return_value=b"\x00" * 16):
         with Store(kv_home) as store:
             warm(manifest, store, home=kv_home)
             (meta,) = store.metas()  # the second pin overwrote the first under the same key
@@ -215,15 +249,17 @@ def test_put_refuses_fields_of_the_wrong_type(kv_home):
 def test_a_poisoned_meta_is_one_bad_entry_not_a_broken_store(kv_home):
     import msgpack
 
+    from kvstore.entry import seal
     from kvstore.errors import CorruptEntryError
 
     with Store(kv_home) as store:
         good = _put(store, b"\x0c" * 16, [1], label="good", extra={"key": "shadow"})
         bad = _put(store, b"\x0c" * 16, [2], label="bad")
-        raw = msgpack.unpackb(store.env.begin().get(bad.key, db=store._meta), raw=False)
+        record = msgpack.unpackb(store.env.begin().get(bad.key, db=store._meta), raw=False)
+        raw = msgpack.unpackb(record["body"], raw=False)
         raw["label"], raw["extra"] = 7, "x"
-        with store.env.begin(write=True) as txn:
-            txn.put(bad.key, msgpack.packb(raw, use_bin_type=True), db=store._meta)
+        with store.env.begin(write=True) as txn:  # re-sealed: the type check must catch it
+            txn.put(bad.key, seal(msgpack.packb(raw, use_bin_type=True)), db=store._meta)
         errors: list = []
         metas = store.metas(errors=errors)
         assert [m.label for m in metas] == ["good"]

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from daemon import exits
 from daemon.commands import Commands
 from daemon.lifecycle import (
     DaemonRunning,
@@ -26,6 +27,7 @@ from daemon.lifecycle import (
     bind_socket,
     check_peer,
     cred_layout,
+    park_if_supervised,
     rss_bytes,
 )
 from daemon.upkeep import Upkeep, watched_files
@@ -202,7 +204,7 @@ class Daemon(Commands):
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
-            if self.manifests:
+            if any(p.is_file() for p in self.manifests):  # a missing one is warmed on arrival
                 self.reload("boot", settings=False)
             with self._watcher_lock:
                 self._start_watcher()
@@ -212,7 +214,7 @@ class Daemon(Commands):
             self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
             acceptor.join()
             self._shutdown()
-        return 0
+        return exits.INTERNAL if self.stop_reason == "error" else exits.OK
 
     def _install_signals(self) -> None:
         # Python runs handlers on the main thread, between the writer's jobs' bytecodes or while
@@ -373,19 +375,33 @@ def setup_logging(level: str = "INFO") -> None:
 
 
 def run(home: Path, *, manifest: Path | None = None) -> int:
-    """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. Exit status."""
+    """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. The exit status
+    per condition, and what the supervisor then does, is daemon/exits.py's table."""
+    try:
+        return _run(home, manifest)
+    except (KVStoreError, OSError) as e:  # before serving: the home, socket, settings or store
+        log.error("cannot start: %s", e)
+        return park_if_supervised(exits.CONFIG, str(e))
+    except Exception:
+        log.exception("internal failure while starting")
+        return exits.INTERNAL
+
+
+def _run(home: Path, manifest: Path | None) -> int:
     home = ensure_home(home.expanduser().absolute())
     try:
         lock_fd = acquire_lock(home)  # before anything else touches the home
     except DaemonRunning as e:
-        log.error("%s", e)
-        return 1
+        log.error("%s; this one exits 0 so that no supervisor restarts it", e)
+        return exits.LOCK_HELD
     try:
         if manifest is not None:
             manifest = manifest.expanduser().absolute()
             if not manifest.is_file():
-                log.error("%s: manifest file not found", manifest)
-                return 1
+                log.warning(
+                    "%s: manifest file not found; serving, and warming it when it reappears",
+                    manifest,
+                )
             manifests = [manifest]
         else:
             default = home / MANIFEST_NAME
@@ -407,8 +423,5 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
             listener=listener,
             socket_path=path,
         ).serve()
-    except KVStoreError as e:
-        log.error("%s", e)
-        return 1
     finally:
         os.close(lock_fd)

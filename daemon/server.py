@@ -35,7 +35,7 @@ from daemon.writer import Writer
 from kvstore import protocol
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.ledger import Ledger
-from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
+from kvstore.settings import MANIFEST_NAME, STORE_DIR, ensure_home, load_settings
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -185,6 +185,7 @@ class Daemon(Commands):
             self._on_files_changed,
             debounce=float(self.settings["debounce"]),
             poll_interval=float(self.settings["poll_interval"]),
+            keep_out=[self.home / STORE_DIR],  # no schedule may see LMDB's writes
         )
         self.watcher.start()
 

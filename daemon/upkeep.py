@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from daemon.lifecycle import peak_rss_bytes, rss_bytes, trim_heap
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, PrefillStopped
 from kvstore.eviction import select_for_eviction
 from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
 from kvstore.manifest import Manifest, load_manifest, manifest_files
+from kvstore.prefill import stop_when
 from kvstore.store import Store
 from kvstore.warm import WarmReport, warm
 
@@ -26,7 +27,8 @@ log = logging.getLogger("kvstore.daemon")
 
 
 class WarmCancelled(KVStoreError):
-    """The daemon is stopping: the warm stopped between pins (those done are kept)."""
+    """The daemon is stopping: the warm stopped between pins or prefill chunks (pins done are
+    kept; the one being prefilled is dropped and warmed again at the next boot)."""
 
 
 class RssSampler:
@@ -112,8 +114,13 @@ class Upkeep:
 
     def warm(self, manifest: Manifest, *, cause: str) -> dict[str, Any]:
         log.info("warm %s (%s)", manifest.path, cause)
-        with RssSampler() as rss:
-            report = warm(manifest, self.store, home=self.home, progress=self._progress, purge=True)
+        with RssSampler() as rss, stop_when(self.stopping.is_set):
+            try:
+                report = warm(
+                    manifest, self.store, home=self.home, progress=self._progress, purge=True
+                )
+            except PrefillStopped as e:
+                raise WarmCancelled(f"the daemon is stopping: {e}") from None
             if report.models_loaded:
                 trim_heap()  # kvstore.warm released the model; hand its freed pages back too
         present = sum(p.status == "present" for p in report.pins)

@@ -3,7 +3,7 @@
 Threads: the main thread accepts connections and handles signals; one thread per connection reads
 frames and answers them; the writer thread runs every store write in order; the watcher thread
 turns file changes into reconcile jobs. Shutdown stops accepting, lets the write in flight finish,
-closes LMDB and removes the socket, well within the 5 s launchd and systemd allow.
+closes LMDB and removes the socket; a warm stops between prefill chunks (README, "Shutdown").
 """
 
 from __future__ import annotations
@@ -379,16 +379,28 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
     """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. The exit status
     per condition, and what the supervisor then does, is daemon/exits.py's table."""
     try:
-        return _run(home, manifest)
-    except (KVStoreError, OSError) as e:  # before serving: the home, socket, settings or store
+        booted = _boot(home, manifest)
+    except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
         log.error("cannot start: %s", e)
         return park_if_supervised(exits.CONFIG, str(e))
     except Exception:
         log.exception("internal failure while starting")
         return exits.INTERNAL
+    if isinstance(booted, int):
+        return booted
+    daemon, lock_fd = booted
+    try:
+        return daemon.serve()
+    except Exception:
+        log.exception("internal failure")
+        return exits.INTERNAL
+    finally:
+        os.close(lock_fd)
 
 
-def _run(home: Path, manifest: Path | None) -> int:
+def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
+    """Take the lock, open the store, bind the socket: a Daemon ready to serve and the lock's
+    fd, or the exit status when another daemon holds the lock."""
     home = ensure_home(home.expanduser().absolute())
     try:
         lock_fd = acquire_lock(home)  # before anything else touches the home
@@ -413,16 +425,18 @@ def _run(home: Path, manifest: Path | None) -> int:
         )
         try:
             listener, path = bind_socket(home, backlog=int(settings["max_connections"]))
-        except KVStoreError:
+        except BaseException:
             store.close()
             raise
-        return Daemon(
+        daemon = Daemon(
             home,
             store=store,
             settings=settings,
             manifests=manifests,
             listener=listener,
             socket_path=path,
-        ).serve()
-    finally:
+        )
+    except BaseException:
         os.close(lock_fd)
+        raise
+    return daemon, lock_fd

@@ -41,8 +41,8 @@ def daemon_cmd(manifest: Path | None, home: Path, log_level: str, log_file: Path
     \b
     kvstore daemon --manifest pins.toml
     """
+    from daemon.boot import run
     from daemon.logs import setup_logging
-    from daemon.server import run
 
     setup_logging(log_level, log_file)
     sys.exit(run(home, manifest=manifest))

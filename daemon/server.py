@@ -22,12 +22,8 @@ from typing import Any
 from daemon import exits
 from daemon.commands import Commands
 from daemon.lifecycle import (
-    DaemonRunning,
-    acquire_lock,
-    bind_socket,
     check_peer,
     cred_layout,
-    park_if_supervised,
     rss_bytes,
 )
 from daemon.upkeep import Upkeep, watched_files
@@ -35,7 +31,7 @@ from daemon.writer import Writer
 from kvstore import protocol
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.ledger import Ledger
-from kvstore.settings import MANIFEST_NAME, STORE_DIR, ensure_home, load_settings
+from kvstore.settings import STORE_DIR, load_settings
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -365,78 +361,14 @@ class Daemon(Commands):
 
 
 def setup_logging(level: str = "INFO") -> None:
-    """One line per event on stderr: launchd and journald keep it."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s kvstore-daemon[%(process)d] %(levelname)s %(message)s")
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    """One line per event on stderr (daemon.logs does files too)."""
+    from daemon.logs import setup_logging as setup
+
+    setup(level)
 
 
 def run(home: Path, *, manifest: Path | None = None) -> int:
-    """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. The exit status
-    per condition, and what the supervisor then does, is daemon/exits.py's table."""
-    try:
-        booted = _boot(home, manifest)
-    except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
-        log.error("cannot start: %s", e)
-        return park_if_supervised(exits.CONFIG, str(e))
-    except Exception:
-        log.exception("internal failure while starting")
-        return exits.INTERNAL
-    if isinstance(booted, int):
-        return booted
-    daemon, lock_fd = booted
-    try:
-        return daemon.serve()
-    except Exception:
-        log.exception("internal failure")
-        return exits.INTERNAL
-    finally:
-        os.close(lock_fd)
+    """Run the daemon for `home` (daemon/boot.py); its exit status."""
+    from daemon.boot import run as boot_run
 
-
-def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
-    """Take the lock, open the store, bind the socket: a Daemon ready to serve and the lock's
-    fd, or the exit status when another daemon holds the lock."""
-    home = ensure_home(home.expanduser().absolute())
-    try:
-        lock_fd = acquire_lock(home)  # before anything else touches the home
-    except DaemonRunning as e:
-        log.error("%s; this one exits 0 so that no supervisor restarts it", e)
-        return exits.LOCK_HELD
-    try:
-        if manifest is not None:
-            manifest = manifest.expanduser().absolute()
-            if not manifest.is_file():
-                log.warning(
-                    "%s: manifest file not found; serving, and warming it when it reappears",
-                    manifest,
-                )
-            manifests = [manifest]
-        else:
-            default = home / MANIFEST_NAME
-            manifests = [default] if default.is_file() else []
-        settings = load_settings(home)
-        store = Store(  # opening it runs reader_check
-            home, map_size=int(settings["map_size"]), max_map_size=int(settings["max_map_size"])
-        )
-        try:
-            listener, path = bind_socket(home, backlog=int(settings["max_connections"]))
-        except BaseException:
-            store.close()
-            raise
-        daemon = Daemon(
-            home,
-            store=store,
-            settings=settings,
-            manifests=manifests,
-            listener=listener,
-            socket_path=path,
-        )
-    except BaseException:
-        os.close(lock_fd)
-        raise
-    return daemon, lock_fd
+    return boot_run(home, manifest=manifest)

@@ -462,3 +462,23 @@ def test_systemd_status_reads_systemctl_show(monkeypatch, tmp_path):
     assert "loaded:    yes (failed (failed))" in out
     assert f"last exit: {exits.CONFIG} (config:" in out
     assert "pid:       not running" in out
+
+
+@pytest.mark.slow
+def test_status_says_the_socket_answers_when_the_daemon_runs(fake_launchd, user_home, kv_home):
+    from helpers import Proc
+
+    assert _install().exit_code == 0
+    d = Proc(kv_home, log=kv_home.parent / "d.log")
+    try:
+        d.wait_ready()
+        result = CliRunner().invoke(main, ["service", "status"])
+    finally:
+        assert d.stop()[0] == 0
+    assert result.exit_code == 0, result.output
+    assert f"answers (pid {d.pid})" in result.output
+
+
+def test_systemd_unit_tells_the_daemon_its_supervisor():
+    text = systemd_unit(service_spec(Path("/h")))
+    assert f'Environment="{exits.SUPERVISOR_ENV}=systemd"' in text.splitlines()

@@ -37,7 +37,9 @@ POLL_SECONDS = 0.25
 # Bootstrap failures that mean "the old job is still being torn down": retried until the deadline.
 # 5 EIO ("Bootstrap failed: 5: Input/output error"), 37 EALREADY ("Operation already in progress").
 BOOTSTRAP_RETRY = frozenset({5, 37})
-NOT_FOUND = 113  # `launchctl print` of a label not loaded: "Could not find service ..."
+# `launchctl print` of a label not loaded: "Bad request." / 'Could not find service "L" in domain
+# for user gui: 501', exit 113 (as reported from real Macs, e.g. NousResearch/hermes-agent#5536).
+NOT_FOUND = 113
 PLIST_MODE = 0o644  # launchctl skips group- or world-writable plists ("Dubious permissions")
 LOG_NAME = "daemon.log"  # the daemon's own rotating log (--log-file, daemon/logs.py)
 # ProcessType Interactive: launchd.plist(5) says an unspecified ProcessType (= Standard) gets
@@ -196,8 +198,9 @@ def dry_run_uninstall() -> list[str]:
 
 # -- status ----------------------------------------------------------------------------------
 
-# `launchctl print` output is not an API (launchctl(1)); these are the fields brew services
-# parses too (formula_wrapper.rb: /pid = ([0-9]+)/, /last exit code = ([0-9]+)/).
+# `launchctl print` output "is NOT API in any sense at all" (launchctl(1), quoted in
+# Homebrew/brew#19602); these are the fields brew services parses too (formula_wrapper.rb:
+# /pid = ([0-9]+)/, /last exit code = ([0-9]+)/), and status shows them only as information.
 _FIELDS = {
     "pid": re.compile(r"^\s*pid = (\d+)", re.M),
     "state": re.compile(r"^\s*state = (.+)$", re.M),

@@ -61,6 +61,7 @@ def main(argv: list[str]) -> int:
         label = target.rsplit("/", 1)[-1]
         job = state["jobs"].get(label)
         if job is None:
+            print("Bad request.", file=sys.stderr)
             return fail(f'Could not find service "{label}" in domain for user gui: {uid}', 113)
         running = job.get("pid") is not None
         print(f"{target} = {{")

@@ -46,8 +46,10 @@ STAT_ONLY_BYTES = 64 * 2**20  # 64 MiB
 MAX_DEBOUNCE_WINDOWS = 10
 # Events our own re-hash reads cause; reacting to them would re-hash forever.
 _SELF_INFLICTED = frozenset({"opened", "closed_no_write"})
-# Emitters whose directory was replaced are restarted; past this many restarts, poll instead.
+# Emitters whose directory was replaced are restarted; past this many restarts in a row, each
+# within RESTART_WINDOW of the last, something keeps killing them: poll instead.
 MAX_OBSERVER_RESTARTS = 20
+RESTART_WINDOW = 60.0  # seconds
 # Observers whose schedules cover a directory's whole tree (FSEvents), not only its entries.
 TREE_WATCHES = sys.platform == "darwin"
 
@@ -127,6 +129,7 @@ class Watcher(threading.Thread):
         self._scheduled: dict[Path, ObservedWatch] = {}
         self._identities: dict[Path, tuple[int, int] | None] = {}
         self._restarts = 0
+        self._last_restart = float("-inf")
         # Directories no schedule may cover (the store); the user's home under tree watches.
         self.keep_out = [Path(os.path.abspath(p)) for p in keep_out]
         self.tree_watches = tree_watches
@@ -235,7 +238,9 @@ class Watcher(threading.Thread):
             self._fall_back(f"the file-event emitter for {where} stopped")
             self._check()  # what changed while it was dead
             return
-        self._restarts += 1
+        now = time.monotonic()
+        self._restarts = self._restarts + 1 if now - self._last_restart < RESTART_WINDOW else 1
+        self._last_restart = now
         if self._restarts > MAX_OBSERVER_RESTARTS:
             self._fall_back(f"file-event emitters stopped {self._restarts} times")
             self._check()

@@ -26,16 +26,23 @@ from kvstore.cli import home_option
     default="info",
     show_default=True,
 )
-def daemon_cmd(manifest: Path | None, home: Path, log_level: str) -> None:
+@click.option(
+    "--log-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Log to this file, rotated at 10 MiB (3 kept), instead of stderr (the LaunchAgent does).",
+)
+def daemon_cmd(manifest: Path | None, home: Path, log_level: str, log_file: Path | None) -> None:
     """Run the store's writer in the foreground (what launchd and systemd run).
 
     Warms the manifest's missing pins, watches its files, serves the socket; SIGTERM stops it,
-    SIGHUP re-reads the manifest. One daemon per home.
+    SIGHUP re-reads the manifest. One daemon per home. Exit statuses: daemon/exits.py.
 
     \b
     kvstore daemon --manifest pins.toml
     """
-    from daemon.server import run, setup_logging
+    from daemon.boot import run
+    from daemon.logs import setup_logging
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_file)
     sys.exit(run(home, manifest=manifest))

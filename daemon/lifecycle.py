@@ -9,14 +9,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import fcntl
+import logging
 import os
 import resource
+import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+from daemon.exits import PARK_UNDER, SUPERVISOR_ENV
 from kvstore.daemon_client import socket_path
 from kvstore.errors import KVStoreError
 from kvstore.settings import LOCK_NAME
@@ -31,8 +35,35 @@ SOL_LOCAL = 0  # macOS <sys/un.h>; Python's socket module does not export these 
 LOCAL_PEERCRED = 1
 
 
+log = logging.getLogger("kvstore.daemon")
+
+
 class DaemonRunning(KVStoreError):
     """Another daemon holds this home's lock."""
+
+
+def park_if_supervised(code: int, reason: str) -> int:
+    """Return `code` at once, except under a supervisor that restarts every non-zero exit
+    (launchd: daemon/exits.py): there, say so once and wait for SIGTERM, then return it."""
+    supervisor = os.environ.get(SUPERVISOR_ENV, "")
+    if supervisor not in PARK_UNDER:
+        return code
+    log.error(
+        "%s would restart a daemon that exits %d every ThrottleInterval, so it waits here until "
+        "stopped; fix the cause (%s), then run `kvstore service install` again",
+        supervisor,
+        code,
+        reason,
+    )
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5):  # a timeout, so the handler gets the main thread to run on
+            pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code
 
 
 def acquire_lock(home: Path) -> int:

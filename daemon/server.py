@@ -3,7 +3,7 @@
 Threads: the main thread accepts connections and handles signals; one thread per connection reads
 frames and answers them; the writer thread runs every store write in order; the watcher thread
 turns file changes into reconcile jobs. Shutdown stops accepting, lets the write in flight finish,
-closes LMDB and removes the socket, well within the 5 s launchd and systemd allow.
+closes LMDB and removes the socket; a warm stops between prefill chunks (README, "Shutdown").
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from daemon import exits
 from daemon.commands import Commands
 from daemon.daywatch import DayWatch
 from daemon.lifecycle import (
-    DaemonRunning,
-    acquire_lock,
-    bind_socket,
     check_peer,
     cred_layout,
     rss_bytes,
@@ -35,7 +33,7 @@ from kvstore import protocol
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.ledger import Ledger
 from kvstore.registry import canonical, registered
-from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
+from kvstore.settings import STORE_DIR, load_settings
 from kvstore.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -203,6 +201,7 @@ class Daemon(Commands):
             self._on_files_changed,
             debounce=float(self.settings["debounce"]),
             poll_interval=float(self.settings["poll_interval"]),
+            keep_out=[self.home / STORE_DIR],  # no schedule may see LMDB's writes
         )
         self.watcher.start()
 
@@ -222,7 +221,7 @@ class Daemon(Commands):
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
-            if self.manifests:
+            if any(p.is_file() for p in self.manifests):  # a missing one is warmed on arrival
                 self.reload("boot", settings=False)
             with self._watcher_lock:
                 self._start_watcher()
@@ -233,7 +232,7 @@ class Daemon(Commands):
             self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
             acceptor.join()
             self._shutdown()
-        return 0
+        return exits.INTERNAL if self.stop_reason == "error" else exits.OK
 
     def _install_signals(self) -> None:
         # Python runs handlers on the main thread, between the writer's jobs' bytecodes or while
@@ -384,14 +383,10 @@ class Daemon(Commands):
 
 
 def setup_logging(level: str = "INFO") -> None:
-    """One line per event on stderr: launchd and journald keep it."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s kvstore-daemon[%(process)d] %(levelname)s %(message)s")
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    """One line per event on stderr (daemon.logs does files too)."""
+    from daemon.logs import setup_logging as setup
+
+    setup(level)
 
 
 def registered_manifests(home: Path, already: list[Path]) -> list[Path]:
@@ -421,45 +416,7 @@ def registered_manifests(home: Path, already: list[Path]) -> list[Path]:
 
 
 def run(home: Path, *, manifest: Path | None = None) -> int:
-    """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. Exit status."""
-    home = ensure_home(home.expanduser().absolute())
-    try:
-        lock_fd = acquire_lock(home)  # before anything else touches the home
-    except DaemonRunning as e:
-        log.error("%s", e)
-        return 1
-    try:
-        if manifest is not None:
-            manifest = manifest.expanduser().absolute()
-            if not manifest.is_file():
-                log.error("%s: manifest file not found", manifest)
-                return 1
-            manifests = [manifest]
-        else:
-            default = home / MANIFEST_NAME
-            manifests = [default] if default.is_file() else []
-        fixed = tuple(manifests)
-        manifests += registered_manifests(home, manifests)
-        settings = load_settings(home)
-        store = Store(  # opening it runs reader_check
-            home, map_size=int(settings["map_size"]), max_map_size=int(settings["max_map_size"])
-        )
-        try:
-            listener, path = bind_socket(home, backlog=int(settings["max_connections"]))
-        except KVStoreError:
-            store.close()
-            raise
-        return Daemon(
-            home,
-            store=store,
-            settings=settings,
-            manifests=manifests,
-            listener=listener,
-            socket_path=path,
-            fixed_manifests=fixed,
-        ).serve()
-    except KVStoreError as e:
-        log.error("%s", e)
-        return 1
-    finally:
-        os.close(lock_fd)
+    """Run the daemon for `home` (daemon/boot.py); its exit status."""
+    from daemon.boot import run as boot_run
+
+    return boot_run(home, manifest=manifest)

@@ -1,30 +1,37 @@
-"""Run the daemon as a service: a launchd LaunchAgent on macOS, a systemd user unit on Linux.
+"""`kvstore service`: run the daemon as a launchd LaunchAgent (macOS) or systemd user unit (Linux).
 
-`kvstore service print --launchd|--systemd` renders either file on any OS; `install`, `uninstall`
-and `status` act on this OS's kind, and `--dry-run` shows the file path and commands instead.
+`print --launchd|--systemd` renders either file on any OS; `install`, `uninstall` and `status`
+act on this OS's kind (daemon/launchd.py, daemon/systemd.py), `--dry-run` shows the steps.
 """
 
 from __future__ import annotations
 
 import os
-import plistlib
 import shlex
 import shutil
 import subprocess
 import sys
+import unicodedata
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
+from daemon import exits, launchd, systemd
 from kvstore.cli import home_option
 
-LABEL = "dev.kvstore.daemon"  # one per user: reinstalling with another home replaces it
-UNIT_NAME = "kvstore.service"
+LABEL = launchd.LABEL
+UNIT_NAME = systemd.UNIT_NAME
 KINDS = ("launchd", "systemd")
 # Installer variables the daemon needs to find the same models (launchd and systemd start
 # services with a minimal environment).
 PASS_THROUGH_ENV = ("HF_HOME", "HF_HUB_CACHE")
+# Where macOS privacy protection (TCC) refuses a launchd job without Full Disk Access: the
+# "Files and Folders" entries of System Settings > Privacy & Security (plus iCloud Drive).
+TCC_DIRS = ("Desktop", "Documents", "Downloads", "Library/Mobile Documents")
+TCC_VOLUMES = Path("/Volumes")  # removable and network volumes
+STATUS_LOG_LINES = 10
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class ServiceSpec:
     argv: list[str]
     home: Path
     env: dict[str, str] = field(default_factory=dict)
+    manifest: Path | None = None
 
 
 def kvstore_program() -> list[str]:
@@ -52,105 +60,86 @@ def service_spec(home: Path, manifest: Path | None = None) -> ServiceSpec:
     home = Path(os.path.abspath(home))
     argv = [*kvstore_program(), "daemon", "--home", str(home)]
     if manifest is not None:
-        argv += ["--manifest", os.path.abspath(manifest)]
+        manifest = Path(os.path.abspath(manifest))
+        argv += ["--manifest", str(manifest)]
     env = {"KVSTORE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     env.update({k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)})
-    return ServiceSpec(argv=argv, home=home, env=env)
-
-
-# -- launchd ---------------------------------------------------------------------------------
-
-
-def launchd_path() -> Path:
-    return Path.home() / "Library" / "LaunchAgents" / f"{LABEL}.plist"
-
-
-def launchd_log_dir() -> Path:
-    return Path.home() / "Library" / "Logs" / "kvstore"
+    return ServiceSpec(argv=argv, home=home, env=env, manifest=manifest)
 
 
 def launchd_plist(spec: ServiceSpec) -> bytes:
-    logs = launchd_log_dir()
-    job = {
-        "Label": LABEL,
-        "ProgramArguments": spec.argv,
-        "EnvironmentVariables": spec.env,
-        "RunAtLoad": True,
-        # Restart after a crash, not after a clean SIGTERM exit (what `bootout` sends).
-        "KeepAlive": {"SuccessfulExit": False},
-        "ThrottleInterval": 10,  # seconds between restarts of a crashing daemon
-        "ExitTimeOut": 10,  # seconds from SIGTERM to SIGKILL; the daemon exits within 5
-        # Standard, not Background: Background throttles I/O and keeps the job on efficiency
-        # cores, which stretches a warm (prefill + LMDB fsync) long enough that freshly
-        # restarted apps miss their pins. Not Interactive: re-warms need not beat the user's apps.
-        # Adaptive needs XPC transactions, which a unix-socket daemon never opens.
-        "ProcessType": "Standard",
-        "StandardOutPath": str(logs / "daemon.log"),
-        "StandardErrorPath": str(logs / "daemon.log"),
-    }
-    return plistlib.dumps(job, fmt=plistlib.FMT_XML, sort_keys=False)
-
-
-# -- systemd ---------------------------------------------------------------------------------
-
-
-def systemd_path() -> Path:
-    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(config) / "systemd" / "user" / UNIT_NAME
-
-
-def _systemd_escape(text: str) -> str:
-    # Inside double quotes systemd honours C escapes; `%` specifiers expand even there.
-    for raw, esc in (("\\", "\\\\"), ('"', '\\"'), ("\n", "\\n"), ("\t", "\\t"), ("%", "%%")):
-        text = text.replace(raw, esc)
-    return text
-
-
-def systemd_quote(arg: str) -> str:
-    """One ExecStart= word: double-quoted, with `$` doubled so it is not an env reference."""
-    return '"' + _systemd_escape(arg).replace("$", "$$") + '"'
+    return launchd.plist(spec.argv, spec.env)
 
 
 def systemd_unit(spec: ServiceSpec) -> str:
-    env = "\n".join(f'Environment="{_systemd_escape(f"{k}={v}")}"' for k, v in spec.env.items())
-    # No After=default.target: the target pulls us in (WantedBy) and is ordered after what it
-    # wants, so ordering us after it would be a cycle.
-    # Description= is specifier-expanded but not unquoted or unescaped.
-    home = str(spec.home).replace("%", "%%").replace("\n", " ")
-    return f"""\
-[Unit]
-Description=kvstore daemon, prefix KV caches for mlx-lm (home {home})
-
-[Service]
-Type=simple
-ExecStart={" ".join(systemd_quote(a) for a in spec.argv)}
-{env}
-Restart=on-failure
-RestartSec=2
-TimeoutStopSec=10
-KillSignal=SIGTERM
-
-[Install]
-WantedBy=default.target
-"""
+    return systemd.unit(spec.argv, spec.env, spec.home)
 
 
-# -- plans: the file and the commands of each action ---------------------------------------
+# -- privacy-protected locations (TCC) -------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Step:
-    argv: list[str]
-    check: bool = True  # False: failure is expected at times (e.g. stopping what is not loaded)
+def _fold(path: str) -> str:
+    # APFS and HFS+ are case-insensitive by default and store either normalization form.
+    return unicodedata.normalize("NFC", path).casefold()
 
 
-@dataclass(frozen=True)
-class Plan:
-    kind: str
-    action: str  # install: write `content` then run; uninstall: run then remove; status: run
-    path: Path
-    steps: list[Step]
-    content: bytes | None = None
+def tcc_location(path: Path, user_home: Path | None = None) -> str | None:
+    """The protected location `path` lies in (e.g. "~/Documents"), or None."""
+    user_home = user_home or Path.home()
+    real = _fold(os.path.realpath(path))
+    roots = [(f"~/{d}", user_home / d) for d in TCC_DIRS] + [(str(TCC_VOLUMES), TCC_VOLUMES)]
+    for name, root in roots:
+        r = _fold(os.path.realpath(root))
+        if real == r or real.startswith(r.rstrip("/") + "/"):
+            return name
+    return None
+
+
+def service_paths(spec: ServiceSpec) -> list[tuple[str, Path]]:
+    """What the daemon must read under launchd: the program, its venv, the home, the manifest,
+    and the manifest's models and adapters, and the hub cache."""
+    out = [("program", Path(spec.argv[0])), ("venv", Path(sys.prefix)), ("home", spec.home)]
+    for k in PASS_THROUGH_ENV:
+        if spec.env.get(k):
+            out.append((k, Path(spec.env[k])))
+    if spec.manifest is not None:
+        out.append(("manifest", spec.manifest))
+        from kvstore.errors import KVStoreError
+        from kvstore.identity import resolve_model_path
+        from kvstore.manifest import load_manifest
+
+        try:
+            m = load_manifest(spec.manifest)
+        except KVStoreError:
+            m = None
+        for model in m.models if m else []:
+            try:
+                out.append((f"model {model.path}", resolve_model_path(model.path)))
+            except KVStoreError:
+                pass
+            if model.adapter:
+                out.append((f"adapter {model.adapter}", Path(model.adapter).expanduser()))
+    return out
+
+
+def tcc_warnings(spec: ServiceSpec) -> list[str]:
+    found = [(what, p, loc) for what, p in service_paths(spec) if (loc := tcc_location(p))]
+    lines = [
+        f"warning: the {what} {p} is under {loc}: macOS privacy protection (TCC) refuses "
+        "a launchd job there without Full Disk Access (the daemon gets 'Operation not "
+        "permitted'; a volume may also be unmounted at login)"
+        for what, p, loc in found
+    ]
+    if lines:
+        lines.append(
+            "  move these out (e.g. under ~/Library/Application Support or ~/.local) and install "
+            f"again, or give {os.path.realpath(sys.executable)} Full Disk Access in System "
+            "Settings > Privacy & Security"
+        )
+    return lines
+
+
+# -- plumbing ----------------------------------------------------------------------------------
 
 
 def host_kind() -> str:
@@ -164,37 +153,6 @@ def host_kind() -> str:
     )
 
 
-def plan(kind: str, action: str, spec: ServiceSpec | None = None) -> Plan:
-    if kind == "launchd":
-        domain = f"gui/{os.getuid()}"
-        target, path = f"{domain}/{LABEL}", launchd_path()
-        if action == "install":
-            assert spec is not None
-            return Plan(kind, action, path, [
-                Step(["launchctl", "bootout", target], check=False),  # reinstall: unload the old
-                Step(["launchctl", "enable", target]),  # undo an earlier `launchctl disable`
-                Step(["launchctl", "bootstrap", domain, str(path)]),
-            ], launchd_plist(spec))  # fmt: skip
-        if action == "uninstall":
-            return Plan(kind, action, path, [Step(["launchctl", "bootout", target], check=False)])
-        return Plan(kind, action, path, [Step(["launchctl", "print", target], check=False)])
-    ctl = ["systemctl", "--user"]
-    path = systemd_path()
-    if action == "install":
-        assert spec is not None
-        return Plan(kind, action, path, [
-            Step([*ctl, "daemon-reload"]),
-            Step([*ctl, "try-restart", UNIT_NAME]),  # reinstall: a running one takes new args
-            Step([*ctl, "enable", "--now", UNIT_NAME]),
-        ], systemd_unit(spec).encode())  # fmt: skip
-    if action == "uninstall":
-        return Plan(kind, action, path, [
-            Step([*ctl, "disable", "--now", UNIT_NAME], check=False),
-            Step([*ctl, "daemon-reload"], check=False),
-        ])  # fmt: skip
-    return Plan(kind, action, path, [Step([*ctl, "--no-pager", "status", UNIT_NAME], check=False)])
-
-
 def _by_hand(home: Path | None) -> str:
     where = f" --home {shlex.quote(str(home))}" if home else ""
     return f"run `kvstore daemon{where}` by hand (or under your own supervisor) instead"
@@ -203,7 +161,7 @@ def _by_hand(home: Path | None) -> str:
 def require_service_manager(kind: str, home: Path | None = None) -> None:
     """Fail with one line when launchctl / the systemd user manager cannot be reached."""
     tool, probe = (
-        ("launchctl", ["launchctl", "print", f"gui/{os.getuid()}"])
+        ("launchctl", ["launchctl", "print", launchd.domain()])
         if kind == "launchd"
         else ("systemctl", ["systemctl", "--user", "show-environment"])
     )
@@ -220,27 +178,39 @@ def require_service_manager(kind: str, home: Path | None = None) -> None:
         raise click.ClickException(f"{what} reachable{detail}; {_by_hand(home)}")
 
 
-def execute(p: Plan, *, dry_run: bool) -> int:
-    """Write or remove the file and run the steps; returns the last step's exit status."""
-    if dry_run:
-        verb = {"install": "write", "uninstall": "remove"}.get(p.action, "read")
-        click.echo(f"would {verb} {p.path}")
-        for s in p.steps:
-            click.echo(shlex.join(s.argv))
-        return 0
-    if p.content is not None:
-        p.path.parent.mkdir(parents=True, exist_ok=True)
-        if p.kind == "launchd":
-            launchd_log_dir().mkdir(parents=True, exist_ok=True)  # launchd does not create it
-        p.path.write_bytes(p.content)
-    rc = 0
-    for s in p.steps:
-        rc = subprocess.run(s.argv).returncode
-        if rc and s.check:
-            raise click.ClickException(f"`{shlex.join(s.argv)}` failed with exit status {rc}")
-    if p.action == "uninstall":
-        p.path.unlink(missing_ok=True)
-    return rc
+def file_path(kind: str) -> Path:
+    return launchd.plist_path() if kind == "launchd" else systemd.unit_path()
+
+
+def tail(path: Path, n: int = STATUS_LOG_LINES) -> list[str]:
+    try:
+        with path.open(errors="replace") as f:
+            return list(deque((line.rstrip("\n") for line in f), maxlen=n))
+    except OSError:
+        return []
+
+
+def socket_answer(home: Path) -> str:
+    from kvstore.daemon_client import connect, socket_path
+    from kvstore.errors import KVStoreError
+
+    try:
+        where = socket_path(home)
+        c = connect(home, timeout=5)
+        if c is None:
+            return f"{where}: no answer"
+        with c:
+            pid = c.ping().get("pid")
+        return f"{where}: answers (pid {pid})"
+    except (KVStoreError, OSError) as e:
+        return f"no answer ({e})"
+
+
+def explain_exit(code: int | None) -> str:
+    if code is None:
+        return "none yet"
+    rules = [f"{k}: {r.when}" for k, r in exits.EXITS.items() if r.code == code]
+    return f"{code} ({'; '.join(rules) or 'not a status kvstore exits with: a signal or crash'})"
 
 
 # -- commands --------------------------------------------------------------------------------
@@ -286,16 +256,24 @@ def print_cmd(kind: str | None, manifest: Path | None, home: Path) -> None:
 @_dry_run_option
 @home_option
 def install(manifest: Path | None, dry_run: bool, home: Path) -> None:
-    """Install, enable and start the daemon service for this home."""
+    """Install, enable and (re)start the daemon service for this home."""
     kind = host_kind()
-    p = plan(kind, "install", service_spec(home, manifest))
-    if not dry_run:
-        require_service_manager(kind, home)
-    execute(p, dry_run=dry_run)
-    if not dry_run:
-        click.echo(f"installed {p.path}")
-        if kind == "systemd":
-            click.echo("to keep it running while you are logged out: loginctl enable-linger")
+    spec = service_spec(home, manifest)
+    if kind == "launchd":
+        for line in tcc_warnings(spec):
+            click.echo(line, err=True)
+    if dry_run:
+        steps = launchd.dry_run_install() if kind == "launchd" else systemd.dry_run_install()
+        click.echo("\n".join(f"would {s}" if s.startswith("write") else s for s in steps))
+        return
+    require_service_manager(kind, home)
+    if kind == "launchd":
+        path = launchd.install(launchd_plist(spec))
+        click.echo(f"installed {path}; logs in {launchd.log_dir()}")
+    else:
+        path = systemd.install(systemd_unit(spec))
+        click.echo(f"installed {path}; logs: journalctl --user -u {UNIT_NAME}")
+        click.echo("to keep it running while you are logged out: loginctl enable-linger")
 
 
 @service_cmd.command()
@@ -304,14 +282,16 @@ def install(manifest: Path | None, dry_run: bool, home: Path) -> None:
 def uninstall(dry_run: bool, home: Path) -> None:
     """Stop and disable the daemon service and remove its file."""
     kind = host_kind()
-    p = plan(kind, "uninstall")
-    if not dry_run:
-        if not p.path.exists():
-            raise click.ClickException(f"no kvstore service installed ({p.path} does not exist)")
-        require_service_manager(kind, home)
-    execute(p, dry_run=dry_run)
-    if not dry_run:
-        click.echo(f"removed {p.path}")
+    if dry_run:
+        steps = launchd.dry_run_uninstall() if kind == "launchd" else systemd.dry_run_uninstall()
+        click.echo("\n".join(steps))
+        return
+    path = file_path(kind)
+    if not path.exists():
+        raise click.ClickException(f"no kvstore service installed ({path} does not exist)")
+    require_service_manager(kind, home)
+    path = launchd.uninstall() if kind == "launchd" else systemd.uninstall()
+    click.echo(f"removed {path}")
 
 
 @service_cmd.command()
@@ -319,10 +299,38 @@ def uninstall(dry_run: bool, home: Path) -> None:
 @home_option
 @click.pass_context
 def status(ctx: click.Context, dry_run: bool, home: Path) -> None:
-    """Show the service manager's view of the daemon; exits with its status code."""
+    """What a user debugging the service needs: loaded, pid, last exit status, the file and its
+    mode, the log and its last lines, whether the socket answers. Exit 0 only when it answers."""
     kind = host_kind()
-    p = plan(kind, "status")
-    if not dry_run:
-        require_service_manager(kind, home)
-        click.echo(f"{p.path}: {'installed' if p.path.exists() else 'not installed'}")
-    ctx.exit(execute(p, dry_run=dry_run))
+    path = file_path(kind)
+    if dry_run:
+        probe = (
+            f"launchctl print {launchd.target()}"
+            if kind == "launchd"
+            else f"systemctl --user show -p {','.join(systemd.SHOW)} {UNIT_NAME}"
+        )
+        click.echo(f"would read {path}\n{probe}")
+        return
+    require_service_manager(kind, home)
+    info = launchd.status() if kind == "launchd" else systemd.status()
+    mode = f"mode {path.stat().st_mode & 0o777:o}" if path.exists() else "not installed"
+    click.echo(f"service:   {info['manager']}")
+    loaded = "yes" if info["loaded"] else "no"
+    click.echo(f"loaded:    {loaded}" + (f" ({info['state']})" if info.get("state") else ""))
+    if info.get("error"):
+        click.echo(f"error:     {info['error']}")
+    click.echo(f"pid:       {info.get('pid') or 'not running'}")
+    click.echo(f"last exit: {explain_exit(info.get('last_exit'))}")
+    click.echo(f"file:      {path} ({mode})")
+    for log in info.get("logs", []):
+        lines = tail(log)
+        click.echo(f"log:       {log}" + ("" if log.exists() else " (not written yet)"))
+        for line in lines:
+            click.echo(f"  {line}")
+    if "journal" in info:
+        click.echo(f"log:       journalctl --user -u {UNIT_NAME}")
+        for line in info["journal"] or []:
+            click.echo(f"  {line}")
+    answer = socket_answer(home)
+    click.echo(f"socket:    {answer}")
+    ctx.exit(0 if ": answers" in answer else 3)

@@ -18,10 +18,11 @@ from typing import Any
 
 from daemon.lifecycle import peak_rss_bytes, rss_bytes, trim_heap
 from kvstore.clock import local_now
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, PrefillStopped
 from kvstore.eviction import select_for_eviction
 from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
 from kvstore.manifest import Manifest, load_manifest, manifest_files
+from kvstore.prefill import stop_when
 from kvstore.store import Store
 from kvstore.warm import WarmReport, warm
 
@@ -29,7 +30,8 @@ log = logging.getLogger("kvstore.daemon")
 
 
 class WarmCancelled(KVStoreError):
-    """The daemon is stopping: the warm stopped between pins (those done are kept)."""
+    """The daemon is stopping: the warm stopped between pins or prefill chunks (pins done are
+    kept; the one being prefilled is dropped and warmed again at the next boot)."""
 
 
 class RssSampler:
@@ -130,15 +132,18 @@ class Upkeep:
     ) -> dict[str, Any]:
         log.info("warm %s (%s)", manifest.path, cause)
         now = now or self.clock()
-        with RssSampler() as rss:
-            report = warm(
-                manifest,
-                self.store,
-                home=self.home,
-                progress=self._progress,
-                purge=purge,
-                now=now,
-            )
+        with RssSampler() as rss, stop_when(self.stopping.is_set):
+            try:
+                report = warm(
+                    manifest,
+                    self.store,
+                    home=self.home,
+                    progress=self._progress,
+                    purge=purge,
+                    now=now,
+                )
+            except PrefillStopped as e:
+                raise WarmCancelled(f"the daemon is stopping: {e}") from None
             if report.models_loaded:
                 trim_heap()  # kvstore.warm released the model; hand its freed pages back too
         present = sum(p.status == "present" for p in report.pins)

@@ -5,6 +5,18 @@ changes nothing. So a burst of events opens a debounce window, and when it close
 file is re-hashed; `on_change` is called only with the files whose content really changed
 (appearing and disappearing files included). Where no observer can start (inotify limits,
 permissions) the watcher re-hashes on a timer instead and says so.
+
+What watchdog does not say: its emitters die quietly. The FSEvents emitter catches its own errors
+in its thread (the C extension raises RuntimeError/SystemError) and stops itself when a watched
+root is renamed or deleted; the inotify one stops when its directory is deleted
+(gorakhargosh/watchdog src/watchdog/observers/fsevents.py FSEventsEmitter.run/queue_events,
+src/watchdog_fsevents.c, inotify.py). So every poll interval the watcher checks its emitters: one
+whose directory was removed or replaced is started afresh, one that died in place means events
+cannot be trusted, and the watcher re-hashes on the timer from then on.
+
+FSEvents watches trees: a non-recursive schedule still streams every event below the directory
+(watchdog filters them in Python). So no watched directory may hold the store (every LMDB write
+would wake us) or be the user's home (all of ~/Library): files there are re-hashed on the timer.
 """
 
 from __future__ import annotations
@@ -12,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +34,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
+from daemon.watch_paths import covers, identity, nearest_dir, path_key
 from kvstore.identity import hash_file
 
 log = logging.getLogger("kvstore.daemon")
@@ -32,6 +46,12 @@ STAT_ONLY_BYTES = 64 * 2**20  # 64 MiB
 MAX_DEBOUNCE_WINDOWS = 10
 # Events our own re-hash reads cause; reacting to them would re-hash forever.
 _SELF_INFLICTED = frozenset({"opened", "closed_no_write"})
+# Emitters whose directory was replaced are restarted; past this many restarts in a row, each
+# within RESTART_WINDOW of the last, something keeps killing them: poll instead.
+MAX_OBSERVER_RESTARTS = 20
+RESTART_WINDOW = 60.0  # seconds
+# Observers whose schedules cover a directory's whole tree (FSEvents), not only its entries.
+TREE_WATCHES = sys.platform == "darwin"
 
 Digest = bytes | None  # None: the file is missing or unreadable
 
@@ -46,15 +66,6 @@ def file_digest(path: Path) -> Digest:
         return hash_file(path)
     except OSError:  # gone, a directory, or unreadable: all mean "not this content any more"
         return None
-
-
-def _nearest_dir(path: Path) -> Path | None:
-    """The closest existing directory above `path`: a file in a not-yet-created directory is
-    found when that directory's creation shows up in its parent."""
-    for d in path.parents:
-        if d.is_dir():
-            return d
-    return None
 
 
 class _Hints(FileSystemEventHandler):
@@ -72,7 +83,7 @@ class _Hints(FileSystemEventHandler):
             return
         names = self._watcher._relevant  # swapped whole, never mutated: safe to read here
         for raw in (event.src_path, event.dest_path):
-            if raw and os.fsdecode(raw) in names:
+            if raw and path_key(raw) in names:
                 self._watcher._hint()
                 return
 
@@ -97,6 +108,8 @@ class Watcher(threading.Thread):
         *,
         debounce: float = 0.5,
         poll_interval: float = 5.0,
+        keep_out: Iterable[Path] = (),
+        tree_watches: bool = TREE_WATCHES,
     ):
         # Not a daemon thread (unlike watchdog's BaseThread): on_change writes the store, and
         # interpreter exit must not kill it mid-write; stop() is the way out.
@@ -114,6 +127,13 @@ class Watcher(threading.Thread):
         self._relevant: frozenset[str] = frozenset()
         self._observer: BaseObserver | None = None
         self._scheduled: dict[Path, ObservedWatch] = {}
+        self._identities: dict[Path, tuple[int, int] | None] = {}
+        self._restarts = 0
+        self._last_restart = float("-inf")
+        # Directories no schedule may cover (the store); the user's home under tree watches.
+        self.keep_out = [Path(os.path.abspath(p)) for p in keep_out]
+        self.tree_watches = tree_watches
+        self._polled: frozenset[Path] = frozenset()  # watched files no schedule may cover
 
     # -- public ------------------------------------------------------------------------------
 
@@ -126,6 +146,11 @@ class Watcher(threading.Thread):
     def directories(self) -> frozenset[Path]:
         """The directories the observer has scheduled (empty when polling)."""
         return frozenset(self._scheduled)
+
+    @property
+    def polled(self) -> frozenset[Path]:
+        """Watched files re-hashed on the timer because no schedule may cover them."""
+        return self._polled
 
     def start(self) -> None:
         """Take the baseline hashes, start the observer (or fall back to polling), then run."""
@@ -166,30 +191,74 @@ class Watcher(threading.Thread):
         next_poll = time.monotonic() + self.poll_interval
         try:
             while not self._stop_event.is_set():
-                if self.mode == "polling":
-                    self._wake.wait(max(0.0, next_poll - time.monotonic()))
-                    self._wake.clear()
-                    if self._stop_event.is_set():
-                        return
-                    self._apply_refresh()
-                    if time.monotonic() < next_poll:
-                        continue  # woken to refresh: the next re-hash is still the timer's
+                self._wake.wait(max(0.0, next_poll - time.monotonic()))
+                if self._stop_event.is_set():
+                    return
+                self._wake.clear()  # before looking: a hint from now on wakes us again
+                due = time.monotonic() >= next_poll
+                if due:
                     next_poll = time.monotonic() + self.poll_interval
-                else:
-                    self._wake.wait()
-                    if self._stop_event.is_set():
-                        return
-                    self._wake.clear()  # before looking: a hint from now on wakes us again
-                    if not self._events.is_set():  # woken only to refresh the list
-                        self._apply_refresh()
-                        continue
+                if self.mode == "polling":
+                    self._apply_refresh()
+                    if due:
+                        self._check()
+                    continue
+                if self._events.is_set():
                     if not self._settle():
                         return
                     self._apply_refresh()
-                self._check()
+                    self._check()
+                else:
+                    self._apply_refresh()
+                if due:
+                    self._tend_observer()  # may fall back to polling, with a full check
+                    if self.mode == "watchdog" and self._polled:
+                        self._check(only=self._polled)
         finally:
             # Only this thread touches the observer once running, so it is the one to stop it.
             self._stop_observer()
+
+    def _tend_observer(self) -> None:
+        """Emitters die quietly (module docstring): restart the observer when a directory went
+        away or was replaced under its emitter, fall back to polling when one died in place."""
+        observer = self._observer
+        if observer is None:
+            return
+        alive = (
+            {e.watch for e in observer.emitters if e.is_alive()} if observer.is_alive() else set()
+        )
+        dead = [d for d, w in self._scheduled.items() if w not in alive]
+        if not dead:
+            return
+        in_place = [
+            d for d in dead if identity(d) is not None and identity(d) == self._identities.get(d)
+        ]
+        if in_place or not observer.is_alive():
+            where = in_place[0] if in_place else "the observer"
+            self._fall_back(f"the file-event emitter for {where} stopped")
+            self._check()  # what changed while it was dead
+            return
+        now = time.monotonic()
+        self._restarts = self._restarts + 1 if now - self._last_restart < RESTART_WINDOW else 1
+        self._last_restart = now
+        if self._restarts > MAX_OBSERVER_RESTARTS:
+            self._fall_back(f"file-event emitters stopped {self._restarts} times")
+            self._check()
+            return
+        log.info(
+            "watcher: %s removed or replaced under its file events; watching afresh",
+            ", ".join(map(str, dead)),
+        )
+        self._stop_observer()
+        try:
+            self._observer = Observer()
+            self._reschedule()
+            self._observer.start()
+        except OSError as e:
+            self._fall_back(e)
+            self._check()
+            return
+        self._hint()  # changes since the emitter stopped: re-check once
 
     def _hint(self) -> None:
         self._events.set()
@@ -218,12 +287,15 @@ class Watcher(threading.Thread):
             if not self._wake.is_set() or time.monotonic() >= deadline:
                 return True
 
-    def _check(self) -> None:
-        self._events.clear()  # events from here on call for another check
-        new = {p: file_digest(p) for p in self._hashes}
+    def _check(self, only: Iterable[Path] | None = None) -> None:
+        """Re-hash every watched file (or those of `only`) and report the ones that changed."""
+        if only is None:
+            self._events.clear()  # events from here on call for another check
+        paths = self._hashes if only is None else [p for p in only if p in self._hashes]
+        new = {p: file_digest(p) for p in paths}
         changed = {p for p, d in new.items() if d != self._hashes[p]}
         # Baseline first: a failing on_change must not be re-fired on every later event.
-        self._hashes = new
+        self._hashes = {**self._hashes, **new}
         if changed:
             try:
                 self._on_change(changed)
@@ -257,16 +329,29 @@ class Watcher(threading.Thread):
             # The symlink and its target both count: hub snapshots link into blobs/, and
             # macOS reports /private/var for /var.
             for q in {p, Path(os.path.realpath(p))}:
-                names.add(str(q))
-                names.update(str(d) for d in q.parents)
+                names.add(path_key(q))
+                names.update(path_key(d) for d in q.parents)
         self._relevant = frozenset(names)
+
+    def _forbidden(self, d: Path) -> bool:
+        """A schedule on `d` would see the store's writes (or, under tree watches, all of the
+        user's home): its files are polled instead."""
+        if any(covers(d, k, tree=self.tree_watches) for k in self.keep_out):
+            return True
+        return self.tree_watches and (path_key(d) == path_key(Path.home()) or d == Path(d.anchor))
 
     def _wanted_dirs(self) -> set[Path]:
         dirs: set[Path] = set()
+        polled: set[Path] = set()
         for p in self._hashes:
             for q in {p, Path(os.path.realpath(p))}:
-                if (d := _nearest_dir(q)) is not None:
+                if (d := nearest_dir(q)) is None:
+                    continue
+                if self._forbidden(d):
+                    polled.add(p)
+                else:
                     dirs.add(d)
+        self._polled = frozenset(polled)
         return dirs
 
     def _reschedule(self) -> None:
@@ -276,18 +361,20 @@ class Watcher(threading.Thread):
         wanted = self._wanted_dirs()
         for d in set(self._scheduled) - wanted:
             self._observer.unschedule(self._scheduled.pop(d))
+            self._identities.pop(d, None)
         handler = _Hints(self)
         added = False
         for d in sorted(wanted - set(self._scheduled)):
             try:
                 self._scheduled[d] = self._observer.schedule(handler, str(d), recursive=False)
+                self._identities[d] = identity(d)
                 added = True
             except FileNotFoundError:  # removed since we looked; the parent's event brings it back
                 continue
         if added and self.mode == "watchdog":
             self._hint()  # a directory scheduled late may have missed a change: re-check once
 
-    def _fall_back(self, error: OSError) -> None:
+    def _fall_back(self, error: OSError | str) -> None:
         log.warning(
             "watcher: file events unavailable (%s); re-hashing watched files every %gs instead",
             error,
@@ -299,6 +386,7 @@ class Watcher(threading.Thread):
     def _stop_observer(self) -> None:
         observer, self._observer = self._observer, None
         self._scheduled.clear()
+        self._identities.clear()
         if observer is None:
             return
         try:

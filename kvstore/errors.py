@@ -36,3 +36,7 @@ class ProtocolError(KVStoreError):
 
 class DaemonError(KVStoreError):
     """The daemon answered a request with an error."""
+
+
+class PrefillStopped(KVStoreError):
+    """A prefill's stop check said stop: it stopped between chunks and its cache is discarded."""

@@ -6,13 +6,15 @@ import logging
 import os
 import threading
 import time
+import unicodedata
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from watchdog.events import FileModifiedEvent
 from watchdog.observers import Observer
 
-from daemon.watcher import Watcher, file_digest
+from daemon.watcher import Watcher, _Hints, covers, file_digest, path_key
 
 DEBOUNCE = 0.2
 QUIET = DEBOUNCE * 4  # long enough that a second call would have arrived
@@ -190,3 +192,142 @@ def test_big_safetensors_compared_by_stat_identity(tmp_path):
     os.utime(big, ns=(1, 1))
     assert file_digest(big) != first
     assert file_digest(tmp_path / "missing.safetensors") is None
+
+
+# -- emitters that die quietly, as watchdog's FSEvents emitter does ---------------------------
+
+
+def _emitter_class():
+    return Observer()._emitter_class  # this platform's emitter (inotify here, FSEvents on macOS)
+
+
+def _dies_in_its_thread(self) -> None:
+    # FSEventsEmitter.run: the C extension raises inside the thread, run() logs it and returns.
+    try:
+        raise SystemError("Cannot start fsevents stream. Use a kqueue or polling observer instead.")
+    except Exception:
+        logging.getLogger("watchdog.observers.fsevents").exception(
+            "Unhandled exception in FSEventsEmitter"
+        )
+
+
+def test_an_emitter_that_dies_in_its_thread_hands_over_to_polling(prompt, caplog):
+    calls = Calls()
+    poll = 0.5
+    with mock.patch.object(_emitter_class(), "run", _dies_in_its_thread):
+        w = _start(lambda: [prompt], calls, poll_interval=poll)
+    try:
+        assert w.mode == "watchdog"  # schedule and start raised nothing: only the thread died
+        deadline = time.monotonic() + poll * 2 + 1
+        while w.mode != "polling":
+            assert time.monotonic() < deadline, "polling did not take over"
+            time.sleep(0.05)
+        assert "file-event emitter" in caplog.text and "re-hashing" in caplog.text
+        prompt.write_text("changed after the emitter died")
+        assert calls.wait(timeout=poll * 3) == [{prompt}]
+    finally:
+        w.stop()
+
+
+def test_an_emitter_stopped_by_a_renamed_root_is_watched_afresh(prompt, caplog):
+    calls = Calls()
+    poll = 0.5
+    w = _start(lambda: [prompt], calls, poll_interval=poll)
+    try:
+        folder = prompt.parent
+        os.rename(folder, folder.with_name("prompts.old"))
+        # FSEventsEmitter.queue_events on is_root_changed: queue DirDeletedEvent, then stop().
+        (emitter,) = [e for e in w._observer.emitters if e.watch.path == str(folder)]
+        emitter.stop()
+        folder.mkdir()
+        prompt.write_text("You are the router, in a new folder.")
+        got = calls.wait(timeout=poll * 3 + 2)
+        assert {prompt} in got, caplog.text
+        assert w.mode == "watchdog" and folder in w.directories
+        prompt.write_text("and edited again")  # the fresh emitter delivers events
+        assert calls.wait(len(got) + 1, timeout=poll)[-1] == {prompt}
+    finally:
+        w.stop()
+
+
+# -- scope and path matching ------------------------------------------------------------------
+
+
+def test_the_store_is_outside_every_watched_tree(tmp_path, monkeypatch):
+    home = tmp_path / "kvhome"
+    store = home / "store"
+    store.mkdir(parents=True)
+    manifest = home / "manifest.toml"  # the default manifest sits in the home, next to store/
+    manifest.write_text("v1")
+    prompt = tmp_path / "prompts" / "system.md"
+    prompt.parent.mkdir()
+    prompt.write_text("p1")
+    user_pins = tmp_path / "user" / "pins.toml"  # a manifest in the user's home: all of ~/Library
+    user_pins.parent.mkdir()
+    user_pins.write_text("u1")
+    monkeypatch.setenv("HOME", str(user_pins.parent))
+    calls = Calls()
+    poll = 0.4
+    w = _start(
+        lambda: [manifest, prompt, user_pins],
+        calls,
+        poll_interval=poll,
+        keep_out=[store],
+        tree_watches=True,  # FSEvents semantics: a schedule sees its whole tree
+    )
+    try:
+        assert w.mode == "watchdog"
+        assert w.directories == {prompt.parent}
+        assert not any(covers(d, store / "data.mdb", tree=True) for d in w.directories)
+        assert w.polled == {manifest, user_pins}
+        for i in range(20):  # LMDB writes wake nothing
+            (store / "data.mdb").write_bytes(b"x" * i)
+        assert calls.wait(timeout=poll * 2) == []
+        _save_by_rename(manifest, "v2")  # polled: seen within the poll interval
+        assert calls.wait(timeout=poll * 3) == [{manifest}]
+        prompt.write_text("p2")  # events
+        assert calls.wait(2, timeout=DEBOUNCE * 5)[-1] == {prompt}
+    finally:
+        w.stop()
+
+
+def test_inotify_may_watch_the_home_but_never_the_store_itself(tmp_path):
+    store = tmp_path / "kvhome" / "store"
+    store.mkdir(parents=True)
+    manifest = store.parent / "manifest.toml"
+    manifest.write_text("v1")
+    inside = store / "lock.mdb"
+    inside.write_text("")
+    w = _start(lambda: [manifest, inside], Calls(), keep_out=[store], tree_watches=False)
+    try:
+        assert w.directories == {store.parent}  # non-recursive: store/'s writes are not seen
+        assert w.polled == {inside}
+    finally:
+        w.stop()
+
+
+def test_path_key_matches_case_normalization_and_symlinked_dirs(tmp_path):
+    real = tmp_path / "private" / "var"
+    real.mkdir(parents=True)
+    link = tmp_path / "var"
+    link.symlink_to(real)
+    nfc = unicodedata.normalize("NFC", "Café.md")
+    nfd = unicodedata.normalize("NFD", "Café.md")
+    assert nfc != nfd
+    assert path_key(link / nfd) == path_key(real / nfc)
+    assert path_key(str(real / "PROMPT.md")) == path_key(real / "prompt.md")
+
+
+def test_an_event_spelled_otherwise_still_wakes_the_watcher(tmp_path):
+    # FSEvents reports the real path, in the volume's normalization and the name's stored case.
+    real = tmp_path / "private" / "var"
+    real.mkdir(parents=True)
+    (tmp_path / "var").symlink_to(real)
+    watched = tmp_path / "var" / unicodedata.normalize("NFC", "Résumé.md")
+    watched.write_text("x")
+    w = Watcher(lambda: [watched], Calls())
+    w._set_paths([watched])
+    reported = str(real / unicodedata.normalize("NFD", "RÉSUMÉ.md"))
+    _Hints(w).on_any_event(FileModifiedEvent(reported))
+    assert w._events.is_set()
+    w.stop()

@@ -64,6 +64,7 @@ class PersistentPromptCache(LRUPromptCache):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 5000,
+        model_config: dict | None = None,
         max_size: int = 10,
         max_bytes: int = 1 << 63,
         persist_chains: bool = False,
@@ -78,6 +79,7 @@ class PersistentPromptCache(LRUPromptCache):
         self.adapter_path = None if adapter_path is None else str(adapter_path)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.quantized_kv_start = quantized_kv_start
+        self.model_config = dict(model_config) if model_config else None
         self.persist_chains = persist_chains
         self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Pin, Any]] = {}  # -> (pin, entry)
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
@@ -104,6 +106,7 @@ class PersistentPromptCache(LRUPromptCache):
                 kv_bits=kv_bits,
                 kv_group_size=kv_group_size,
                 quantized_kv_start=quantized_kv_start,
+                model_config=self.model_config,
                 model=model,
             )
         finally:
@@ -314,6 +317,7 @@ class PersistentPromptCache(LRUPromptCache):
 
     def _send(self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool) -> None:
         from kvstore import codec
+        from kvstore.codehash import runtime_versions
         from kvstore.identity import template_hash
         from kvstore.keys import entry_key, pack_tokens
 
@@ -332,7 +336,9 @@ class PersistentPromptCache(LRUPromptCache):
                 "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size,
                 "quantized_kv_start": self.quantized_kv_start,
+                "model_config": self.model_config,
                 "source": "pin" if pinned else "chain",
+                "runtime": runtime_versions(),
             },
         )
         client.put(entry_key(self.fingerprint, tokens), blob, fields)

@@ -6,11 +6,18 @@ removal brings the store under that size. Pinned entries are never picked by `to
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
 from kvstore.store import EntryMeta
+
+
+def _ident(m: EntryMeta) -> tuple:
+    """The model an entry was made with: EntryMeta.ident() and its load-time overrides."""
+    overrides = m.extra.get("model_config")
+    return (*m.ident(), json.dumps(overrides, sort_keys=True) if overrides else None)
 
 
 def _current_fingerprints(metas: Iterable[EntryMeta], home: Path) -> dict[tuple, bytes | None]:
@@ -20,13 +27,19 @@ def _current_fingerprints(metas: Iterable[EntryMeta], home: Path) -> dict[tuple,
     cache = FileHashCache(home / FILEHASH_NAME)
     out: dict[tuple, bytes | None] = {}
     for m in metas:
-        ident = m.ident()
+        ident = _ident(m)
+        overrides = m.extra.get("model_config")
         if ident not in out:
-            model, adapter, kv_bits, group, qstart = ident
+            model, adapter, kv_bits, group, qstart, _ = ident
             quant = {"kv_group_size": group, "quantized_kv_start": qstart} if kv_bits else {}
             try:
                 out[ident] = model_fingerprint(
-                    model, adapter_path=adapter, kv_bits=kv_bits, hash_cache=cache, **quant
+                    model,
+                    adapter_path=adapter,
+                    kv_bits=kv_bits,
+                    model_config=overrides if isinstance(overrides, dict) else None,
+                    hash_cache=cache,
+                    **quant,
                 ).digest
             except KVStoreError:
                 out[ident] = None
@@ -58,7 +71,7 @@ def select_for_eviction(
         chosen = [m for m in chosen if not m.pinned]
     if stale:
         current = _current_fingerprints(chosen, home)
-        chosen = [m for m in chosen if current[m.ident()] != m.fingerprint]
+        chosen = [m for m in chosen if current[_ident(m)] != m.fingerprint]
     if to_size is not None:
         total = sum(m.nbytes for m in metas)
         victims = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import codec
+from kvstore.codehash import runtime_versions
 from kvstore.errors import CorruptEntryError, KVStoreError, ModelError
 from kvstore.identity import (
     FileHashCache,
@@ -24,7 +25,7 @@ from kvstore.identity import (
     template_hash,
 )
 from kvstore.keys import entry_key, pack_tokens
-from kvstore.manifest import Manifest, ModelSpec
+from kvstore.manifest import Manifest, ModelSpec, overrides_key
 from kvstore.render import RenderedPin, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
@@ -97,6 +98,7 @@ def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan
         kv_bits=spec.kv_bits,
         kv_group_size=spec.kv_group_size,
         quantized_kv_start=spec.quantized_kv_start,
+        model_config=spec.model_config,
         hash_cache=FileHashCache(home / FILEHASH_NAME),
     )
     tokenizer = load_tokenizer(model_dir)
@@ -119,14 +121,24 @@ def plan_model(spec: ModelSpec, store: Store | None, *, home: Path) -> ModelPlan
 
 
 def load_model(plan: ModelPlan):
-    """Load the model for prefill and check its cache layout against the fingerprint's."""
+    """Load the model for prefill (with the manifest's overrides) and check it is the one the
+    fingerprint describes: same files (none changed while loading), same cache layout."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
     try:
-        model, _ = load(str(plan.model_dir), adapter_path=plan.spec.adapter)
+        model, _ = load(
+            str(plan.model_dir),
+            adapter_path=plan.spec.adapter,
+            model_config=dict(plan.spec.model_config or {}),
+        )
     except Exception as e:
         raise ModelError(f"model {plan.spec.path!r}: cannot load: {e}") from None
+    try:
+        plan.fingerprint.check_unchanged(f"the daemon loaded model {plan.spec.path!r}")
+    except ModelError as e:
+        log.error("%s", e)
+        raise
     layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
     if layout != plan.fingerprint.layout:
         raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
@@ -166,17 +178,25 @@ def encode_pin(
             "kv_bits": plan.spec.kv_bits,
             "kv_group_size": plan.spec.kv_group_size,
             "quantized_kv_start": plan.spec.quantized_kv_start,
+            "model_config": plan.spec.model_config,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
+            "runtime": runtime_versions(),
         },
     )
     return blob, fields
 
 
 def _ident(spec: ModelSpec) -> tuple:
-    """What EntryMeta.ident() gives for this spec's entries."""
+    """What entry_ident() gives for this spec's entries."""
     quant = (spec.kv_group_size, spec.quantized_kv_start) if spec.kv_bits else (None, None)
-    return (spec.path, spec.adapter, spec.kv_bits, *quant)
+    return (spec.path, spec.adapter, spec.kv_bits, *quant, overrides_key(spec.model_config))
+
+
+def entry_ident(meta) -> tuple:
+    """The model an entry was made with as a manifest names it: EntryMeta.ident() and the
+    load-time overrides."""
+    return (*meta.ident(), overrides_key(meta.extra.get("model_config")))
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
@@ -186,7 +206,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     stored under an older fingerprint of that model."""
     out = []
     for meta in store.metas(errors=[]):
-        plan = plans.get(meta.ident())
+        plan = plans.get(entry_ident(meta))
         ours = meta.extra.get("source") == "manifest" and meta.extra.get("manifest") == str(
             manifest.path
         )
@@ -202,7 +222,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
                 )
             continue
         if plan is None:
-            if any(_ident(s) == meta.ident() for s in manifest.models):
+            if any(_ident(s) == entry_ident(meta) for s in manifest.models):
                 continue  # its model failed to plan: keep what we have, do not guess
             cause = "model removed from the manifest"
         elif meta.fingerprint != plan.fingerprint.digest:

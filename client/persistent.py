@@ -338,6 +338,7 @@ class PersistentPromptCache(LRUPromptCache):
                 "quantized_kv_start": self.quantized_kv_start,
                 "model_config": self.model_config,
                 "source": "pin" if pinned else "chain",
+                "owners": ["app"],
                 "runtime": runtime_versions(),
             },
         )

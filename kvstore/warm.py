@@ -26,6 +26,7 @@ from kvstore.identity import (
 )
 from kvstore.keys import entry_key, pack_tokens
 from kvstore.manifest import Manifest, ModelSpec, overrides_key
+from kvstore.ownership import adopted, manifest_owner, owners, released
 from kvstore.render import RenderedPin, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
@@ -69,12 +70,15 @@ class Purged:
     label: str
     model: str
     cause: str
+    released: bool = False  # only this manifest's ownership went: other owners keep the entry
 
 
 @dataclass
 class WarmReport:
     pins: list[PinResult] = field(default_factory=list)
     purged: list[Purged] = field(default_factory=list)
+    released: list[Purged] = field(default_factory=list)  # kept for their other owners
+    adopted: int = 0  # present pins this manifest became an owner of
     models_loaded: int = 0
     seconds: float = 0.0
 
@@ -181,6 +185,7 @@ def encode_pin(
             "model_config": plan.spec.model_config,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
+            "owners": [manifest_owner(manifest)] if manifest else [],
             "runtime": runtime_versions(),
         },
     )
@@ -205,11 +210,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     manifest; and any entry (a runtime pin, a chain, an import) of one of its models that was
     stored under an older fingerprint of that model."""
     out = []
+    me = manifest_owner(manifest.path)
     for meta in store.metas(errors=[]):
         plan = plans.get(entry_ident(meta))
-        ours = meta.extra.get("source") == "manifest" and meta.extra.get("manifest") == str(
-            manifest.path
-        )
+        ours = me in owners(meta)
         if not ours:
             if plan is not None and meta.fingerprint != plan.fingerprint.digest:
                 out.append(
@@ -233,7 +237,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
             cause = "chat template or tokenizer changed"
         else:
             continue
-        out.append(Purged(meta.key.hex(), meta.label, meta.model, cause))
+        # KV of an older fingerprint serves no one; anything else other owners may still want
+        outdated = plan is not None and meta.fingerprint != plan.fingerprint.digest
+        kept = not outdated and released(meta, me) is not None
+        out.append(Purged(meta.key.hex(), meta.label, meta.model, cause, released=kept))
     return out
 
 
@@ -299,6 +306,13 @@ def _warm_model(
         release_model()
 
 
+def _adopt(store: Store, plans: dict[tuple, ModelPlan], me: str, edit: Callable) -> int:
+    """Become an owner of the present pins another owner (an app) stored first."""
+    keys = [pp.key for plan in plans.values() for pp in plan.pins if pp.present]
+    todo = [k for k in keys if (m := store.get_meta(k)) is not None and me not in owners(m)]
+    return edit({k: lambda m: adopted(m, me) for k in todo}) if todo else 0
+
+
 def warm(
     manifest: Manifest,
     store: Store,
@@ -307,15 +321,18 @@ def warm(
     progress: Callable[[str], None] | None = None,
     put: Callable[[bytes, bytes, dict], None] | None = None,
     delete: Callable[[list[bytes]], None] | None = None,
+    edit: Callable[[dict], int] | None = None,
     purge: bool = True,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
-    then prefill the missing. `put` and `delete` override where writes go (e.g. the daemon)."""
+    own the present ones, then prefill the missing. `put`, `delete` and `edit` (Store.edit_meta)
+    override where writes go (e.g. the daemon)."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
     put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
     delete = delete or store.delete
+    edit = edit or store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
@@ -324,8 +341,16 @@ def warm(
             for prefix in spec.prefixes:
                 report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))
             log.error("%s", e)
+    me = manifest_owner(manifest.path)
     if purge:
-        report.purged = stale_pins(manifest, store, plans)
+        stale = stale_pins(manifest, store, plans)
+        report.purged = [p for p in stale if not p.released]
+        report.released = [p for p in stale if p.released]
+        if report.released:
+            edit({bytes.fromhex(p.key): lambda m: released(m, me) for p in report.released})
+        for p in report.released:
+            log.info("released pin %r of %s (its other owners keep it): %s", p.label, p.model,
+                     p.cause)  # fmt: skip
         if report.purged:
             delete([bytes.fromhex(p.key) for p in report.purged])
             gone = {p.key for p in report.purged}
@@ -335,6 +360,7 @@ def warm(
         for p in report.purged:
             log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
+    report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():
         _warm_model(plan, manifest, report, put=put, say=say)
     report.seconds = time.perf_counter() - t0

@@ -35,7 +35,14 @@ def daemon_cmd(manifest: Path | None, home: Path, log_level: str) -> None:
     \b
     kvstore daemon --manifest pins.toml
     """
+    from daemon import canary
     from daemon.server import run, setup_logging
 
     setup_logging(log_level)
-    sys.exit(run(home, manifest=manifest))
+    rc = run(home, manifest=manifest)
+    if rc == 0 and canary.restart.is_set():  # mlx or mlx-lm was upgraded under it
+        argv = ["daemon", "--home", str(home.expanduser().absolute()), "--log-level", log_level]
+        if manifest is not None:
+            argv += ["--manifest", str(manifest.expanduser().absolute())]
+        canary.reexec(argv)
+    sys.exit(rc)

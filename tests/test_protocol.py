@@ -13,7 +13,8 @@ import msgpack
 import pytest
 
 from daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
-from kvstore import protocol, remote
+from kvstore import daemon_client as remote
+from kvstore import protocol
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.ledger import validate
 from kvstore.settings import SOCKET_NAME

@@ -25,7 +25,8 @@ from helpers import Proc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore import codec, protocol, remote
+from kvstore import codec, protocol
+from kvstore import daemon_client as remote
 from kvstore.errors import CodecError, CorruptEntryError, ProtocolError
 from kvstore.store import Store, blob_checksum
 

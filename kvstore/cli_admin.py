@@ -264,9 +264,15 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
         click.echo(f"bad entry {key}: {reason}")
     differs = _deep(home, manifests, repair=repair) if deep else 0
     if problems or differs:
-        what = [f"{len(problems)} of {n} entries failed"] if problems else []
-        what += [f"{differs} model(s) computed other KV than stored"] if differs else []
-        raise click.ClickException(" and ".join(what) + (" (repaired)" if repair else ""))
+        what = []
+        if problems:
+            what.append(f"{len(problems)} of {n} entries failed" + (" and were deleted" * repair))
+        if differs:
+            what.append(
+                f"{differs} model(s) computed other KV than stored"
+                + (" and were re-warmed" * repair)
+            )
+        raise click.ClickException("; ".join(what))
     click.echo(f"{n} entries ok")
 
 

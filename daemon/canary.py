@@ -28,6 +28,8 @@ from kvstore.store import Store
 log = logging.getLogger("kvstore.daemon")
 
 restart = threading.Event()  # set when the daemon stops to re-execute into upgraded code
+# The installed versions when the daemon's code was imported: what it runs.
+INSTALLED_AT_START = codehash.installed_versions()
 
 
 def check_at_boot(store: Store, home: Path, manifest_paths: list[Path]) -> list:
@@ -78,7 +80,7 @@ class VersionWatch:
         self.interval = interval
         self.stopping = stopping
         self.on_upgrade = on_upgrade
-        self.baseline = codehash.installed_versions()
+        self.baseline = INSTALLED_AT_START
         self._thread = threading.Thread(target=self._run, name="kvstore-versions", daemon=True)
 
     def start(self) -> None:

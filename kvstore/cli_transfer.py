@@ -104,11 +104,24 @@ def _json_object(text: str | None, option: str) -> dict | None:
 @click.option("--adapter", default=None)
 @click.option("--kv-bits", type=int, default=None)
 @click.option("--kv-group-size", type=int, default=64)
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="JSON",
+    help="config.json overrides, as mlx_lm.load(model_config=...).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @home_option
 @user_errors
-def fingerprint(model_path, adapter, kv_bits, kv_group_size, as_json, home: Path) -> None:
-    """Print a model's fingerprint (the key prefix of its entries) and template hash."""
+def fingerprint(
+    model_path, adapter, kv_bits, kv_group_size, model_config, as_json, home: Path
+) -> None:
+    """Print a model's fingerprint (the key prefix of its entries) and template hash.
+
+    \b
+    kvstore fingerprint ./Qwen3-0.6B --model-config '{"rope_theta": 1000000}'
+    """
     from kvstore.identity import FileHashCache, model_fingerprint, template_hash
     from kvstore.settings import FILEHASH_NAME
 
@@ -119,6 +132,7 @@ def fingerprint(model_path, adapter, kv_bits, kv_group_size, as_json, home: Path
         adapter_path=adapter,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
+        model_config=_json_object(model_config, "--model-config"),
         hash_cache=cache,
     )
     th = template_hash(model_path)

@@ -50,6 +50,10 @@ class PersistentPromptCache(LRUPromptCache):
     >>> cache = PersistentPromptCache(model, tokenizer, "/models/Qwen3-8B")
     >>> cache.pin("classify", messages=[{"role": "system", "content": ROUTER}])
     >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
+
+    `model_config` names the overrides the model was loaded with (`mlx_lm.load(model_config=)`);
+    its own arguments are read from `model` either way. Load it with `client.load` and a weight
+    file changed since is caught: nothing is hydrated or persisted for that model.
     """
 
     def __init__(

@@ -14,6 +14,7 @@ from client.hydrate import HydrateReport, hydrate
 
 # name -> module, imported on first access (module __getattr__, PEP 562)
 _LAZY = {
+    "load": "client.loader",
     "PersistentPromptCache": "client.persistent",
     "Pin": "client.persistent",
     "CallStats": "client.stats",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client.loader import check_loaded_from
 from kvstore.errors import KVStoreError
 from kvstore.identity import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
@@ -64,13 +65,17 @@ def hydrate(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
+    model_config: dict | None = None,
     model: Any = None,
 ) -> HydrateReport:
     """Insert every stored entry valid for this model into `prompt_cache` (an LRUPromptCache).
 
     `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
     you have it: its cache layout is then read from it instead of being rebuilt from config.json.
-    `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with.
+    `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
+    `model_config` the overrides it loaded the model with (`mlx_lm.load(model_config=...)`); with
+    the loaded `model` its own arguments count too. A model loaded with `client.load` is checked
+    against the files it was loaded from: a weight file changed since then hydrates nothing.
     """
     t0 = time.perf_counter()
     report = HydrateReport()
@@ -87,9 +92,11 @@ def hydrate(
             kv_bits=kv_bits,
             kv_group_size=kv_group_size,
             quantized_kv_start=quantized_kv_start,
+            model_config=model_config,
             model_object=model,
             hash_cache=FileHashCache(home / FILEHASH_NAME),
         )
+        check_loaded_from(model, fp)
         report.fingerprint = fp.hex
         with Store(home, readonly=True) as store:
             errors: list = []

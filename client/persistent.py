@@ -52,6 +52,10 @@ class PersistentPromptCache(LRUPromptCache):
     >>> cache = PersistentPromptCache(model, tokenizer, "/models/Qwen3-8B")
     >>> cache.pin("classify", messages=[{"role": "system", "content": ROUTER}])
     >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
+
+    `model_config` names the overrides the model was loaded with (`mlx_lm.load(model_config=)`);
+    its own arguments are read from `model` either way. Load it with `client.load` and a weight
+    file changed since is caught: nothing is hydrated or persisted for that model.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class PersistentPromptCache(LRUPromptCache):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         quantized_kv_start: int = 5000,
+        model_config: dict | None = None,
         max_size: int = 10,
         max_bytes: int = 1 << 63,
         persist_chains: bool = False,
@@ -81,6 +86,7 @@ class PersistentPromptCache(LRUPromptCache):
         self.adapter_path = None if adapter_path is None else str(adapter_path)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.quantized_kv_start = quantized_kv_start
+        self.model_config = dict(model_config) if model_config else None
         self.persist_chains = persist_chains
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -109,6 +115,7 @@ class PersistentPromptCache(LRUPromptCache):
                 kv_bits=kv_bits,
                 kv_group_size=kv_group_size,
                 quantized_kv_start=quantized_kv_start,
+                model_config=self.model_config,
                 model=model,
             )
         finally:
@@ -337,6 +344,7 @@ class PersistentPromptCache(LRUPromptCache):
         self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool, extra: dict
     ) -> None:
         from kvstore import codec
+        from kvstore.codehash import runtime_versions
         from kvstore.identity import template_hash
         from kvstore.keys import entry_key, pack_tokens
 
@@ -355,7 +363,10 @@ class PersistentPromptCache(LRUPromptCache):
                 "kv_bits": self.kv_bits,
                 "kv_group_size": self.kv_group_size,
                 "quantized_kv_start": self.quantized_kv_start,
+                "model_config": self.model_config,
                 "source": "pin" if pinned else "chain",
+                "owners": ["app"],
+                "runtime": runtime_versions(),
                 **extra,
             },
         )

@@ -120,6 +120,7 @@ class SystemPromptPersister:
         self, client: Any, target: dict[str, Any], tokens: list[int], cache: list, extra: dict
     ) -> None:
         from kvstore import codec
+        from kvstore.codehash import runtime_versions
         from kvstore.keys import entry_key, pack_tokens
         from kvstore.store import Store
 
@@ -141,7 +142,9 @@ class SystemPromptPersister:
                 "kv_bits": target["kv_bits"],
                 "kv_group_size": target["kv_group_size"],
                 "quantized_kv_start": target["quantized_kv_start"],
+                "model_config": target["model_config"],
                 "source": "serve",
+                "runtime": runtime_versions(),
                 **extra,
             },
         )
@@ -153,8 +156,9 @@ class SystemPromptPersister:
 class _Hooks:
     """What the two subclasses share: the server's one prompt cache and the persist target."""
 
-    def __init__(self, home: Path, persist: bool):
+    def __init__(self, home: Path, persist: bool, model_config: dict | None = None):
         self.home = home
+        self.model_config = model_config
         self.cache: Any = None
         self.persister = SystemPromptPersister(home) if persist else None
         self.boundary = StableSystemSegment() if persist else None
@@ -187,6 +191,7 @@ class _Hooks:
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
+            model_config=self.model_config,
             model=provider.model,
         )
         if not (report.warning and not report.entries):  # hydrate already said why not
@@ -210,6 +215,7 @@ class _Hooks:
                 kv_bits=args.kv_bits,
                 kv_group_size=args.kv_group_size,
                 quantized_kv_start=args.quantized_kv_start,
+                model_config=self.model_config,
                 template_hash=template_hash(resolve_model_path(model_path)),
             )
 
@@ -237,8 +243,23 @@ class _Hooks:
 
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
-        def _load(self, *args: Any, **kwargs: Any) -> None:
-            super()._load(*args, **kwargs)
+        def _load(self, model_path: Any, *args: Any, **kwargs: Any) -> None:
+            if not hooks.model_config:
+                super()._load(model_path, *args, **kwargs)
+            else:  # mlx_lm.server has no model_config option: give it to the model's load only
+                plain = server.load
+
+                def load(path, *a, **kw):
+                    if path == model_path:
+                        kw["model_config"] = {**(kw.get("model_config") or {}),
+                                              **hooks.model_config}  # fmt: skip
+                    return plain(path, *a, **kw)
+
+                server.load = load
+                try:
+                    super()._load(model_path, *args, **kwargs)
+                finally:
+                    server.load = plain
             hooks.on_load(self)
 
     class PersistentServerCache(server.LRUPromptCache):
@@ -266,12 +287,17 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
 
 
 @contextlib.contextmanager
-def patched_server(home: Path, *, persist: bool = False) -> Iterator[Any]:
-    """mlx_lm.server with the kvstore hooks installed; restored on exit."""
+def patched_server(
+    home: Path, *, persist: bool = False, model_config: dict | None = None
+) -> Iterator[Any]:
+    """mlx_lm.server with the kvstore hooks installed; restored on exit. `model_config` overrides
+    are given to mlx_lm.load for the served model (mlx_lm.server has no option for them)."""
     from mlx_lm import server
 
     check_server_shape(server)
-    hooks = _Hooks(home, persist)
+    if model_config and not callable(getattr(server, "load", None)):
+        raise ServeError("mlx_lm.server no longer calls load(); --model-config cannot apply")
+    hooks = _Hooks(home, persist, model_config)
     provider_cls, cache_cls, generator_cls = _subclasses(server, hooks)
     saved = server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator
     server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
@@ -289,6 +315,7 @@ def serve(
     home: Path,
     port: int | None = None,
     persist: bool = False,
+    model_config: dict | None = None,
     server_args: Sequence[str] = (),
 ) -> None:
     """Run mlx_lm.server's main() with `--model model` and `server_args`, hydrated from `home`."""
@@ -296,7 +323,7 @@ def serve(
     if port is not None:
         argv += ["--port", str(port)]
     argv += list(server_args)
-    with patched_server(home, persist=persist) as server:
+    with patched_server(home, persist=persist, model_config=model_config) as server:
         saved_argv = sys.argv
         sys.argv = argv  # main() parses sys.argv: every mlx_lm.server option passes through
         try:
@@ -321,12 +348,21 @@ def serve(
     is_flag=True,
     help="Send new system-prompt prefixes to the daemon, so later starts hydrate them.",
 )
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="JSON",
+    help="config.json overrides for the model, as mlx_lm.load(model_config=...), e.g. "
+    "'{\"rope_theta\": 1000000}'. Part of the entries' identity.",
+)
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
     home: Path | None,
     model: str,
     port: int | None,
     persist_system_prompts: bool,
+    model_config: str | None,
     server_args: tuple[str, ...],
 ) -> None:
     """Run mlx_lm.server with the persistent prompt cache.
@@ -338,14 +374,25 @@ def serve_cmd(
     \b
     kvstore serve --model ./Qwen3.5-9B-8bit --port 8080 --prompt-cache-size 20
     """
+    import json
+
     from kvstore.settings import resolve_home
 
+    overrides = None
+    if model_config is not None:
+        try:
+            overrides = json.loads(model_config)
+        except ValueError as e:
+            raise click.BadParameter(f"not JSON: {e}", param_hint="--model-config") from None
+        if not isinstance(overrides, dict):
+            raise click.BadParameter("must be a JSON object", param_hint="--model-config")
     try:
         serve(
             model,
             home=resolve_home(home),
             port=port,
             persist=persist_system_prompts,
+            model_config=overrides,
             server_args=server_args,
         )
     except KVStoreError as e:

@@ -41,8 +41,17 @@ def daemon_cmd(manifest: Path | None, home: Path, log_level: str, log_file: Path
     \b
     kvstore daemon --manifest pins.toml
     """
+    from daemon import canary
     from daemon.boot import run
     from daemon.logs import setup_logging
 
     setup_logging(log_level, log_file)
-    sys.exit(run(home, manifest=manifest))
+    rc = run(home, manifest=manifest)
+    if rc == 0 and canary.restart.is_set():  # mlx or mlx-lm was upgraded under it
+        argv = ["daemon", "--home", str(home.expanduser().absolute()), "--log-level", log_level]
+        if manifest is not None:
+            argv += ["--manifest", str(manifest.expanduser().absolute())]
+        if log_file is not None:
+            argv += ["--log-file", str(Path(log_file).expanduser().absolute())]
+        canary.reexec(argv)
+    sys.exit(rc)

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from daemon.lifecycle import peak_rss_bytes, rss_bytes, trim_heap
 from kvstore.clock import local_now
 from kvstore.errors import KVStoreError, PrefillStopped
@@ -115,6 +116,7 @@ class Upkeep:
         self.stopping = stopping
         self.last_warm: dict[str, Any] | None = None
         self._pins_over_budget = False
+        self._versions: VersionWatch | None = None
 
     def _progress(self, msg: str) -> None:
         if self.stopping.is_set():
@@ -190,6 +192,8 @@ class Upkeep:
     ) -> list[dict[str, Any]]:
         """Warm every manifest; one that does not load is logged and its pins are left alone, one
         whose warm fails is logged with its path, and the next manifest is warmed regardless."""
+        if cause == "boot":
+            self.boot_canary(manifest_paths)
         reports = []
         for path in manifest_paths:
             try:
@@ -205,6 +209,18 @@ class Upkeep:
             except Exception:  # one manifest's failure must not starve the others
                 log.exception("reconcile: warming %s failed; continuing with the next", path)
         return reports
+
+    def boot_canary(self, manifest_paths: list[Path]) -> None:
+        """After an upgrade the stored KV is checked before the boot warm (daemon.canary), and
+        from then on the installed versions are watched."""
+        try:
+            check_at_boot(self.store, self.home, manifest_paths)
+        except Exception:  # the canary must never keep the daemon from warming
+            log.exception("upgrade canary failed; warming as usual")
+        if self._versions is None:
+            interval = float(self.settings.get("version_check_interval", 30.0))
+            self._versions = VersionWatch(interval, self.stopping, restart_into_new_code)
+            self._versions.start()
 
     def enforce_budget(self) -> list[str]:
         """Evict least recently used unpinned entries until the store is under max_bytes."""

@@ -157,6 +157,8 @@ def warm(manifest: Path | None, home: Path) -> None:
             report = do_warm(m, store, home=home, progress=_progress)
     for p in report.purged:
         click.echo(f"purged   {p.label:20} {p.key[:12]}  {p.model}: {p.cause}")
+    for p in report.released:
+        click.echo(f"released {p.label:20} {p.key[:12]}  {p.model}: {p.cause} (kept: other owners)")
     for p in report.pins:
         line = f"{p.status:8} {p.name:20} {p.tokens:6d} tokens  {p.model}"
         if p.status == "warmed":

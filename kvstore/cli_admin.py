@@ -239,13 +239,29 @@ def stats(as_json: bool, home: Path) -> None:
 
 @main.command()
 @click.option("--repair", is_flag=True, help="Delete the entries that fail.")
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Also re-prefill one short pin per manifest model and compare it with the stored KV "
+    "(the upgrade canary); with --repair, a model that differs is dropped and re-warmed.",
+)
+@click.option(
+    "--manifest",
+    "manifests",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Manifest whose models --deep checks (default: the home's manifest.toml). Repeatable.",
+)
 @home_option
 @user_errors
-def verify(repair: bool, home: Path) -> None:
+def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) -> None:
     """Check every entry: meta, checksum, and a full decode. Exits 1 naming each bad entry.
 
     Checking reads the store directly. With --repair the deletions are writes: with a daemon
     running it does the repair (it is the one writer), else this process does.
+
+    \b
+    kvstore verify --deep          # after upgrading mlx or mlx-lm
     """
     if not (home / "store" / "data.mdb").is_file():
         click.echo("no store: nothing to verify")
@@ -268,8 +284,62 @@ def verify(repair: bool, home: Path) -> None:
             problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
     for key, reason in problems:
         click.echo(f"bad entry {key}: {reason}")
-    if problems:
-        raise click.ClickException(
-            f"{len(problems)} of {n} entries failed" + (" and were deleted" if repair else "")
-        )
+    differs = _deep(home, manifests, repair=repair) if deep else 0
+    if problems or differs:
+        what = []
+        if problems:
+            what.append(f"{len(problems)} of {n} entries failed" + (" and were deleted" * repair))
+        if differs:
+            what.append(
+                f"{differs} model(s) computed other KV than stored"
+                + (" and were re-warmed" * repair)
+            )
+        raise click.ClickException("; ".join(what))
     click.echo(f"{n} entries ok")
+
+
+def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
+    """The upgrade canary on demand; returns how many models differ."""
+    from kvstore.canary import check_manifest, describe
+    from kvstore.manifest import load_manifest
+    from kvstore.settings import MANIFEST_NAME
+
+    paths = list(manifests) or [p for p in (home / MANIFEST_NAME,) if p.is_file()]
+    if not paths:
+        raise click.UsageError(
+            "--deep needs a manifest: pass --manifest M (its models are checked)"
+        )
+    differs = []
+    for path in paths:
+        manifest = load_manifest(path)
+        _progress(f"re-prefilling one pin per model of {manifest.path}")
+        with open_store(home) as store:
+            results = check_manifest(manifest, store, home=home)
+        for r in results:
+            click.echo(("ok    " if r.ok else "error " if r.error else "DIFFERS ") + describe(r))
+            if not r.ok and not r.error:
+                differs.append((manifest, bytes.fromhex(r.key)[:16]))
+    if repair and differs:
+        _rewarm(home, differs)
+    return len(differs)
+
+
+def _rewarm(home: Path, differs: list) -> None:
+    """Drop each differing model's entries and warm its manifest again (through the daemon when
+    one runs: it is the writer)."""
+    from kvstore.warm import warm
+
+    with open_store(home) as store:
+        keys = [m.key for _, fp in differs for m in store.metas(fp, errors=[])]
+    client = connect(home)
+    if client is not None:
+        with client:
+            client.request("evict", keys=keys)
+            for manifest in {m.path: m for m, _ in differs}.values():
+                client.warm(manifest.path)
+    else:
+        with open_store(home, write=True) as store:
+            store.delete(keys)
+            for manifest in {m.path: m for m, _ in differs}.values():
+                warm(manifest, store, home=home, progress=_progress)
+    click.echo(f"dropped {len(keys)} entries and re-warmed their manifests")

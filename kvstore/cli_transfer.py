@@ -45,11 +45,20 @@ def export_cmd(key: str, file: Path, home: Path) -> None:
 )
 @click.option("--prompt", default=None, help="The prompt given to mlx_lm.cache_prompt.")
 @click.option("--adapter", default=None, help="LoRA adapter the cache was made with.")
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="JSON",
+    help="config.json overrides the model ran with, as mlx_lm.load(model_config=...).",
+)
 @click.option("--label", default="imported")
 @click.option("--pin", is_flag=True, help="Store it pinned (never evicted automatically).")
 @home_option
 @user_errors
-def import_cmd(file, model, tokens_file, prompt, adapter, label, pin, home: Path) -> None:
+def import_cmd(
+    file, model, tokens_file, prompt, adapter, model_config, label, pin, home: Path
+) -> None:
     """Store a prompt-cache file written by `mlx_lm.cache_prompt` or `kvstore export`.
 
     \b
@@ -59,6 +68,7 @@ def import_cmd(file, model, tokens_file, prompt, adapter, label, pin, home: Path
 
     if (tokens_file is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
+    overrides = _json_object(model_config, "--model-config")
     client = connect(home)
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
     with client or open_store(home, write=True) as store:
@@ -69,6 +79,7 @@ def import_cmd(file, model, tokens_file, prompt, adapter, label, pin, home: Path
             tokens_file=tokens_file,
             prompt=prompt,
             adapter=adapter,
+            model_config=overrides,
             label=label,
             pin=pin,
             home=home,
@@ -76,16 +87,41 @@ def import_cmd(file, model, tokens_file, prompt, adapter, label, pin, home: Path
     click.echo(f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)})")
 
 
+def _json_object(text: str | None, option: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=option)
+    return value
+
+
 @main.command()
 @click.argument("model_path")
 @click.option("--adapter", default=None)
 @click.option("--kv-bits", type=int, default=None)
 @click.option("--kv-group-size", type=int, default=64)
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="JSON",
+    help="config.json overrides, as mlx_lm.load(model_config=...).",
+)
 @click.option("--json", "as_json", is_flag=True)
 @home_option
 @user_errors
-def fingerprint(model_path, adapter, kv_bits, kv_group_size, as_json, home: Path) -> None:
-    """Print a model's fingerprint (the key prefix of its entries) and template hash."""
+def fingerprint(
+    model_path, adapter, kv_bits, kv_group_size, model_config, as_json, home: Path
+) -> None:
+    """Print a model's fingerprint (the key prefix of its entries) and template hash.
+
+    \b
+    kvstore fingerprint ./Qwen3-0.6B --model-config '{"rope_theta": 1000000}'
+    """
     from kvstore.identity import FileHashCache, model_fingerprint, template_hash
     from kvstore.settings import FILEHASH_NAME
 
@@ -96,6 +132,7 @@ def fingerprint(model_path, adapter, kv_bits, kv_group_size, as_json, home: Path
         adapter_path=adapter,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
+        model_config=_json_object(model_config, "--model-config"),
         hash_cache=cache,
     )
     th = template_hash(model_path)

@@ -217,6 +217,8 @@ def warm_report(data: dict[str, Any]):
     return WarmReport(
         pins=[PinResult(**p) for p in data.get("pins", [])],
         purged=[Purged(**p) for p in data.get("purged", [])],
+        released=[Purged(**p) for p in data.get("released", [])],
+        adopted=data.get("adopted", 0),
         models_loaded=data.get("models_loaded", 0),
         seconds=data.get("seconds", 0.0),
     )

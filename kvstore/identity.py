@@ -1,15 +1,16 @@
 """Who an entry belongs to: model fingerprint, template hash, and model path resolution.
 
-The fingerprint changes whenever the KV of the same tokens would differ: weight and config contents,
-adapter weights and config, KV quantization, the per-layer cache layout and the codec version.
-Full-content hashes of large files are cached by file identity (device, inode, size, mtime, ctime)
-in the home, so a start after the first costs a few stat calls and a touched-but-unchanged file
-re-hashes to the same value.
+The fingerprint changes whenever the KV of the same tokens would differ: weight contents, the
+effective configuration (config.json with load-time overrides, kvstore.modelconfig), adapter
+weights and config, KV quantization, the per-layer cache layout, the mlx-lm source that computes
+the KV (kvstore.codehash) and the codec version. Full-content hashes of large files are cached by
+file identity (device, inode, size, mtime, ctime) in the home, so a start after the first costs a
+few stat calls and a touched-but-unchanged file re-hashes to the same value. The identities seen
+are kept on the Fingerprint, so a caller can check nothing changed while it loaded the weights.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -19,10 +20,13 @@ import msgpack
 import xxhash
 
 from kvstore.codec import CODEC_VERSION
+from kvstore.codehash import kv_code_digest
 from kvstore.errors import ModelError
+from kvstore.modelconfig import check_overrides, config_identity, effective_config, model_args
 
-# Files whose contents change the KV of given tokens.
-WEIGHT_GLOBS = ("config.json", "*.safetensors", "*.py")
+# Files whose contents change the KV of given tokens. The model's own *.py files are not among them:
+# mlx-lm runs none, except a config's `model_file` under trust_remote_code (hashed as code).
+WEIGHT_GLOBS = ("config.json", "hf_quant_config.json", "*.safetensors")
 ADAPTER_GLOBS = ("adapter_config.json", "*.safetensors")
 # Files that change how text becomes tokens, but not the KV of given tokens: provenance only.
 TEMPLATE_FILES = (
@@ -46,10 +50,33 @@ class Fingerprint:
     layout: tuple  # per-layer cache classes and their shape-defining parameters
     kv_bits: int | None
     kv_group_size: int
+    model_config: dict | None = None  # the load-time overrides it was computed with
+    files: tuple = ()  # (path, stat identity, digest) of every file hashed, as it was hashed
 
     @property
     def hex(self) -> str:
         return self.digest.hex()
+
+    def changed_files(self) -> list[str]:
+        """The hashed files whose identity changed since (or that are gone): a stat each."""
+        out = []
+        for path, ident, _ in self.files:
+            try:
+                now = FileHashCache.identity(Path(path).stat())
+            except OSError:
+                now = None
+            if now != list(ident):
+                out.append(path)
+        return out
+
+    def check_unchanged(self, what: str) -> None:
+        """Raise ModelError naming the files that changed since the fingerprint was computed."""
+        if changed := self.changed_files():
+            raise ModelError(
+                f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed while "
+                f"{what}: the loaded weights may not be the fingerprinted ones; not storing or "
+                "hydrating KV for it (load again once the files settle)"
+            )
 
 
 class FileHashCache:
@@ -68,19 +95,23 @@ class FileHashCache:
                 self._data = {}
 
     @staticmethod
-    def _identity(st: os.stat_result) -> list:
+    def identity(st: os.stat_result) -> list:
         return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
     def digest(self, path: Path) -> bytes:
-        st = path.stat()
-        ident = self._identity(st)
+        return self.digest_and_identity(path)[0]
+
+    def digest_and_identity(self, path: Path) -> tuple[bytes, list]:
+        ident = self.identity(path.stat())
         hit = self._data.get(str(path))
         if hit and hit[:5] == ident:
-            return bytes(hit[5])
+            return bytes(hit[5]), ident
         digest = hash_file(path)
+        if self.identity(path.stat()) != ident:  # written while we read it: not this content
+            raise ModelError(f"{path}: changed while being hashed; try again once it settles")
         self._data[str(path)] = [*ident, digest]
         self._dirty = True
-        return digest
+        return digest, ident
 
     def save(self) -> None:
         if not (self._dirty and self.path and self.path.parent.is_dir()):
@@ -128,13 +159,6 @@ def _files(root: Path, globs: tuple[str, ...]) -> list[Path]:
     return sorted(found)
 
 
-def _load_config(model_dir: Path) -> dict:
-    try:
-        return json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{model_dir / 'config.json'}: cannot read model config: {e}") from None
-
-
 def describe_cache(c) -> tuple:
     """A cache object's class and the parameters that shape its state (not its contents)."""
     name = type(c).__name__
@@ -149,22 +173,29 @@ def describe_cache(c) -> tuple:
     return (name, *params)
 
 
-def cache_layout(model_dir: Path, model=None) -> tuple:
-    """The per-layer cache layout of a model; without a loaded model, built from config alone.
+def build_architecture(config: dict, model_dir: Path):
+    """The model object mlx-lm would build from `config`, without its weights: mlx arrays are lazy,
+    so instantiating the architecture without evaluating it allocates nothing."""
+    from mlx_lm.utils import _get_classes
 
-    mlx arrays are lazy: instantiating the architecture without evaluating it allocates no weights.
-    """
+    if config.get("model_file") is not None:
+        raise ModelError(
+            f"{model_dir}: its config runs custom code (model_file); pass the loaded model "
+            "(model=...) so its layout is read from it"
+        )
+    try:
+        model_class, args_class = _get_classes(config)
+        return model_class(args_class.from_dict(config))
+    except Exception as e:
+        raise ModelError(f"{model_dir}: cannot build the model from its config: {e}") from None
+
+
+def cache_layout(model_dir: Path, model=None, *, model_config: dict | None = None) -> tuple:
+    """The per-layer cache layout of a model; without a loaded model, built from config alone."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if model is None:
-        from mlx_lm.utils import _get_classes
-
-        config = _load_config(model_dir)
-        try:
-            model_class, args_class = _get_classes(config)
-            model = model_class(args_class.from_dict(config))
-        except Exception as e:
-            raise ModelError(f"{model_dir}: cannot build the cache layout: {e}") from None
+        model = build_architecture(effective_config(model_dir, model_config), model_dir)
     return tuple(describe_cache(c) for c in make_prompt_cache(model))
 
 
@@ -175,35 +206,55 @@ def model_fingerprint(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
+    model_config: dict | None = None,
     layout: tuple | None = None,
     model_object=None,
     hash_cache: FileHashCache | None = None,
 ) -> Fingerprint:
     """Hash of everything that changes the KV of given tokens for this model as it would be run.
 
-    The cache layout comes from `layout`, else the loaded `model_object`, else config.json.
+    `model_config` are the overrides given to `mlx_lm.load(path, model_config=...)`. The model's
+    arguments and cache layout come from the loaded `model_object` when given (so overrides it
+    was loaded with count even if not named here), else from the effective config.
     """
+    from mlx_lm.models.cache import make_prompt_cache
+
     model_dir = resolve_model_path(model)
+    model_config = check_overrides(model_config)
     cache = hash_cache or FileHashCache(None)
     files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
     if not any(name.endswith(".safetensors") for name, _ in files):
         raise ModelError(f"model {str(model)!r}: no *.safetensors weights in {model_dir}")
+    config = effective_config(model_dir, model_config)
     if adapter_path is not None:
         adir = Path(adapter_path).expanduser()
         afiles = _files(adir, ADAPTER_GLOBS) if adir.is_dir() else []
         if not afiles:
             raise ModelError(f"adapter {str(adapter_path)!r}: no adapter files in that directory")
         files += [(f"adapter/{p.relative_to(adir)}", p) for p in afiles]
+    built = model_object if model_object is not None else build_architecture(config, model_dir)
     if layout is None:
-        layout = cache_layout(model_dir, model_object)
+        layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
+    try:
+        code = kv_code_digest(config, model_dir, adapter=adapter_path is not None, kv_bits=kv_bits)
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ModelError(f"model {str(model)!r}: cannot hash the mlx-lm code: {e}") from None
     h = xxhash.xxh3_128()
+    seen = []
     for name, path in files:
-        h.update(f"{name}\0{path.stat().st_size}\0".encode())
-        h.update(cache.digest(path))
+        if name == "model/config.json":  # its effect is hashed below, as the model reads it
+            digest, ident = b"", FileHashCache.identity(path.stat())
+        else:
+            digest, ident = cache.digest_and_identity(path)
+            h.update(f"{name}\0{path.stat().st_size}\0".encode())
+            h.update(digest)
+        seen.append((str(path), tuple(ident), digest))
+    h.update(b"config\0" + config_identity(model_args(built, config), config))
+    h.update(b"code\0" + code)
     quant = (kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
     h.update(repr((layout, quant, CODEC_VERSION)).encode())
     cache.save()
-    return Fingerprint(h.digest(), layout, kv_bits, kv_group_size)
+    return Fingerprint(h.digest(), layout, kv_bits, kv_group_size, model_config, tuple(seen))
 
 
 def template_hash(model: str | Path) -> bytes:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +28,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _TOP_KEYS = ("model",)
 _MODEL_KEYS = (
-    "path", "adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "chat_template_kwargs",
-    "prefix",
+    "path", "adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "model_config",
+    "chat_template_kwargs", "prefix",
 )  # fmt: skip
 _PREFIX_KEYS = ("name", "messages", "text", "file", "tools", "chat_template_kwargs")
 # Arguments kvstore itself passes to apply_chat_template: a manifest may not override them.
@@ -66,6 +66,18 @@ class ModelSpec:
     quantized_kv_start: int  # as generate(quantized_kv_start=): KV is quantized from this offset
     prefixes: tuple[PrefixSpec, ...]
     chat_template_kwargs: dict | None = None  # every prefix's default
+    model_config: dict | None = None  # load-time overrides, as mlx_lm.load(model_config=)
+    line: int = 0  # where its [[model]] table starts in the manifest (1-based), for errors
+
+    def same_model(self) -> tuple:
+        """What makes two tables the same model run the same way (their pins may merge)."""
+        quant = (self.kv_group_size, self.quantized_kv_start) if self.kv_bits else ()
+        return (self.path, self.adapter, self.kv_bits, *quant, overrides_key(self.model_config))
+
+
+def overrides_key(model_config: dict | None) -> str | None:
+    """A hashable, order-free form of load-time overrides (None and {} are both none)."""
+    return json.dumps(model_config, sort_keys=True) if model_config else None
 
 
 @dataclass(frozen=True)
@@ -119,8 +131,42 @@ def load_manifest(path: str | Path) -> Manifest:
         raise where.error("model", "must be an array of tables written as [[model]]")
     if not models:
         raise where.error("model", "no [[model]] table; add one with path = '<model dir>'")
-    specs = tuple(_load_model(m, i, where, path.parent) for i, m in enumerate(models))
-    return Manifest(path=path, models=specs)
+    lines = _model_lines(raw.decode("utf-8"))
+    specs = [_load_model(m, i, where, path.parent) for i, m in enumerate(models)]
+    specs = [replace(s, line=lines[i] if i < len(lines) else 0) for i, s in enumerate(specs)]
+    return Manifest(path=path, models=_merge_models(specs, where))
+
+
+def _model_lines(text: str) -> list[int]:
+    """1-based line of each top-level [[model]] header, in order."""
+    return [
+        n for n, line in enumerate(text.splitlines(), 1) if line.strip().startswith("[[model]]")
+    ]
+
+
+def _merge_models(specs: list[ModelSpec], where: _Where) -> tuple[ModelSpec, ...]:
+    """Tables naming the same model, run the same way, are one model: their pins merge. A pin
+    name in two of them is ambiguous: an error naming both tables."""
+    merged: dict[tuple, ModelSpec] = {}
+    owner: dict[tuple, dict[str, ModelSpec]] = {}
+    for spec in specs:
+        key = spec.same_model()
+        first = merged.get(key)
+        if first is None:
+            merged[key] = spec
+            owner[key] = {p.name: spec for p in spec.prefixes}
+            continue
+        for p in spec.prefixes:
+            if p.name in owner[key]:
+                other = owner[key][p.name]
+                raise where.at(model=f"model {spec.path!r}", prefix=f"prefix {p.name!r}").error(
+                    "name",
+                    f"defined in two [[model]] tables of the same model (line {other.line} and "
+                    f"line {spec.line}); rename one, or keep it in one table",
+                )
+            owner[key][p.name] = spec
+        merged[key] = replace(first, prefixes=first.prefixes + spec.prefixes)
+    return tuple(merged.values())
 
 
 def manifest_files(manifest: Manifest) -> list[Path]:
@@ -170,6 +216,17 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     qstart = table.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
     if not _is_int(qstart) or qstart < 0:
         raise where.error("quantized_kv_start", f"must be an integer >= 0, got {qstart!r}")
+    model_config = table.get("model_config")
+    if model_config is not None:
+        if not isinstance(model_config, dict):
+            raise where.error(
+                "model_config",
+                "must be a table of config.json keys, e.g. model_config = { rope_theta = 1e6 }",
+            )
+        try:
+            model_config = json.loads(json.dumps(model_config))
+        except (TypeError, ValueError) as e:  # a TOML date, say: not a config.json value
+            raise where.error("model_config", f"must hold JSON values only ({e})") from None
     template_kwargs = check_template_kwargs(table.get("chat_template_kwargs"), where)
     prefixes = table.get("prefix", [])
     if not isinstance(prefixes, list) or not all(isinstance(p, dict) for p in prefixes):
@@ -192,6 +249,7 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
         quantized_kv_start=qstart,
         prefixes=tuple(specs),
         chat_template_kwargs=template_kwargs,
+        model_config=model_config or None,
     )
 
 

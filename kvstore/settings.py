@@ -27,6 +27,7 @@ DEFAULTS: dict[str, object] = {
     "debounce": 0.5,  # seconds: file events are collected this long before re-hashing
     "poll_interval": 5.0,  # seconds between re-hash passes when no file observer can run
     "reader_check_interval": 60.0,  # seconds between LMDB reader_check() passes in the daemon
+    "version_check_interval": 30.0,  # seconds between reads of the installed mlx/mlx-lm versions
 }
 
 STORE_DIR = "store"

@@ -376,6 +376,35 @@ class Store:
 
         return self._write(fn)
 
+    def edit_meta(self, edits: dict[bytes, Callable[[EntryMeta], EntryMeta | None]]) -> int:
+        """Rewrite some entries' meta in one transaction (owners: kvstore.ownership). An edit
+        gets the stored meta and returns the new one, or None to leave it; missing or unreadable
+        entries are skipped. The key, tokens, checksum and size never change here."""
+
+        def fn(txn):
+            n = 0
+            for k, edit in edits.items():
+                raw = txn.get(k, db=self._meta)
+                if raw is None:
+                    continue
+                try:
+                    meta = EntryMeta.unpack(k, raw)
+                except CorruptEntryError:
+                    continue
+                new = edit(meta)
+                if new is None:
+                    continue
+                fixed = (new.key, new.tokens, new.checksum, new.nbytes, new.fingerprint)
+                if fixed != (meta.key, meta.tokens, meta.checksum, meta.nbytes, meta.fingerprint):
+                    raise StoreError(f"entry {k.hex()}: an edit may not change its identity")
+                if problem := new.type_error():
+                    raise StoreError(f"entry {k.hex()}: {problem}")
+                txn.put(k, new.pack(), db=self._meta)
+                n += 1
+            return n
+
+        return self._write(fn)
+
     def set_pinned(self, keys: Iterable[bytes], pinned: bool) -> int:
         keys = list(keys)
 

@@ -15,6 +15,7 @@ from kvstore.identity import (
     resolve_model_path,
     template_hash,
 )
+from kvstore.importfit import check_fits
 from kvstore.keys import entry_key, pack_tokens
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import EntryMeta, Store
@@ -55,10 +56,14 @@ def import_file(
     tokens_file: Path | None = None,
     prompt: str | None = None,
     adapter: str | None = None,
+    model_config: dict | None = None,
     label: str = "imported",
     pin: bool = False,
     home: Path,
 ) -> EntryMeta:
+    """Validate a prompt-cache file against the model (layers, heads, head dims, dtype, KV
+    quantization, its own `model` metadata) and the tokens, then store it; nothing is stored
+    for a file that does not fit."""
     blob = Path(file).read_bytes()
     try:
         cache, metadata = codec.decode(blob, name=str(file))
@@ -77,6 +82,15 @@ def import_file(
             raise KVStoreError(f"{tokens_file}: cannot read token ids: {e}") from None
     else:
         tokens = _prompt_tokens(model_dir, prompt or "")
+    check_fits(
+        cache,
+        metadata,
+        file=Path(file),
+        model=model,
+        model_dir=model_dir,
+        adapter=adapter,
+        model_config=model_config,
+    )
     quantized = [c for c in cache if type(c).__name__ == "QuantizedKVCache"]
     kv_bits = quantized[0].bits if quantized else None
     group = quantized[0].group_size if quantized else 64
@@ -85,6 +99,7 @@ def import_file(
         adapter_path=adapter,
         kv_bits=kv_bits,
         kv_group_size=group,
+        model_config=model_config,
         hash_cache=FileHashCache(home / FILEHASH_NAME),
     )
     # the file's layout, with quantized layers read back as the plain KVCache the model makes
@@ -116,5 +131,11 @@ def import_file(
         model=model,
         template_hash=template_hash(model_dir),
         classes=codec.cache_classes(cache),
-        extra={"adapter": adapter, "kv_bits": kv_bits, "kv_group_size": group, "source": "import"},
+        extra={
+            "adapter": adapter,
+            "kv_bits": kv_bits,
+            "kv_group_size": group,
+            "model_config": model_config,
+            "source": "import",
+        },
     )

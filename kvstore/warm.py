@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvstore import codec
 from kvstore.clock import local_now
+from kvstore.codehash import runtime_versions
 from kvstore.errors import CorruptEntryError, KVStoreError, ModelError
 from kvstore.identity import (
     FileHashCache,
@@ -26,7 +27,8 @@ from kvstore.identity import (
     template_hash,
 )
 from kvstore.keys import entry_key, pack_tokens
-from kvstore.manifest import Manifest, ModelSpec, PrefixSpec
+from kvstore.manifest import Manifest, ModelSpec, PrefixSpec, overrides_key
+from kvstore.ownership import adopted, manifest_owner, owners, released
 from kvstore.render import RenderedPin, pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
@@ -75,12 +77,15 @@ class Purged:
     label: str
     model: str
     cause: str
+    released: bool = False  # only this manifest's ownership went: other owners keep the entry
 
 
 @dataclass
 class WarmReport:
     pins: list[PinResult] = field(default_factory=list)
     purged: list[Purged] = field(default_factory=list)
+    released: list[Purged] = field(default_factory=list)  # kept for their other owners
+    adopted: int = 0  # present pins this manifest became an owner of
     models_loaded: int = 0
     seconds: float = 0.0
 
@@ -107,6 +112,7 @@ def plan_model(
         kv_bits=spec.kv_bits,
         kv_group_size=spec.kv_group_size,
         quantized_kv_start=spec.quantized_kv_start,
+        model_config=spec.model_config,
         hash_cache=FileHashCache(home / FILEHASH_NAME),
     )
     tokenizer = load_tokenizer(model_dir)
@@ -134,14 +140,24 @@ def plan_model(
 
 
 def load_model(plan: ModelPlan):
-    """Load the model for prefill and check its cache layout against the fingerprint's."""
+    """Load the model for prefill (with the manifest's overrides) and check it is the one the
+    fingerprint describes: same files (none changed while loading), same cache layout."""
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
     try:
-        model, _ = load(str(plan.model_dir), adapter_path=plan.spec.adapter)
+        model, _ = load(
+            str(plan.model_dir),
+            adapter_path=plan.spec.adapter,
+            model_config=dict(plan.spec.model_config or {}),
+        )
     except Exception as e:
         raise ModelError(f"model {plan.spec.path!r}: cannot load: {e}") from None
+    try:
+        plan.fingerprint.check_unchanged(f"the daemon loaded model {plan.spec.path!r}")
+    except ModelError as e:
+        log.error("%s", e)
+        raise
     layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
     if layout != plan.fingerprint.layout:
         raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
@@ -181,8 +197,11 @@ def encode_pin(
             "kv_bits": plan.spec.kv_bits,
             "kv_group_size": plan.spec.kv_group_size,
             "quantized_kv_start": plan.spec.quantized_kv_start,
+            "model_config": plan.spec.model_config,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
+            "owners": [manifest_owner(manifest)] if manifest else [],
+            "runtime": runtime_versions(),
             **_pin_extra(pp),
         },
     )
@@ -197,9 +216,15 @@ def _pin_extra(pp: PlannedPin) -> dict:
 
 
 def _ident(spec: ModelSpec) -> tuple:
-    """What EntryMeta.ident() gives for this spec's entries."""
+    """What entry_ident() gives for this spec's entries."""
     quant = (spec.kv_group_size, spec.quantized_kv_start) if spec.kv_bits else (None, None)
-    return (spec.path, spec.adapter, spec.kv_bits, *quant)
+    return (spec.path, spec.adapter, spec.kv_bits, *quant, overrides_key(spec.model_config))
+
+
+def entry_ident(meta) -> tuple:
+    """The model an entry was made with as a manifest names it: EntryMeta.ident() and the
+    load-time overrides."""
+    return (*meta.ident(), overrides_key(meta.extra.get("model_config")))
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
@@ -208,11 +233,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     manifest; and any entry (a runtime pin, a chain, an import) of one of its models that was
     stored under an older fingerprint of that model."""
     out = []
+    me = manifest_owner(manifest.path)
     for meta in store.metas(errors=[]):
-        plan = plans.get(meta.ident())
-        ours = meta.extra.get("source") == "manifest" and meta.extra.get("manifest") == str(
-            manifest.path
-        )
+        plan = plans.get(entry_ident(meta))
+        ours = me in owners(meta)
         if not ours:
             if plan is not None and meta.fingerprint != plan.fingerprint.digest:
                 out.append(
@@ -225,7 +249,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
                 )
             continue
         if plan is None:
-            if any(_ident(s) == meta.ident() for s in manifest.models):
+            if any(_ident(s) == entry_ident(meta) for s in manifest.models):
                 continue  # its model failed to plan: keep what we have, do not guess
             cause = "model removed from the manifest"
         elif meta.fingerprint != plan.fingerprint.digest:
@@ -240,7 +264,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
             cause = "chat template or tokenizer changed"
         else:
             continue
-        out.append(Purged(meta.key.hex(), meta.label, meta.model, cause))
+        # KV of an older fingerprint serves no one; anything else other owners may still want
+        outdated = plan is not None and meta.fingerprint != plan.fingerprint.digest
+        kept = not outdated and released(meta, me) is not None
+        out.append(Purged(meta.key.hex(), meta.label, meta.model, cause, released=kept))
     return out
 
 
@@ -325,6 +352,13 @@ def _warm_model(
         release_model()
 
 
+def _adopt(store: Store, plans: dict[tuple, ModelPlan], me: str, edit: Callable) -> int:
+    """Become an owner of the present pins another owner (an app) stored first."""
+    keys = [pp.key for plan in plans.values() for pp in plan.pins if pp.present]
+    todo = [k for k in keys if (m := store.get_meta(k)) is not None and me not in owners(m)]
+    return edit({k: lambda m: adopted(m, me) for k in todo}) if todo else 0
+
+
 def warm(
     manifest: Manifest,
     store: Store,
@@ -333,17 +367,20 @@ def warm(
     progress: Callable[[str], None] | None = None,
     put: Callable[[bytes, bytes, dict], None] | None = None,
     delete: Callable[[list[bytes]], None] | None = None,
+    edit: Callable[[dict], int] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
-    then prefill the missing. `put` and `delete` override where writes go (e.g. the daemon).
-    Pins render as requests on the local day of `now` do (default: the real clock)."""
+    own the present ones, then prefill the missing. `put`, `delete` and `edit` (Store.edit_meta)
+    override where writes go (e.g. the daemon). Pins render as requests on the local day of `now`
+    do (default: the real clock)."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
     put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
     delete = delete or store.delete
+    edit = edit or store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
@@ -352,8 +389,16 @@ def warm(
             for prefix in spec.prefixes:
                 report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))
             log.error("%s", e)
+    me = manifest_owner(manifest.path)
     if purge:
-        report.purged = stale_pins(manifest, store, plans)
+        stale = stale_pins(manifest, store, plans)
+        report.purged = [p for p in stale if not p.released]
+        report.released = [p for p in stale if p.released]
+        if report.released:
+            edit({bytes.fromhex(p.key): lambda m: released(m, me) for p in report.released})
+        for p in report.released:
+            log.info("released pin %r of %s (its other owners keep it): %s", p.label, p.model,
+                     p.cause)  # fmt: skip
         if report.purged:
             delete([bytes.fromhex(p.key) for p in report.purged])
             gone = {p.key for p in report.purged}
@@ -363,6 +408,7 @@ def warm(
         for p in report.purged:
             log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
+    report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():
         _warm_model(plan, manifest, report, put=put, say=say)
     report.seconds = time.perf_counter() - t0

@@ -36,3 +36,11 @@ class ProtocolError(KVStoreError):
 
 class DaemonError(KVStoreError):
     """The daemon answered a request with an error."""
+
+
+class RemoteError(KVStoreError):
+    """The fleet tier's object store failed or refused a request; `cause` says which way."""
+
+    def __init__(self, cause: str, message: str):
+        self.cause = cause  # "unreachable" | "credentials" | "bucket" | "corrupt" | "version" ...
+        super().__init__(message)

@@ -55,11 +55,12 @@ class PinResult:
     name: str
     key: str
     tokens: int
-    status: str  # "present" | "warmed" | "failed"
+    status: str  # "present" | "warmed" (prefilled) | "fetched" (from the fleet tier) | "failed"
     seconds: float = 0.0
     nbytes: int = 0
     warning: str | None = None
     error: str | None = None
+    remote: str | None = None  # why the fleet tier was or was not used for this pin
 
 
 @dataclass
@@ -80,6 +81,10 @@ class WarmReport:
     @property
     def warmed(self) -> int:
         return sum(p.status == "warmed" for p in self.pins)
+
+    @property
+    def fetched(self) -> int:
+        return sum(p.status == "fetched" for p in self.pins)
 
     @property
     def failed(self) -> list[PinResult]:
@@ -154,13 +159,20 @@ def encode_pin(
         quantized_kv_start=plan.spec.quantized_kv_start,
     )
     blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
-    fields = dict(
+    return blob, pin_fields(plan, pp, classes=codec.cache_classes(cache), manifest=manifest)
+
+
+def pin_fields(
+    plan: ModelPlan, pp: PlannedPin, *, classes: list[str], manifest: Path | None = None
+) -> dict:
+    """The meta fields Store.put takes for a manifest pin (prefilled here or fetched)."""
+    return dict(
         tokens=pack_tokens(pp.pin.tokens),
         label=pp.pin.name,
         pinned=True,
         model=plan.spec.path,
         template_hash=plan.template_hash,
-        classes=codec.cache_classes(cache),
+        classes=classes,
         extra={
             "adapter": plan.spec.adapter,
             "kv_bits": plan.spec.kv_bits,
@@ -170,7 +182,6 @@ def encode_pin(
             "manifest": str(manifest) if manifest else None,
         },
     )
-    return blob, fields
 
 
 def _ident(spec: ModelSpec) -> tuple:
@@ -233,8 +244,10 @@ def _warm_model(
     *,
     put: Callable[[bytes, bytes, dict], None],
     say: Callable[[str], None],
+    fetch: Callable | None = None,
 ) -> None:
-    """Prefill and put one model's missing pins; the model is loaded once and released."""
+    """Prefill and put one model's missing pins; the model is loaded once and released. `fetch`
+    (the fleet tier, kvstore.remote_fetch) is tried for each missing pin before the model loads."""
     spec = plan.spec
     for pp in plan.pins:
         if pp.pin.warning:
@@ -242,6 +255,9 @@ def _warm_model(
         if pp.present:
             report.pins.append(_result(pp, "present", warning=pp.pin.warning))
     missing = [pp for pp in plan.pins if not pp.present]
+    notes: dict[bytes, str] = {}
+    if fetch is not None:
+        missing = [pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes)]
     if not missing:
         return
     say(f"loading {spec.path} to warm {len(missing)} pin(s)")
@@ -269,7 +285,8 @@ def _warm_model(
                 continue
             dt = time.perf_counter() - t
             report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
-                                       warning=pp.pin.warning))  # fmt: skip
+                                       warning=pp.pin.warning,
+                                       remote=notes.get(pp.key)))  # fmt: skip
             say(
                 f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
                 f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
@@ -277,6 +294,23 @@ def _warm_model(
     finally:
         del model
         release_model()
+
+
+def _fetched(plan, pp, report, put, fetch, notes) -> bool:
+    """Whether `fetch` brought this pin from the fleet tier (and it was stored)."""
+    t = time.perf_counter()
+    blob, fields, note = fetch(plan, pp)
+    notes[pp.key] = note
+    if blob is None:
+        return False
+    try:
+        put(pp.key, blob, fields)
+    except KVStoreError as e:
+        _fail(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}")
+        return True
+    report.pins.append(_result(pp, "fetched", seconds=time.perf_counter() - t,
+                               nbytes=len(blob), warning=pp.pin.warning, remote=note))  # fmt: skip
+    return True
 
 
 def warm(
@@ -288,9 +322,11 @@ def warm(
     put: Callable[[bytes, bytes, dict], None] | None = None,
     delete: Callable[[list[bytes]], None] | None = None,
     purge: bool = True,
+    fetch: Callable | None = None,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
-    then prefill the missing. `put` and `delete` override where writes go (e.g. the daemon)."""
+    then fetch (with `fetch`, the fleet tier) or prefill the missing. `put` and `delete` override
+    where writes go (e.g. the daemon)."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
@@ -316,6 +352,6 @@ def warm(
             log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     for plan in plans.values():
-        _warm_model(plan, manifest, report, put=put, say=say)
+        _warm_model(plan, manifest, report, put=put, say=say, fetch=fetch)
     report.seconds = time.perf_counter() - t0
     return report

@@ -63,8 +63,8 @@ def ledger_rate(ledger: Ledger | None, model: str) -> float | None:
 
 
 class WarmFetcher:
-    """The `fetch` callable kvstore.warm.warm takes: (plan, pin) -> (blob, fields, note) where a
-    None blob means "prefill it", and the note says why either way."""
+    """The `fetch` callable kvstore.warm.warm takes: (plan, pin) -> (blob, cache classes, note)
+    where a None blob means "prefill it", and the note says why either way."""
 
     def __init__(
         self,
@@ -81,21 +81,19 @@ class WarmFetcher:
     def prefill_rate(self, model: str) -> float | None:
         return ledger_rate(self.ledger, model) or self.queue.rate(f"prefill_tps:{model}")
 
-    def __call__(self, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes | None, dict, str]:
-        from kvstore.warm import pin_fields
-
+    def __call__(self, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes | None, list, str]:
         if self._down:
-            return None, {}, f"remote unavailable ({self._down})"
+            return None, [], f"remote unavailable ({self._down})"
         try:
             nbytes = self.remote.head(pp.key)
             if nbytes is None:
-                return None, {}, "not on the remote"
+                return None, [], "not on the remote"
             choice = self.choose(plan, pp, nbytes)
             if not choice.fetch:
                 log.info(
                     "remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, choice.reason
                 )
-                return None, {}, choice.reason
+                return None, [], choice.reason
             data, seconds = self.remote.fetch(pp.key)
             meta, blob = verify_object(pp.key, data, tokens=pack_tokens(pp.pin.tokens))
         except RemoteError as e:
@@ -104,14 +102,12 @@ class WarmFetcher:
             log.error(
                 "remote: pin %r of %s: %s; prefilling instead", pp.pin.name, plan.spec.path, e
             )
-            return None, {}, f"remote failed ({e.cause})"
+            return None, [], f"remote failed ({e.cause})"
         self.queue.measured("fetch_bps", len(data) / max(seconds, 1e-6))
         self.queue.done(pp.key, "fetched")  # the remote has it: never queued for upload
-        fields = pin_fields(plan, pp, classes=meta.classes)
-        fields["extra"]["origin"] = "remote"
         note = f"{len(data) / 2**20:.1f} MiB in {seconds:.2f}s ({choice.reason})"
         log.info("remote: pin %r of %s: fetched %s", pp.pin.name, plan.spec.path, note)
-        return blob, fields, note
+        return blob, meta.classes, note
 
     def choose(self, plan: ModelPlan, pp: PlannedPin, nbytes: int) -> Choice:
         if self.always:
@@ -131,4 +127,4 @@ class WarmFetcher:
                 self.queue.measured(f"prefill_tps:{p.model}", p.tokens / p.seconds)
 
 
-Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, dict, str]]
+Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str]]

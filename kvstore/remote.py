@@ -127,6 +127,7 @@ class Remote:
             region_name=rs.region,
             aws_access_key_id=rs.access_key_id,
             aws_secret_access_key=rs.secret_access_key,
+            verify=rs.ca_bundle or None,  # None: the system's trust store; http: unused
             config=Config(
                 connect_timeout=rs.connect_timeout,
                 read_timeout=rs.read_timeout,

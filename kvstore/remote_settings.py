@@ -27,6 +27,7 @@ REMOTE_DEFAULTS: dict[str, Any] = {
     "prefix": "",  # optional key prefix inside the bucket (a team, a fleet)
     "region": "us-east-1",
     "credentials": "",  # TOML file with access_key_id, secret_access_key; must be 0600
+    "ca_bundle": "",  # PEM file of the CA that signed an https endpoint's certificate (a LAN CA)
     "upload": True,  # write-behind upload of every local commit
     "download": True,  # read-through when warming, and `kvstore remote pull`
     "fetch_deadline": 30.0,  # seconds: a fetch still running after this is dropped (prefill)
@@ -50,6 +51,7 @@ class RemoteSettings:
     prefix: str = ""
     region: str = "us-east-1"
     credentials: str = ""
+    ca_bundle: str = ""
     upload: bool = True
     download: bool = True
     fetch_deadline: float = 30.0

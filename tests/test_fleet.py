@@ -92,17 +92,16 @@ def test_box_b_warms_from_the_remote_with_no_prefill(s3, llama_path, tmp_path):
             assert_same_kv(sa.load(k)[1], sb.load(k)[1])
         assert sb.check() == []
     from mlx_lm.server import LRUPromptCache
-    from mlx_lm.utils import load
 
     from client.hydrate import hydrate
-    from kvstore.prefill import prefill
 
-    lru = LRUPromptCache()
+    lru = LRUPromptCache()  # an app on box B hydrates what came from A, and gets A's KV
     assert hydrate(lru, "m", llama_path, home=b).entries == 2
-    model, _ = load(str(llama_path))
-    with Store(b, readonly=True) as sb:
-        for m in sb.metas():  # B's KV is what a fresh prefill of those tokens gives
-            assert_same_kv(sb.load(m.key)[1], prefill(model, m.token_ids()))
+    with Store(a, readonly=True) as sa:
+        for m in sa.metas():
+            cache, rest = lru.fetch_nearest_cache("m", m.token_ids())
+            assert rest == []
+            assert_same_kv(cache, sa.load(m.key)[1])
 
 
 def test_cli_warm_push_pull_and_status(s3, llama_path, tmp_path):
@@ -378,3 +377,37 @@ def test_a_key_scoped_to_the_bucket_works_there_and_nowhere_else(s3, llama_path,
     cli("warm", "--manifest", manifest, "--home", str(elsewhere))
     r = cli("remote", "push", "--home", str(elsewhere))
     assert r.exit_code == 1 and "credentials refused" in r.output
+
+
+def test_local_puts_never_wait_on_a_silent_remote(tmp_path):
+    import socket
+
+    from kvstore.remote_queue import start_uploader
+
+    silent = socket.socket()  # accepts connections (the backlog) and never answers a byte
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    port = silent.getsockname()[1]
+    try:
+        home = tmp_path / "a"
+        home.mkdir(mode=0o700)
+        rs = RemoteSettings(f"http://127.0.0.1:{port}", BUCKET, read_timeout=1.0,
+                            access_key_id="k", secret_access_key="s")  # fmt: skip
+        with Store(home) as store:
+            worker = start_uploader(Remote(rs), store, home)
+            try:
+                big_entry(store, b"\1" * 16, 16, seed=1)
+                wait_for(lambda: worker.queue.pending() and worker.is_alive(), what="a queued key")
+                time.sleep(0.2)  # the worker is now inside its request to the silent remote
+                t = time.perf_counter()
+                key = big_entry(store, b"\1" * 16, 16, seed=2)
+                assert time.perf_counter() - t < 0.5  # committed and queued, not uploaded
+                assert key in worker.queue.pending() and store.get_meta(key) is not None
+                assert not worker.stop(timeout=0.1)  # still in flight: the daemon says so
+            finally:
+                silent.close()
+                worker.stop(timeout=10)
+            assert not worker.is_alive() and len(worker.queue.pending()) == 2  # kept
+            worker.queue.close()
+    finally:
+        silent.close()

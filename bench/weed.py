@@ -61,12 +61,14 @@ def free_port_pairs(n: int) -> list[int]:
 class Weed:
     """One `weed mini` process; `kill()` then `start()` again keeps its data and ports."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, *, tls: tuple[Path, Path, Path] | None = None):
+        """`tls`: (certificate, key, CA) files; S3 then answers https on its port."""
         self.root = root
+        self.tls = tls
         self.data = root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
         self.ports = dict(zip(ROLES, free_port_pairs(len(ROLES))))
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.ports['s3']}"
         self.config = root / "s3.json"
         admin = {
             "name": "admin",
@@ -94,6 +96,7 @@ class Weed:
             "-s3.autoCreateBucket=false",  # a missing bucket must stay missing
             f"-s3.localSocket={self.root / 's3.sock'}",
             f"-filer.localSocket={self.root / 'filer.sock'}",
+            *([f"-s3.cert.file={self.tls[0]}", f"-s3.key.file={self.tls[1]}"] if self.tls else []),
         ]  # fmt: skip
 
     def client(self, key: str = ADMIN_KEY, secret: str = ADMIN_SECRET):
@@ -103,6 +106,7 @@ class Weed:
         return boto3.session.Session().client(
             "s3", endpoint_url=self.endpoint, region_name="us-east-1",
             aws_access_key_id=key, aws_secret_access_key=secret,
+            verify=str(self.tls[2]) if self.tls else None,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
                           connect_timeout=1, read_timeout=5),
         )  # fmt: skip

@@ -154,6 +154,12 @@ class Remote:
             if code in _BUCKET_CODES:
                 return RemoteError("bucket", f"{self.where()}: {what}: no such bucket")
             return RemoteError("error", f"{self.where()}: {what}: {code or status}")
+        if isinstance(e, bx.SSLError):
+            return RemoteError(
+                "tls",
+                f"{self.where()}: {what}: TLS failed ({e}); for a certificate signed by your own "
+                "CA, set [remote] ca_bundle to its PEM file",
+            )
         if isinstance(e, bx.NoCredentialsError):
             return RemoteError("credentials", f"{self.where()}: {what}: no credentials set")
         if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionError, bx.HTTPClientError)):

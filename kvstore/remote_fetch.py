@@ -25,7 +25,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore")
 
-_OUTAGES = ("unreachable", "credentials", "bucket", "error")  # the remote is off for this warm
+_OUTAGES = (
+    "unreachable",
+    "credentials",
+    "bucket",
+    "tls",
+    "error",
+)  # the remote is off for this warm
 
 
 @dataclass

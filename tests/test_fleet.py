@@ -411,3 +411,38 @@ def test_local_puts_never_wait_on_a_silent_remote(tmp_path):
             worker.queue.close()
     finally:
         silent.close()
+
+
+def make_tls(d: Path) -> tuple[Path, Path, Path]:
+    """A private CA and a certificate it signed for 127.0.0.1 (openssl, as a LAN would)."""
+    import subprocess
+
+    d.mkdir()
+
+    def ossl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+         "-days", "2", "-subj", "/CN=kvstore test CA")  # fmt: skip
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+         "-subj", "/CN=127.0.0.1")  # fmt: skip
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    ossl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+         "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+    return d / "server.pem", d / "server.key", d / "ca.pem"
+
+
+def test_tls_with_a_private_ca(tmp_path, llama_path):
+    tls = make_tls(tmp_path / "tls")
+    server = Weed(tmp_path / "weed", tls=tls).start()
+    try:
+        assert server.endpoint.startswith("https://")
+        manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+        home = box(tmp_path / "a", server, ca_bundle=str(tls[2]))
+        cli("warm", "--manifest", manifest, "--home", str(home))
+        assert "2 uploaded" in cli("remote", "push", "--home", str(home)).output
+        untrusting = box(tmp_path / "b", server)  # no ca_bundle: the system store lacks our CA
+        r = cli("remote", "pull", "--manifest", manifest, "--home", str(untrusting))
+        assert r.exit_code == 1 and "set [remote] ca_bundle" in r.output
+    finally:
+        server.stop(signal.SIGKILL)

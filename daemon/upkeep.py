@@ -141,6 +141,8 @@ class Upkeep:
 
     def warm(self, manifest: Manifest, *, cause: str) -> dict[str, Any]:
         log.info("warm %s (%s)", manifest.path, cause)
+        if self.fetcher is not None:
+            self.fetcher.start()
         with RssSampler() as rss:
             report = warm(
                 manifest,

@@ -84,6 +84,10 @@ class WarmFetcher:
         self.always = always  # `remote pull`: fetch whatever the cost
         self._down: str | None = None  # an outage seen in this warm: prefill the rest
 
+    def start(self) -> None:
+        """A new warm: an outage seen in the last one is asked about again."""
+        self._down = None
+
     def prefill_rate(self, model: str) -> float | None:
         return ledger_rate(self.ledger, model) or self.queue.rate(f"prefill_tps:{model}")
 

@@ -446,3 +446,27 @@ def test_tls_with_a_private_ca(tmp_path, llama_path):
         assert r.exit_code == 1 and "set [remote] ca_bundle" in r.output
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_daemon_keeps_its_queue_while_the_remote_is_down_and_resumes_after_restart(
+    tmp_path, llama_path
+):
+    server = Weed(tmp_path / "weed").start()
+    server.kill()  # its ports are known; nothing answers there now
+    try:
+        home = box(tmp_path / "a", server)
+        manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+        with serving(Proc(home, "--manifest", manifest, log=tmp_path / "d1.log")) as d:
+            w = d.wait_warm()
+            assert (w["warmed"], w["failed"]) == (2, 0)  # the local warm is unaffected
+            d.wait_log("remote: upload paused")
+        text = (tmp_path / "d1.log").read_text()
+        assert text.count("upload paused") == 1  # one line per cause, not one per retry
+        assert UploadQueue(home).counts() == {"queued": 2, "uploaded": 0}
+        server.start()
+        with serving(Proc(home, "--manifest", manifest, log=tmp_path / "d2.log")) as d:
+            assert d.wait_warm()["present"] == 2
+            wait_for(lambda: len(list(remote_of(home).objects())) == 2, what="the queue")
+        assert UploadQueue(home).counts() == {"queued": 0, "uploaded": 2}
+    finally:
+        server.stop(signal.SIGKILL)

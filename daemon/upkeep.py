@@ -124,7 +124,7 @@ class Upkeep:
                 self.uploader = start_uploader(remote, self.store, self.home)
             if rs.download:
                 self.fetcher = WarmFetcher(remote, UploadQueue(self.home), ledger=ledger)
-        except (KVStoreError, ImportError) as e:
+        except KVStoreError as e:
             log.error("remote: %s; running local-only", e)
             return
         log.info("remote: %s (upload %s, download %s)", remote.where(), rs.upload, rs.download)

@@ -61,8 +61,14 @@ def _remote(home: Path):
 def local_fleet(home: Path, store) -> Iterator[object]:
     """For a warm without a daemon: commits queued for upload, and the read-through fetcher
     (None when there is no [remote] table, or when it is unusable: then one line says why)."""
+    from kvstore.ledger import Ledger
+    from kvstore.remote import Remote
+    from kvstore.remote_fetch import WarmFetcher
+    from kvstore.remote_queue import UploadQueue, enqueue_on_commit
+
     try:
         rs = _settings(home)
+        remote = Remote(rs)
     except click.ClickException:
         yield None
         return
@@ -70,15 +76,10 @@ def local_fleet(home: Path, store) -> Iterator[object]:
         click.echo(f"warning: remote: {e}; warming local-only", err=True)
         yield None
         return
-    from kvstore.ledger import Ledger
-    from kvstore.remote import Remote
-    from kvstore.remote_fetch import WarmFetcher
-    from kvstore.remote_queue import UploadQueue, enqueue_on_commit
-
     queue = UploadQueue(home)
     hooked = enqueue_on_commit(store, home) if rs.upload else None
     try:
-        yield WarmFetcher(Remote(rs), queue, ledger=Ledger(home)) if rs.download else None
+        yield WarmFetcher(remote, queue, ledger=Ledger(home)) if rs.download else None
     finally:
         if hooked is not None:
             store.on_commit.pop()

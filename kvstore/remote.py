@@ -116,8 +116,13 @@ class Remote:
     """A boto3 client for one bucket; every failure comes out as a RemoteError naming its cause."""
 
     def __init__(self, rs: RemoteSettings):
-        import boto3
-        from botocore.config import Config
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise RemoteError(
+                "unavailable", "the fleet tier needs boto3: pip install 'kvstore[fleet]'"
+            ) from None
 
         self.settings = rs
         self.bucket = rs.bucket

@@ -470,3 +470,14 @@ def test_a_daemon_keeps_its_queue_while_the_remote_is_down_and_resumes_after_res
         assert UploadQueue(home).counts() == {"queued": 0, "uploaded": 2}
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_without_boto3_a_warm_is_local_and_says_why(s3, llama_path, tmp_path):
+    import sys
+
+    home = box(tmp_path / "a", s3)
+    manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+    with mock.patch.dict(sys.modules, {"boto3": None}):  # as on a box without the fleet extra
+        r = CliRunner().invoke(main, ["warm", "--manifest", manifest, "--home", str(home)])
+    assert r.exit_code == 0 and "2 warmed" in r.output
+    assert "needs boto3: pip install 'kvstore[fleet]'" in r.output

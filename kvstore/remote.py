@@ -72,13 +72,14 @@ def object_header(meta: EntryMeta) -> bytes:
 
 
 def verify_object(
-    key: bytes, data: bytes, *, tokens: bytes | None = None
-) -> tuple[EntryMeta, bytes]:
+    key: bytes, data: bytes | bytearray, *, tokens: bytes | None = None
+) -> tuple[EntryMeta, memoryview]:
     """Meta and blob of a fetched object, verified in full (the decode too); raises RemoteError
     with cause "corrupt" or "version" naming what is wrong. Nothing is stored here."""
     where = f"remote object for entry {key.hex()}"
     if len(data) < HEADER.size:
         raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
+    data = memoryview(data)  # slices below are views: a 1 GB object is not copied again
     magic, version, meta_len = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise RemoteError("corrupt", f"{where}: not a kvstore object (bad magic)")
@@ -89,7 +90,7 @@ def verify_object(
     if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
         raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
     try:
-        meta = EntryMeta.unpack(key, data[HEADER.size : HEADER.size + meta_len])
+        meta = EntryMeta.unpack(key, bytes(data[HEADER.size : HEADER.size + meta_len]))
     except CorruptEntryError as e:
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
     if xxhash.xxh3_128(meta.tokens).digest() != key[FINGERPRINT_BYTES:]:
@@ -205,19 +206,20 @@ class Remote:
                 return None
             raise self._error(e, f"looking up entry {key.hex()}") from None
 
-    def fetch(self, key: bytes, *, deadline: float | None = None) -> tuple[bytes, float]:
-        """The object's bytes and the seconds the transfer took; over `deadline` seconds it is
-        dropped with cause "slow"."""
+    def fetch(self, key: bytes, *, deadline: float | None = None) -> tuple[bytearray, float]:
+        """The object's bytes (read into one buffer of its length) and the seconds the transfer
+        took; over `deadline` seconds it is dropped with cause "slow"."""
         deadline = self.settings.fetch_deadline if deadline is None else deadline
+        name = object_name(self.settings, key)
         t0 = time.monotonic()
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=object_name(self.settings, key))[
-                "Body"
-            ]
-            parts = []
+            res = self.client.get_object(Bucket=self.bucket, Key=name)
+            body, size = res["Body"], int(res["ContentLength"])
+            buf, got = bytearray(size), 0
             try:
-                while chunk := body.read(READ_CHUNK):
-                    parts.append(chunk)
+                while got < size and (chunk := body.read(min(READ_CHUNK, size - got))):
+                    buf[got : got + len(chunk)] = chunk
+                    got += len(chunk)
                     if time.monotonic() - t0 > deadline:
                         raise RemoteError(
                             "slow",
@@ -228,7 +230,9 @@ class Remote:
                 body.close()
         except Exception as e:
             raise self._error(e, f"fetching entry {key.hex()}") from None
-        return b"".join(parts), time.monotonic() - t0
+        if got != size:
+            raise RemoteError("corrupt", f"{self.where()}: entry {key.hex()}: object cut short")
+        return buf, time.monotonic() - t0
 
     def objects(self, fingerprint: bytes = b"") -> Iterator[RemoteObject]:
         """Every object of this format version (of one model with `fingerprint`)."""

@@ -126,6 +126,13 @@ def test_cli_warm_push_pull_and_status(s3, llama_path, tmp_path):
     assert r.output.count("fetched ") >= 2
     with Store(a, readonly=True) as sa, Store(c, readonly=True) as sc:
         assert all(sa.read_blob(k) == sc.read_blob(k) for k in sa.keys())
+    d = box(tmp_path / "d", s3)  # with a daemon running, pull stores through it (the one writer)
+    with serving(Proc(d, log=tmp_path / "d.log"), warm=False) as daemon:
+        r = cli("remote", "pull", "--manifest", manifest, "--home", str(d))
+        assert r.exit_code == 0 and "2 fetched" in r.output, r.output
+        assert daemon.text().count("request put") == 2
+    with Store(a, readonly=True) as sa, Store(d, readonly=True) as sd:
+        assert sorted(sd.keys()) == sorted(sa.keys()) and sd.check() == []
 
 
 # -- failures stay local ----------------------------------------------------------------------

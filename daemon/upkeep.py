@@ -130,8 +130,14 @@ class Upkeep:
         log.info("remote: %s (upload %s, download %s)", remote.where(), rs.upload, rs.download)
 
     def stop_remote(self) -> bool:
-        """Stop the upload worker between entries; False if an upload is still in flight."""
-        return self.uploader is None or self.uploader.stop()
+        """Stop the upload worker between entries; False if an upload is still in flight (its
+        queue is then left for the process exit to release, like the store)."""
+        stopped = self.uploader is None or self.uploader.stop()
+        if stopped:
+            for user in (self.uploader, self.fetcher):
+                if user is not None:
+                    user.queue.close()
+        return stopped
 
     def _progress(self, msg: str) -> None:
         if self.stopping.is_set():

@@ -44,6 +44,24 @@ def remote_of(home: Path) -> Remote:
     return Remote(remote_settings(load_settings(home), home))
 
 
+def queue_counts(home: Path) -> dict:
+    q = UploadQueue(home)
+    try:
+        return q.counts()
+    finally:
+        q.close()
+
+
+@pytest.fixture(autouse=True)
+def no_environment_left_open():
+    """An environment left open would be shared by a forked child (test_reliability_crash)."""
+    from kvstore.lmdbenv import ENVS
+
+    before = set(ENVS)
+    yield
+    assert set(ENVS) <= before, f"LMDB environments left open: {sorted(set(ENVS) - before)}"
+
+
 def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -240,16 +258,16 @@ def test_a_corrupt_object_is_never_stored(s3, llama_path, tmp_path, caplog):
     struct.pack_into("<H", data, 4, 2)  # a future format version's object under our key
     client.put_object(Bucket=BUCKET, Key=other, Body=bytes(data))
     with Store(b) as sb:
-        report = warm(
-            load_manifest(manifest), sb, home=b, fetch=WarmFetcher(remote_of(b), UploadQueue(b))
-        )
+        q = UploadQueue(b)
+        report = warm(load_manifest(manifest), sb, home=b, fetch=WarmFetcher(remote_of(b), q))
+        q.close()
         assert {p.name: (p.status, p.remote) for p in report.pins} == {
             "classify": ("warmed", "remote failed (corrupt)"),
             "synthesize": ("warmed", "remote failed (version)"),
         }
         assert "blob checksum mismatch" in caplog.text and "format version 2" in caplog.text
-        for m in metas.values():  # B holds its own prefill, equal to A's: never the bad bytes
-            assert sb.read_blob(m.key) == Store(a, readonly=True).read_blob(m.key)
+        with Store(a, readonly=True) as sa:  # B holds its own prefill, A's: never the bad bytes
+            assert all(sb.read_blob(m.key) == sa.read_blob(m.key) for m in metas.values())
         assert sb.check() == []
 
 
@@ -469,12 +487,12 @@ def test_a_daemon_keeps_its_queue_while_the_remote_is_down_and_resumes_after_res
             d.wait_log("remote: upload paused")
         text = (tmp_path / "d1.log").read_text()
         assert text.count("upload paused") == 1  # one line per cause, not one per retry
-        assert UploadQueue(home).counts() == {"queued": 2, "uploaded": 0}
+        assert queue_counts(home) == {"queued": 2, "uploaded": 0}
         server.start()
         with serving(Proc(home, "--manifest", manifest, log=tmp_path / "d2.log")) as d:
             assert d.wait_warm()["present"] == 2
             wait_for(lambda: len(list(remote_of(home).objects())) == 2, what="the queue")
-        assert UploadQueue(home).counts() == {"queued": 0, "uploaded": 2}
+        assert queue_counts(home) == {"queued": 0, "uploaded": 2}
     finally:
         server.stop(signal.SIGKILL)
 

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
-from kvstore import protocol, remote
+from kvstore import daemon_client, protocol
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.ledger import validate
 from kvstore.settings import SOCKET_NAME
@@ -111,40 +111,40 @@ def test_a_trickled_frame_is_bounded_by_the_frame_timeout(pair):
 
 
 def test_short_home_uses_the_socket_in_the_home(tmp_path):
-    assert remote.socket_path(tmp_path) == tmp_path.absolute() / SOCKET_NAME
+    assert daemon_client.socket_path(tmp_path) == tmp_path.absolute() / SOCKET_NAME
 
 
 def test_long_home_gets_a_short_private_fallback(tmp_path, monkeypatch):
     root = tmp_path / "r"
     root.mkdir()
-    monkeypatch.setattr(remote, "FALLBACK_ROOT", root)
+    monkeypatch.setattr(daemon_client, "FALLBACK_ROOT", root)
     home = tmp_path / ("deep" * 40)
-    path = remote.socket_path(home, create=True)
-    assert len(os.fsencode(str(path))) < remote.SUN_PATH_MAX
+    path = daemon_client.socket_path(home, create=True)
+    assert len(os.fsencode(str(path))) < daemon_client.SUN_PATH_MAX
     assert path.parent == root / f"kvstore-{os.getuid()}"
     assert path.parent.stat().st_mode & 0o777 == 0o700
     # both ends compute it alike, and another home gets another path
-    assert remote.socket_path(home) == path
-    assert remote.socket_path(tmp_path / ("other" * 40)) != path
+    assert daemon_client.socket_path(home) == path
+    assert daemon_client.socket_path(tmp_path / ("other" * 40)) != path
 
 
 def test_fallback_dir_open_to_others_is_refused(tmp_path, monkeypatch):
     root = tmp_path / "r"
     root.mkdir()
-    monkeypatch.setattr(remote, "FALLBACK_ROOT", root)
+    monkeypatch.setattr(daemon_client, "FALLBACK_ROOT", root)
     (root / f"kvstore-{os.getuid()}").mkdir(mode=0o777)
     os.chmod(root / f"kvstore-{os.getuid()}", 0o777)
     with pytest.raises(KVStoreError, match="not a private directory"):
-        remote.socket_path(tmp_path / ("deep" * 40))
+        daemon_client.socket_path(tmp_path / ("deep" * 40))
 
 
 def test_connect_is_none_without_a_daemon(tmp_path):
-    assert remote.connect(tmp_path) is None
+    assert daemon_client.connect(tmp_path) is None
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(tmp_path / SOCKET_NAME))  # a stale socket file: nobody listens
     srv.close()
     assert (tmp_path / SOCKET_NAME).exists()
-    assert remote.connect(tmp_path) is None
+    assert daemon_client.connect(tmp_path) is None
 
 
 # -- peer credentials ----------------------------------------------------------------------
@@ -200,8 +200,8 @@ def test_ledger_batches_are_validated():
 
 
 def test_path_helpers_do_not_touch_the_fallback_root_for_short_homes(tmp_path, monkeypatch):
-    monkeypatch.setattr(remote, "FALLBACK_ROOT", Path("/nonexistent-root"))
-    assert remote.socket_path(tmp_path, create=True).parent == tmp_path.absolute()
+    monkeypatch.setattr(daemon_client, "FALLBACK_ROOT", Path("/nonexistent-root"))
+    assert daemon_client.socket_path(tmp_path, create=True).parent == tmp_path.absolute()
 
 
 def test_ledger_append_survives_short_writes(tmp_path, monkeypatch):
@@ -235,7 +235,7 @@ def test_connect_raises_when_a_daemon_refuses_but_is_none_when_it_goes_away(tmp_
 
     home = tmp_path / "h"
     home.mkdir()
-    path = remote.socket_path(home)
+    path = daemon_client.socket_path(home)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(path))
     listener.listen(4)
@@ -252,8 +252,8 @@ def test_connect_raises_when_a_daemon_refuses_but_is_none_when_it_goes_away(tmp_
     t.start()
     try:
         with pytest.raises(DaemonError, match=r"daemon at .* is busy \(too many connections\)"):
-            remote.connect(home)
-        assert remote.connect(home) is None
+            daemon_client.connect(home)
+        assert daemon_client.connect(home) is None
     finally:
         t.join(10)
         listener.close()

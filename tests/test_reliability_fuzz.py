@@ -25,7 +25,7 @@ from helpers import Proc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore import codec, protocol, remote
+from kvstore import codec, daemon_client, protocol
 from kvstore.errors import CodecError, CorruptEntryError, ProtocolError
 from kvstore.store import Store, blob_checksum
 
@@ -139,7 +139,7 @@ def _exchange(home: Path, raw: bytes) -> str:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(5)
     try:
-        s.connect(str(remote.socket_path(home)))
+        s.connect(str(daemon_client.socket_path(home)))
         try:
             s.sendall(raw)
             s.shutdown(socket.SHUT_WR)

@@ -362,6 +362,9 @@ def test_a_slower_remote_is_not_used(s3, llama_path, tmp_path):
         )
     assert report.models_loaded == 0 and report.fetched == 2
     q.close()
+    with pytest.raises(RemoteError) as e:  # a transfer running past fetch_deadline is dropped
+        remote_of(b).fetch(bytes.fromhex(report.pins[0].key), deadline=0.0)
+    assert e.value.cause == "slow" and "fetch_deadline" in str(e.value)
 
 
 # -- settings ---------------------------------------------------------------------------------

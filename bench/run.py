@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-MODULES = ("hydrate", "pipeline", "scaling", "fingerprint", "persist")
+MODULES = ("hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet")
 
 
 def _largest(rows: list[dict], **match) -> dict:
@@ -103,6 +103,16 @@ def targets(res: dict) -> list[dict]:
                 "ms",
                 m <= 5,
             )
+    if fl := res.get("fleet"):
+        add(
+            f"fleet: boxes 2..{fl['n']} ready with zero prefill after box 1 warmed",
+            round(fl["boxes_2_to_n_prefill_s"], 3),
+            "s",
+            fl["boxes_2_to_n_prefill_s"] == 0 and fl["boxes_2_to_n_models_loaded"] == 0,
+        )
+        ratio = fl["fleet"]["total_prefill_s"] / fl["local"]["total_prefill_s"]
+        add(f"fleet: total prefill with / without the remote tier ({fl['n']} boxes)",
+            round(ratio, 3), "ratio", None, "ideal 1/N: only box 1 prefills")  # fmt: skip
     return out
 
 

@@ -221,6 +221,7 @@ class Daemon(Commands):
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
+            self.upkeep.start_remote(self.ledger)  # before the boot warm: it may fetch
             if any(p.is_file() for p in self.manifests):  # a missing one is warmed on arrival
                 self.reload("boot", settings=False)
             with self._watcher_lock:
@@ -368,6 +369,8 @@ class Daemon(Commands):
         for t in conns.values():
             t.join(max(0.0, deadline - time.monotonic()))
         stuck = [t for t in conns.values() if t.is_alive()]
+        if not self.upkeep.stop_remote():  # it reads the store: same rule as a connection
+            stuck.append("the fleet uploader")
         if stuck:
             log.warning(
                 "%d connection thread(s) still busy after %gs; leaving the store open for the "

@@ -117,6 +117,41 @@ class Upkeep:
         self.last_warm: dict[str, Any] | None = None
         self._pins_over_budget = False
         self._versions: VersionWatch | None = None
+        self.uploader: Any = None  # the fleet tier (kvstore.remote_queue), when [remote] is set
+        self.fetcher: Any = None
+
+    def start_remote(self, ledger: Any) -> None:
+        """Start the fleet tier's upload worker and read-through, when settings have [remote].
+        Any problem is one log line and the daemon runs local-only."""
+        from kvstore.remote_settings import remote_settings
+
+        try:
+            rs = remote_settings(self.settings, self.home)
+            if rs is None:
+                return
+            from kvstore.remote import Remote
+            from kvstore.remote_fetch import WarmFetcher
+            from kvstore.remote_queue import UploadQueue, start_uploader
+
+            remote = Remote(rs)
+            if rs.upload:
+                self.uploader = start_uploader(remote, self.store, self.home)
+            if rs.download:
+                self.fetcher = WarmFetcher(remote, UploadQueue(self.home), ledger=ledger)
+        except KVStoreError as e:
+            log.error("remote: %s; running local-only", e)
+            return
+        log.info("remote: %s (upload %s, download %s)", remote.where(), rs.upload, rs.download)
+
+    def stop_remote(self) -> bool:
+        """Stop the upload worker between entries; False if an upload is still in flight (its
+        queue is then left for the process exit to release, like the store)."""
+        stopped = self.uploader is None or self.uploader.stop()
+        if stopped:
+            for user in (self.uploader, self.fetcher):
+                if user is not None:
+                    user.queue.close()
+        return stopped
 
     def _progress(self, msg: str) -> None:
         if self.stopping.is_set():
@@ -134,6 +169,8 @@ class Upkeep:
     ) -> dict[str, Any]:
         log.info("warm %s (%s)", manifest.path, cause)
         now = now or self.clock()
+        if self.fetcher is not None:
+            self.fetcher.start()
         with RssSampler() as rss, stop_when(self.stopping.is_set):
             try:
                 report = warm(
@@ -143,18 +180,29 @@ class Upkeep:
                     progress=self._progress,
                     purge=purge,
                     now=now,
+                    fetch=self.fetcher,
                 )
             except PrefillStopped as e:
                 raise WarmCancelled(f"the daemon is stopping: {e}") from None
             if report.models_loaded:
                 trim_heap()  # kvstore.warm released the model; hand its freed pages back too
         present = sum(p.status == "present" for p in report.pins)
+        for p in report.pins:  # where each pin's KV came from
+            if p.status != "failed":
+                source = {"warmed": "prefilled", "present": "already present"}.get(
+                    p.status, p.status
+                )
+                why = f" ({p.remote})" if p.remote else ""
+                log.info("warm: pin %r of %s: %s%s", p.name, p.model, source, why)
+        if self.fetcher is not None:
+            self.fetcher.record(report)
         log.info(
-            "warm %s done in %.2fs: %d warmed, %d present, %d failed, %d purged, %d model(s) "
-            "loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
+            "warm %s done in %.2fs: %d warmed, %d fetched, %d present, %d failed, %d purged, "
+            "%d model(s) loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
             manifest.path,
             report.seconds,
             report.warmed,
+            report.fetched,
             present,
             len(report.failed),
             len(report.purged),
@@ -171,6 +219,7 @@ class Upkeep:
             "cause": cause,
             "seconds": report.seconds,
             "warmed": report.warmed,
+            "fetched": report.fetched,
             "present": present,
             "failed": len(report.failed),
             "purged": len(report.purged),

@@ -153,31 +153,40 @@ def warm(manifest: Path | None, home: Path) -> None:
         with client:
             report = warm_report(client.warm(m.path))
     else:
-        with open_store(home, write=True) as store:
-            report = do_warm(m, store, home=home, progress=_progress)
+        from kvstore.cli_remote import local_fleet
+
+        with open_store(home, write=True) as store, local_fleet(home, store) as fetch:
+            report = do_warm(m, store, home=home, progress=_progress, fetch=fetch)
+            if fetch is not None:
+                fetch.record(report)
     for p in report.purged:
         click.echo(f"purged   {p.label:20} {p.key[:12]}  {p.model}: {p.cause}")
     for p in report.released:
         click.echo(f"released {p.label:20} {p.key[:12]}  {p.model}: {p.cause} (kept: other owners)")
     for p in report.pins:
-        line = f"{p.status:8} {p.name:20} {p.tokens:6d} tokens  {p.model}"
-        if p.status == "warmed":
+        # where the pin's KV came from: prefilled here, already present, or fetched (fleet tier)
+        source = {"warmed": "prefilled", "present": "present"}.get(p.status, p.status)
+        line = f"{source:9} {p.name:20} {p.tokens:6d} tokens  {p.model}"
+        if p.status in ("warmed", "fetched"):
             line += f"  ({human_size(p.nbytes)}, {p.seconds:.2f}s)"
         if getattr(p, "valid_date", None):  # the template prints the date: re-warmed daily
             line += f"  valid {p.valid_date}"
+        if p.remote:
+            line += f"  [remote: {p.remote}]"
         click.echo(line)
         if p.warning:
             click.echo(f"warning: {p.warning}", err=True)
+    present = len(report.pins) - report.warmed - report.fetched - len(report.failed)
     click.echo(
-        f"{report.warmed} warmed, {len(report.pins) - report.warmed - len(report.failed)} "
-        f"present, {len(report.failed)} failed in {report.seconds:.2f}s"
+        f"{report.warmed} warmed, {present} present, {len(report.failed)} failed, "
+        f"{report.fetched} fetched in {report.seconds:.2f}s"
     )
     if report.failed:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
 
 
 # The commands live by responsibility; importing them registers them on `main`.
-from kvstore import cli_admin, cli_manifests, cli_transfer  # noqa: E402, F401
+from kvstore import cli_admin, cli_manifests, cli_remote, cli_transfer  # noqa: E402, F401
 
 # `python -m kvstore.cli`: run the module's group, the one the commands registered on.
 if __name__ == "__main__":

@@ -40,3 +40,11 @@ class DaemonError(KVStoreError):
 
 class PrefillStopped(KVStoreError):
     """A prefill's stop check said stop: it stopped between chunks and its cache is discarded."""
+
+
+class RemoteError(KVStoreError):
+    """The fleet tier's object store failed or refused a request; `cause` says which way."""
+
+    def __init__(self, cause: str, message: str):
+        self.cause = cause  # "unreachable" | "credentials" | "bucket" | "corrupt" | "version" ...
+        super().__init__(message)

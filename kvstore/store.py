@@ -111,6 +111,7 @@ class Store:
             raise StoreError(f"{self.path}: cannot open the LMDB store: {e}") from None
         if not readonly:
             self.env.reader_check()
+        self.on_commit: list[Callable[[EntryMeta], None]] = []  # after each put (the fleet queue)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -257,6 +258,19 @@ class Store:
             raise KeyError(key.hex())
         return bytes(blob)
 
+    def read_blob_range(self, key: bytes, offset: int, size: int) -> bytes:
+        """`size` bytes of a blob from `offset`, in one short read transaction (a multipart
+        upload reads each part on its own rather than holding one open for the whole upload)."""
+
+        def fn(txn):
+            blob = txn.get(key, db=self._blob)
+            return None if blob is None else bytes(blob[offset : offset + size])
+
+        part = self._read(fn, buffers=True)
+        if part is None:
+            raise KeyError(key.hex())
+        return part
+
     @staticmethod
     def _decode(key: bytes, meta: EntryMeta, blob) -> list:
         if blob is None:
@@ -340,7 +354,10 @@ class Store:
             txn.put(key, meta.pack(), db=self._meta)
             return meta
 
-        return self._write(fn)
+        meta = self._write(fn)
+        for notify in self.on_commit:  # after the commit: a failing hook cannot undo it
+            notify(meta)
+        return meta
 
     def delete(self, keys: Iterable[bytes]) -> int:
         keys = list(keys)

@@ -62,13 +62,14 @@ class PinResult:
     name: str
     key: str
     tokens: int
-    status: str  # "present" | "warmed" | "failed"
+    status: str  # "present" | "warmed" (prefilled) | "fetched" (from the fleet tier) | "failed"
     seconds: float = 0.0
     nbytes: int = 0
     warning: str | None = None
     error: str | None = None
     valid_date: str | None = None  # clock-bound pin: the local date it holds for
     multi_turn: bool | None = None  # also prefixes 2nd and later turns
+    remote: str | None = None  # why the fleet tier was or was not used for this pin
 
 
 @dataclass
@@ -92,6 +93,10 @@ class WarmReport:
     @property
     def warmed(self) -> int:
         return sum(p.status == "warmed" for p in self.pins)
+
+    @property
+    def fetched(self) -> int:
+        return sum(p.status == "fetched" for p in self.pins)
 
     @property
     def failed(self) -> list[PinResult]:
@@ -185,13 +190,20 @@ def encode_pin(
         quantized_kv_start=plan.spec.quantized_kv_start,
     )
     blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
-    fields = dict(
+    return blob, pin_fields(plan, pp, classes=codec.cache_classes(cache), manifest=manifest)
+
+
+def pin_fields(
+    plan: ModelPlan, pp: PlannedPin, *, classes: list[str], manifest: Path | None = None
+) -> dict:
+    """The meta fields Store.put takes for a manifest pin (prefilled here or fetched)."""
+    return dict(
         tokens=pack_tokens(pp.pin.tokens),
         label=pp.pin.name,
         pinned=True,
         model=plan.spec.path,
         template_hash=plan.template_hash,
-        classes=codec.cache_classes(cache),
+        classes=classes,
         extra={
             "adapter": plan.spec.adapter,
             "kv_bits": plan.spec.kv_bits,
@@ -205,7 +217,6 @@ def encode_pin(
             **_pin_extra(pp),
         },
     )
-    return blob, fields
 
 
 def _pin_extra(pp: PlannedPin) -> dict:
@@ -303,8 +314,10 @@ def _warm_model(
     *,
     put: Callable[[bytes, bytes, dict], None],
     say: Callable[[str], None],
+    fetch: Callable | None = None,
 ) -> None:
-    """Prefill and put one model's missing pins; the model is loaded once and released."""
+    """Prefill and put one model's missing pins; the model is loaded once and released. `fetch`
+    (the fleet tier, kvstore.remote_fetch) is tried for each missing pin before the model loads."""
     spec = plan.spec
     for name, error in plan.failed:
         report.pins.append(PinResult(spec.path, name, "", 0, "failed", error=error))
@@ -315,6 +328,11 @@ def _warm_model(
         if pp.present:
             report.pins.append(_result(pp, "present", warning=pp.pin.warning))
     missing = [pp for pp in plan.pins if not pp.present]
+    notes: dict[bytes, str] = {}
+    if fetch is not None:
+        missing = [
+            pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes, manifest.path)
+        ]
     if not missing:
         return
     say(f"loading {spec.path} to warm {len(missing)} pin(s)")
@@ -342,7 +360,8 @@ def _warm_model(
                 continue
             dt = time.perf_counter() - t
             report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
-                                       warning=pp.pin.warning))  # fmt: skip
+                                       warning=pp.pin.warning,
+                                       remote=notes.get(pp.key)))  # fmt: skip
             say(
                 f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
                 f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
@@ -359,6 +378,26 @@ def _adopt(store: Store, plans: dict[tuple, ModelPlan], me: str, edit: Callable)
     return edit({k: lambda m: adopted(m, me) for k in todo}) if todo else 0
 
 
+def _fetched(plan, pp, report, put, fetch, notes, manifest: Path) -> bool:
+    """Whether `fetch` brought this pin from the fleet tier (and it was stored). `fetch` gives
+    the verified blob (or None: prefill), its cache classes, and why."""
+    t = time.perf_counter()
+    blob, classes, note = fetch(plan, pp)
+    notes[pp.key] = note
+    if blob is None:
+        return False
+    fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
+    fields["extra"]["origin"] = "remote"
+    try:
+        put(pp.key, blob, fields)
+    except KVStoreError as e:
+        _fail(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}")
+        return True
+    report.pins.append(_result(pp, "fetched", seconds=time.perf_counter() - t,
+                               nbytes=len(blob), warning=pp.pin.warning, remote=note))  # fmt: skip
+    return True
+
+
 def warm(
     manifest: Manifest,
     store: Store,
@@ -370,11 +409,12 @@ def warm(
     edit: Callable[[dict], int] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
+    fetch: Callable | None = None,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
-    own the present ones, then prefill the missing. `put`, `delete` and `edit` (Store.edit_meta)
-    override where writes go (e.g. the daemon). Pins render as requests on the local day of `now`
-    do (default: the real clock)."""
+    own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
+    `put`, `delete` and `edit` (Store.edit_meta) override where writes go (e.g. the daemon).
+    Pins render as requests on the local day of `now` do (default: the real clock)."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
@@ -410,6 +450,6 @@ def warm(
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():
-        _warm_model(plan, manifest, report, put=put, say=say)
+        _warm_model(plan, manifest, report, put=put, say=say, fetch=fetch)
     report.seconds = time.perf_counter() - t0
     return report

@@ -39,3 +39,17 @@ def test_hydrate_measurement_and_targets(tmp_path):
     assert all(v > 0 for r in rows for v in r["gbps"].values())
     targets = run.targets({"hydrate": {"rows": rows}})
     assert len(targets) == 4 and all(t["ok"] in (True, False) for t in targets)
+
+
+def test_fleet_targets():
+    fleet = {
+        "n": 4,
+        "boxes_2_to_n_prefill_s": 0,
+        "boxes_2_to_n_models_loaded": 0,
+        "local": {"total_prefill_s": 8.0},
+        "fleet": {"total_prefill_s": 2.0},
+    }
+    zero, ratio = run.targets({"fleet": fleet})
+    assert zero["ok"] is True and ratio["measured"] == 0.25
+    fleet["boxes_2_to_n_prefill_s"] = 0.5  # a box that prefilled misses the target
+    assert run.targets({"fleet": fleet})[0]["ok"] is False

@@ -1,0 +1,146 @@
+"""The `[remote]` table of HOME/settings.toml: where the fleet's object store is, and how to use it.
+
+Without the table the fleet tier is off and everything is local, as before. The secret lives in a
+separate credentials file that must be 0600 (like ~/.ssh keys); it is never logged or shown.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import KVStoreError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Units in comments; every key the table may hold. `endpoint` and `bucket` are required.
+REMOTE_DEFAULTS: dict[str, Any] = {
+    "endpoint": "",  # http(s)://host:port of the S3 API (SeaweedFS, AWS S3, Ceph RGW, R2)
+    "bucket": "",
+    "prefix": "",  # optional key prefix inside the bucket (a team, a fleet)
+    "region": "us-east-1",
+    "credentials": "",  # TOML file with access_key_id, secret_access_key; must be 0600
+    "ca_bundle": "",  # PEM file of the CA that signed an https endpoint's certificate (a LAN CA)
+    "upload": True,  # write-behind upload of every local commit
+    "download": True,  # read-through when warming, and `kvstore remote pull`
+    "fetch_deadline": 30.0,  # seconds: a fetch still running after this is dropped (prefill)
+    "connect_timeout": 2.0,  # seconds to open a connection to the endpoint
+    "read_timeout": 10.0,  # seconds a socket read may stall
+    "max_bytes": 100 * 2**30,  # 100 GiB: the bucket's byte budget, held by `remote gc`
+    "multipart_threshold": 64 * 2**20,  # 64 MiB: larger blobs upload in parts
+    "part_size": 16 * 2**20,  # 16 MiB per part (S3's minimum is 5 MiB)
+    "retry_interval": 30.0,  # seconds the uploader waits after the remote failed
+}
+
+
+class RemoteSettingsError(KVStoreError):
+    """The [remote] table or its credentials file is wrong."""
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    endpoint: str
+    bucket: str
+    prefix: str = ""
+    region: str = "us-east-1"
+    credentials: str = ""
+    ca_bundle: str = ""
+    upload: bool = True
+    download: bool = True
+    fetch_deadline: float = 30.0
+    connect_timeout: float = 2.0
+    read_timeout: float = 10.0
+    max_bytes: int = 100 * 2**30
+    multipart_threshold: int = 64 * 2**20
+    part_size: int = 16 * 2**20
+    retry_interval: float = 30.0
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+
+    def shown(self) -> dict[str, Any]:
+        """What `kvstore stats` and `remote status` show: every setting, never the secret."""
+        out = {k: getattr(self, k) for k in REMOTE_DEFAULTS}
+        out["access_key_id"] = self.access_key_id
+        out["secret_access_key"] = "(set)" if self.secret_access_key else None
+        return out
+
+
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    k: (int, float) if isinstance(v, float) else type(v) for k, v in REMOTE_DEFAULTS.items()
+}
+
+
+def read_credentials(path: Path) -> tuple[str, str]:
+    """access_key_id and secret_access_key from a TOML file that only its owner can read."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise RemoteSettingsError(
+            f"[remote] credentials {path}: cannot read: {e.strerror}"
+        ) from None
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise RemoteSettingsError(
+            f"[remote] credentials {path}: mode {stat.S_IMODE(st.st_mode):04o} lets others read "
+            f"the secret; refused (chmod 600 {path})"
+        )
+    if st.st_uid != os.getuid():
+        raise RemoteSettingsError(f"[remote] credentials {path}: not owned by this user; refused")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        # the parser's message may quote the file's text: name the file, not its content
+        raise RemoteSettingsError(
+            f"[remote] credentials {path}: not valid TOML ({type(e).__name__})"
+        ) from None
+    key, secret = data.get("access_key_id"), data.get("secret_access_key")
+    if not isinstance(key, str) or not isinstance(secret, str) or not key or not secret:
+        raise RemoteSettingsError(
+            f"[remote] credentials {path}: needs string keys access_key_id and secret_access_key"
+        )
+    return key, secret
+
+
+def parse_remote(table: Any, *, source: Path) -> RemoteSettings:
+    """The [remote] table as read from `source`, checked field by field."""
+    if not isinstance(table, dict):
+        raise RemoteSettingsError(f"{source}: [remote] must be a table")
+    unknown = sorted(set(table) - set(REMOTE_DEFAULTS))
+    if unknown:
+        raise RemoteSettingsError(f"{source}: unknown [remote] setting(s) {', '.join(unknown)}")
+    merged = {**REMOTE_DEFAULTS, **table}
+    for k, kind in _TYPES.items():
+        v = merged[k]
+        if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+            raise RemoteSettingsError(f"{source}: [remote] {k} must be {kind}, not {v!r}")
+    for k in ("endpoint", "bucket"):
+        if not merged[k]:
+            raise RemoteSettingsError(f"{source}: [remote] {k} is required")
+    if not merged["endpoint"].startswith(("http://", "https://")):
+        raise RemoteSettingsError(
+            f"{source}: [remote] endpoint must start with http:// or https://"
+        )
+    if merged["part_size"] < 5 * 2**20:
+        raise RemoteSettingsError(f"{source}: [remote] part_size must be at least 5 MiB (S3)")
+    merged["prefix"] = merged["prefix"].strip("/")
+    key = secret = None
+    if merged["credentials"]:
+        path = Path(merged["credentials"]).expanduser()
+        if not path.is_absolute():
+            path = source.parent / path
+        key, secret = read_credentials(path)
+    return RemoteSettings(**merged, access_key_id=key, secret_access_key=secret)
+
+
+def remote_settings(settings: dict[str, Any], home: Path) -> RemoteSettings | None:
+    """The fleet tier's settings from load_settings()'s result, or None when there is no table."""
+    table = settings.get("remote")
+    if table is None:
+        return None
+    return parse_remote(table, source=home / "settings.toml")

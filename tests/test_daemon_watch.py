@@ -156,7 +156,7 @@ def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path
     )
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
-    (home / "settings.toml").write_text("debounce = 0.3\npoll_interval = 1.0\n")
+    (home / "settings.toml").write_text("debounce = 1.0\npoll_interval = 1.0\n")
     d = Proc(home, "--manifest", str(first), log=tmp_path / "daemon.log")
     try:
         d.wait_ready()
@@ -168,11 +168,13 @@ def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path
         r = CliRunner().invoke(main, ["warm", "--manifest", str(second), "--home", str(home)])
         assert r.exit_code == 0 and "1 warmed" in r.output, r.output
         deadline = time.monotonic() + 30
-        # between the purge of the old pin and the warm of the new one, "router" is absent
-        while entries(d).get("router", {}).get("key", router_key) == router_key:
+        # The reconcile purges the old pin before it warms the new one: absent in between.
+        while entries(d).get("router", {}).get("key") in (None, router_key):
             assert time.monotonic() < deadline, d.text()
             time.sleep(0.05)
         d.wait_log("router.md): reconciling")
+        log = d.text()  # the premise: the edit was still unchecked when the warm request came
+        assert log.index("now watching manifest") < log.index("router.md): reconciling"), log
         w = d.request("stats")["daemon"]["last_warm"]
         while not ("router.md" in w["cause"] and w["manifest"] == str(second)):
             w = next_warm(d, w["at"])  # that reconcile ends with the second manifest's warm

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from daemon import exits
 from daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, park_if_supervised
-from daemon.server import Daemon, registered_manifests
+from daemon.server import Daemon
 from kvstore.errors import KVStoreError
+from kvstore.registry import canonical, registered
 from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
 from kvstore.store import Store
 
@@ -89,3 +90,29 @@ def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
         os.close(lock_fd)
         raise
     return daemon, lock_fd
+
+
+def registered_manifests(home: Path, already: list[Path]) -> list[Path]:
+    """The manifests registered in the home (kvstore.registry) not among `already`. One that is
+    gone is logged and still watched, so it is reconciled when it comes back; a damaged registry
+    is logged: neither stops the daemon."""
+    try:
+        entries = registered(home)
+    except KVStoreError as e:
+        log.error("%s (starting without the registered manifests)", e)
+        return []
+    have = {canonical(p) for p in already}
+    out = []
+    for r in entries:
+        if r.path in have:
+            continue
+        have.add(r.path)
+        if not r.present:
+            log.warning(
+                "registered manifest %s is gone; watching for it to come back "
+                "(`kvstore manifests remove %s` forgets it)",
+                r.path,
+                r.path,
+            )
+        out.append(r.path)
+    return out

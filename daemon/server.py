@@ -32,7 +32,7 @@ from daemon.writer import Writer
 from kvstore import protocol
 from kvstore.errors import KVStoreError, ProtocolError
 from kvstore.ledger import Ledger
-from kvstore.registry import canonical, registered
+from kvstore.registry import canonical
 from kvstore.settings import STORE_DIR, load_settings
 from kvstore.store import Store
 
@@ -390,32 +390,6 @@ def setup_logging(level: str = "INFO") -> None:
     from daemon.logs import setup_logging as setup
 
     setup(level)
-
-
-def registered_manifests(home: Path, already: list[Path]) -> list[Path]:
-    """The manifests registered in the home (kvstore.registry) not among `already`. One that is
-    gone is logged and still watched, so it is reconciled when it comes back; a damaged registry
-    is logged: neither stops the daemon."""
-    try:
-        entries = registered(home)
-    except KVStoreError as e:
-        log.error("%s (starting without the registered manifests)", e)
-        return []
-    have = {canonical(p) for p in already}
-    out = []
-    for r in entries:
-        if r.path in have:
-            continue
-        have.add(r.path)
-        if not r.present:
-            log.warning(
-                "registered manifest %s is gone; watching for it to come back "
-                "(`kvstore manifests remove %s` forgets it)",
-                r.path,
-                r.path,
-            )
-        out.append(r.path)
-    return out
 
 
 def run(home: Path, *, manifest: Path | None = None) -> int:

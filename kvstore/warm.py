@@ -27,8 +27,9 @@ from kvstore.identity import (
     template_hash,
 )
 from kvstore.keys import entry_key, pack_tokens
-from kvstore.manifest import Manifest, ModelSpec, PrefixSpec, overrides_key
+from kvstore.manifest import Manifest, ModelSpec, PrefixSpec
 from kvstore.ownership import adopted, manifest_owner, owners, released
+from kvstore.purge import Purged, spec_ident, stale_pins
 from kvstore.render import RenderedPin, pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
@@ -70,15 +71,6 @@ class PinResult:
     valid_date: str | None = None  # clock-bound pin: the local date it holds for
     multi_turn: bool | None = None  # also prefixes 2nd and later turns
     remote: str | None = None  # why the fleet tier was or was not used for this pin
-
-
-@dataclass
-class Purged:
-    key: str
-    label: str
-    model: str
-    cause: str
-    released: bool = False  # only this manifest's ownership went: other owners keep the entry
 
 
 @dataclass
@@ -226,69 +218,6 @@ def _pin_extra(pp: PlannedPin) -> dict:
     return pin_extra(pp.pin, pp.prefix.chat_template_kwargs, chat=chat)
 
 
-def _ident(spec: ModelSpec) -> tuple:
-    """What entry_ident() gives for this spec's entries."""
-    quant = (spec.kv_group_size, spec.quantized_kv_start) if spec.kv_bits else (None, None)
-    return (spec.path, spec.adapter, spec.kv_bits, *quant, overrides_key(spec.model_config))
-
-
-def entry_ident(meta) -> tuple:
-    """The model an entry was made with as a manifest names it: EntryMeta.ident() and the
-    load-time overrides."""
-    return (*meta.ident(), overrides_key(meta.extra.get("model_config")))
-
-
-def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
-    """Entries that no longer hold for this manifest: its pins whose model changed, that were
-    removed or re-rendered to other tokens, whose chat template changed, or whose model left the
-    manifest; and any entry (a runtime pin, a chain, an import) of one of its models that was
-    stored under an older fingerprint of that model."""
-    out = []
-    me = manifest_owner(manifest.path)
-    for meta in store.metas(errors=[]):
-        plan = plans.get(entry_ident(meta))
-        ours = me in owners(meta)
-        if not ours:
-            if plan is not None and meta.fingerprint != plan.fingerprint.digest:
-                out.append(
-                    Purged(
-                        meta.key.hex(),
-                        meta.label,
-                        meta.model,
-                        "model changed (weights, config or adapter)",
-                    )
-                )
-            continue
-        if plan is None:
-            if any(_ident(s) == entry_ident(meta) for s in manifest.models):
-                continue  # its model failed to plan: keep what we have, do not guess
-            cause = "model removed from the manifest"
-        elif meta.fingerprint != plan.fingerprint.digest:
-            cause = "model changed (weights, config or adapter)"
-        elif meta.label in {name for name, _ in plan.failed}:
-            continue  # this pin failed to render: keep what it had, do not guess
-        elif _prepared_ahead(meta, plan):
-            continue  # a clock-bound pin prepared for a later day: it is valid then
-        elif meta.key not in {pp.key for pp in plan.pins}:
-            cause = "pin removed, or its rendered tokens changed"
-        elif meta.template_hash != plan.template_hash:
-            cause = "chat template or tokenizer changed"
-        else:
-            continue
-        # KV of an older fingerprint serves no one; anything else other owners may still want
-        outdated = plan is not None and meta.fingerprint != plan.fingerprint.digest
-        kept = not outdated and released(meta, me) is not None
-        out.append(Purged(meta.key.hex(), meta.label, meta.model, cause, released=kept))
-    return out
-
-
-def _prepared_ahead(meta, plan: ModelPlan) -> bool:
-    valid = meta.extra.get("valid_date")
-    if not isinstance(valid, str) or plan.day is None:
-        return False
-    return valid > plan.day.isoformat() and any(pp.pin.name == meta.label for pp in plan.pins)
-
-
 def _result(pp: PlannedPin, status: str, **kw) -> PinResult:
     return PinResult(
         pp.model.path,
@@ -424,7 +353,7 @@ def warm(
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
-            plans[_ident(spec)] = plan_model(spec, store, home=home, now=now)
+            plans[spec_ident(spec)] = plan_model(spec, store, home=home, now=now)
         except KVStoreError as e:
             for prefix in spec.prefixes:
                 report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))

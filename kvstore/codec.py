@@ -5,7 +5,8 @@ The layout is exactly what `mlx_lm.models.cache.save_prompt_cache` writes (tenso
 exported blob is a prompt-cache file mlx-lm loads, and a file mlx-lm wrote decodes here. The
 bytes come from a store we do not fully trust (a corrupt or hostile LMDB value), so `decode`
 checks every length, offset, dtype and class name in pure Python first and rebuilds the cache
-objects itself instead of resolving stored names with `globals()`.
+objects itself instead of resolving stored names with `globals()`. The byte layout is checked
+in `kvstore.safetensors`, the cache structure here; `kvstore.materialize` then copies the tensors.
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlc
 
-from kvstore.errors import CodecError
+from kvstore import materialize
+from kvstore.errors import ChecksumError, CodecError
+from kvstore.safetensors import DTYPES as _DTYPES
+from kvstore.safetensors import MAX_HEADER_BYTES, Layout, Tensor, parse_layout, read_scalar
+from kvstore.safetensors import is_int as _is_int
+
+__all__ = ["CODEC_VERSION", "MAX_HEADER_BYTES", "cache_classes", "cache_tokens", "decode", "encode"]
 
 CODEC_VERSION: int = 1
 
@@ -29,34 +36,11 @@ ALLOWED_CLASSES: dict[str, type] = {
     n: getattr(mlc, n) for n in (*_CLASS_NAMES.split(), "ConcatenateKVCache")
 }
 
-MAX_HEADER_BYTES: int = 16 << 20
-
-_MAX_NDIM = 8
-_MAX_DIM = 2**31 - 1  # mlx shapes are int32
 _MAX_DEPTH = 12  # dotted tensor-name depth; bounds CacheList nesting too
-_MAX_STRING = 4096
 
-# safetensors dtype -> (numpy dtype that moves the bytes, mlx dtype). numpy has no bfloat16, so
-# BF16 travels as uint16 and is viewed back in mlx. F64 is left out: mx.array() of a float64
-# numpy array silently becomes float32, so it could not round-trip.
-_DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
-    "BOOL": (np.dtype(np.bool_), mx.bool_),
-    "U8": (np.dtype("<u1"), mx.uint8),
-    "I8": (np.dtype("<i1"), mx.int8),
-    "U16": (np.dtype("<u2"), mx.uint16),
-    "I16": (np.dtype("<i2"), mx.int16),
-    "U32": (np.dtype("<u4"), mx.uint32),
-    "I32": (np.dtype("<i4"), mx.int32),
-    "U64": (np.dtype("<u8"), mx.uint64),
-    "I64": (np.dtype("<i8"), mx.int64),
-    "F16": (np.dtype("<f2"), mx.float16),
-    "BF16": (np.dtype("<u2"), mx.bfloat16),
-    "F32": (np.dtype("<f4"), mx.float32),
-}
 _CODE_OF = {mdt: code for code, (_, mdt) in _DTYPES.items()}
 # Flattened `[metadata, classes, scalars]` keys other than user metadata ("0.*") and "2.0".
 _META_KEY = re.compile(r"1\.(0|[1-9][0-9]{0,5})|2\.([1-9][0-9]{0,5})\.([01])")
-_INT_CODES = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
 
 # Top-level state arity of each class, as its `state` property returns it.
 _ARITY = {
@@ -67,15 +51,6 @@ _ARITY = {
     "ChunkedKVCache": 5,
     "ConcatenateKVCache": 2,
 }
-
-
-class _Tensor(NamedTuple):
-    """A validated tensor entry, not yet copied out of the blob."""
-
-    code: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
 
 
 def cache_classes(cache: list) -> list[str]:
@@ -209,22 +184,6 @@ def encode(cache: list, metadata: dict[str, str] | None = None) -> bytes:
     return b"".join([struct.pack("<Q", len(raw_bytes)), raw_bytes, *(e[3] for e in entries)])
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        # Parsers disagree on which duplicate wins; refuse the ambiguity.
-        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
-    return dict(pairs)
-
-
-def _reject_constant(s: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {s}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_index(p: str) -> bool:
     return p.isascii() and p.isdigit() and len(p) <= 6 and (p == "0" or p[0] != "0")
 
@@ -236,72 +195,9 @@ class _Decoder:
             self.mv = memoryview(blob).cast("B")
         except TypeError as e:
             raise self.fail(f"not a contiguous bytes-like object ({e})") from None
-        self.data_start = 0
-        self.arrays: list[mx.array] = []
 
     def fail(self, msg: str) -> CodecError:
         return CodecError(f"{self.name}: {msg}")
-
-    # -- layout ---------------------------------------------------------------------------
-    def parse_layout(self) -> tuple[dict[str, _Tensor], dict[str, str]]:
-        total = len(self.mv)
-        if total < 8:
-            raise self.fail(f"truncated: {total} bytes, less than the 8-byte header length")
-        n = int.from_bytes(self.mv[:8], "little")
-        if not 2 <= n <= MAX_HEADER_BYTES:
-            raise self.fail(f"header length {n} outside [2, {MAX_HEADER_BYTES}]")
-        if 8 + n > total:
-            raise self.fail(f"header length {n} runs past the end of the {total}-byte blob")
-        try:
-            text = bytes(self.mv[8 : 8 + n]).decode("utf-8")
-            header = json.loads(
-                text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
-            )
-        except (ValueError, RecursionError) as e:
-            raise self.fail(f"header is not UTF-8 JSON: {e}") from None
-        if not isinstance(header, dict):
-            raise self.fail("header is not a JSON object")
-        meta = header.pop("__metadata__", {})
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise self.fail("__metadata__ is not an object of strings")
-        self.data_start = 8 + n
-        data_len = total - self.data_start
-        tensors = {k: self.tensor_entry(k, v, data_len) for k, v in header.items()}
-        spans = sorted((t.begin, t.end, k) for k, t in tensors.items() if t.end > t.begin)
-        covered = prev_end = 0
-        prev_key = None
-        for begin, end, key in spans:
-            if begin < prev_end:
-                raise self.fail(f"tensors {prev_key!r} and {key!r} overlap")
-            prev_end, prev_key = end, key
-            covered += end - begin
-        if covered != data_len:
-            raise self.fail(f"{data_len - covered} data bytes are not covered by any tensor")
-        return tensors, meta
-
-    def tensor_entry(self, key: str, e: Any, data_len: int) -> _Tensor:
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise self.fail(f"tensor {key!r}: entry must have exactly dtype, shape, data_offsets")
-        code, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if not isinstance(code, str) or code not in _DTYPES:
-            raise self.fail(f"tensor {key!r}: dtype {code!r} not allowed")
-        if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
-            raise self.fail(f"tensor {key!r}: shape must be a list of at most {_MAX_NDIM} dims")
-        if not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
-            raise self.fail(f"tensor {key!r}: shape {shape} has a negative or oversized dim")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
-            raise self.fail(f"tensor {key!r}: data_offsets must be two integers")
-        begin, end = offs
-        if not 0 <= begin <= end <= data_len:
-            raise self.fail(f"tensor {key!r}: data_offsets {offs} outside [0, {data_len}]")
-        size = _DTYPES[code][0].itemsize
-        for d in shape:
-            size *= d  # dims are <= 2**31 and ndim <= 8: no runaway big-int work
-        if size != end - begin:
-            raise self.fail(
-                f"tensor {key!r}: shape {shape} needs {size} bytes, offsets span {end - begin}"
-            )
-        return _Tensor(code, tuple(shape), begin, end)
 
     # -- metadata -------------------------------------------------------------------------
     def parse_metadata(self, meta: dict[str, str]) -> tuple[dict, list[str], dict[str, str]]:
@@ -346,30 +242,6 @@ class _Decoder:
     def check_class_name(self, c: str) -> None:
         if c not in ALLOWED_CLASSES:
             raise self.fail(f"cache class {c!r} is not allowed")
-
-    # -- scalars (numpy only; mlx has not seen the bytes yet) -----------------------------
-    def scalar(self, key: str, t: _Tensor, kind: str) -> Any:
-        count = (t.end - t.begin) // _DTYPES[t.code][0].itemsize
-        if kind == "none":
-            if count:
-                raise self.fail(f"tensor {key!r} is marked none but holds data")
-            return None
-        if kind == "string" and count == 0:
-            return ""
-        if t.code == "BF16" or (kind == "scalar" and count != 1):
-            raise self.fail(f"tensor {key!r} is not a valid scalar")
-        if kind == "string" and (
-            t.code not in _INT_CODES or len(t.shape) != 1 or count > _MAX_STRING
-        ):
-            raise self.fail(f"tensor {key!r} is not a valid string")
-        np_dt = _DTYPES[t.code][0]
-        vals = np.frombuffer(self.mv, np_dt, count, self.data_start + t.begin)
-        if kind == "scalar":
-            return vals[0].item()
-        codes = vals.tolist()
-        if not all(0 <= ch <= 0x10FFFF for ch in codes):
-            raise self.fail(f"tensor {key!r} holds an invalid code point")
-        return "".join(map(chr, codes))
 
     # -- state tree -----------------------------------------------------------------------
     def build_tree(self, leaves: dict[str, Any], n_classes: int) -> list:
@@ -417,7 +289,7 @@ class _Decoder:
             slots, *rest = st
             if not isinstance(slots, list):
                 raise self.fail(f"{w}: slots are not a list")
-            if not all(x is None or isinstance(x, _Tensor) for x in (*slots, *rest)):
+            if not all(x is None or isinstance(x, Tensor) for x in (*slots, *rest)):
                 raise self.fail(f"{w}: slots must be arrays or none")
             return
         if cls == "ConcatenateKVCache":
@@ -454,7 +326,7 @@ class _Decoder:
             raise self.fail(f"{w}: ring index {idx} beyond {seq} stored positions")
 
     def kv_pair(self, w: str, k: Any, v: Any, need: int) -> int:
-        if not (isinstance(k, _Tensor) and isinstance(v, _Tensor)):
+        if not (isinstance(k, Tensor) and isinstance(v, Tensor)):
             raise self.fail(f"{w}: keys and values must both be arrays")
         if len(k.shape) != 4 or len(v.shape) != 4 or k.shape[:3] != v.shape[:3]:
             raise self.fail(f"{w}: keys {k.shape} / values {v.shape} not matching 4-D arrays")
@@ -468,7 +340,7 @@ class _Decoder:
         for part in (k, v):
             if not (isinstance(part, list) and len(part) in (2, 3)):
                 raise self.fail(f"{w}: quantized keys/values must be 2 or 3 arrays")
-            if not all(isinstance(x, _Tensor) and len(x.shape) == 4 for x in part):
+            if not all(isinstance(x, Tensor) and len(x.shape) == 4 for x in part):
                 raise self.fail(f"{w}: quantized parts must be 4-D arrays")
             packed, scales = part[0], part[1]
             if packed.code != "U32" or any(x.shape != scales.shape for x in part[1:]):
@@ -479,50 +351,54 @@ class _Decoder:
                 raise self.fail(f"{w}: packed width does not match group_size and bits")
 
     # -- build ----------------------------------------------------------------------------
-    def array(self, t: _Tensor) -> mx.array:
-        np_dt, mx_dt = _DTYPES[t.code]
-        if t.end == t.begin:
-            a = mx.zeros(t.shape, mx_dt)
-        else:
-            count = (t.end - t.begin) // np_dt.itemsize
-            src = np.frombuffer(self.mv, np_dt, count, self.data_start + t.begin)
-            a = mx.array(src.reshape(t.shape))  # the one copy: blob -> mlx memory
-            if t.code == "BF16":
-                a = a.view(mx.bfloat16)
-        self.arrays.append(a)
-        return a
-
-    def materialize(self, x: Any) -> Any:
-        if isinstance(x, _Tensor):
-            return self.array(x)
+    def materialize(self, x: Any, arrays: dict[int, mx.array]) -> Any:
+        if isinstance(x, Tensor):
+            return arrays[id(x)]
         if isinstance(x, list):
-            return [self.materialize(y) for y in x]
+            return [self.materialize(y, arrays) for y in x]
         return x
 
-    def build(self, cls: str, st: list) -> Any:
+    def build(self, cls: str, st: list, arrays: dict[int, mx.array]) -> Any:
         if cls == "CacheList":
-            return mlc.CacheList(*(self.build(name, sub) for sub, name in st))
-        return _from_state(cls, self.materialize(st))
+            return mlc.CacheList(*(self.build(name, sub, arrays) for sub, name in st))
+        return _from_state(cls, self.materialize(st, arrays))
 
 
-def decode(blob: bytes | memoryview, *, name: str = "blob") -> tuple[list, dict[str, str]]:
-    """Validate `blob`, then rebuild its cache objects; return (cache, user metadata).
-
-    Every check runs before mlx touches the bytes; any failure raises CodecError whose message
-    starts with `name`. Arrays are copied out of the blob and evaluated, so the caller may free
-    or reuse the buffer afterwards.
-    """
-    d = _Decoder(blob, name)
-    tensors, meta = d.parse_layout()
-    user, classes, markers = d.parse_metadata(meta)
-    leaves: dict[str, Any] = dict(tensors)
+def _validate(d: _Decoder) -> tuple[Layout, dict, list[str], list, set[str]]:
+    layout = parse_layout(d.mv, d.fail)
+    user, classes, markers = d.parse_metadata(layout.metadata)
+    leaves: dict[str, Any] = dict(layout.tensors)
     for pos, kind in markers.items():
-        if pos not in tensors:
+        if pos not in layout.tensors:
             raise d.fail(f"scalar marker points at missing tensor {pos!r}")
-        leaves[pos] = d.scalar(pos, tensors[pos], kind)
+        leaves[pos] = read_scalar(d.mv, layout, pos, kind, d.fail)
     states = d.build_tree(leaves, len(classes))
     for i, (cls, st) in enumerate(zip(classes, states, strict=True)):
         d.check_state(cls, st, str(i))
-    cache = [d.build(cls, st) for cls, st in zip(classes, states, strict=True)]
-    mx.eval(d.arrays)  # detach from the blob before the caller can release it
+    return layout, user, classes, states, set(markers)
+
+
+def decode(
+    blob: bytes | memoryview, *, name: str = "blob", checksum: int | None = None
+) -> tuple[list, dict[str, str]]:
+    """Validate `blob`, then rebuild its cache objects; return (cache, user metadata).
+
+    Every check runs before mlx touches the bytes; any failure raises CodecError whose message
+    starts with `name`. With `checksum`, the blob's xxh3-64 must equal it (ChecksumError; it runs
+    alongside the copy of a large blob). Arrays are copied out of the blob and evaluated, so the
+    caller may free or reuse the buffer afterwards.
+    """
+    d = _Decoder(blob, name)
+    try:
+        layout, user, classes, states, scalars = _validate(d)
+    except CodecError:
+        if checksum is not None and materialize.checksum(d.mv) != checksum:
+            raise ChecksumError(f"{name}: blob checksum mismatch") from None  # the root cause
+        raise
+    keys = [k for k in layout.tensors if k not in scalars]
+    arrays, ok = materialize.arrays(d.mv, layout, keys, expect_checksum=checksum)
+    if not ok:
+        raise ChecksumError(f"{name}: blob checksum mismatch")
+    by_id = {id(layout.tensors[k]): a for k, a in arrays.items()}
+    cache = [d.build(cls, st, by_id) for cls, st in zip(classes, states, strict=True)]
     return cache, user

@@ -36,3 +36,7 @@ class ProtocolError(KVStoreError):
 
 class DaemonError(KVStoreError):
     """The daemon answered a request with an error."""
+
+
+class ChecksumError(CodecError):
+    """A blob's bytes do not hash to the checksum its meta recorded."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from client.hydrate import HydrateReport, hydrate
+from client.hydrate import HydrateReport, Prefetched, hydrate
 from client.stats import StatsRecorder
 from client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
@@ -69,6 +69,7 @@ class PersistentPromptCache(LRUPromptCache):
         persist_chains: bool = False,
         stats: bool = True,
         verbose: bool | None = None,
+        prefetched: Prefetched | None = None,
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.model, self.tokenizer = model, tokenizer
@@ -105,6 +106,7 @@ class PersistentPromptCache(LRUPromptCache):
                 kv_group_size=kv_group_size,
                 quantized_kv_start=quantized_kv_start,
                 model=model,
+                prefetched=prefetched,  # read already, while the weights loaded (client.load)
             )
         finally:
             self._hydrating = False

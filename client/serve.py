@@ -21,13 +21,14 @@ import contextlib
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from client.hydrate import hydrate
+from client.hydrate import Prefetched, hydrate, prefetch
 from client.writebehind import Job, WriteBehind
 from kvstore.cli import home_option
 from kvstore.errors import KVStoreError
@@ -145,7 +146,7 @@ class _Hooks:
         self.persister = SystemPromptPersister(home) if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
 
-    def on_load(self, provider: Any) -> None:
+    def on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
         if self.cache is None:
@@ -173,6 +174,7 @@ class _Hooks:
             kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
             model=provider.model,
+            prefetched=prefetched,
         )
         if not (report.warning and not report.entries):  # hydrate already said why not
             log.info(
@@ -207,9 +209,34 @@ class _Hooks:
 
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type]:
     class PersistentModelProvider(server.ModelProvider):
-        def _load(self, *args: Any, **kwargs: Any) -> None:
-            super()._load(*args, **kwargs)
-            hooks.on_load(self)
+        def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
+            # The store's entries are read on a second thread while the weights load (as
+            # client.load does; why that is safe with mlx: client/load.py).
+            read: dict[str, Any] = {}
+            reader = None
+            if draft_model_path is None and not getattr(self, "is_distributed", False):
+                args = self.cli_args
+                reader = threading.Thread(
+                    target=lambda: read.update(
+                        entries=prefetch(
+                            model_path,
+                            home=hooks.home,
+                            adapter_path=adapter_path,
+                            kv_bits=args.kv_bits,
+                            kv_group_size=args.kv_group_size,
+                            quantized_kv_start=args.quantized_kv_start,
+                        )
+                    ),
+                    name="kvstore-prefetch",
+                    daemon=True,
+                )
+                reader.start()
+            try:
+                super()._load(model_path, adapter_path, draft_model_path, **kw)
+            finally:
+                if reader is not None:
+                    reader.join()
+            hooks.on_load(self, read.get("entries"))
 
     class PersistentServerCache(server.LRUPromptCache):
         def __init__(self, *args: Any, **kwargs: Any):

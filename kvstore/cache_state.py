@@ -39,6 +39,7 @@ _ARITY = {
 
 
 def rebuild(name: str, state: list) -> Any:
+    """A cache object of an allowed class from its state (`from_state`, as mlx-lm loads it)."""
     cls = ALLOWED_CLASSES[name]
     if name == "ConcatenateKVCache" and state[0] is None:
         return cls()  # its state setter cannot take an empty cache

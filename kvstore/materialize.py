@@ -30,7 +30,8 @@ from kvstore.safetensors import DTYPES, Layout
 
 LARGE_BYTES = 8 << 20  # data sections from here on take the threaded one-buffer path
 CHUNK_BYTES = 8 << 20  # unit of work for the copy threads and the checksum
-THREADS = max(1, min(4, os.cpu_count() or 1))  # mlx's own loader reads with 4 threads
+# mlx's own loader reads with 4 threads; KVSTORE_COPY_THREADS overrides (for measuring)
+THREADS = int(os.environ.get("KVSTORE_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in one call; elsewhere a no-op
 _PAGE = 4096  # madvise needs a page-aligned start; 4 KiB divides every page size in use
 

@@ -38,8 +38,8 @@ def _paths(monkeypatch, path: str) -> None:
 @pytest.mark.parametrize("shape", [KV28_F16, KV36_BF16, HYBRID_9B], ids=lambda s: s.name)
 def test_large_path_equals_load_prompt_cache_of_the_same_bytes(shape, tmp_path, monkeypatch):
     blob = codec.encode(make_cache(shape, 80))
-    assert len(blob) >= materialize.LARGE_BYTES  # the default threshold takes the large path
     (tmp_path / "c.safetensors").write_bytes(blob)
+    _paths(monkeypatch, "large")
     reference = load_prompt_cache(str(tmp_path / "c.safetensors"))
     got, _ = codec.decode(blob, checksum=blob_checksum(blob))
     _bytes_equal(got, reference)
@@ -48,7 +48,9 @@ def test_large_path_equals_load_prompt_cache_of_the_same_bytes(shape, tmp_path, 
     _bytes_equal(small, got)
 
 
-def test_arrays_own_their_memory_after_the_blob_is_gone():
+@pytest.mark.parametrize("path", ["large", "small"])
+def test_arrays_own_their_memory_after_the_blob_is_gone(path, monkeypatch):
+    _paths(monkeypatch, path)
     blob = bytearray(codec.encode(make_cache(KV28_F16, 80)))
     got, _ = codec.decode(blob)
     expected = [bytes(memoryview(x)) for x in states(got)]
@@ -86,7 +88,8 @@ def test_unaligned_blob_takes_the_per_tensor_path(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["header", "data"])
-def test_corrupted_large_blob_is_refused_with_no_arrays_returned(where, kv_home):
+def test_corrupted_large_blob_is_refused_with_no_arrays_returned(where, kv_home, monkeypatch):
+    _paths(monkeypatch, "large")
     blob = bytearray(codec.encode(make_cache(KV28_F16, 80)))
     checksum = blob_checksum(blob)
     pos = 12 if where == "header" else len(blob) - 7
@@ -131,7 +134,8 @@ def test_checksum_in_chunks_is_xxh3_64():
         assert materialize.checksum(data) == xxhash.xxh3_64_intdigest(data)
 
 
-def test_no_thread_outlives_a_large_decode():
+def test_no_thread_outlives_a_large_decode(monkeypatch):
+    _paths(monkeypatch, "large")
     before = set(threading.enumerate())
     for _ in range(3):
         codec.decode(codec.encode(make_cache(KV28_F16, 80)))

@@ -8,6 +8,8 @@ the two alternating, medians of N:
   load_prompt_cache  mlx_lm.models.cache.load_prompt_cache of the same bytes from a .safetensors
                      file in the page cache, evaluated, + LRUPromptCache.insert_cache
 
+  fresh memory       mx.zeros of the entry's size, evaluated: only the first touch of as much new
+                     memory, the floor for any loader that puts the bytes in process memory
 Both pay the page faults of a new process's first touch of fresh memory; that is the regime every
 user restart is in, and the one the in-process benchmark (bench.hydrate) cannot reproduce.
 
@@ -32,7 +34,7 @@ from bench.timing import Stats
 MB = 2**20
 QUICK = {"kv28-f16": [1, 256], "kv36-bf16": [16], "qwen3.5-9b-hybrid": [64]}
 FULL = {s: [1, 4, 16, 64, 256, 1024] for s in ("kv28-f16", "kv36-bf16", "qwen3.5-9b-hybrid")}
-ALTERNATIVES = ("kvstore", "load_prompt_cache")
+ALTERNATIVES = ("kvstore", "load_prompt_cache", "fresh memory")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -57,6 +59,12 @@ def _worker(argv: list[str]) -> None:
         rep = hydrate(lru, "m", a.model, home=a.home)
         call, cpu = time.perf_counter() - imported, time.process_time() - cpu
         assert rep.warning is None and rep.entries == 1, rep.warning
+    elif a.alternative == "fresh memory":
+        import mlx.core as mx
+
+        imported, cpu = time.perf_counter(), time.process_time()
+        mx.eval(mx.zeros((a.tokens,), mx.uint8))
+        call, cpu = time.perf_counter() - imported, time.process_time() - cpu
     else:
         import mlx.core as mx
         from mlx_lm.models.cache import load_prompt_cache
@@ -110,12 +118,13 @@ def measure(root: Path, model: Path, shape, size_mb: int, reps: int) -> dict:
     args = {
         "kvstore": ["kvstore", "--home", str(home), "--model", str(model)],
         "load_prompt_cache": ["load_prompt_cache", "--file", str(path), "--tokens", str(tokens)],
+        "fresh memory": ["fresh memory", "--tokens", str(nbytes)],
     }
     samples: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
     cpu: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
     imports: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
     for r in range(reps + 1):  # the first round (untimed) brings both files into the page cache
-        for name in ALTERNATIVES[r % 2 :] + ALTERNATIVES[: r % 2]:
+        for name in ALTERNATIVES[r % 3 :] + ALTERNATIVES[: r % 3]:
             res = _spawn(args[name])
             if r:
                 samples[name].append(res["call_s"])
@@ -155,7 +164,8 @@ def run(quick: bool) -> dict:
                 print(
                     f"  coldstart {shape.name:18} {size:5d} MB: kvstore "
                     f"{st['kvstore']['median'] * 1e3:7.1f} ms, load_prompt_cache "
-                    f"{st['load_prompt_cache']['median'] * 1e3:7.1f} ms "
+                    f"{st['load_prompt_cache']['median'] * 1e3:7.1f} ms, fresh memory "
+                    f"{st['fresh memory']['median'] * 1e3:7.1f} ms "
                     f"(x{row['kvstore_vs_load_prompt_cache']:.2f}; CPU x{row['cpu_ratio']:.2f})",
                     flush=True,
                 )

@@ -9,6 +9,7 @@ the identity (size, mtime) of mlx-lm's model sources; any change to either rebui
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ LAYOUT_CACHE_NAME = "layouts.msgpack"
 _MAX_ENTRIES = 64
 
 
+@functools.cache  # the running process's mlx-lm is the one it imported: stat its files once
 def _mlx_lm_sources() -> bytes:
     import mlx_lm
 

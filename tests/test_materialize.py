@@ -33,6 +33,7 @@ def _bytes_equal(a: list, b: list) -> None:
 
 def _paths(monkeypatch, path: str) -> None:
     monkeypatch.setattr(materialize, "LARGE_BYTES", 0 if path == "large" else 1 << 62)
+    monkeypatch.setattr(materialize, "_recycled", lambda nbytes: False)
 
 
 @pytest.mark.parametrize("shape", [KV28_F16, KV36_BF16, HYBRID_9B], ids=lambda s: s.name)
@@ -41,7 +42,11 @@ def test_large_path_equals_load_prompt_cache_of_the_same_bytes(shape, tmp_path, 
     (tmp_path / "c.safetensors").write_bytes(blob)
     _paths(monkeypatch, "large")
     reference = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    views = []
+    real = materialize._views
+    monkeypatch.setattr(materialize, "_views", lambda *a: views.append(1) or real(*a))
     got, _ = codec.decode(blob, checksum=blob_checksum(blob))
+    assert views == [1]  # the one-buffer path ran
     _bytes_equal(got, reference)
     _paths(monkeypatch, "small")
     small, _ = codec.decode(blob, checksum=blob_checksum(blob))

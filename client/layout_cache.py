@@ -30,9 +30,12 @@ def _mlx_lm_sources() -> bytes:
     root = Path(mlx_lm.__file__).parent
     h = xxhash.xxh3_128(getattr(mlx_lm, "__version__", "?").encode())
     for d in (root, root / "models"):
-        for p in sorted(d.glob("*.py")):
-            st = p.stat()
-            h.update(f"{d.name}/{p.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        # scandir and string names: sorting ~140 Path objects alone took 5 ms in a new process
+        with os.scandir(d) as it:
+            files = sorted((e.name, e) for e in it if e.name.endswith(".py") and e.is_file())
+        for name, e in files:
+            st = e.stat()
+            h.update(f"{d.name}/{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.digest()
 
 

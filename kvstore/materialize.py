@@ -29,8 +29,8 @@ import xxhash
 from kvstore.safetensors import DTYPES, Layout
 
 # From here on the threaded one-buffer path, when the copy lands in new pages: on this 2-core VM
-# it wins in a new process from ~64 MiB (1.3x at 64 MiB, a tie at 16 MiB).
-LARGE_BYTES = 32 << 20
+# it wins in a new process from ~64 MiB (1.3x at 64 MiB; a tie in time, 10% less CPU at 16 MiB).
+LARGE_BYTES = 16 << 20
 # Few, large units of work: each hand-over between threads needs the GIL, which an app thread
 # busy in Python (mlx_lm.load building the model while client.load prefetches) holds for up to
 # the 5 ms switch interval; 8 MiB chunks made a concurrent prefetch 3x slower than alone.

@@ -28,10 +28,8 @@ import xxhash
 
 from kvstore.safetensors import DTYPES, Layout
 
-# From here on the threaded one-buffer path: on this 2-core VM it wins in a new process from
-# ~64 MiB (1.3x at 64 MiB; a tie in time, 10% less CPU at 16 MiB). Choosing the per-tensor copy
-# when mlx's buffer cache holds the size backfired: a cached one-buffer block cannot serve the
-# per-tensor allocations, which then fault on one thread.
+# From here on the threaded one-buffer path, when the copy lands in new pages: on this 2-core VM
+# it wins in a new process from ~64 MiB (1.3x at 64 MiB; a tie in time, 10% less CPU at 16 MiB).
 LARGE_BYTES = 16 << 20
 # Few, large units of work: each hand-over between threads needs the GIL, which an app thread
 # busy in Python (mlx_lm.load building the model while client.load prefetches) holds for up to
@@ -173,6 +171,12 @@ class _DataStream:
         return n
 
 
+def _recycled(nbytes: int) -> bool:
+    """mlx's buffer cache holds as much: the copy lands in recycled, already-faulted pages (a
+    long-lived process), where one thread copies at memory speed; new pages fault on threads."""
+    return mx.get_cache_memory() >= nbytes
+
+
 def _aligned(layout: Layout) -> bool:
     """Every tensor starts at a multiple of its item size (codec.encode writes them so; a blob
     from elsewhere may not), so each can be a view of one buffer."""
@@ -188,7 +192,7 @@ def arrays(
     A large blob's checksum runs alongside the copy; the caller must drop the arrays if False.
     """
     data_len = len(mv) - layout.data_start
-    if data_len < LARGE_BYTES or not _aligned(layout):
+    if data_len < LARGE_BYTES or _recycled(data_len) or not _aligned(layout):
         ok = expect_checksum is None or checksum(mv) == expect_checksum
         if not ok:
             return {}, False

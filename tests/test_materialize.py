@@ -33,6 +33,7 @@ def _bytes_equal(a: list, b: list) -> None:
 
 def _paths(monkeypatch, path: str) -> None:
     monkeypatch.setattr(materialize, "LARGE_BYTES", 0 if path == "large" else 1 << 62)
+    monkeypatch.setattr(materialize, "_recycled", lambda nbytes: False)
 
 
 @pytest.mark.parametrize("shape", [KV28_F16, KV36_BF16, HYBRID_9B], ids=lambda s: s.name)

@@ -172,8 +172,10 @@ class _DataStream:
 
 
 def _recycled(nbytes: int) -> bool:
-    """mlx's buffer cache holds as much: the copy lands in recycled, already-faulted pages (a
-    long-lived process), where one thread copies at memory speed; new pages fault on threads."""
+    """mlx's buffer cache holds as much: per-tensor copies land in recycled, already-faulted
+    pages (a long-lived process), where one thread copies at memory speed. mlx caches only
+    buffers of a few MiB (a freed 64 MiB one goes back to the OS), so the one buffer of the
+    threaded path always takes new pages: it is for processes whose cache is still empty."""
     return mx.get_cache_memory() >= nbytes
 
 

@@ -25,14 +25,14 @@ def hydrate_plot(res: dict, path: Path) -> None:
             if not sel:
                 continue
             x = [r["nbytes"] / 2**20 for r in sel]
-            for alt, style in zip(ALTERNATIVES, ("o-", "s--", "^:", "v:"), strict=True):
+            for alt, style in zip(ALTERNATIVES, ("o-", "d-.", "s--", "^:", "v:"), strict=True):
                 if shape != "kv28-f16" and alt in ("read", "memcpy"):
                     continue  # floors do not depend on the layout: draw them once
                 ax.plot(
                     x,
                     [r["gbps"][alt] for r in sel],
                     style,
-                    label=f"{alt} ({shape})" if alt in ("kvstore", "load_prompt_cache") else alt,
+                    label=f"{alt} ({shape})" if alt not in ("read", "memcpy") else alt,
                 )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("entry size (MiB)")

@@ -1,5 +1,6 @@
-"""The thin kvstore client: hydrate stored prefix caches into mlx-lm's LRUPromptCache, pin stage
-prefixes at runtime, and record every call's prefill cost.
+"""The thin kvstore client: hydrate stored prefix caches into mlx-lm's LRUPromptCache (or `load` a
+model with its cache hydrated alongside), pin stage prefixes at runtime, and record every call's
+prefill cost.
 
 `from client import hydrate` stays light: the modules that pull in mlx_lm.server and friends
 (serve, parity, analyze) load on first use of one of their names.
@@ -12,9 +13,11 @@ from typing import Any
 
 from client.hydrate import HydrateReport, hydrate
 
+# Imported eagerly: the function then shadows its submodule's name on the package for good.
+from client.load import load  # noqa: E402  (light: mlx_lm is imported on the first call)
+
 # name -> module, imported on first access (module __getattr__, PEP 562)
 _LAZY = {
-    "load": "client.loader",
     "PersistentPromptCache": "client.persistent",
     "Pin": "client.persistent",
     "CallStats": "client.stats",
@@ -32,7 +35,7 @@ _LAZY = {
 # client.serve.serve and client.analyze.analyze are not re-exported: a package attribute cannot be
 # both the submodule and the function of the same name.
 
-__all__ = ["HydrateReport", "hydrate", *_LAZY]
+__all__ = ["HydrateReport", "hydrate", "load", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Hydrate: scan one model's entries, decode them, insert them into an LRUPromptCache.
+"""Hydrate: scan one model's entries, decode them (`prefetch`), insert them into an LRUPromptCache
+(`insert`). The two halves are apart so that `client.load` can prefetch while the weights load.
 
 The cache is never a hard dependency: a missing home, a corrupt store or entry, or a fingerprint
 nobody stored gives one warning and a report of what did hydrate; no exception reaches the app.
@@ -12,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from client.layout_cache import cached_layout
 from client.loader import check_loaded_from
+from kvstore.entry import EntryMeta
 from kvstore.errors import KVStoreError
 from kvstore.identity import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
@@ -55,9 +58,17 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
     )
 
 
-def hydrate(
-    prompt_cache,
-    model_key: Any,
+@dataclass
+class Prefetched:
+    """One model's entries, read, checked and decoded, not yet in any LRUPromptCache: what
+    `client.load` reads while the weights load, and `insert` then files."""
+
+    model_path: str
+    entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
+    report: HydrateReport = field(default_factory=HydrateReport)
+
+
+def prefetch(
     model_path: str | Path,
     *,
     home: str | Path | None = None,
@@ -67,18 +78,21 @@ def hydrate(
     quantized_kv_start: int = 5000,
     model_config: dict | None = None,
     model: Any = None,
-) -> HydrateReport:
-    """Insert every stored entry valid for this model into `prompt_cache` (an LRUPromptCache).
+) -> Prefetched:
+    """Fingerprint the model and decode every stored entry valid for it; never raises.
 
     `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
     you have it: its cache layout is then read from it instead of being rebuilt from config.json.
     `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
     `model_config` the overrides it loaded the model with (`mlx_lm.load(model_config=...)`); with
-    the loaded `model` its own arguments count too. A model loaded with `client.load` is checked
-    against the files it was loaded from: a weight file changed since then hydrates nothing.
+    the loaded `model` its own arguments count too. Without the loaded `model` (and without
+    overrides), the cache layout comes from config.json (remembered in the home). A model loaded
+    with `client.load` is checked against the files it was loaded from: a weight file changed
+    since then hydrates nothing.
     """
     t0 = time.perf_counter()
-    report = HydrateReport()
+    pre = Prefetched(str(model_path))
+    report = pre.report
     home = resolve_home(home)
     try:
         if adapter_path is None and _has_adapter(model):
@@ -93,6 +107,8 @@ def hydrate(
             kv_group_size=kv_group_size,
             quantized_kv_start=quantized_kv_start,
             model_config=model_config,
+            # overrides can change the layout, so only a plain config.json is remembered
+            layout=None if (model is not None or model_config) else cached_layout(model_path, home),
             model_object=model,
             hash_cache=FileHashCache(home / FILEHASH_NAME),
         )
@@ -102,23 +118,14 @@ def hydrate(
             errors: list = []
             metas = store.metas(fp.digest, errors=errors)
             report.skipped += [f"{e.key.hex()}: {e.reason}" for e in errors]
-            before = len(prompt_cache)
             # oldest first, so the LRU keeps the most recently used when it overflows
             for meta in sorted(metas, key=lambda m: (m.pinned, m.last_used)):
                 try:
-                    meta, cache = store.load(meta.key, meta.tokens)
+                    pre.entries.append(store.load(meta.key, meta.tokens))
                 except KVStoreError as e:
                     report.skipped.append(f"{meta.key.hex()}: {e}")
-                    continue
                 except KeyError:
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
-                    continue
-                prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
-                report.entries += 1
-                report.tokens += meta.ntokens
-                report.nbytes += meta.nbytes
-                report.labels.append(meta.label)
-            report.dropped = max(0, report.entries - (len(prompt_cache) - before))
             if not metas and not errors:
                 report.warning = _other_versions(store, model_path)
     except KVStoreError as e:
@@ -128,6 +135,23 @@ def hydrate(
             f"kvstore: not hydrating {model_path}: unexpected {type(e).__name__}: {e}; "
             "prefilling as usual"
         )
+    report.seconds = time.perf_counter() - t0
+    return pre
+
+
+def insert(prompt_cache, model_key: Any, pre: Prefetched) -> HydrateReport:
+    """File prefetched entries into `prompt_cache`; log the report's one warning, if any."""
+    t0 = time.perf_counter()
+    report, model_path = pre.report, pre.model_path
+    before = len(prompt_cache)
+    for meta, cache in pre.entries:
+        prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
+        report.entries += 1
+        report.tokens += meta.ntokens
+        report.nbytes += meta.nbytes
+        report.labels.append(meta.label)
+    pre.entries = []  # the LRU holds them now
+    report.dropped = max(0, report.entries - (len(prompt_cache) - before))
     if report.warning is None and report.skipped:
         report.warning = (
             f"kvstore: skipped {len(report.skipped)} unreadable entr"
@@ -142,5 +166,41 @@ def hydrate(
         )
     if report.warning:
         log.warning("%s", report.warning)
-    report.seconds = time.perf_counter() - t0
+    report.seconds += time.perf_counter() - t0
     return report
+
+
+def hydrate(
+    prompt_cache,
+    model_key: Any,
+    model_path: str | Path,
+    *,
+    home: str | Path | None = None,
+    adapter_path: str | Path | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    model_config: dict | None = None,
+    model: Any = None,
+    prefetched: Prefetched | None = None,
+) -> HydrateReport:
+    """Insert every stored entry valid for this model into `prompt_cache` (an LRUPromptCache).
+
+    `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
+    you have it: its cache layout is then read from it instead of being rebuilt from config.json.
+    `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
+    `model_config` the overrides it loaded the model with. `prefetched` (from `prefetch` with the
+    same arguments) skips the reading.
+    """
+    if prefetched is None:
+        prefetched = prefetch(
+            model_path,
+            home=home,
+            adapter_path=adapter_path,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            model_config=model_config,
+            model=model,
+        )
+    return insert(prompt_cache, model_key, prefetched)

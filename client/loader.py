@@ -1,4 +1,4 @@
-"""`client.load`: mlx_lm.load that remembers which files it loaded, for hydrate to check.
+"""What `client.load` remembers of the files it loaded, for hydrate to check.
 
 An app loads the weights, then hydrate fingerprints the files: a weight file replaced in between
 would file the old weights' KV under the new files' fingerprint (and hydrate the new files' KV into
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError, ModelError
-from kvstore.identity import FileHashCache, Fingerprint, model_fingerprint, resolve_model_path
+from kvstore.identity import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
 
 log = logging.getLogger("kvstore.client")
@@ -22,46 +22,46 @@ log = logging.getLogger("kvstore.client")
 _TAG = "_kvstore_loaded_files"  # on the model: the (path, identity) pairs it was loaded from
 
 
-def load(
+def fingerprint_files(
     path: str | Path,
     *,
-    model_config: dict | None = None,
-    adapter_path: str | Path | None = None,
     home: str | Path | None = None,
-    **kwargs: Any,
-) -> tuple[Any, Any]:
-    """`mlx_lm.load(path, model_config=..., adapter_path=..., **kwargs)`, with the identity of the
-    files it read recorded on the model. Loading never fails because of kvstore: a file that
-    changed while loading only logs an error and keeps hydrate from using this model."""
-    import mlx_lm
+    adapter_path: str | Path | None = None,
+    model_config: dict | None = None,
+    **quant: Any,
+) -> Fingerprint | None:
+    """The fingerprint (and so the identity of every file it hashes) taken before mlx-lm reads
+    the files; None, with a warning, when the model cannot be fingerprinted."""
+    from client.layout_cache import cached_layout
 
-    fp: Fingerprint | None = None
+    home = resolve_home(home)
     try:
-        fp = model_fingerprint(
+        return model_fingerprint(
             path,
             adapter_path=adapter_path,
             model_config=model_config,
-            hash_cache=FileHashCache(resolve_home(home) / FILEHASH_NAME),
+            layout=None if model_config else cached_layout(path, home),
+            hash_cache=FileHashCache(home / FILEHASH_NAME),
+            **quant,  # kv_bits, kv_group_size, quantized_kv_start: as the entries are keyed
         )
-        target = str(resolve_model_path(path))
     except KVStoreError as e:
         log.warning("kvstore: cannot fingerprint %s before loading it: %s", path, e)
-        target = str(path)
-    model, tokenizer = mlx_lm.load(
-        target,
-        model_config=dict(model_config) if model_config else None,
-        adapter_path=None if adapter_path is None else str(adapter_path),
-        **kwargs,
-    )
-    if fp is not None:
-        try:
-            fp.check_unchanged(f"mlx_lm.load read {path}")
-            files: tuple | None = fp.files
-        except ModelError as e:
-            log.error("kvstore: %s", e)
-            files = None  # tainted: hydrate refuses this model
-        object.__setattr__(model, _TAG, files)
-    return model, tokenizer
+        return None
+
+
+def tag_loaded(model: Any, fp: Fingerprint | None, path: str | Path) -> bool:
+    """Record on `model` the files `fp` saw before the load; False (and the model tainted, so
+    hydrate refuses it) when one changed while mlx-lm read them."""
+    if fp is None:
+        return True
+    try:
+        fp.check_unchanged(f"mlx_lm.load read {path}")
+        files: tuple | None = fp.files
+    except ModelError as e:
+        log.error("kvstore: %s", e)
+        files = None  # tainted: hydrate refuses this model
+    object.__setattr__(model, _TAG, files)
+    return files is not None
 
 
 def check_loaded_from(model: Any, fp: Fingerprint) -> None:

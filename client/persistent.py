@@ -21,7 +21,7 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from client.hydrate import HydrateReport, hydrate
+from client.hydrate import HydrateReport, Prefetched, hydrate
 from client.stats import StatsRecorder
 from client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
@@ -77,6 +77,7 @@ class PersistentPromptCache(LRUPromptCache):
         stats: bool = True,
         verbose: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        prefetched: Prefetched | None = None,
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.model, self.tokenizer = model, tokenizer
@@ -117,6 +118,7 @@ class PersistentPromptCache(LRUPromptCache):
                 quantized_kv_start=quantized_kv_start,
                 model_config=self.model_config,
                 model=model,
+                prefetched=prefetched,  # read already, while the weights loaded (client.load)
             )
         finally:
             self._hydrating = False

@@ -24,13 +24,15 @@ import contextlib
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from client.hydrate import hydrate
+from client.hydrate import Prefetched, hydrate, prefetch
+from client.loader import fingerprint_files, tag_loaded
 from client.serve_boundary import StableSystemSegment, template_args_warning
 from client.writebehind import Job, WriteBehind
 from kvstore.cli import home_option
@@ -164,7 +166,7 @@ class _Hooks:
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
 
-    def on_load(self, provider: Any) -> None:
+    def on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
         if self.cache is None:
@@ -193,6 +195,7 @@ class _Hooks:
             quantized_kv_start=args.quantized_kv_start,
             model_config=self.model_config,
             model=provider.model,
+            prefetched=prefetched,
         )
         if not (report.warning and not report.entries):  # hydrate already said why not
             log.info(
@@ -243,24 +246,64 @@ class _Hooks:
 
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
-        def _load(self, model_path: Any, *args: Any, **kwargs: Any) -> None:
-            if not hooks.model_config:
-                super()._load(model_path, *args, **kwargs)
-            else:  # mlx_lm.server has no model_config option: give it to the model's load only
-                plain = server.load
+        def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
+            # The store's entries are read on a second thread while the weights load (as
+            # client.load does; why that is safe with mlx: client/load.py).
+            read: dict[str, Any] = {}
+            reader = before = None
+            if draft_model_path is None and not getattr(self, "is_distributed", False):
+                args = self.cli_args
+                quant = dict(
+                    kv_bits=args.kv_bits,
+                    kv_group_size=args.kv_group_size,
+                    quantized_kv_start=args.quantized_kv_start,
+                )
+                before = fingerprint_files(  # file identity before mlx-lm reads the files
+                    model_path,
+                    home=hooks.home,
+                    adapter_path=adapter_path,
+                    model_config=hooks.model_config,
+                    **quant,
+                )
+                reader = threading.Thread(
+                    target=lambda: read.update(
+                        entries=prefetch(
+                            model_path,
+                            home=hooks.home,
+                            adapter_path=adapter_path,
+                            model_config=hooks.model_config,
+                            **quant,
+                        )
+                    ),
+                    name="kvstore-prefetch",
+                    daemon=True,
+                )
+                reader.start()
+            plain = server.load
+            if hooks.model_config:  # mlx_lm.server has no model_config option: give it to this load
 
-                def load(path, *a, **kw):
+                def load(path, *a, **kw2):
                     if path == model_path:
-                        kw["model_config"] = {**(kw.get("model_config") or {}),
-                                              **hooks.model_config}  # fmt: skip
-                    return plain(path, *a, **kw)
+                        kw2["model_config"] = {**(kw2.get("model_config") or {}),
+                                               **hooks.model_config}  # fmt: skip
+                    return plain(path, *a, **kw2)
 
                 server.load = load
-                try:
-                    super()._load(model_path, *args, **kwargs)
-                finally:
-                    server.load = plain
-            hooks.on_load(self)
+            try:
+                super()._load(model_path, adapter_path, draft_model_path, **kw)
+            finally:
+                server.load = plain
+                if reader is not None:
+                    reader.join()
+            entries = read.get("entries")
+            if reader is not None and not (
+                tag_loaded(self.model, before, model_path)
+                and entries is not None
+                and before is not None
+                and entries.report.fingerprint == before.hex
+            ):
+                entries = None  # read under other files: hydrate re-reads (and refuses) with it
+            hooks.on_load(self, entries)
 
     class PersistentServerCache(server.LRUPromptCache):
         def __init__(self, *args: Any, **kwargs: Any):

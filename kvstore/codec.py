@@ -5,14 +5,16 @@ The layout is exactly what `mlx_lm.models.cache.save_prompt_cache` writes (tenso
 exported blob is a prompt-cache file mlx-lm loads, and a file mlx-lm wrote decodes here. The
 bytes come from a store we do not fully trust (a corrupt or hostile LMDB value), so `decode`
 checks every length, offset, dtype and class name in pure Python first and rebuilds the cache
-objects itself instead of resolving stored names with `globals()`.
+objects itself instead of resolving stored names with `globals()`. The byte layout is checked
+in `kvstore.safetensors`, the cache structure here; `kvstore.materialize` then copies the tensors.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import struct
+import threading
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -20,62 +22,17 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlc
 
-from kvstore.errors import CodecError
+from kvstore import materialize
+from kvstore.cache_state import ALLOWED_CLASSES, CacheStateDecoder, rebuild
+from kvstore.errors import ChecksumError, CodecError
+from kvstore.safetensors import DTYPES as _DTYPES
+from kvstore.safetensors import MAX_HEADER_BYTES, Layout, Tensor, parse_layout, read_scalar
+
+__all__ = ["CODEC_VERSION", "MAX_HEADER_BYTES", "cache_classes", "cache_tokens", "decode", "encode"]
 
 CODEC_VERSION: int = 1
 
-_CLASS_NAMES = "KVCache RotatingKVCache QuantizedKVCache ArraysCache ChunkedKVCache CacheList"
-ALLOWED_CLASSES: dict[str, type] = {
-    n: getattr(mlc, n) for n in (*_CLASS_NAMES.split(), "ConcatenateKVCache")
-}
-
-MAX_HEADER_BYTES: int = 16 << 20
-
-_MAX_NDIM = 8
-_MAX_DIM = 2**31 - 1  # mlx shapes are int32
-_MAX_DEPTH = 12  # dotted tensor-name depth; bounds CacheList nesting too
-_MAX_STRING = 4096
-
-# safetensors dtype -> (numpy dtype that moves the bytes, mlx dtype). numpy has no bfloat16, so
-# BF16 travels as uint16 and is viewed back in mlx. F64 is left out: mx.array() of a float64
-# numpy array silently becomes float32, so it could not round-trip.
-_DTYPES: dict[str, tuple[np.dtype, mx.Dtype]] = {
-    "BOOL": (np.dtype(np.bool_), mx.bool_),
-    "U8": (np.dtype("<u1"), mx.uint8),
-    "I8": (np.dtype("<i1"), mx.int8),
-    "U16": (np.dtype("<u2"), mx.uint16),
-    "I16": (np.dtype("<i2"), mx.int16),
-    "U32": (np.dtype("<u4"), mx.uint32),
-    "I32": (np.dtype("<i4"), mx.int32),
-    "U64": (np.dtype("<u8"), mx.uint64),
-    "I64": (np.dtype("<i8"), mx.int64),
-    "F16": (np.dtype("<f2"), mx.float16),
-    "BF16": (np.dtype("<u2"), mx.bfloat16),
-    "F32": (np.dtype("<f4"), mx.float32),
-}
 _CODE_OF = {mdt: code for code, (_, mdt) in _DTYPES.items()}
-# Flattened `[metadata, classes, scalars]` keys other than user metadata ("0.*") and "2.0".
-_META_KEY = re.compile(r"1\.(0|[1-9][0-9]{0,5})|2\.([1-9][0-9]{0,5})\.([01])")
-_INT_CODES = {"U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"}
-
-# Top-level state arity of each class, as its `state` property returns it.
-_ARITY = {
-    "KVCache": 3,
-    "RotatingKVCache": 6,
-    "QuantizedKVCache": 5,
-    "ArraysCache": 3,
-    "ChunkedKVCache": 5,
-    "ConcatenateKVCache": 2,
-}
-
-
-class _Tensor(NamedTuple):
-    """A validated tensor entry, not yet copied out of the blob."""
-
-    code: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
 
 
 def cache_classes(cache: list) -> list[str]:
@@ -122,14 +79,7 @@ def _normalize_one(c: Any) -> Any:
         n = c.offset - getattr(c, "start_position", 0)
         state[0], state[1] = tree_map(lambda x: x[..., :n, :], (c.keys, c.values))
     state = tree_map(lambda x: mx.contiguous(x) if isinstance(x, mx.array) else x, state)
-    return _from_state(name, state)
-
-
-def _from_state(name: str, state: list) -> Any:
-    cls = ALLOWED_CLASSES[name]
-    if name == "ConcatenateKVCache" and state[0] is None:
-        return cls()  # its state setter cannot take an empty cache
-    return cls.from_state(state)
+    return rebuild(name, state)
 
 
 def normalize(cache: list) -> list:
@@ -209,320 +159,87 @@ def encode(cache: list, metadata: dict[str, str] | None = None) -> bytes:
     return b"".join([struct.pack("<Q", len(raw_bytes)), raw_bytes, *(e[3] for e in entries)])
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        # Parsers disagree on which duplicate wins; refuse the ambiguity.
-        raise ValueError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
-    return dict(pairs)
+class _Structure(NamedTuple):
+    """What a blob's header alone decides: layout, user metadata, classes, scalar markers, and the
+    state tree with every tensor (scalars too) as a leaf."""
+
+    layout: Layout
+    user: dict[str, str]
+    classes: list[str]
+    markers: dict[str, str]
+    skeleton: list
 
 
-def _reject_constant(s: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {s}")
+# Validation of a header is a pure function of its bytes and the blob length, so an identical
+# header (the same pin hydrated again, or another entry of the same length) reuses the verdict;
+# scalar values live in the data section and are read and checked on every decode.
+_STRUCTURES: OrderedDict[tuple[bytes, int], _Structure] = OrderedDict()
+_STRUCTURES_MAX = 256
+_STRUCTURES_LOCK = threading.Lock()
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _structure(d: CacheStateDecoder) -> _Structure:
+    mv = d.mv
+    n = int.from_bytes(mv[:8], "little") if len(mv) >= 8 else -1
+    key = (bytes(mv[: 8 + n]), len(mv)) if 2 <= n <= MAX_HEADER_BYTES else None
+    with _STRUCTURES_LOCK:
+        hit = _STRUCTURES.get(key) if key else None
+        if hit is not None:
+            _STRUCTURES.move_to_end(key)
+            return hit
+    layout = parse_layout(mv, d.fail)
+    user, classes, markers = d.parse_metadata(layout.metadata)
+    for pos in markers:
+        if pos not in layout.tensors:
+            raise d.fail(f"scalar marker points at missing tensor {pos!r}")
+    st = _Structure(layout, user, classes, markers, d.build_tree(layout.tensors, len(classes)))
+    with _STRUCTURES_LOCK:
+        _STRUCTURES[key] = st
+        if len(_STRUCTURES) > _STRUCTURES_MAX:
+            _STRUCTURES.popitem(last=False)
+    return st
 
 
-def _is_index(p: str) -> bool:
-    return p.isascii() and p.isdigit() and len(p) <= 6 and (p == "0" or p[0] != "0")
+def _substitute(x: Any, values: dict[int, Any]) -> Any:
+    if isinstance(x, list):
+        return [_substitute(y, values) for y in x]
+    return values.get(id(x), x) if isinstance(x, Tensor) else x
 
 
-class _Decoder:
-    def __init__(self, blob: bytes | memoryview | bytearray, name: str):
-        self.name = name
-        try:
-            self.mv = memoryview(blob).cast("B")
-        except TypeError as e:
-            raise self.fail(f"not a contiguous bytes-like object ({e})") from None
-        self.data_start = 0
-        self.arrays: list[mx.array] = []
-
-    def fail(self, msg: str) -> CodecError:
-        return CodecError(f"{self.name}: {msg}")
-
-    # -- layout ---------------------------------------------------------------------------
-    def parse_layout(self) -> tuple[dict[str, _Tensor], dict[str, str]]:
-        total = len(self.mv)
-        if total < 8:
-            raise self.fail(f"truncated: {total} bytes, less than the 8-byte header length")
-        n = int.from_bytes(self.mv[:8], "little")
-        if not 2 <= n <= MAX_HEADER_BYTES:
-            raise self.fail(f"header length {n} outside [2, {MAX_HEADER_BYTES}]")
-        if 8 + n > total:
-            raise self.fail(f"header length {n} runs past the end of the {total}-byte blob")
-        try:
-            text = bytes(self.mv[8 : 8 + n]).decode("utf-8")
-            header = json.loads(
-                text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant
-            )
-        except (ValueError, RecursionError) as e:
-            raise self.fail(f"header is not UTF-8 JSON: {e}") from None
-        if not isinstance(header, dict):
-            raise self.fail("header is not a JSON object")
-        meta = header.pop("__metadata__", {})
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise self.fail("__metadata__ is not an object of strings")
-        self.data_start = 8 + n
-        data_len = total - self.data_start
-        tensors = {k: self.tensor_entry(k, v, data_len) for k, v in header.items()}
-        spans = sorted((t.begin, t.end, k) for k, t in tensors.items() if t.end > t.begin)
-        covered = prev_end = 0
-        prev_key = None
-        for begin, end, key in spans:
-            if begin < prev_end:
-                raise self.fail(f"tensors {prev_key!r} and {key!r} overlap")
-            prev_end, prev_key = end, key
-            covered += end - begin
-        if covered != data_len:
-            raise self.fail(f"{data_len - covered} data bytes are not covered by any tensor")
-        return tensors, meta
-
-    def tensor_entry(self, key: str, e: Any, data_len: int) -> _Tensor:
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise self.fail(f"tensor {key!r}: entry must have exactly dtype, shape, data_offsets")
-        code, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if not isinstance(code, str) or code not in _DTYPES:
-            raise self.fail(f"tensor {key!r}: dtype {code!r} not allowed")
-        if not isinstance(shape, list) or len(shape) > _MAX_NDIM:
-            raise self.fail(f"tensor {key!r}: shape must be a list of at most {_MAX_NDIM} dims")
-        if not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
-            raise self.fail(f"tensor {key!r}: shape {shape} has a negative or oversized dim")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
-            raise self.fail(f"tensor {key!r}: data_offsets must be two integers")
-        begin, end = offs
-        if not 0 <= begin <= end <= data_len:
-            raise self.fail(f"tensor {key!r}: data_offsets {offs} outside [0, {data_len}]")
-        size = _DTYPES[code][0].itemsize
-        for d in shape:
-            size *= d  # dims are <= 2**31 and ndim <= 8: no runaway big-int work
-        if size != end - begin:
-            raise self.fail(
-                f"tensor {key!r}: shape {shape} needs {size} bytes, offsets span {end - begin}"
-            )
-        return _Tensor(code, tuple(shape), begin, end)
-
-    # -- metadata -------------------------------------------------------------------------
-    def parse_metadata(self, meta: dict[str, str]) -> tuple[dict, list[str], dict[str, str]]:
-        user: dict[str, str] = {}
-        classes: dict[int, str] = {}
-        scalar_parts: dict[int, dict[int, str]] = {}
-        for key, value in meta.items():
-            m = _META_KEY.fullmatch(key)
-            if key.startswith("0."):
-                user[key[2:]] = value  # user keys may contain dots; keep them whole
-            elif key == "2.0":
-                if value != "":
-                    raise self.fail("scalar list sentinel '2.0' is not empty")
-            elif m is None:
-                raise self.fail(f"unexpected metadata key {key!r}")
-            elif m[1] is not None:
-                classes[int(m[1])] = value
-            else:
-                scalar_parts.setdefault(int(m[2]), {})[int(m[3])] = value
-        if "2.0" not in meta:
-            raise self.fail("metadata has no scalar list")
-        if not classes or sorted(classes) != list(range(len(classes))):
-            raise self.fail("cache class list is missing or not indexed 0..n-1")
-        names = [classes[i] for i in range(len(classes))]
-        for c in names:
-            self.check_class_name(c)
-        if sorted(scalar_parts) != list(range(1, len(scalar_parts) + 1)):
-            raise self.fail("scalar markers are not indexed 1..n")
-        markers: dict[str, str] = {}
-        for i in sorted(scalar_parts):
-            pair = scalar_parts[i]
-            if set(pair) != {0, 1}:
-                raise self.fail(f"scalar marker {i} is incomplete")
-            pos, kind = pair[0], pair[1]
-            if kind not in ("scalar", "string", "none"):
-                raise self.fail(f"scalar marker {i} has unknown type {kind!r}")
-            if pos in markers:
-                raise self.fail(f"tensor {pos!r} has two scalar markers")
-            markers[pos] = kind
-        return user, names, markers
-
-    def check_class_name(self, c: str) -> None:
-        if c not in ALLOWED_CLASSES:
-            raise self.fail(f"cache class {c!r} is not allowed")
-
-    # -- scalars (numpy only; mlx has not seen the bytes yet) -----------------------------
-    def scalar(self, key: str, t: _Tensor, kind: str) -> Any:
-        count = (t.end - t.begin) // _DTYPES[t.code][0].itemsize
-        if kind == "none":
-            if count:
-                raise self.fail(f"tensor {key!r} is marked none but holds data")
-            return None
-        if kind == "string" and count == 0:
-            return ""
-        if t.code == "BF16" or (kind == "scalar" and count != 1):
-            raise self.fail(f"tensor {key!r} is not a valid scalar")
-        if kind == "string" and (
-            t.code not in _INT_CODES or len(t.shape) != 1 or count > _MAX_STRING
-        ):
-            raise self.fail(f"tensor {key!r} is not a valid string")
-        np_dt = _DTYPES[t.code][0]
-        vals = np.frombuffer(self.mv, np_dt, count, self.data_start + t.begin)
-        if kind == "scalar":
-            return vals[0].item()
-        codes = vals.tolist()
-        if not all(0 <= ch <= 0x10FFFF for ch in codes):
-            raise self.fail(f"tensor {key!r} holds an invalid code point")
-        return "".join(map(chr, codes))
-
-    # -- state tree -----------------------------------------------------------------------
-    def build_tree(self, leaves: dict[str, Any], n_classes: int) -> list:
-        root: dict = {}
-        for key, value in leaves.items():
-            parts = key.split(".")
-            if len(parts) > _MAX_DEPTH or not all(map(_is_index, parts)):
-                raise self.fail(f"tensor name {key!r} is not a dotted index path")
-            node = root
-            for p in parts[:-1]:
-                node = node.setdefault(int(p), {})
-                if not isinstance(node, dict):
-                    raise self.fail(f"tensor name {key!r} collides with a leaf")
-            if int(parts[-1]) in node:
-                raise self.fail(f"tensor name {key!r} collides with another entry")
-            node[int(parts[-1])] = value
-        if any(i >= n_classes for i in root):
-            raise self.fail(f"tensors for cache {max(root)} but only {n_classes} classes")
-        return [self.listify(root.get(i, {}), str(i)) for i in range(n_classes)]
-
-    def listify(self, node: Any, where: str) -> Any:
-        if not isinstance(node, dict):
-            return node
-        if sorted(node) != list(range(len(node))):
-            raise self.fail(f"state {where} is not indexed 0..{len(node) - 1}")
-        return [self.listify(node[i], f"{where}.{i}") for i in range(len(node))]
-
-    # -- per-class consistency ------------------------------------------------------------
-    def check_state(self, cls: str, st: Any, where: str, depth: int = 0) -> None:
-        if not isinstance(st, list):
-            raise self.fail(f"{cls} state {where} is not a list")
-        if cls == "CacheList":
-            if depth >= 4:
-                raise self.fail(f"CacheList {where} nested too deeply")
-            for j, pair in enumerate(st):
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], str)):
-                    raise self.fail(f"CacheList {where}.{j} is not a (state, class name) pair")
-                self.check_class_name(pair[1])
-                self.check_state(pair[1], pair[0], f"{where}.{j}.0", depth + 1)
-            return
-        if len(st) != _ARITY[cls]:
-            raise self.fail(f"{cls} state {where} has {len(st)} entries, expected {_ARITY[cls]}")
-        w = f"{cls} {where}"
-        if cls == "ArraysCache":
-            slots, *rest = st
-            if not isinstance(slots, list):
-                raise self.fail(f"{w}: slots are not a list")
-            if not all(x is None or isinstance(x, _Tensor) for x in (*slots, *rest)):
-                raise self.fail(f"{w}: slots must be arrays or none")
-            return
-        if cls == "ConcatenateKVCache":
-            if st != [None, None]:
-                self.kv_pair(w, st[0], st[1], 0)
-            return
-        ints = st[2:]
-        if not all(_is_int(x) and x >= 0 for x in ints):
-            raise self.fail(f"{w}: offsets and sizes must be non-negative integers, got {ints}")
-        need = ints[0]
-        if cls == "RotatingKVCache":
-            offset, keep, max_size, idx = ints
-            if max_size < 1 or keep > max_size:
-                raise self.fail(f"{w}: keep {keep} / max_size {max_size} inconsistent")
-            need = min(offset, max_size)
-        elif cls == "ChunkedKVCache":
-            offset, chunk, start = ints
-            if chunk < 1 or start > offset:
-                raise self.fail(f"{w}: chunk_size {chunk} / start {start} inconsistent")
-            need = offset - start
-        elif cls == "QuantizedKVCache":
-            group, bits = ints[1:]
-            if group < 1 or not 1 <= bits <= 8:
-                raise self.fail(f"{w}: group_size {group} / bits {bits} invalid")
-        if st[0] is None and st[1] is None:
-            if ints[0] != 0:
-                raise self.fail(f"{w}: empty cache with offset {ints[0]}")
-            return
-        if cls == "QuantizedKVCache":
-            self.quantized_pair(w, st[0], st[1], need, group, bits)
-            return
-        seq = self.kv_pair(w, st[0], st[1], need)
-        if cls == "RotatingKVCache" and idx > seq:
-            raise self.fail(f"{w}: ring index {idx} beyond {seq} stored positions")
-
-    def kv_pair(self, w: str, k: Any, v: Any, need: int) -> int:
-        if not (isinstance(k, _Tensor) and isinstance(v, _Tensor)):
-            raise self.fail(f"{w}: keys and values must both be arrays")
-        if len(k.shape) != 4 or len(v.shape) != 4 or k.shape[:3] != v.shape[:3]:
-            raise self.fail(f"{w}: keys {k.shape} / values {v.shape} not matching 4-D arrays")
-        if k.code != v.code:
-            raise self.fail(f"{w}: keys and values differ in dtype")
-        if k.shape[2] < need:
-            raise self.fail(f"{w}: {k.shape[2]} stored positions, cache needs {need}")
-        return k.shape[2]
-
-    def quantized_pair(self, w: str, k: Any, v: Any, need: int, group: int, bits: int) -> None:
-        for part in (k, v):
-            if not (isinstance(part, list) and len(part) in (2, 3)):
-                raise self.fail(f"{w}: quantized keys/values must be 2 or 3 arrays")
-            if not all(isinstance(x, _Tensor) and len(x.shape) == 4 for x in part):
-                raise self.fail(f"{w}: quantized parts must be 4-D arrays")
-            packed, scales = part[0], part[1]
-            if packed.code != "U32" or any(x.shape != scales.shape for x in part[1:]):
-                raise self.fail(f"{w}: quantized parts have wrong dtype or shapes")
-            if packed.shape[:3] != scales.shape[:3] or packed.shape[2] < need:
-                raise self.fail(f"{w}: quantized parts hold too few positions")
-            if packed.shape[3] * 32 != scales.shape[3] * group * bits:
-                raise self.fail(f"{w}: packed width does not match group_size and bits")
-
-    # -- build ----------------------------------------------------------------------------
-    def array(self, t: _Tensor) -> mx.array:
-        np_dt, mx_dt = _DTYPES[t.code]
-        if t.end == t.begin:
-            a = mx.zeros(t.shape, mx_dt)
-        else:
-            count = (t.end - t.begin) // np_dt.itemsize
-            src = np.frombuffer(self.mv, np_dt, count, self.data_start + t.begin)
-            a = mx.array(src.reshape(t.shape))  # the one copy: blob -> mlx memory
-            if t.code == "BF16":
-                a = a.view(mx.bfloat16)
-        self.arrays.append(a)
-        return a
-
-    def materialize(self, x: Any) -> Any:
-        if isinstance(x, _Tensor):
-            return self.array(x)
-        if isinstance(x, list):
-            return [self.materialize(y) for y in x]
-        return x
-
-    def build(self, cls: str, st: list) -> Any:
-        if cls == "CacheList":
-            return mlc.CacheList(*(self.build(name, sub) for sub, name in st))
-        return _from_state(cls, self.materialize(st))
+def _validate(d: CacheStateDecoder) -> tuple[Layout, dict, list[str], list, set[str]]:
+    st = _structure(d)
+    layout = st.layout
+    values = {
+        id(layout.tensors[pos]): read_scalar(d.mv, layout, pos, kind, d.fail)
+        for pos, kind in st.markers.items()
+    }
+    states = _substitute(st.skeleton, values)
+    for i, (cls, state) in enumerate(zip(st.classes, states, strict=True)):
+        d.check_state(cls, state, str(i))
+    return layout, dict(st.user), st.classes, states, set(st.markers)
 
 
-def decode(blob: bytes | memoryview, *, name: str = "blob") -> tuple[list, dict[str, str]]:
+def decode(
+    blob: bytes | memoryview, *, name: str = "blob", checksum: int | None = None
+) -> tuple[list, dict[str, str]]:
     """Validate `blob`, then rebuild its cache objects; return (cache, user metadata).
 
     Every check runs before mlx touches the bytes; any failure raises CodecError whose message
-    starts with `name`. Arrays are copied out of the blob and evaluated, so the caller may free
-    or reuse the buffer afterwards.
+    starts with `name`. With `checksum`, the blob's xxh3-64 must equal it (ChecksumError; it runs
+    alongside the copy of a large blob). Arrays are copied out of the blob and evaluated, so the
+    caller may free or reuse the buffer afterwards.
     """
-    d = _Decoder(blob, name)
-    tensors, meta = d.parse_layout()
-    user, classes, markers = d.parse_metadata(meta)
-    leaves: dict[str, Any] = dict(tensors)
-    for pos, kind in markers.items():
-        if pos not in tensors:
-            raise d.fail(f"scalar marker points at missing tensor {pos!r}")
-        leaves[pos] = d.scalar(pos, tensors[pos], kind)
-    states = d.build_tree(leaves, len(classes))
-    for i, (cls, st) in enumerate(zip(classes, states, strict=True)):
-        d.check_state(cls, st, str(i))
-    cache = [d.build(cls, st) for cls, st in zip(classes, states, strict=True)]
-    mx.eval(d.arrays)  # detach from the blob before the caller can release it
+    d = CacheStateDecoder(blob, name)
+    try:
+        layout, user, classes, states, scalars = _validate(d)
+    except CodecError:
+        if checksum is not None and materialize.checksum(d.mv) != checksum:
+            raise ChecksumError(f"{name}: blob checksum mismatch") from None  # the root cause
+        raise
+    keys = [k for k in layout.tensors if k not in scalars]
+    arrays, ok = materialize.arrays(d.mv, layout, keys, expect_checksum=checksum)
+    if not ok:
+        raise ChecksumError(f"{name}: blob checksum mismatch")
+    by_id = {id(layout.tensors[k]): a for k, a in arrays.items()}
+    cache = [d.build(cls, st, by_id) for cls, st in zip(classes, states, strict=True)]
     return cache, user

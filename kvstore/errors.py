@@ -48,3 +48,7 @@ class RemoteError(KVStoreError):
     def __init__(self, cause: str, message: str):
         self.cause = cause  # "unreachable" | "credentials" | "bucket" | "corrupt" | "version" ...
         super().__init__(message)
+
+
+class ChecksumError(CodecError):
+    """A blob's bytes do not hash to the checksum its meta recorded."""

@@ -27,7 +27,7 @@ from kvstore.entry import (
     EntryMeta,
     tokens_match_key,
 )
-from kvstore.errors import CodecError, CorruptEntryError, StoreError
+from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
 from kvstore.settings import DEFAULTS, STORE_DIR
@@ -277,10 +277,10 @@ class Store:
             raise CorruptEntryError(key, "meta without blob")
         if len(blob) != meta.nbytes:
             raise CorruptEntryError(key, f"blob is {len(blob)} bytes, meta says {meta.nbytes}")
-        if blob_checksum(blob) != meta.checksum:
-            raise CorruptEntryError(key, "blob checksum mismatch")
-        try:
-            cache, _ = codec.decode(blob, name=f"entry {key.hex()}")
+        try:  # the checksum runs alongside the copy of a large blob, before anything is returned
+            cache, _ = codec.decode(blob, name=f"entry {key.hex()}", checksum=meta.checksum)
+        except ChecksumError:
+            raise CorruptEntryError(key, "blob checksum mismatch") from None
         except CodecError as e:
             raise CorruptEntryError(key, str(e)) from None
         held = codec.cache_tokens(cache)

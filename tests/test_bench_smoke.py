@@ -38,7 +38,7 @@ def test_hydrate_measurement_and_targets(tmp_path):
     assert set(rows[0]["gbps"]) == set(hydrate.ALTERNATIVES)
     assert all(v > 0 for r in rows for v in r["gbps"].values())
     targets = run.targets({"hydrate": {"rows": rows}})
-    assert len(targets) == 4 and all(t["ok"] in (True, False) for t in targets)
+    assert len(targets) == 5 and all(t["ok"] in (True, False) for t in targets)
 
 
 def test_fleet_targets():

@@ -67,7 +67,7 @@ def test_the_app_does_not_hydrate_a_model_whose_weights_changed_while_loading(
         return REAL_LOAD(path, *a, **kw)
 
     with mock.patch("mlx_lm.load", load_during_an_update), caplog.at_level(logging.ERROR):
-        model, _ = client.load(model_copy, home=kv_home)
+        model, _, _ = client.load(model_copy, home=kv_home, stats=False)
     assert any("changed while" in r.getMessage() for r in caplog.records)
     with Store(kv_home) as store:  # the store holds KV of the files as they are now
         warm(load_manifest(manifest_for(tmp_path, model_copy, TWO_PINS)), store, home=kv_home)
@@ -78,7 +78,8 @@ def test_the_app_does_not_hydrate_a_model_whose_weights_changed_while_loading(
 
 
 def test_the_app_does_not_hydrate_when_weights_change_after_loading(model_copy, kv_home, tmp_path):
-    model, tokenizer = client.load(model_copy, home=kv_home)  # the old weights, in memory
+    # the old weights, in memory
+    model, tokenizer, _ = client.load(model_copy, home=kv_home, stats=False)
     rewrite_weights(model_copy)
     with Store(kv_home) as store:  # KV of the new weights, under their fingerprint
         warm(load_manifest(manifest_for(tmp_path, model_copy, TWO_PINS)), store, home=kv_home)
@@ -90,14 +91,14 @@ def test_the_app_does_not_hydrate_when_weights_change_after_loading(model_copy, 
         assert cache.fingerprint is None and len(cache) == 0
         assert cache.pin("p", tokens=[1, 2, 3, 4]).queued is False
     # the same model loaded again hydrates them
-    again, _ = client.load(model_copy, home=kv_home)
+    again, _, _ = client.load(model_copy, home=kv_home, stats=False)
     assert hydrate(LRUPromptCache(), "m", model_copy, home=kv_home, model=again).entries == 2
 
 
 def test_a_touched_but_unchanged_file_still_hydrates(model_copy, kv_home, tmp_path):
     import os
 
-    model, _ = client.load(model_copy, home=kv_home)
+    model, _, _ = client.load(model_copy, home=kv_home, stats=False)
     os.utime(model_copy / "model.safetensors")  # new mtime, same bytes
     with Store(kv_home) as store:
         warm(load_manifest(manifest_for(tmp_path, model_copy, TWO_PINS)), store, home=kv_home)

@@ -1,0 +1,181 @@
+"""The first hydrate in a freshly started process, against mlx-lm's own loader of the same bytes.
+
+Each alternative is timed as one call in its own new interpreter (imports done before the timer),
+the two alternating, medians of N:
+  kvstore            client.hydrate(LRUPromptCache(), ...) end to end: fingerprint of a model
+                     directory with Qwen3.5-9B's config.json (hash cache warm, as after the first
+                     start), store open, scan, checksum, validate, copy, insert
+  load_prompt_cache  mlx_lm.models.cache.load_prompt_cache of the same bytes from a .safetensors
+                     file in the page cache, evaluated, + LRUPromptCache.insert_cache
+
+  fresh memory       mx.zeros of the entry's size, evaluated: only the first touch of as much new
+                     memory, the floor for any loader that puts the bytes in process memory
+Both pay the page faults of a new process's first touch of fresh memory; that is the regime every
+user restart is in, and the one the in-process benchmark (bench.hydrate) cannot reproduce.
+
+    python -m bench.coldstart [--full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.timing import Stats
+
+# imports stay inside functions: a worker's own import time is part of what it reports
+MB = 2**20
+QUICK = {"kv28-f16": [1, 256], "qwen3.5-9b-hybrid": [64]}  # bf16 moves like f16: --full has it
+FULL = {s: [1, 4, 16, 64, 256, 1024] for s in ("kv28-f16", "kv36-bf16", "qwen3.5-9b-hybrid")}
+ALTERNATIVES = ("kvstore", "load_prompt_cache", "fresh memory")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _worker(argv: list[str]) -> None:
+    """One timed call in this new interpreter; prints a JSON line (call wall and CPU seconds, all
+    threads; CPU time is the steadier figure on a shared machine)."""
+    t_start = time.perf_counter()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("alternative", choices=ALTERNATIVES)
+    ap.add_argument("--home")
+    ap.add_argument("--model")
+    ap.add_argument("--file")
+    ap.add_argument("--tokens", type=int)
+    a = ap.parse_args(argv)
+    from mlx_lm.models.cache import LRUPromptCache
+
+    if a.alternative == "kvstore":
+        from client import hydrate
+
+        imported, cpu = time.perf_counter(), time.process_time()
+        lru = LRUPromptCache()
+        rep = hydrate(lru, "m", a.model, home=a.home)
+        call, cpu = time.perf_counter() - imported, time.process_time() - cpu
+        assert rep.warning is None and rep.entries == 1, rep.warning
+    elif a.alternative == "fresh memory":
+        import mlx.core as mx
+
+        imported, cpu = time.perf_counter(), time.process_time()
+        mx.eval(mx.zeros((a.tokens,), mx.uint8))
+        call, cpu = time.perf_counter() - imported, time.process_time() - cpu
+    else:
+        import mlx.core as mx
+        from mlx_lm.models.cache import load_prompt_cache
+
+        imported, cpu = time.perf_counter(), time.process_time()
+        cache = load_prompt_cache(a.file)
+        mx.eval([c.state for c in cache])
+        LRUPromptCache().insert_cache("m", list(range(a.tokens)), cache, cache_type="system")
+        call, cpu = time.perf_counter() - imported, time.process_time() - cpu
+    print(json.dumps({"call_s": call, "cpu_s": cpu, "import_s": imported - t_start}))
+
+
+def _spawn(args: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.coldstart", "--worker", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if out.returncode:
+        raise RuntimeError(f"coldstart worker {args[0]} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _store_entry(home: Path, model: Path, shape, tokens: int) -> tuple[Path, int]:
+    """One pinned entry under the model's real fingerprint, and the same bytes as a file."""
+    from bench.shapes import make_cache
+    from kvstore import codec
+    from kvstore.identity import FileHashCache, model_fingerprint
+    from kvstore.keys import entry_key, pack_tokens
+    from kvstore.settings import FILEHASH_NAME, ensure_home
+    from kvstore.store import Store
+
+    ensure_home(home)
+    fp = model_fingerprint(model, hash_cache=FileHashCache(home / FILEHASH_NAME)).digest
+    blob = codec.encode(make_cache(shape, tokens))
+    ids = list(range(tokens))
+    with Store(home) as s:
+        s.put(entry_key(fp, ids), blob, tokens=pack_tokens(ids), pinned=True, model=str(model))
+    path = home / "entry.safetensors"
+    path.write_bytes(blob)
+    return path, len(blob)
+
+
+def measure(root: Path, model: Path, shape, size_mb: int, reps: int) -> dict:
+    home = root / f"{shape.name}-{size_mb}"
+    tokens = shape.tokens_for(size_mb * MB)
+    path, nbytes = _store_entry(home, model, shape, tokens)
+    args = {
+        "kvstore": ["kvstore", "--home", str(home), "--model", str(model)],
+        "load_prompt_cache": ["load_prompt_cache", "--file", str(path), "--tokens", str(tokens)],
+        "fresh memory": ["fresh memory", "--tokens", str(nbytes)],
+    }
+    samples: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
+    cpu: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
+    imports: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
+    for r in range(reps + 1):  # the first round (untimed) brings both files into the page cache
+        for name in ALTERNATIVES[r % 3 :] + ALTERNATIVES[: r % 3]:
+            res = _spawn(args[name])
+            if r:
+                samples[name].append(res["call_s"])
+                cpu[name].append(res["cpu_s"])
+                imports[name].append(res["import_s"])
+    shutil.rmtree(home)
+    stats = {n: Stats.of(s) for n, s in samples.items()}
+    return {
+        "shape": shape.name,
+        "size_mb": size_mb,
+        "nbytes": nbytes,
+        "tokens": tokens,
+        "stats": {n: st.to_json() for n, st in stats.items()},
+        "cpu_s": {n: Stats.of(s).median for n, s in cpu.items()},
+        "import_s": {n: Stats.of(s).median for n, s in imports.items()},
+        "gbps": {n: nbytes / st.median / 1e9 for n, st in stats.items()},
+        "kvstore_vs_load_prompt_cache": stats["load_prompt_cache"].median / stats["kvstore"].median,
+        "cpu_ratio": Stats.of(cpu["load_prompt_cache"]).median / Stats.of(cpu["kvstore"]).median,
+    }
+
+
+def run(quick: bool) -> dict:
+    from bench.fingerprint import make_model_dir
+    from bench.shapes import SHAPES
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvbench-coldstart-") as tmp:
+        root = Path(tmp)
+        model = make_model_dir(root / "model", 64 * MB, shards=2)  # sparse shards, 9B config
+        for name, sizes in (QUICK if quick else FULL).items():
+            shape = SHAPES[name]
+            for size in sizes:
+                reps = 3 if quick else (5 if size >= 1024 else 7)
+                row = measure(root, model, shape, size, reps)
+                rows.append(row)
+                st = row["stats"]
+                print(
+                    f"  coldstart {shape.name:18} {size:5d} MB: kvstore "
+                    f"{st['kvstore']['median'] * 1e3:7.1f} ms, load_prompt_cache "
+                    f"{st['load_prompt_cache']['median'] * 1e3:7.1f} ms, fresh memory "
+                    f"{st['fresh memory']['median'] * 1e3:7.1f} ms "
+                    f"(x{row['kvstore_vs_load_prompt_cache']:.2f}; CPU x{row['cpu_ratio']:.2f})",
+                    flush=True,
+                )
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        ap = argparse.ArgumentParser(description=__doc__)
+        ap.add_argument("--full", action="store_true")
+        print(json.dumps(run(not ap.parse_args().full), indent=1))

@@ -1,0 +1,176 @@
+"""Process start with and without kvstore: `client.load` (weights and store entries read at the
+same time) against `mlx_lm.load` alone, and against the two one after the other.
+
+The model is generated here: random float16 weights in a real architecture (llama), >= 1 GiB at
+full scale; entries of at least 0.5 GiB in total are stored under its real fingerprint. Each
+alternative runs as one call in its own new interpreter, alternating, medians of N:
+  mlx_lm.load         model and tokenizer, nothing hydrated (what an app without kvstore pays)
+  client.load         the same, plus a PersistentPromptCache hydrated on a second thread
+  load, then hydrate  mlx_lm.load, then PersistentPromptCache(model, ...) hydrating after it
+
+    python -m bench.overlap [--full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.timing import Stats
+
+MB = 2**20
+ROOT = Path(__file__).resolve().parent.parent
+ALTERNATIVES = ("mlx_lm.load", "client.load", "load, then hydrate")
+# llama, float16: full ~1.3 GB of weights (663M parameters), quick ~0.23 GB
+ARCH = {
+    True: dict(hidden_size=1024, num_hidden_layers=4, intermediate_size=2752, vocab_size=32000),
+    False: dict(hidden_size=2048, num_hidden_layers=12, intermediate_size=5504, vocab_size=32000),
+}
+ENTRIES_MB = {True: [64, 64], False: [256, 256]}
+
+
+def _worker(argv: list[str]) -> None:
+    t_start = time.perf_counter()
+    alternative, model, home, n = argv[0], argv[1], argv[2], int(argv[3])
+    if alternative == "mlx_lm.load":
+        from mlx_lm import load
+
+        imported = time.perf_counter()
+        load(model)
+        hydrated = 0
+    elif alternative == "client.load":
+        import client
+        import client.persistent  # noqa: F401  (imported before the timer, as the others' are)
+
+        imported = time.perf_counter()
+        _, _, cache = client.load(model, home=home, stats=False)
+        hydrated = cache.report.entries
+        cache.close()
+    else:
+        from mlx_lm import load
+
+        from client import PersistentPromptCache
+
+        imported = time.perf_counter()
+        m, tok = load(model)
+        cache = PersistentPromptCache(m, tok, model, home=home, stats=False)
+        hydrated = cache.report.entries
+        cache.close()
+    done = time.perf_counter()
+    assert hydrated == (0 if alternative == "mlx_lm.load" else n), (alternative, hydrated)
+    print(json.dumps({"call_s": done - imported, "import_s": imported - t_start}))
+
+
+def _spawn(args: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+    t = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.overlap", "--worker", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if out.returncode:
+        raise RuntimeError(f"overlap worker {args[0]} failed:\n{out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["process_s"] = time.perf_counter() - t
+    return res
+
+
+def make_model(path: Path, quick: bool) -> int:
+    """A random-weight llama in float16 with a locally trained tokenizer; returns weight bytes."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.utils import _get_classes, save_model
+
+    from kvstore.tiny import write_tokenizer
+
+    config = dict(
+        model_type="llama",
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        torch_dtype="float16",
+        **ARCH[quick],
+    )
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+    mx.eval(model.parameters())
+    save_model(path, model)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path)
+    return sum(p.stat().st_size for p in path.glob("*.safetensors"))
+
+
+def _store_entries(home: Path, model: Path, sizes_mb: list[int]) -> int:
+    from bench.shapes import KV28_F16, make_cache
+    from kvstore import codec
+    from kvstore.identity import FileHashCache, model_fingerprint
+    from kvstore.keys import entry_key, pack_tokens
+    from kvstore.settings import FILEHASH_NAME, ensure_home
+    from kvstore.store import Store
+
+    ensure_home(home)
+    fp = model_fingerprint(model, hash_cache=FileHashCache(home / FILEHASH_NAME)).digest
+    total = 0
+    with Store(home) as s:
+        for i, mb in enumerate(sizes_mb):
+            tokens = KV28_F16.tokens_for(mb * MB)
+            ids = [i + 3, *range(10, 9 + tokens)]  # distinct first token: no entry prefixes another
+            blob = codec.encode(make_cache(KV28_F16, tokens, seed=i))
+            s.put(entry_key(fp, ids), blob, tokens=pack_tokens(ids), pinned=True, model=str(model))
+            total += len(blob)
+    return total
+
+
+def run(quick: bool) -> dict:
+    reps = 3 if quick else 5
+    with tempfile.TemporaryDirectory(prefix="kvbench-overlap-") as tmp:
+        root = Path(tmp)
+        model, home = root / "model", root / "home"
+        weights = make_model(model, quick)
+        entries = _store_entries(home, model, ENTRIES_MB[quick])
+        n = str(len(ENTRIES_MB[quick]))
+        samples: dict[str, list[dict]] = {a: [] for a in ALTERNATIVES}
+        for r in range(reps + 1):  # round 0 (untimed) fills the page cache and the layout cache
+            for name in ALTERNATIVES[r % 3 :] + ALTERNATIVES[: r % 3]:
+                res = _spawn([name, str(model), str(home), n])
+                if r:
+                    samples[name].append(res)
+    stats = {a: Stats.of([s["call_s"] for s in v]) for a, v in samples.items()}
+    process = {a: Stats.of([s["process_s"] for s in v]).median for a, v in samples.items()}
+    base = stats["mlx_lm.load"].median
+    out = {
+        "weights_bytes": weights,
+        "entries_bytes": entries,
+        "stats": {a: st.to_json() for a, st in stats.items()},
+        "process_s": process,
+        "client_load_vs_mlx_lm_load": stats["client.load"].median / base,
+        "sequential_vs_mlx_lm_load": stats["load, then hydrate"].median / base,
+    }
+    print(
+        f"  overlap {weights / 2**30:.2f} GiB weights, {entries / 2**30:.2f} GiB entries: "
+        + ", ".join(f"{a} {st.median:.2f} s" for a, st in stats.items())
+        + f"  (client.load x{out['client_load_vs_mlx_lm_load']:.3f} of mlx_lm.load)",
+        flush=True,
+    )
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        ap = argparse.ArgumentParser(description=__doc__)
+        ap.add_argument("--full", action="store_true")
+        print(json.dumps(run(not ap.parse_args().full), indent=1))

@@ -1,0 +1,105 @@
+"""`client.load`: `mlx_lm.load` with the store's entries for the model read while the weights load.
+
+The fingerprint needs only the model's files and config.json, so a second thread reads, checks
+and decodes the entries while this thread loads the weights; both mostly wait on the kernel
+(page faults on fresh memory, file reads), so on a multi-core machine the hydrate hides behind
+the load. The returned cache is a `PersistentPromptCache` filed from what that thread read.
+
+Threads and mlx: mlx >= 0.31.2 supports evaluating on several threads (each thread gets its own
+default streams; ml-explore/mlx#2133, #3126). The reading thread's mlx work is array creation
+from host bytes and metadata-only views on the CPU stream, all evaluated there before it ends, and
+it is always joined before `load` returns or raises: no mlx work runs on it at exit (a thread
+still evaluating at exit is what crashed, ml-explore/mlx#3126).
+
+The files are fingerprinted on this thread before mlx-lm reads them and re-checked after
+(client/loader.py): a weight file replaced while loading would otherwise file the old weights'
+KV under the new files' fingerprint, so such a model hydrates nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from client.hydrate import Prefetched, prefetch
+from client.loader import fingerprint_files, tag_loaded
+
+
+def load(
+    model_path: str | Path,
+    *,
+    home: str | Path | None = None,
+    adapter_path: str | Path | None = None,
+    tokenizer_config: dict | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    model_config: dict | None = None,
+    **cache_options: Any,
+) -> tuple[Any, Any, Any]:
+    """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
+    `PersistentPromptCache` hydrated from the store while the weights loaded.
+
+    `model_config` are load-time overrides, as `mlx_lm.load(model_config=...)` takes them (they
+    are part of the entries' identity). `cache_options` go to `PersistentPromptCache`
+    (model_key, max_size, max_bytes, stats, ...).
+    Like `hydrate`, a store problem is one warning in `cache.report`, never an exception.
+    """
+    from mlx_lm import load as mlx_load
+
+    from client.persistent import PersistentPromptCache
+
+    read: dict[str, Prefetched] = {}
+    before = fingerprint_files(
+        model_path,
+        home=home,
+        adapter_path=adapter_path,
+        model_config=model_config,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+    )
+
+    def prefetch_entries() -> None:
+        read["entries"] = prefetch(
+            model_path,
+            home=home,
+            adapter_path=adapter_path,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            model_config=model_config,
+        )
+
+    reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
+    reader.start()
+    try:
+        model, tokenizer = mlx_load(
+            str(model_path),
+            tokenizer_config=tokenizer_config,
+            model_config=dict(model_config) if model_config else None,
+            adapter_path=None if adapter_path is None else str(adapter_path),
+        )
+    finally:
+        reader.join()  # also when the load fails: never leave mlx work running on a thread
+    prefetched = read.get("entries")  # None only if the thread died: then it reads here
+    same_files = tag_loaded(model, before, model_path)
+    if prefetched is not None and not (
+        same_files and before is not None and prefetched.report.fingerprint == before.hex
+    ):
+        prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
+    cache = PersistentPromptCache(
+        model,
+        tokenizer,
+        model_path,
+        home=home,
+        adapter_path=adapter_path,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        model_config=model_config,
+        prefetched=prefetched,
+        **cache_options,
+    )
+    return model, tokenizer, cache

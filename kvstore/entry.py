@@ -29,6 +29,10 @@ _META_FIELDS = (
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized from this offset on
 
 
+def blob_checksum(blob) -> int:
+    return xxhash.xxh3_64_intdigest(blob)
+
+
 @dataclass
 class EntryMeta:
     key: bytes

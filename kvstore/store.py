@@ -5,32 +5,28 @@ One writer (the daemon, or the CLI when no daemon runs) and many readers. Every 
 (another process grew the map) by adopting its size. Blob bytes read
 through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
 transaction. The meta record lives in `kvstore.entry`, the environment in `kvstore.lmdbenv`.
+
+This module holds the environment and its two transaction paths; what runs in them is split by
+responsibility: reads in `kvstore.store_read`, writes in `kvstore.store_write`, check and stats in
+`kvstore.store_admin`.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import xxhash
 
-from kvstore import codec
-from kvstore.entry import (
-    _META_FIELDS,
-    DEFAULT_QUANTIZED_KV_START,
-    SCHEMA_VERSION,
-    EntryMeta,
-    tokens_match_key,
-)
-from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
-from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.entry import DEFAULT_QUANTIZED_KV_START, SCHEMA_VERSION, EntryMeta, blob_checksum
+from kvstore.errors import StoreError
 from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
 from kvstore.settings import DEFAULTS, STORE_DIR
+from kvstore.store_admin import StoreAdmin
+from kvstore.store_read import StoreReads
+from kvstore.store_write import StoreWrites, model_location, with_model_location
 
 __all__ = [
     "DEFAULT_QUANTIZED_KV_START",
@@ -43,44 +39,7 @@ __all__ = [
 ]
 
 
-def blob_checksum(blob) -> int:
-    return xxhash.xxh3_64_intdigest(blob)
-
-
-def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
-    """Where `model` and `adapter` resolve in this process, as absolute directories (a hub id:
-    its snapshot directory): recorded in each entry's extra at put time as `model_dir` and
-    `adapter_dir`, so a process with another cwd or HF_HOME (the daemon under launchd) can still
-    judge the entry stale or current. What does not resolve here is left out."""
-    from kvstore.errors import ModelError
-    from kvstore.identity import resolve_model_path
-
-    out: dict[str, str] = {}
-    if model:
-        try:
-            out["model_dir"] = str(resolve_model_path(model))
-        except (ModelError, OSError):
-            pass
-    if adapter:
-        adir = Path(adapter).expanduser()
-        if adir.is_dir():
-            out["adapter_dir"] = str(adir.resolve())
-    return out
-
-
-def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
-    model_location)."""
-    extra = fields.get("extra") or {}
-    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
-        return fields  # a bad extra: put's type check names it
-    model, adapter = fields.get("model"), extra.get("adapter")
-    if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
-        return fields  # put's type check names the field
-    return {**fields, "extra": {**model_location(model, adapter), **extra}}
-
-
-class Store:
+class Store(StoreReads, StoreWrites, StoreAdmin):
     """One LMDB environment in `home/store`. Not to be carried across fork()."""
 
     def __init__(
@@ -112,8 +71,6 @@ class Store:
         if not readonly:
             self.env.reader_check()
         self.on_commit: list[Callable[[EntryMeta], None]] = []  # after each put (the fleet queue)
-
-    # -- plumbing ---------------------------------------------------------------------------
 
     def close(self) -> None:
         if self.env is not None:
@@ -186,312 +143,3 @@ class Store:
 
     def reader_check(self) -> int:
         return self.env.reader_check()
-
-    # -- reads --------------------------------------------------------------------------------
-
-    def _scan(self, txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        cur = txn.cursor(self._meta)
-        if not cur.set_range(prefix):
-            return
-        for k, v in cur:
-            k = bytes(k)
-            if not k.startswith(prefix):
-                break
-            yield k, bytes(v)
-
-    def metas(self, fingerprint: bytes = b"", *, errors: list | None = None) -> list[EntryMeta]:
-        """Every entry's meta (one model's with `fingerprint`): one range scan, short transaction.
-
-        Unreadable metas are appended to `errors` (as CorruptEntryError) if given, else raised.
-        """
-        raw = self._read(lambda txn: list(self._scan(txn, fingerprint)))
-        out = []
-        for k, v in raw:
-            try:
-                out.append(EntryMeta.unpack(k, v))
-            except CorruptEntryError as e:
-                if errors is None:
-                    raise
-                errors.append(e)
-        return out
-
-    def keys(self) -> list[bytes]:
-        return self._read(
-            lambda txn: [bytes(k) for k in txn.cursor(self._meta).iternext(values=False)]
-        )
-
-    def get_meta(self, key: bytes) -> EntryMeta | None:
-        raw = self._read(lambda txn: txn.get(key, db=self._meta))
-        return None if raw is None else EntryMeta.unpack(key, bytes(raw))
-
-    def load(self, key: bytes, tokens: bytes | None = None) -> tuple[EntryMeta, list]:
-        """Meta and decoded cache of one entry; `tokens` (packed), if given, must match."""
-
-        def fn(txn):
-            raw = txn.get(key, db=self._meta)
-            if raw is None:
-                raise KeyError(key.hex())
-            meta = EntryMeta.unpack(key, bytes(raw))
-            if tokens is not None and meta.tokens != tokens:
-                raise KeyError(key.hex())  # a hash collision: another prefix lives under this key
-            blob = txn.get(key, db=self._blob)
-            return meta, self._decode(key, meta, blob)
-
-        return self._read(fn, buffers=True)
-
-    def blob_ok(self, meta: EntryMeta) -> bool:
-        """The stored blob has its meta's length and checksum (no decode: ~30 GB/s)."""
-
-        def fn(txn):
-            blob = txn.get(meta.key, db=self._blob)
-            return (
-                blob is not None
-                and len(blob) == meta.nbytes
-                and (blob_checksum(blob) == meta.checksum)
-            )
-
-        return self._read(fn, buffers=True)
-
-    def read_blob(self, key: bytes) -> bytes:
-        blob = self._read(lambda txn: txn.get(key, db=self._blob))
-        if blob is None:
-            raise KeyError(key.hex())
-        return bytes(blob)
-
-    def read_blob_range(self, key: bytes, offset: int, size: int) -> bytes:
-        """`size` bytes of a blob from `offset`, in one short read transaction (a multipart
-        upload reads each part on its own rather than holding one open for the whole upload)."""
-
-        def fn(txn):
-            blob = txn.get(key, db=self._blob)
-            return None if blob is None else bytes(blob[offset : offset + size])
-
-        part = self._read(fn, buffers=True)
-        if part is None:
-            raise KeyError(key.hex())
-        return part
-
-    @staticmethod
-    def _decode(key: bytes, meta: EntryMeta, blob) -> list:
-        if blob is None:
-            raise CorruptEntryError(key, "meta without blob")
-        if len(blob) != meta.nbytes:
-            raise CorruptEntryError(key, f"blob is {len(blob)} bytes, meta says {meta.nbytes}")
-        try:  # the checksum runs alongside the copy of a large blob, before anything is returned
-            cache, _ = codec.decode(blob, name=f"entry {key.hex()}", checksum=meta.checksum)
-        except ChecksumError:
-            raise CorruptEntryError(key, "blob checksum mismatch") from None
-        except CodecError as e:
-            raise CorruptEntryError(key, str(e)) from None
-        held = codec.cache_tokens(cache)
-        if held != meta.ntokens and not (held is None and codec.keeps_no_offset(cache)):
-            raise CorruptEntryError(
-                key, f"its KV holds {held} tokens but the entry is {meta.ntokens} tokens"
-            )
-        return cache
-
-    # -- writes -------------------------------------------------------------------------------
-
-    def put(self, key: bytes, blob: bytes, *, locate: bool = True, **fields: Any) -> EntryMeta:
-        """Store one entry; the same key and blob again keeps `created` and hits.
-
-        `locate` records where the model resolves in this process (see model_location); the
-        daemon passes False for a client's put, which DaemonClient.put located in the client's
-        own cwd and environment: resolving a relative path or hub id here could find another."""
-        if len(key) != KEY_BYTES:
-            raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-        if locate:
-            fields = with_model_location(fields)
-        now = time.time()
-        checksum = blob_checksum(blob)
-        extra = fields.pop("extra", {})
-        unknown = set(fields) - set(_META_FIELDS)
-        if unknown:
-            raise StoreError(f"unknown meta field(s): {sorted(unknown)}")
-
-        tokens = fields.get("tokens")
-        if not isinstance(tokens, bytes) or len(tokens) % 4:
-            raise StoreError("field 'tokens' must be packed uint32 token ids (bytes)")
-        if not tokens_match_key(key, tokens):  # every read would refuse it as corrupt
-            raise StoreError(f"entry {key.hex()}: key does not match the entry's tokens")
-        draft = EntryMeta(
-            key=key,
-            tokens=tokens,
-            ntokens=len(tokens) // 4,
-            label=fields.get("label", ""),
-            pinned=fields.get("pinned", False),
-            model=fields.get("model", ""),
-            fingerprint=key[:FINGERPRINT_BYTES],
-            template_hash=fields.get("template_hash") or b"",
-            created=now,
-            last_used=now,
-            hits=0,
-            nbytes=len(blob),
-            checksum=checksum,
-            codec=fields.get("codec", codec.CODEC_VERSION),
-            classes=list(fields.get("classes", [])),
-            extra=extra,
-        )
-        if problem := draft.type_error():
-            raise StoreError(f"entry {key.hex()}: {problem}")
-
-        def fn(txn):
-            old_raw = txn.get(key, db=self._meta)
-            old = None
-            if old_raw is not None:
-                try:
-                    old = EntryMeta.unpack(key, old_raw)
-                except CorruptEntryError:
-                    old = None
-            same = old is not None and old.checksum == checksum and old.tokens == tokens
-            meta = replace(
-                draft,
-                pinned=draft.pinned or bool(same and old.pinned),
-                created=old.created if same else now,
-                hits=old.hits if same else 0,
-            )
-            txn.put(key, blob, db=self._blob)
-            txn.put(key, meta.pack(), db=self._meta)
-            return meta
-
-        meta = self._write(fn)
-        for notify in self.on_commit:  # after the commit: a failing hook cannot undo it
-            notify(meta)
-        return meta
-
-    def delete(self, keys: Iterable[bytes]) -> int:
-        keys = list(keys)
-
-        def fn(txn):
-            n = 0
-            for k in keys:
-                n += bool(txn.delete(k, db=self._meta))
-                txn.delete(k, db=self._blob)
-            return n
-
-        return self._write(fn)
-
-    def touch(self, keys: Iterable[bytes], *, now: float | None = None) -> int:
-        """Record hits: last_used = now, hits += 1."""
-        now = now or time.time()
-        keys = list(keys)
-
-        def fn(txn):
-            n = 0
-            for k in keys:
-                raw = txn.get(k, db=self._meta)
-                if raw is None:
-                    continue
-                try:
-                    meta = EntryMeta.unpack(k, raw)
-                except CorruptEntryError:
-                    continue
-                meta.last_used, meta.hits = now, meta.hits + 1
-                txn.put(k, meta.pack(), db=self._meta)
-                n += 1
-            return n
-
-        return self._write(fn)
-
-    def edit_meta(self, edits: dict[bytes, Callable[[EntryMeta], EntryMeta | None]]) -> int:
-        """Rewrite some entries' meta in one transaction (owners: kvstore.ownership). An edit
-        gets the stored meta and returns the new one, or None to leave it; missing or unreadable
-        entries are skipped. The key, tokens, checksum and size never change here."""
-
-        def fn(txn):
-            n = 0
-            for k, edit in edits.items():
-                raw = txn.get(k, db=self._meta)
-                if raw is None:
-                    continue
-                try:
-                    meta = EntryMeta.unpack(k, raw)
-                except CorruptEntryError:
-                    continue
-                new = edit(meta)
-                if new is None:
-                    continue
-                fixed = (new.key, new.tokens, new.checksum, new.nbytes, new.fingerprint)
-                if fixed != (meta.key, meta.tokens, meta.checksum, meta.nbytes, meta.fingerprint):
-                    raise StoreError(f"entry {k.hex()}: an edit may not change its identity")
-                if problem := new.type_error():
-                    raise StoreError(f"entry {k.hex()}: {problem}")
-                txn.put(k, new.pack(), db=self._meta)
-                n += 1
-            return n
-
-        return self._write(fn)
-
-    def set_pinned(self, keys: Iterable[bytes], pinned: bool) -> int:
-        keys = list(keys)
-
-        def fn(txn):
-            n = 0
-            for k in keys:
-                raw = txn.get(k, db=self._meta)
-                if raw is not None:
-                    meta = EntryMeta.unpack(k, raw)
-                    meta.pinned = pinned
-                    txn.put(k, meta.pack(), db=self._meta)
-                    n += 1
-            return n
-
-        return self._write(fn)
-
-    # -- administration -----------------------------------------------------------------------
-
-    def check(
-        self,
-        *,
-        repair: bool = False,
-        decode: bool = True,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> list[CorruptEntryError]:
-        """Verify every entry (meta, length, checksum, full decode); `repair` deletes bad ones."""
-        problems: list[CorruptEntryError] = []
-        meta_keys = set(self.keys())
-        blob_keys = set(
-            self._read(
-                lambda txn: [bytes(k) for k in txn.cursor(self._blob).iternext(values=False)]
-            )
-        )
-        for k in sorted(blob_keys - meta_keys):
-            problems.append(CorruptEntryError(k, "blob without meta"))
-        keys = sorted(meta_keys)
-        for i, k in enumerate(keys):
-            try:
-                if decode:
-                    self.load(k)
-                else:
-                    meta = self.get_meta(k)
-                    blob = self.read_blob(k)
-                    if blob_checksum(blob) != meta.checksum:
-                        raise CorruptEntryError(k, "blob checksum mismatch")
-            except CorruptEntryError as e:
-                problems.append(e)
-            except KeyError:
-                problems.append(CorruptEntryError(k, "meta without blob"))
-            if progress:
-                progress(i + 1, len(keys))
-        if repair and problems:
-            self.delete(p.key for p in problems)
-        return problems
-
-    def stats(self) -> dict[str, Any]:
-        errors: list = []
-        metas = self.metas(errors=errors)
-        info, stat = self.env.info(), self.env.stat()
-        return {
-            "path": str(self.path),
-            "entries": len(metas),
-            "pinned": sum(m.pinned for m in metas),
-            "bytes": sum(m.nbytes for m in metas),
-            "pinned_bytes": sum(m.nbytes for m in metas if m.pinned),
-            "tokens": sum(m.ntokens for m in metas),
-            "models": len({m.fingerprint for m in metas}),
-            "unreadable": len(errors),
-            "map_size": info["map_size"],
-            "file_bytes": (self.path / "data.mdb").stat().st_size,
-            "page_size": stat["psize"],
-            "readers": info["num_readers"],
-        }

@@ -11,8 +11,8 @@ from pathlib import Path
 from mlx_lm import server
 from mlx_lm.utils import load_tokenizer
 
-from client.serve import _Hooks, _subclasses
 from client.serve_boundary import template_args_warning
+from client.serve_hooks import _Hooks, _subclasses
 from kvstore.clock import clock_at
 from kvstore.tiny import write_tokenizer
 

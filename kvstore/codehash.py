@@ -158,6 +158,19 @@ def kv_code_digest(
     return h.digest()
 
 
+def kv_code_files(config: dict, *, adapter: bool = False, kv_bits: int | None = None) -> list[Path]:
+    """The source files kv_code_digest reads for a config without a model_file, and the module
+    whose remapping tables pick the architecture: what a remembered digest is valid for."""
+    generate = importlib.import_module("mlx_lm.generate")  # the package's `generate` is a function
+    utils = importlib.import_module("mlx_lm.utils")
+    names = set(module_closure_digest((arch_module_name(config), CACHE_MODULE), (ARCH_PACKAGE,))[1])
+    if adapter:
+        names |= set(module_closure_digest((ADAPTER_MODULE,), ADAPTER_PACKAGES)[1])
+    files = [f for f in map(_module_file, sorted(names)) if f is not None]
+    extra = [utils.__file__] + ([generate.__file__] if kv_bits else [])
+    return files + [Path(f) for f in extra]
+
+
 def runtime_versions() -> dict[str, str]:
     """The mlx and mlx-lm versions this process runs (imported), for each entry's provenance."""
     import mlx.core as mx

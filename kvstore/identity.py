@@ -11,6 +11,7 @@ are kept on the Fingerprint, so a caller can check nothing changed while it load
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import msgpack
 import xxhash
 
 from kvstore.codec import CODEC_VERSION
-from kvstore.codehash import kv_code_digest
+from kvstore.codehash import kv_code_digest, kv_code_files
 from kvstore.errors import ModelError
 from kvstore.modelconfig import check_overrides, config_identity, effective_config, model_args
 
@@ -112,6 +113,23 @@ class FileHashCache:
         self._data[str(path)] = [*ident, digest]
         self._dirty = True
         return digest, ident
+
+    def memo(self, key: str):
+        """A value remembered with `remember`, while every file it was derived from keeps its
+        identity; else None."""
+        hit = self._data.get(key)
+        if not (isinstance(hit, list) and len(hit) == 2 and isinstance(hit[0], list)):
+            return None
+        try:
+            if all(self.identity(os.stat(p)) == list(ident) for p, ident in hit[0]):
+                return hit[1]
+        except (OSError, TypeError, ValueError):
+            pass
+        return None
+
+    def remember(self, key: str, files: list[Path], value) -> None:
+        self._data[key] = [[[str(p), self.identity(p.stat())] for p in files], value]
+        self._dirty = True
 
     def save(self) -> None:
         if not (self._dirty and self.path and self.path.parent.is_dir()):
@@ -232,13 +250,30 @@ def model_fingerprint(
         if not afiles:
             raise ModelError(f"adapter {str(adapter_path)!r}: no adapter files in that directory")
         files += [(f"adapter/{p.relative_to(adir)}", p) for p in afiles]
-    built = model_object if model_object is not None else build_architecture(config, model_dir)
+    # Building the architecture and hashing mlx-lm's source cost ~15 ms in a new process: what
+    # they give for this config is remembered while the source files keep their identity.
+    adapter = adapter_path is not None
+    key = (
+        None
+        if model_object is not None or config.get("model_file")
+        else _memo_key(config, adapter, kv_bits)
+    )
+    hit = cache.memo(key) if key else None
+    if hit is not None:
+        built_layout, args_id, code = _tuplify(hit[0]), bytes(hit[1]), bytes(hit[2])
+    else:
+        built = model_object if model_object is not None else build_architecture(config, model_dir)
+        built_layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
+        args_id = config_identity(model_args(built, config), config)
+        try:
+            code = kv_code_digest(config, model_dir, adapter=adapter, kv_bits=kv_bits)
+            if key:
+                sources = kv_code_files(config, adapter=adapter, kv_bits=kv_bits)
+                cache.remember(key, sources, [built_layout, args_id, code])
+        except (OSError, ValueError, SyntaxError) as e:
+            raise ModelError(f"model {str(model)!r}: cannot hash the mlx-lm code: {e}") from None
     if layout is None:
-        layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
-    try:
-        code = kv_code_digest(config, model_dir, adapter=adapter_path is not None, kv_bits=kv_bits)
-    except (OSError, ValueError, SyntaxError) as e:
-        raise ModelError(f"model {str(model)!r}: cannot hash the mlx-lm code: {e}") from None
+        layout = built_layout
     h = xxhash.xxh3_128()
     seen = []
     for name, path in files:
@@ -249,12 +284,26 @@ def model_fingerprint(
             h.update(f"{name}\0{path.stat().st_size}\0".encode())
             h.update(digest)
         seen.append((str(path), tuple(ident), digest))
-    h.update(b"config\0" + config_identity(model_args(built, config), config))
+    h.update(b"config\0" + args_id)
     h.update(b"code\0" + code)
     quant = (kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
     h.update(repr((layout, quant, CODEC_VERSION)).encode())
     cache.save()
     return Fingerprint(h.digest(), layout, kv_bits, kv_group_size, model_config, tuple(seen))
+
+
+def _memo_key(config: dict, adapter: bool, kv_bits: int | None) -> str:
+    import mlx_lm
+
+    # the install's location too: two venvs sharing a home run different mlx-lm files
+    where = [mlx_lm.__file__, CODEC_VERSION]
+    text = json.dumps([config, adapter, bool(kv_bits), where], sort_keys=True, default=repr)
+    return "derived:" + xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def _tuplify(value):
+    """msgpack gives lists back: the layout is compared as nested tuples."""
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
 
 
 def template_hash(model: str | Path) -> bytes:

@@ -51,26 +51,19 @@ def load(
     from client.persistent import PersistentPromptCache
 
     read: dict[str, Prefetched] = {}
-    before = fingerprint_files(
-        model_path,
+    # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache
+    ident: dict[str, Any] = dict(
         home=home,
         adapter_path=adapter_path,
-        model_config=model_config,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
+        model_config=model_config,
     )
+    before = fingerprint_files(model_path, **ident)  # the files' identity before mlx-lm reads them
 
     def prefetch_entries() -> None:
-        read["entries"] = prefetch(
-            model_path,
-            home=home,
-            adapter_path=adapter_path,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            model_config=model_config,
-        )
+        read["entries"] = prefetch(model_path, **ident)
 
     reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
     reader.start()
@@ -90,16 +83,6 @@ def load(
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
     cache = PersistentPromptCache(
-        model,
-        tokenizer,
-        model_path,
-        home=home,
-        adapter_path=adapter_path,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
-        model_config=model_config,
-        prefetched=prefetched,
-        **cache_options,
+        model, tokenizer, model_path, prefetched=prefetched, **ident, **cache_options
     )
     return model, tokenizer, cache

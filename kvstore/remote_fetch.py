@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import RemoteError
 from kvstore.keys import pack_tokens
+from kvstore.ownership import APP, PINNED_BEFORE, owners
 from kvstore.remote import Remote, verify_object
 from kvstore.remote_queue import UploadQueue
 
 if TYPE_CHECKING:
+    from kvstore.entry import EntryMeta
     from kvstore.ledger import Ledger
     from kvstore.warm import ModelPlan, PlannedPin, WarmReport
 
@@ -135,6 +137,33 @@ class WarmFetcher:
         for p in report.pins:
             if p.status == "warmed" and p.seconds > 0:
                 self.queue.measured(f"prefill_tps:{p.model}", p.tokens / p.seconds)
+
+
+# What another box recorded about itself: where its model resolved (evict --stale would judge
+# this box's entry by that box's path) and which of its manifests own the entry.
+_THAT_BOX = ("model_dir", "adapter_dir", "owners", "manifest", PINNED_BEFORE)
+
+
+def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
+    """The Store.put fields for an object another box stored (a runtime pin, a chain), fetched
+    for `plan`'s model: its own extra without that box's locations and manifest owners, so the
+    put records where the model resolves here and no manifest of this box is taken to own it."""
+    extra = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
+    pinned = meta.pinned
+    if any(o.startswith("manifest:") for o in owners(meta)):  # as if its manifests let go
+        pinned = bool(meta.extra.get(PINNED_BEFORE, False))
+    if extra.get("source") == "manifest":
+        extra["source"] = "remote"  # not one of this box's clock-bound manifest pins either
+    extra.update(adapter=plan.spec.adapter, owners=[APP], origin="remote")
+    return dict(
+        tokens=meta.tokens,
+        label=meta.label,
+        pinned=pinned,
+        model=plan.spec.path,
+        template_hash=meta.template_hash,
+        classes=meta.classes,
+        extra=extra,
+    )
 
 
 Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str]]

@@ -233,7 +233,7 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     """Fetch every entry of the manifest's models that this box lacks (pins and the rest),
     verified in full before it is stored. Nothing is prefilled."""
     from kvstore.remote import verify_object
-    from kvstore.remote_fetch import WarmFetcher, foreign_fields
+    from kvstore.remote_fetch import WarmFetcher, foreign_fields, other_runtime
     from kvstore.remote_queue import UploadQueue
     from kvstore.settings import MANIFEST_NAME
     from kvstore.warm import pin_fields
@@ -278,6 +278,10 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                         meta, blob = verify_object(o.key, data)
                     except RemoteError as e:
                         click.echo(f"warning: {e}; not stored", err=True)
+                        failed += 1
+                        continue
+                    if other := other_runtime(meta):
+                        click.echo(f"not fetched {meta.label}: {other}", err=True)
                         failed += 1
                         continue
                     put(o.key, blob, foreign_fields(meta, plan))

@@ -108,6 +108,9 @@ class WarmFetcher:
                 return None, [], choice.reason
             data, seconds = self.remote.fetch(pp.key)
             meta, blob = verify_object(pp.key, data, tokens=pack_tokens(pp.pin.tokens))
+            if other := other_runtime(meta):
+                log.info("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, other)
+                return None, [], other
         except RemoteError as e:
             if e.cause in _OUTAGES:
                 self._down = e.cause
@@ -137,6 +140,20 @@ class WarmFetcher:
         for p in report.pins:
             if p.status == "warmed" and p.seconds > 0:
                 self.queue.measured(f"prefill_tps:{p.model}", p.tokens / p.seconds)
+
+
+def other_runtime(meta: EntryMeta) -> str | None:
+    """Why an object is not used here: it records other mlx / mlx-lm versions than this process
+    runs. The fingerprint leaves those out (the upgrade canary checks them), so such KV would be
+    filed as this runtime's, and would bring back what the canary dropped after an upgrade."""
+    from kvstore.codehash import runtime_versions
+
+    theirs, ours = meta.extra.get("runtime"), runtime_versions()
+    if not isinstance(theirs, dict) or theirs == ours:
+        return None  # not recorded: nothing to judge by
+    said = ", ".join(f"{k} {theirs.get(k)}" for k in sorted(ours))
+    mine = ", ".join(f"{k} {v}" for k, v in sorted(ours.items()))
+    return f"made with {said}; this box runs {mine}"
 
 
 # What another box recorded about itself: where its model resolved (evict --stale would judge

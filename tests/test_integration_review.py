@@ -4,7 +4,9 @@ test that failed before its fix."""
 from __future__ import annotations
 
 import shutil
+from unittest import mock
 
+import mlx.core as mx
 import pytest
 from fleet_helpers import box, cli
 from helpers import TWO_PINS, manifest_for
@@ -57,3 +59,23 @@ def test_pulled_runtime_entry_records_this_boxs_model_dir_not_the_other_boxs(
     assert r.exit_code == 0, r.output
     with Store(b, readonly=True) as sb:
         assert sb.get_meta(key) is not None, r.output  # B's model is intact: not stale
+
+
+@pytest.mark.slow
+def test_kv_made_with_other_mlx_versions_is_prefilled_not_fetched(s3, llama_path, tmp_path):
+    """The fingerprint leaves mlx / mlx-lm versions out (the upgrade canary checks them): a warm
+    used to fetch another runtime's KV and record it under this box's runtime, so after an
+    upgrade the canary's dropped entries came straight back from the fleet, labelled as new."""
+    a, b = box(tmp_path / "a", s3), box(tmp_path / "b", s3)
+    manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+    old = {"mlx": "0.0.1", "mlx_lm": "0.0.1"}
+    with mock.patch("kvstore.warm.runtime_versions", return_value=old):  # box A before upgrade
+        assert "2 warmed" in cli("warm", "--manifest", manifest, "--home", str(a)).output
+    assert "2 uploaded" in cli("remote", "push", "--home", str(a)).output
+    r = cli("warm", "--manifest", manifest, "--home", str(b))
+    assert r.exit_code == 0 and "2 warmed" in r.output and "0 fetched" in r.output, r.output
+    assert "made with mlx 0.0.1, mlx_lm 0.0.1; this box runs" in r.output
+    with Store(b, readonly=True) as sb:
+        assert {m.extra["runtime"]["mlx"] for m in sb.metas()} == {mx.__version__}
+    r = cli("remote", "pull", "--manifest", manifest, "--home", str(box(tmp_path / "c", s3)))
+    assert "0 fetched" in r.output and "made with mlx 0.0.1" in r.output, r.output

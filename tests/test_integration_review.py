@@ -3,7 +3,10 @@ test that failed before its fix."""
 
 from __future__ import annotations
 
+import datetime as dt
 import shutil
+import threading
+from dataclasses import replace
 from unittest import mock
 
 import mlx.core as mx
@@ -79,3 +82,42 @@ def test_kv_made_with_other_mlx_versions_is_prefilled_not_fetched(s3, llama_path
         assert {m.extra["runtime"]["mlx"] for m in sb.metas()} == {mx.__version__}
     r = cli("remote", "pull", "--manifest", manifest, "--home", str(box(tmp_path / "c", s3)))
     assert "0 fetched" in r.output and "made with mlx 0.0.1" in r.output, r.output
+
+
+def test_an_adopted_app_pin_that_is_clock_bound_is_rewarmed_at_midnight(kv_home, tmp_path):
+    """The midnight watch used to count only entries a manifest stored itself (source
+    "manifest"): a clock-bound pin an app stored first and the manifest adopted was never
+    prepared for the next day, nor rolled over, so the first request after midnight missed it."""
+    from test_daywatch import DAY_TEMPLATE, PINS, Clock, run_now
+
+    from daemon.daywatch import DayWatch
+    from daemon.upkeep import Upkeep
+    from kvstore.settings import load_settings
+    from kvstore.tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", chat_template=DAY_TEMPLATE)
+    manifest = manifest_for(tmp_path, model, PINS)
+    clock = Clock(dt.datetime(2026, 3, 14, 12, 0))
+    me = f"manifest:{manifest}"
+    with Store(kv_home) as store:
+        upkeep = Upkeep(store, kv_home, load_settings(kv_home), threading.Event(), clock=clock)
+        upkeep.reconcile([manifest], cause="boot")
+        (meta,) = store.metas()
+        assert owners(meta) == [me]
+
+        def as_adopted(m):  # what an app's pin() then the manifest's adoption leave
+            extra = dict(m.extra, source="pin", manifest=None, owners=[APP, me])
+            return replace(m, extra=extra)
+
+        store.edit_meta({meta.key: as_adopted})
+        watch = DayWatch(upkeep, lambda: [manifest], run_now, clock=clock)
+        assert watch.tick() is None
+        clock.now = dt.datetime(2026, 3, 14, 23, 50)
+        fut = watch.tick()
+        assert fut is not None and watch.due(clock.now) is None  # tomorrow's is prepared
+        assert sorted(m.extra["valid_date"] for m in store.metas()) == ["2026-03-14", "2026-03-15"]
+        clock.now = dt.datetime(2026, 3, 15, 0, 1)
+        assert watch.tick() is not None  # rolled over: the manifest lets go of yesterday's
+        by_date = {m.extra["valid_date"]: owners(m) for m in store.metas()}
+        assert by_date == {"2026-03-14": [APP], "2026-03-15": [me]}
+        assert watch.tick() is None

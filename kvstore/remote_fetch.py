@@ -164,14 +164,18 @@ _THAT_BOX = ("model_dir", "adapter_dir", "owners", "manifest", PINNED_BEFORE)
 def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
     """The Store.put fields for an object another box stored (a runtime pin, a chain), fetched
     for `plan`'s model: its own extra without that box's locations and manifest owners, so the
-    put records where the model resolves here and no manifest of this box is taken to own it."""
+    put records where the model resolves here and no manifest of this box is taken to own it;
+    the model named as this box's manifest names it, so its purges find the entry."""
     extra = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
     pinned = meta.pinned
     if any(o.startswith("manifest:") for o in owners(meta)):  # as if its manifests let go
         pinned = bool(meta.extra.get(PINNED_BEFORE, False))
     if extra.get("source") == "manifest":
-        extra["source"] = "remote"  # not one of this box's clock-bound manifest pins either
-    extra.update(adapter=plan.spec.adapter, owners=[APP], origin="remote")
+        extra["source"] = "remote"  # the manifest that stored it is another box's
+    spec = plan.spec  # same fingerprint: the model as this box's manifest names it
+    extra.update(adapter=spec.adapter, kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
+                 quantized_kv_start=spec.quantized_kv_start, model_config=spec.model_config,
+                 owners=[APP], origin="remote")  # fmt: skip
     return dict(
         tokens=meta.tokens,
         label=meta.label,

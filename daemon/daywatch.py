@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvstore.ownership import owners
+
 log = logging.getLogger("kvstore.daemon")
 
 LEAD = dt.timedelta(minutes=15)  # tomorrow's entries are prepared this long before midnight
@@ -45,13 +47,16 @@ class DayWatch:
         self._thread: threading.Thread | None = None
 
     def bound_dates(self) -> dict[tuple, set[str]]:
-        """The valid dates stored for each clock-bound manifest pin (manifest, model, label)."""
+        """The valid dates stored for each clock-bound manifest pin (owner, model, label): by
+        owner, so an app's pin a manifest adopted counts for that manifest as its own would."""
         out: dict[tuple, set[str]] = {}
         for m in self.upkeep.store.metas(errors=[]):
             valid = m.extra.get("valid_date")
-            if isinstance(valid, str) and m.extra.get("source") == "manifest":
-                key = (m.extra.get("manifest"), m.ident(), m.label)
-                out.setdefault(key, set()).add(valid)
+            if not isinstance(valid, str):
+                continue
+            for owner in owners(m):
+                if owner.startswith("manifest:"):
+                    out.setdefault((owner, m.ident(), m.label), set()).add(valid)
         return out
 
     def due(self, now: dt.datetime) -> tuple[str, dt.datetime, bool] | None:

@@ -233,7 +233,7 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     """Fetch every entry of the manifest's models that this box lacks (pins and the rest),
     verified in full before it is stored. Nothing is prefilled."""
     from kvstore.remote import verify_object
-    from kvstore.remote_fetch import WarmFetcher
+    from kvstore.remote_fetch import WarmFetcher, foreign_fields, other_runtime
     from kvstore.remote_queue import UploadQueue
     from kvstore.settings import MANIFEST_NAME
     from kvstore.warm import pin_fields
@@ -280,10 +280,11 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                         click.echo(f"warning: {e}; not stored", err=True)
                         failed += 1
                         continue
-                    fields = {k: getattr(meta, k) for k in ("tokens", "label", "pinned",
-                              "template_hash", "classes")}  # fmt: skip
-                    fields.update(model=plan.spec.path, extra={**meta.extra, "origin": "remote"})
-                    put(o.key, blob, fields)
+                    if other := other_runtime(meta):
+                        click.echo(f"not fetched {meta.label}: {other}", err=True)
+                        failed += 1
+                        continue
+                    put(o.key, blob, foreign_fields(meta, plan))
                     queue.done(o.key, "fetched")
                     fetched += 1
                     click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")

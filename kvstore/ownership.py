@@ -15,7 +15,7 @@ from pathlib import Path
 from kvstore.entry import EntryMeta
 
 APP = "app"  # runtime pins and prefixes an app or `kvstore serve` stored, and imports
-_PINNED_BEFORE = "pinned_before_manifests"  # the pinned flag before the first manifest owner
+PINNED_BEFORE = "pinned_before_manifests"  # the pinned flag before the first manifest owner
 
 
 def manifest_owner(path: str | Path) -> str:
@@ -43,7 +43,7 @@ def adopted(meta: EntryMeta, owner: str) -> EntryMeta | None:
         return None
     extra = dict(meta.extra, owners=[*have, owner])
     if not _manifests(have):
-        extra[_PINNED_BEFORE] = meta.pinned
+        extra[PINNED_BEFORE] = meta.pinned
     return replace(meta, pinned=True, extra=extra)
 
 
@@ -55,5 +55,5 @@ def released(meta: EntryMeta, owner: str) -> EntryMeta | None:
     extra = dict(meta.extra, owners=left)
     pinned = meta.pinned
     if not _manifests(left):  # back to what the app had before any manifest adopted it
-        pinned = bool(extra.pop(_PINNED_BEFORE, meta.pinned))
+        pinned = bool(extra.pop(PINNED_BEFORE, meta.pinned))
     return replace(meta, pinned=pinned, extra=extra)

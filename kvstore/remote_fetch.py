@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import RemoteError
 from kvstore.keys import pack_tokens
+from kvstore.ownership import APP, PINNED_BEFORE, owners
 from kvstore.remote import Remote, verify_object
 from kvstore.remote_queue import UploadQueue
 
 if TYPE_CHECKING:
+    from kvstore.entry import EntryMeta
     from kvstore.ledger import Ledger
     from kvstore.warm import ModelPlan, PlannedPin, WarmReport
 
@@ -106,6 +108,9 @@ class WarmFetcher:
                 return None, [], choice.reason
             data, seconds = self.remote.fetch(pp.key)
             meta, blob = verify_object(pp.key, data, tokens=pack_tokens(pp.pin.tokens))
+            if other := other_runtime(meta):
+                log.info("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, other)
+                return None, [], other
         except RemoteError as e:
             if e.cause in _OUTAGES:
                 self._down = e.cause
@@ -135,6 +140,51 @@ class WarmFetcher:
         for p in report.pins:
             if p.status == "warmed" and p.seconds > 0:
                 self.queue.measured(f"prefill_tps:{p.model}", p.tokens / p.seconds)
+
+
+def other_runtime(meta: EntryMeta) -> str | None:
+    """Why an object is not used here: it records other mlx / mlx-lm versions than this process
+    runs. The fingerprint leaves those out (the upgrade canary checks them), so such KV would be
+    filed as this runtime's, and would bring back what the canary dropped after an upgrade."""
+    from kvstore.codehash import runtime_versions
+
+    theirs, ours = meta.extra.get("runtime"), runtime_versions()
+    if not isinstance(theirs, dict) or theirs == ours:
+        return None  # not recorded: nothing to judge by
+    said = ", ".join(f"{k} {theirs.get(k)}" for k in sorted(ours))
+    mine = ", ".join(f"{k} {v}" for k, v in sorted(ours.items()))
+    return f"made with {said}; this box runs {mine}"
+
+
+# What another box recorded about itself: where its model resolved (evict --stale would judge
+# this box's entry by that box's path) and which of its manifests own the entry.
+_THAT_BOX = ("model_dir", "adapter_dir", "owners", "manifest", PINNED_BEFORE)
+
+
+def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
+    """The Store.put fields for an object another box stored (a runtime pin, a chain), fetched
+    for `plan`'s model: its own extra without that box's locations and manifest owners, so the
+    put records where the model resolves here and no manifest of this box is taken to own it;
+    the model named as this box's manifest names it, so its purges find the entry."""
+    extra = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
+    pinned = meta.pinned
+    if any(o.startswith("manifest:") for o in owners(meta)):  # as if its manifests let go
+        pinned = bool(meta.extra.get(PINNED_BEFORE, False))
+    if extra.get("source") == "manifest":
+        extra["source"] = "remote"  # the manifest that stored it is another box's
+    spec = plan.spec  # same fingerprint: the model as this box's manifest names it
+    extra.update(adapter=spec.adapter, kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
+                 quantized_kv_start=spec.quantized_kv_start, model_config=spec.model_config,
+                 owners=[APP], origin="remote")  # fmt: skip
+    return dict(
+        tokens=meta.tokens,
+        label=meta.label,
+        pinned=pinned,
+        model=plan.spec.path,
+        template_hash=meta.template_hash,
+        classes=meta.classes,
+        extra=extra,
+    )
 
 
 Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str]]

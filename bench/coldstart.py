@@ -20,22 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.timing import Stats
+from bench.timing import Stats, in_fresh_process
 
 # imports stay inside functions: a worker's own import time is part of what it reports
 MB = 2**20
 QUICK = {"kv28-f16": [1, 256], "qwen3.5-9b-hybrid": [64]}  # bf16 moves like f16: --full has it
 FULL = {s: [1, 4, 16, 64, 256, 1024] for s in ("kv28-f16", "kv36-bf16", "qwen3.5-9b-hybrid")}
 ALTERNATIVES = ("kvstore", "load_prompt_cache", "fresh memory")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _worker(argv: list[str]) -> None:
@@ -77,20 +74,6 @@ def _worker(argv: list[str]) -> None:
     print(json.dumps({"call_s": call, "cpu_s": cpu, "import_s": imported - t_start}))
 
 
-def _spawn(args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.coldstart", "--worker", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if out.returncode:
-        raise RuntimeError(f"coldstart worker {args[0]} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _store_entry(home: Path, model: Path, shape, tokens: int) -> tuple[Path, int]:
     """One pinned entry under the model's real fingerprint, and the same bytes as a file."""
     from bench.shapes import make_cache
@@ -125,7 +108,7 @@ def measure(root: Path, model: Path, shape, size_mb: int, reps: int) -> dict:
     imports: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
     for r in range(reps + 1):  # the first round (untimed) brings both files into the page cache
         for name in ALTERNATIVES[r % 3 :] + ALTERNATIVES[: r % 3]:
-            res = _spawn(args[name])
+            res = in_fresh_process("bench.coldstart", args[name])
             if r:
                 samples[name].append(res["call_s"])
                 cpu[name].append(res["cpu_s"])

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.timing import Stats
+from bench.timing import Stats, in_fresh_process
 
 MB = 2**20
-ROOT = Path(__file__).resolve().parent.parent
 ALTERNATIVES = ("mlx_lm.load", "client.load", "load, then hydrate")
 # llama, float16: full ~1.3 GB of weights (663M parameters), quick ~0.23 GB
 ARCH = {
@@ -65,23 +62,6 @@ def _worker(argv: list[str]) -> None:
     done = time.perf_counter()
     assert hydrated == (0 if alternative == "mlx_lm.load" else n), (alternative, hydrated)
     print(json.dumps({"call_s": done - imported, "import_s": imported - t_start}))
-
-
-def _spawn(args: list[str]) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
-    t = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.overlap", "--worker", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-    if out.returncode:
-        raise RuntimeError(f"overlap worker {args[0]} failed:\n{out.stderr[-2000:]}")
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    res["process_s"] = time.perf_counter() - t
-    return res
 
 
 def make_model(path: Path, quick: bool) -> int:
@@ -144,7 +124,7 @@ def run(quick: bool) -> dict:
         samples: dict[str, list[dict]] = {a: [] for a in ALTERNATIVES}
         for r in range(reps + 1):  # round 0 (untimed) fills the page cache and the layout cache
             for name in ALTERNATIVES[r % 3 :] + ALTERNATIVES[: r % 3]:
-                res = _spawn([name, str(model), str(home), n])
+                res = in_fresh_process("bench.overlap", [name, str(model), str(home), n])
                 if r:
                     samples[name].append(res)
     stats = {a: Stats.of([s["call_s"] for s in v]) for a, v in samples.items()}

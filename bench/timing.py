@@ -3,10 +3,17 @@ medians measured side by side is the result; an absolute time is only context.""
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -65,3 +72,22 @@ def once(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def in_fresh_process(module: str, args: list[str]) -> dict:
+    """Run `python -m module --worker ARGS` in a new interpreter; its last stdout line (JSON),
+    with `process_s`: the whole process's wall time, interpreter start included."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+    t = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", module, "--worker", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    if out.returncode:
+        raise RuntimeError(f"{module} worker {args[0]} failed:\n{out.stderr[-2000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["process_s"] = time.perf_counter() - t
+    return res

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.layout_cache import cached_layout
 from client.loader import check_loaded_from
 from kvstore.entry import EntryMeta
 from kvstore.errors import KVStoreError
@@ -85,8 +84,8 @@ def prefetch(
     you have it: its cache layout is then read from it instead of being rebuilt from config.json.
     `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
     `model_config` the overrides it loaded the model with (`mlx_lm.load(model_config=...)`); with
-    the loaded `model` its own arguments count too. Without the loaded `model` (and without
-    overrides), the cache layout comes from config.json (remembered in the home). A model loaded
+    the loaded `model` its own arguments count too. Without the loaded `model`, the cache layout
+    comes from config.json (remembered in the home's hash cache). A model loaded
     with `client.load` is checked against the files it was loaded from: a weight file changed
     since then hydrates nothing.
     """
@@ -107,8 +106,6 @@ def prefetch(
             kv_group_size=kv_group_size,
             quantized_kv_start=quantized_kv_start,
             model_config=model_config,
-            # overrides can change the layout, so only a plain config.json is remembered
-            layout=None if (model is not None or model_config) else cached_layout(model_path, home),
             model_object=model,
             hash_cache=FileHashCache(home / FILEHASH_NAME),
         )

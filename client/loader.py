@@ -32,15 +32,12 @@ def fingerprint_files(
 ) -> Fingerprint | None:
     """The fingerprint (and so the identity of every file it hashes) taken before mlx-lm reads
     the files; None, with a warning, when the model cannot be fingerprinted."""
-    from client.layout_cache import cached_layout
-
     home = resolve_home(home)
     try:
         return model_fingerprint(
             path,
             adapter_path=adapter_path,
             model_config=model_config,
-            layout=None if model_config else cached_layout(path, home),
             hash_cache=FileHashCache(home / FILEHASH_NAME),
             **quant,  # kv_bits, kv_group_size, quantized_kv_start: as the entries are keyed
         )

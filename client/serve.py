@@ -15,7 +15,7 @@ import click
 
 from client.serve_hooks import ServeError, check_server_shape, patched_server
 from client.serve_persist import PERSIST_QUEUE, SystemPromptPersister
-from kvstore.cli import home_option
+from kvstore.cli import home_option, parse_json_object
 from kvstore.errors import KVStoreError
 
 __all__ = [
@@ -94,18 +94,9 @@ def serve_cmd(
     \b
     kvstore serve --model ./Qwen3.5-9B-8bit --port 8080 --prompt-cache-size 20
     """
-    import json
-
     from kvstore.settings import resolve_home
 
-    overrides = None
-    if model_config is not None:
-        try:
-            overrides = json.loads(model_config)
-        except ValueError as e:
-            raise click.BadParameter(f"not JSON: {e}", param_hint="--model-config") from None
-        if not isinstance(overrides, dict):
-            raise click.BadParameter("must be a JSON object", param_hint="--model-config")
+    overrides = parse_json_object(model_config, "--model-config")
     try:
         serve(
             model,

@@ -105,8 +105,7 @@ def check_plan(plan: Any, store: Any, model: Any = None) -> CanaryResult | None:
     """Re-prefill the shortest present pin of a planned model (kvstore.warm.ModelPlan) and compare
     it with its stored entry. None when the model has no pin stored. Loads the model (with the
     plan's overrides) unless given one; the caller releases it."""
-    from kvstore.prefill import prefill
-    from kvstore.warm import load_model
+    from kvstore.warm import load_model, prefill_pin
 
     present = [pp for pp in plan.pins if pp.present]
     if not present:
@@ -116,13 +115,7 @@ def check_plan(plan: Any, store: Any, model: Any = None) -> CanaryResult | None:
     try:
         _, stored = store.load(pp.key)
         model = model if model is not None else load_model(plan)
-        fresh = prefill(
-            model,
-            pp.pin.tokens,
-            kv_bits=plan.spec.kv_bits,
-            kv_group_size=plan.spec.kv_group_size,
-            quantized_kv_start=plan.spec.quantized_kv_start,
-        )
+        fresh = prefill_pin(model, plan, pp.pin.tokens)
     except (KVStoreError, KeyError, ValueError, RuntimeError) as e:
         result.error = str(e)
         return result

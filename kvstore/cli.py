@@ -6,6 +6,7 @@ User errors exit non-zero with one line naming what was wrong.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import sys
 from importlib.metadata import entry_points
@@ -26,6 +27,19 @@ def parse_size(text: str) -> int:
     if not m:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 500M, 8G, 1048576)")
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def parse_json_object(text: str | None, option: str) -> dict | None:
+    """A JSON object given on the command line (e.g. --model-config), or None."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=option)
+    return value
 
 
 def human_size(n: float) -> str:

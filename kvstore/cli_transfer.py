@@ -13,6 +13,7 @@ from kvstore.cli import (
     human_size,
     main,
     open_store,
+    parse_json_object,
     resolve_keys,
     user_errors,
 )
@@ -68,7 +69,7 @@ def import_cmd(
 
     if (tokens_file is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
-    overrides = _json_object(model_config, "--model-config")
+    overrides = parse_json_object(model_config, "--model-config")
     client = connect(home)
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
     with client or open_store(home, write=True) as store:
@@ -85,18 +86,6 @@ def import_cmd(
             home=home,
         )
     click.echo(f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)})")
-
-
-def _json_object(text: str | None, option: str) -> dict | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint=option)
-    return value
 
 
 @main.command()
@@ -132,7 +121,7 @@ def fingerprint(
         adapter_path=adapter,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
-        model_config=_json_object(model_config, "--model-config"),
+        model_config=parse_json_object(model_config, "--model-config"),
         hash_cache=cache,
     )
     th = template_hash(model_path)

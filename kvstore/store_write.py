@@ -5,6 +5,7 @@ meta edits and pins, each one transaction through `Store._write`. Mixed into
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -134,24 +135,19 @@ class StoreWrites:
     def touch(self, keys: Iterable[bytes], *, now: float | None = None) -> int:
         """Record hits: last_used = now, hits += 1."""
         now = now or time.time()
-        keys = list(keys)
 
-        def fn(txn):
-            n = 0
-            for k in keys:
-                raw = txn.get(k, db=self._meta)
-                if raw is None:
-                    continue
-                try:
-                    meta = EntryMeta.unpack(k, raw)
-                except CorruptEntryError:
-                    continue
-                meta.last_used, meta.hits = now, meta.hits + 1
-                txn.put(k, meta.pack(), db=self._meta)
-                n += 1
-            return n
+        counts = Counter(keys)  # a key given twice is two hits
+        done: dict[bytes, int] = {}
 
-        return self._write(fn)
+        def hits(key: bytes) -> Callable[[EntryMeta], EntryMeta]:
+            def edit(meta: EntryMeta) -> EntryMeta:
+                done[key] = counts[key]  # idempotent: a retried transaction calls it again
+                return replace(meta, last_used=now, hits=meta.hits + counts[key])
+
+            return edit
+
+        self.edit_meta({k: hits(k) for k in counts})
+        return sum(done.values())
 
     def edit_meta(self, edits: dict[bytes, Callable[[EntryMeta], EntryMeta | None]]) -> int:
         """Rewrite some entries' meta in one transaction (owners: kvstore.ownership). An edit

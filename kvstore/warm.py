@@ -168,19 +168,25 @@ def release_model() -> None:
     mx.clear_cache()
 
 
+def prefill_pin(model, plan: ModelPlan, tokens) -> list:
+    """The KV of `tokens` as this plan's model runs it (its KV quantization included)."""
+    from kvstore.prefill import prefill
+
+    spec = plan.spec
+    return prefill(
+        model,
+        tokens,
+        kv_bits=spec.kv_bits,
+        kv_group_size=spec.kv_group_size,
+        quantized_kv_start=spec.quantized_kv_start,
+    )
+
+
 def encode_pin(
     model, plan: ModelPlan, pp: PlannedPin, *, manifest: Path | None = None
 ) -> tuple[bytes, dict]:
     """Prefill one pin and encode it; returns the blob and the meta fields for Store.put."""
-    from kvstore.prefill import prefill
-
-    cache = prefill(
-        model,
-        pp.pin.tokens,
-        kv_bits=plan.spec.kv_bits,
-        kv_group_size=plan.spec.kv_group_size,
-        quantized_kv_start=plan.spec.quantized_kv_start,
-    )
+    cache = prefill_pin(model, plan, pp.pin.tokens)
     blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
     return blob, pin_fields(plan, pp, classes=codec.cache_classes(cache), manifest=manifest)
 

@@ -45,3 +45,32 @@ def test_the_memo_skips_the_build_and_a_changed_source_file_voids_it(
         source.write_text("x = 22\n")  # an upgrade rewrites the file in place
         assert model_fingerprint(llama_path, hash_cache=FileHashCache(memo)).digest == first
         assert build.call_count == 2  # void: derived again from the source as it is now
+
+
+def test_a_changed_config_is_a_miss_and_the_layout_follows_it(hybrid_path, tmp_path):
+    import json
+    import shutil
+
+    from kvstore.identity import cache_layout
+
+    model = tmp_path / "model"
+    shutil.copytree(hybrid_path, model)
+    memo = tmp_path / "filehash.msgpack"
+    remembered = model_fingerprint(model, hash_cache=FileHashCache(memo)).layout
+    assert remembered == cache_layout(model)
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["full_attention_interval"] = 4
+    (model / "config.json").write_text(json.dumps(config))
+    with mock.patch.object(
+        identity, "build_architecture", wraps=identity.build_architecture
+    ) as build:
+        changed = model_fingerprint(model, hash_cache=FileHashCache(memo)).layout
+    assert build.call_count == 1 and changed == cache_layout(model) != remembered
+
+
+def test_a_damaged_hash_cache_only_costs_a_rebuild(llama_path, tmp_path):
+    memo = tmp_path / "filehash.msgpack"
+    memo.write_bytes(b"\xc1 not msgpack")
+    assert model_fingerprint(llama_path, hash_cache=FileHashCache(memo)) == model_fingerprint(
+        llama_path
+    )

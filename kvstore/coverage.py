@@ -44,16 +44,19 @@ REASONS: dict[str, tuple[str, str]] = {
         "Check the pin with `kvstore analyze --model` on captured requests",
     ),
 }
-LATER_TURNS = {
-    "moved_to_last_user": (
-        "on the 2nd and later turns of a conversation the chat template moves it to the last "
-        "user turn",
-        "The pin serves single-turn requests only; an agent loop re-prefills it every turn",
-    ),
-    "changed": (
-        "on the 2nd and later turns of a conversation the chat template renders it differently",
-        "The pin serves single-turn requests only",
-    ),
+# The later turns a pin is checked against: a 2nd user message (user, assistant, user), and an
+# agent loop's turns (one user message, then assistant tool_calls and tool results).
+LATER_TURN_KINDS = {"chat": "later chat turns", "tool": "tool-call turns"}
+# What the chat template does on a later turn with a part the first turn renders before the user.
+LATER_TURN_CAUSES = {
+    "moved_to_last_user": "moves it to the last user turn",
+    "moved_after_user": "renders it after the user's message",
+    "left_out": "leaves it out",
+    "changed": "renders it differently",
+}
+_LATER_TURN_ADVICE = {
+    "chat": "a 2nd user message re-prefills it from token {n}",
+    "tool": "an agent loop re-prefills it from token {n} on every tool-call turn",
 }
 
 
@@ -72,8 +75,9 @@ class PartCoverage:
     name: str
     end: int  # token position where the part ends in a request (0 when it is not there)
     covered: bool  # the pin holds all of it on a first turn
-    later_turns: bool | None  # ... and on the 2nd and later turns (None: not checked)
+    later_turns: bool | None  # ... and on later chat turns (None: not checked)
     reason: str | None = None  # a key of REASONS when not covered
+    tool_turns: bool | None = None  # ... and on an agent loop's tool-call turns (None: not checked)
 
 
 def message_part_name(index: int, role: str, first_system: bool) -> str:
@@ -212,21 +216,41 @@ def cut_warning(
     return head + "; ".join(pieces) + ". " + ". ".join(dict.fromkeys(advice)) + "."
 
 
-def single_turn_warning(
-    name: str, lost: list[tuple[PartCoverage, str]], *, shared: int, pin_len: int
+def later_turns_warning(
+    name: str,
+    lost: list[tuple[PartCoverage, dict[str, str]]],
+    *,
+    shared: dict[str, int | None],
+    pin_len: int,
 ) -> str:
-    pieces, advice = [], []
-    for part, reason in lost:
-        cause, todo = LATER_TURNS[reason]
-        pieces.append(f"the {part.name}: {cause}")
-        advice.append(todo)
-    return (
-        f"pin {name!r} is single-turn only: later turns share {shared} of its {pin_len} tokens; "
-        + "; ".join(pieces)
-        + ". "
-        + ". ".join(dict.fromkeys(advice))
-        + "."
-    )
+    """One warning for the parts later turns do not share: per kind of later turn (a key of
+    LATER_TURN_KINDS), how many of the pin's tokens it shares and what the template does."""
+    counts, served, missed, advice = [], [], [], []
+    for kind, label in LATER_TURN_KINDS.items():
+        n = shared.get(kind)
+        if n is None:
+            counts.append(f"{label} are not checked (the chat template fails on them)")
+        elif n >= pin_len:
+            counts.append(f"{label} share all {pin_len}")
+            served.append(label)
+        else:
+            counts.append(f"{label} share {n} of {pin_len} tokens")
+            missed.append(label)
+            advice.append(_LATER_TURN_ADVICE[kind].format(n=n))
+    if served:
+        head = f"pin {name!r} serves {' and '.join(served)} but not {' and '.join(missed)}"
+        tail = f"{'; '.join(advice)}; {' and '.join(served)} are served in full"
+    else:
+        head = f"pin {name!r} is single-turn only"
+        tail = f"The pin serves single-turn requests only: {'; '.join(advice)}"
+    pieces = []
+    for part, reasons in lost:
+        how = ", ".join(
+            f"on {LATER_TURN_KINDS[kind]} the chat template {LATER_TURN_CAUSES[reason]}"
+            for kind, reason in reasons.items()
+        )
+        pieces.append(f"the {part.name}: {how}")
+    return f"{head}: {'; '.join(counts)}; {'; '.join(pieces)}. {tail[0].upper()}{tail[1:]}."
 
 
 def snippet(text: str, at: int) -> tuple[str, str]:

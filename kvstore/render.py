@@ -12,6 +12,7 @@ is today's full prefix and says the date it holds for (`valid_date`); the daemon
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ CHAT_PROBES = (
     "¿Por qué? Explain in one short paragraph why the sky looks blue at noon, please.",
     '{"task": "summarize", "text": "x"}',
 )
-LATER_TURN_ANSWER = "4."  # the assistant reply between the two user turns of the later-turn probe
+LATER_TURN_ANSWER = "4."  # the assistant reply (and tool result) of the later-turn probes
+# Mistral's templates refuse tool-call ids that are not 9 alphanumeric characters.
+TOOL_CALL_IDS = ("a1B2c3D4e", "f5G6h7J8k")
 TEXT_PROBES = ("\nAlpha: what is 2+2?", " 7 zebras, why?")
 # Times of day a request of the same date may be rendered at, and other days it may come on.
 PROBE_TIMES = (dt.time(0, 0, 1), dt.time(23, 59, 58))
@@ -48,8 +51,11 @@ class RenderedPin:
     warning: str | None  # set when the pin misses part of the pinned content
     parts: tuple[PartCoverage, ...] = ()  # system text, each tool, few-shot turns
     valid_date: str | None = None  # ISO date: the pin holds its template's date for this day
-    multi_turn: bool | None = None  # the pin also prefixes 2nd and later turns (None: text pin)
-    later_turn_tokens: int | None = None  # how many of its tokens a later turn shares
+    # True: every later turn checked (chat and tool-call) shares the whole pin; False: none does
+    # (single-turn only); None: a text pin, nothing checked, or one kind only (the warning says).
+    multi_turn: bool | None = None
+    later_turn_tokens: int | None = None  # how many of its tokens a later chat turn shares
+    tool_turn_tokens: int | None = None  # ... an agent loop's tool-call turn shares
 
     @property
     def cut_into_content(self) -> bool:
@@ -58,8 +64,8 @@ class RenderedPin:
 
     @property
     def single_turn(self) -> bool:
-        """The pin holds content that 2nd and later turns render elsewhere."""
-        return any(p.covered and p.later_turns is False for p in self.parts)
+        """No kind of later turn (2nd user message, tool-call turn) shares the whole pin."""
+        return self.multi_turn is False
 
     @property
     def clock_bound(self) -> bool:
@@ -177,28 +183,23 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
     tokens = ids0[:keep]
     reach = chars.end_of(keep)
 
-    later = [_user(CHAT_PROBES[0]), {"role": "assistant", "content": LATER_TURN_ANSWER}]
-    later.append(_user(CHAT_PROBES[1]))
-    try:
-        later_ids = req.ids(later, now)
-        later_text = req.text(later, now)
-    except ManifestError as e:
-        log.info("pin %r: no later-turn check: %s", prefix.name, e)
-        later_ids = later_text = None
-    shared = _common_prefix_len([tokens, later_ids]) if later_ids is not None else None
-    later_reach = chars.end_of(shared) if shared is not None else None
+    later = {kind: _later_turn(req, kind, tokens, now) for kind in coverage.LATER_TURN_KINDS}
+    later_reach = {k: None if t is None else chars.end_of(t.shared) for k, t in later.items()}
 
     parts, lost, later_lost = [], [], []
     for part, end in zip(located, ends, strict=True):
         covered = part.where == "before_user" and reach >= part.end_char
-        later_ok = None if later_reach is None else covered and later_reach >= part.end_char
+        ok = {
+            k: None if r is None else covered and r >= part.end_char for k, r in later_reach.items()
+        }
         reason = None if covered else _reason(part, keep, keep_req, keep_time)
-        pc = PartCoverage(part.name, end, covered, later_ok, reason)
+        pc = PartCoverage(part.name, end, covered, ok["chat"], reason, ok["tool"])
         parts.append(pc)
         if not covered:
             lost.append((pc, reason))
-        elif later_ok is False:
-            later_lost.append((pc, _later_reason(part, later_text)))
+        elif False in ok.values():
+            why = {k: _later_reason(part, later[k].text, k) for k, v in ok.items() if v is False}
+            later_lost.append((pc, why))
     warnings = []
     if lost:
         warnings.append(
@@ -210,12 +211,16 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
                 context=coverage.snippet(text0, reach),
             )
         )
+    shared = {k: None if t is None else t.shared for k, t in later.items()}
     if later_lost:
         warnings.append(
-            coverage.single_turn_warning(
-                prefix.name, later_lost, shared=shared or 0, pin_len=len(tokens)
+            coverage.later_turns_warning(
+                prefix.name, later_lost, shared=shared, pin_len=len(tokens)
             )
         )
+    full = [n == len(tokens) for n in shared.values() if n is not None]
+    # False only when no kind of later turn gets the whole pin: "single-turn only".
+    multi_turn = all(full) if full and (all(full) or not any(full)) else None
     return RenderedPin(
         prefix.name,
         tuple(tokens),
@@ -224,8 +229,9 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
         " ".join(warnings) or None,
         tuple(parts),
         valid_date,
-        None if shared is None else shared == len(tokens),
-        shared,
+        multi_turn,
+        shared["chat"],
+        shared["tool"],
     )
 
 
@@ -235,12 +241,65 @@ def _reason(part: coverage.Part, keep: int, keep_req: int, keep_time: int) -> st
     return "time" if keep_time < keep_req and keep == keep_time else "per_request"
 
 
-def _later_reason(part: coverage.Part, later_text: str | None) -> str:
-    """Where a later turn renders the part: after the first user message means the template
-    moves it to the last user turn (Mistral's system text and [AVAILABLE_TOOLS])."""
-    first_user = later_text.find(CHAT_PROBES[0]) if later_text is not None else -1
+@dataclass(frozen=True)
+class _LaterTurn:
+    shared: int  # how many of the pin's tokens this later turn shares
+    text: str  # its rendering
+
+
+def _later_turn(
+    req: _Requests, kind: str, tokens: list[int], now: dt.datetime
+) -> _LaterTurn | None:
+    """The later turn of this kind (a key of coverage.LATER_TURN_KINDS) that shares the least of
+    the pin; None when the template cannot render one (mlx_lm.server could not either)."""
+    if kind == "chat":
+        probes = [[_user(CHAT_PROBES[0]), _assistant(LATER_TURN_ANSWER), _user(CHAT_PROBES[1])]]
+    else:  # an agent loop: its 1st and 2nd tool-call turns
+        probes = [_tool_call_turns(req.tools, rounds) for rounds in (1, 2)]
+    worst = None
+    for turns in probes:
+        try:
+            ids, text = req.ids(turns, now), req.text(turns, now)
+        except ManifestError as e:
+            log.info("pin %r: %s not checked: %s", req.name, coverage.LATER_TURN_KINDS[kind], e)
+            return None
+        shared = _common_prefix_len([tokens, ids])
+        if worst is None or shared < worst.shared:
+            worst = _LaterTurn(shared, text)
+    return worst
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def _tool_call_turns(tools: list[dict] | None, rounds: int) -> list[dict]:
+    """One user message, then `rounds` tool calls and their results, as an OpenAI client sends
+    them and mlx_lm.server hands them to the template (arguments parsed, None content as "")."""
+    from mlx_lm.server import process_message_content
+
+    tool = (tools or [{}])[0]
+    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    name = fn.get("name") if isinstance(fn.get("name"), str) else "lookup"
+    turns = [_user(CHAT_PROBES[0])]
+    for call_id in TOOL_CALL_IDS[:rounds]:
+        args = json.dumps({"query": CHAT_PROBES[1]})
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        turns.append({"role": "tool", "tool_call_id": call_id, "content": LATER_TURN_ANSWER})
+    process_message_content(turns)
+    return turns
+
+
+def _later_reason(part: coverage.Part, later_text: str, kind: str) -> str:
+    """What a later turn does with the part (a key of coverage.LATER_TURN_CAUSES): after the first
+    user message means the template moves it there (Mistral's system text and [AVAILABLE_TOOLS]);
+    nowhere, that it leaves it out (Mistral Nemo's system text on tool-call turns)."""
+    first_user = later_text.find(CHAT_PROBES[0])
     if first_user >= 0 and coverage.found_after(later_text, part.needle, first_user):
-        return "moved_to_last_user"
+        return "moved_to_last_user" if kind == "chat" else "moved_after_user"
+    if not coverage.found_after(later_text, part.needle, 0):
+        return "left_out"
     return "changed"
 
 

@@ -173,11 +173,17 @@ def test_a_template_that_needs_a_user_turn_pins_its_tools(tmp_path: Path):
     assert is_prefix(pin, request(tok, SYS, "2*21?", tools=list(TOOLS)))
 
 
-def test_system_text_moved_to_the_last_user_turn_is_single_turn_only(tmp_path: Path):
+def test_system_text_moved_to_the_last_user_turn_is_lost_on_later_chat_turns_only(tmp_path: Path):
+    # This template keeps the system text with the only user message of an agent loop.
     tok = tokenizer_with(tmp_path / "tok", LAST_USER_TEMPLATE)
     pin = render_prefix(tok, chat_pin("nemo", SYS))
-    assert not pin.cut_into_content and pin.single_turn and pin.multi_turn is False
-    assert "single-turn only" in pin.warning and "system text" in pin.warning
+    assert not pin.cut_into_content and not pin.single_turn and pin.multi_turn is None
+    (part,) = pin.parts
+    assert part.name == "system text" and part.later_turns is False and part.tool_turns is True
+    n = len(pin.tokens)
+    assert pin.tool_turn_tokens == n and pin.later_turn_tokens < n
+    assert f"later chat turns share {pin.later_turn_tokens} of {n} tokens" in pin.warning
+    assert f"tool-call turns share all {n}" in pin.warning and "single-turn" not in pin.warning
     assert "moves it to the last user turn" in pin.warning
     assert SYSTEM in tok.decode(list(pin.tokens))
     assert is_prefix(pin, request(tok, SYS, "Is 7 prime?"))

@@ -12,6 +12,7 @@ tomorrow (what the daemon re-warms). `coverage_figure` is the README's and the n
 from __future__ import annotations
 
 import datetime as dt
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # template_families is imported top-level
 
 from template_families import (  # noqa: E402
+    BY_NAME,
     FAMILIES,
     FEW_SHOT,
     SYSTEM_PROMPT,
@@ -31,6 +33,7 @@ from template_families import (  # noqa: E402
     FamilyModels,
     clock_at,
     common_prefix_len,
+    messages_for,
     request_tokens,
 )
 from template_fixtures import family_models  # noqa: E402, F401
@@ -48,7 +51,7 @@ EXPECTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("mistral_nemo", "tools"): ("single-turn only", "system text", "tool 'get_order_status'"),
     ("mistral_nemo", "few_shot"): ("single-turn only", "system text", "last user turn"),
     ("mistral_small3_2", "tools"): (
-        "single-turn only",
+        "serves tool-call turns but not later chat turns",
         "tool 'get_order_status'",
         "tool 'search_products'",
         "last user turn",
@@ -167,6 +170,74 @@ def test_tomorrows_request_is_served_by_the_pin_rendered_for_tomorrow(
         assert req[: len(today.tokens)] != list(today.tokens)  # why it must be re-warmed
     else:
         assert ahead.tokens == today.tokens
+
+
+def agent_turn(family: Family, tools: list[dict] | None, rounds: int) -> list[dict]:
+    """An agent loop's request after `rounds` tool calls: the system prompt, one user message, then
+    assistant tool_calls and tool results, as an OpenAI client sends them (JSON arguments, null
+    content) and mlx_lm.server hands them to the template (process_message_content)."""
+    from mlx_lm.server import process_message_content
+
+    messages = messages_for(family, USER_TURNS[3])
+    for k in range(rounds):
+        call_id = f"Zq{k}x7Wm4p"  # Mistral's templates demand 9 alphanumeric characters
+        call = {"name": "get_order_status", "arguments": json.dumps({"order_id": f"20{k}7"})}
+        calls = [{"id": call_id, "type": "function", "function": call}]
+        messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": '{"late": true}'})
+    process_message_content(messages)
+    return messages
+
+
+def later_chat_turn(family: Family) -> list[dict]:
+    return messages_for(family, USER_TURNS[0]) + [
+        {"role": "assistant", "content": "Yes, within 30 days."},
+        {"role": "user", "content": USER_TURNS[1]},
+    ]
+
+
+def served(pin, tok, messages: list[dict], tools: list[dict] | None) -> int:
+    """How many of the pin's tokens this request, rendered as mlx_lm.server does, starts with."""
+    with clock_at(TODAY.replace(hour=9)):
+        return common_prefix_len(pin.tokens, request_tokens(tok, messages, tools=tools))
+
+
+def test_mistral_small_serves_every_tool_call_turn_of_an_agent_loop(family_models) -> None:  # noqa: F811
+    family = BY_NAME["mistral_small3_2"]
+    tok = family_models.tokenizer(family)
+    messages, tools = pinned_for(family, "tools")
+    spec = PrefixSpec("agent", tuple(messages), None, None, None, tuple(tools))
+    pin = render_prefix(tok, spec, now=TODAY)
+    n = len(pin.tokens)
+    # [AVAILABLE_TOOLS] stays before the only user message on every tool-call turn.
+    for rounds in (1, 2, 3):
+        assert served(pin, tok, agent_turn(family, tools, rounds), tools) == n
+    chat = served(pin, tok, later_chat_turn(family), tools)
+    assert chat < n and "single-turn" not in pin.warning and pin.multi_turn is not False
+    assert f"later chat turns share {chat} of {n} tokens; tool-call turns share all {n}" in (
+        pin.warning
+    )
+    assert (pin.later_turn_tokens, pin.tool_turn_tokens) == (chat, n)
+
+
+@pytest.mark.parametrize("kind", ["system", "tools"])
+def test_mistral_nemo_says_what_chat_and_tool_call_turns_share(family_models, kind) -> None:  # noqa: F811
+    family = BY_NAME["mistral_nemo"]
+    tok = family_models.tokenizer(family)
+    messages, tools = pinned_for(family, kind)
+    spec = PrefixSpec(kind, tuple(messages), None, None, None, tuple(tools) if tools else None)
+    pin = render_prefix(tok, spec, now=TODAY)
+    n = len(pin.tokens)
+    # On tool-call turns the last message is no user turn: Nemo drops the system text.
+    tool = min(served(pin, tok, agent_turn(family, tools, r), tools) for r in (1, 2))
+    chat = served(pin, tok, later_chat_turn(family), tools)
+    assert chat < n and tool < n and "single-turn only" in pin.warning
+    assert f"later chat turns share {chat} of {n} tokens" in pin.warning
+    assert f"tool-call turns share {tool} of {n} tokens" in pin.warning
+    assert "on tool-call turns the chat template leaves it out" in pin.warning
+    assert (pin.later_turn_tokens, pin.tool_turn_tokens) == (chat, tool) and pin.single_turn
+    if tools:  # the tools stay before the user message: more of the pin than a 2nd user turn
+        assert tool > chat
 
 
 def coverage_figure(models: FamilyModels, render: Callable = render_prefix) -> tuple[float, list]:

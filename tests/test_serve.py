@@ -267,3 +267,32 @@ def test_server_shape_check_names_what_changed(tmp_path):
         assert issubclass(patched.ModelProvider, original[0])
         assert issubclass(patched.LRUPromptCache, original[1])
     assert (server.ModelProvider, server.LRUPromptCache) == original
+
+
+def test_server_cache_keeps_pins_of_the_loaded_model_only(tmp_path):
+    import types
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from client.serve import patched_server
+
+    def kv(n: int) -> list:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        return [c]
+
+    def meta(tokens: list[int]):
+        return types.SimpleNamespace(token_ids=lambda: tokens, label="stage")
+
+    with patched_server(tmp_path / "home") as server:
+        cache = server.LRUPromptCache(2)
+        cache.keep_pins("a", [meta([1, 2, 3])])
+        cache.insert_cache("a", [1, 2, 3], kv(3), cache_type="system")
+        for n in range(4):  # conversations extending the pin, more than max_size
+            cache.insert_cache("a", [1, 2, 3, 10 + n, 20], kv(5))
+        assert len(cache) == 3 and cache.stats_by_type()["pinned"]["n_sequences"] == 1
+        _, rest = cache.fetch_nearest_cache("a", [1, 2, 3, 99])
+        assert rest == [99]
+        cache.keep_pins("b", [])  # another model loaded: model a's pin is let go
+        assert cache.pinned_nbytes == 0 and len(cache) == 2  # the LRU's own entries stay

@@ -46,7 +46,73 @@ class Pin:
     valid_date: str | None = None  # clock-bound: the template prints the date; valid this day
 
 
-class PersistentPromptCache(LRUPromptCache):
+class PinnedPromptCache(LRUPromptCache):
+    """An LRUPromptCache whose pins sit in its trie but outside its eviction order and byte count.
+
+    `fetch_nearest_cache` finds pins with mlx-lm's own search and copy semantics; the LRU never
+    evicts them, and inserting a trimmable cache that extends a pin (mlx-lm pops every stored
+    prefix of it) puts the pin back. PersistentPromptCache and `kvstore serve` keep pins this way.
+    """
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Any, Any]] = {}  # -> (pin, entry)
+
+    def __len__(self) -> int:
+        return len(self._lru) + len(self._pins)
+
+    @property
+    def nbytes(self) -> int:
+        return self._n_bytes + self.pinned_nbytes
+
+    @property
+    def pinned_nbytes(self) -> int:
+        """Bytes of the pins' KV: resident whatever the LRU's limits."""
+        return sum(entry.nbytes for _, entry in self._pins.values())
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> bool:
+        """mlx-lm's insert, with pins kept; False (nothing inserted) for a pin's exact tokens."""
+        ident = tuple(tokens)
+        if (model, ident) in self._pins:
+            return False  # the pin already holds exactly this KV; replacing it would unpin it
+        shadowed = []
+        if self._pins and can_trim_prompt_cache(prompt_cache):
+            shadowed = [
+                (t, entry)
+                for (m, t), (_, entry) in self._pins.items()
+                if m == model and len(t) < len(ident) and ident[: len(t)] == t
+            ]
+        # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
+        # are not in its byte count: count them in first so its budget check sees true numbers.
+        for _, entry in shadowed:
+            self._n_bytes += entry.nbytes
+            self._n_bytes_by_type[entry.cache_type] += entry.nbytes
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        for t, entry in shadowed:
+            self._trie.add(model, list(t), entry)
+        return True
+
+    def attach_pin(self, model: Any, tokens: Sequence[int], cache: list, pin: Any) -> None:
+        """Keep `cache`, the KV of exactly `tokens`, as a pin (`pin` says which, for the owner)."""
+        tokens = tuple(tokens)
+        entry = LRUPromptCache.CacheEntry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
+        prev = self._trie.add(model, list(tokens), entry)
+        if prev is not None and (model, tokens) not in self._pins:
+            # an LRU entry of the same tokens: take it off the LRU's books
+            self._n_bytes -= prev.nbytes
+            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
+            self._lru.remove(model, list(tokens))
+        self._pins[(model, tokens)] = (pin, entry)
+
+
+class PersistentPromptCache(PinnedPromptCache):
     """An LRUPromptCache for one loaded model that survives restarts through the kvstore daemon.
 
     >>> cache = PersistentPromptCache(model, tokenizer, "/models/Qwen3-8B")
@@ -91,7 +157,6 @@ class PersistentPromptCache(LRUPromptCache):
         self.persist_chains = persist_chains
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Pin, Any]] = {}  # -> (pin, entry)
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
         self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
@@ -125,14 +190,7 @@ class PersistentPromptCache(LRUPromptCache):
         fp = self.report.fingerprint
         self.fingerprint: bytes | None = bytes.fromhex(fp) if fp else None
 
-    # -- LRUPromptCache, with pins kept out of its eviction ----------------------------------
-
-    def __len__(self) -> int:
-        return len(self._lru) + len(self._pins)
-
-    @property
-    def nbytes(self) -> int:
-        return self._n_bytes + sum(entry.nbytes for _, entry in self._pins.values())
+    # -- LRUPromptCache, with pins kept out of its eviction (PinnedPromptCache) -------------
 
     @property
     def pins(self) -> dict[str, Pin]:
@@ -145,29 +203,14 @@ class PersistentPromptCache(LRUPromptCache):
         prompt_cache: list[Any],
         *,
         cache_type: str = "assistant",
-    ) -> None:
-        ident = tuple(tokens)
-        if (model, ident) in self._pins:
-            return  # the pin already holds exactly this KV; replacing it would unpin it
-        if self._hydrating:
-            self._hydrated.add(ident)
-        shadowed = []
-        if self._pins and can_trim_prompt_cache(prompt_cache):
-            shadowed = [
-                (t, entry)
-                for (m, t), (_, entry) in self._pins.items()
-                if m == model and len(t) < len(ident) and ident[: len(t)] == t
-            ]
-        # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
-        # are not in its byte count: count them in first so its budget check sees true numbers.
-        for _, entry in shadowed:
-            self._n_bytes += entry.nbytes
-            self._n_bytes_by_type[entry.cache_type] += entry.nbytes
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        for t, entry in shadowed:
-            self._trie.add(model, list(t), entry)
+    ) -> bool:
+        if self._hydrating and (model, tuple(tokens)) not in self._pins:
+            self._hydrated.add(tuple(tokens))
+        if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
+            return False
         if self.persist_chains and not self._hydrating and model == self.model_key:
             self._persist(list(tokens), prompt_cache, label="chain", pinned=False)
+        return True
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -262,7 +305,7 @@ class PersistentPromptCache(LRUPromptCache):
             name, ids, source, time.perf_counter() - t0, persist_s, queued, warning,
             extra.get("valid_date"),
         )  # fmt: skip
-        self._attach(pin, cache)
+        self.attach_pin(self.model_key, pin.tokens, cache, pin)
         log.info(
             "kvstore: pinned %r: %d tokens from %s in %.3f s", name, len(ids), source, pin.seconds
         )
@@ -310,15 +353,6 @@ class PersistentPromptCache(LRUPromptCache):
             return "", None
         self._hydrated.add(ids)
         return "store", cache
-
-    def _attach(self, pin: Pin, cache: list) -> None:
-        entry = LRUPromptCache.CacheEntry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
-        prev = self._trie.add(self.model_key, list(pin.tokens), entry)
-        if prev is not None:  # an LRU entry of the same tokens: take it off the LRU's books
-            self._n_bytes -= prev.nbytes
-            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
-            self._lru.remove(self.model_key, list(pin.tokens))
-        self._pins[(self.model_key, pin.tokens)] = (pin, entry)
 
     # -- write-behind ------------------------------------------------------------------------
 

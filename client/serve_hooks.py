@@ -7,7 +7,10 @@ of `serve()` by thin subclasses:
   `ModelProvider._load` loaded it, under the key the server uses (`ModelProvider.model_key`,
   the tuple (model_path, adapter_path, draft_model_path)).
 - `mlx_lm.server.LRUPromptCache` -> the instance `mlx_lm.server.run` builds is the one hydrated;
-  with --persist-system-prompts its `insert_cache(..., cache_type="system")` calls (the batched
+  stored pins are kept in it as client.persistent keeps them (PinnedPromptCache): outside the
+  LRU's eviction, --prompt-cache-size and --prompt-cache-bytes, and put back when a conversation
+  extends one, so every request a pin prefixes is served it whatever the churn; with
+  --persist-system-prompts its `insert_cache(..., cache_type="system")` calls (the batched
   path snapshots the system-prompt segment under that type) are also sent to the daemon.
 
 With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
@@ -28,8 +31,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from client.hydrate import Prefetched, hydrate, prefetch
+from client.hydrate import Prefetched, insert, prefetch
 from client.loader import fingerprint_files, tag_loaded
+from client.persistent import PinnedPromptCache
 from client.serve_boundary import StableSystemSegment, template_args_warning
 from client.serve_persist import SystemPromptPersister
 from kvstore.errors import KVStoreError
@@ -52,6 +56,8 @@ def check_server_shape(server: Any) -> None:
         if provider is not None and not callable(getattr(provider, name, None)):
             problems.append(f"ModelProvider.{name} is missing")
     lru = getattr(server, "LRUPromptCache", None)
+    if lru is not None and not issubclass(PinnedPromptCache, lru):
+        problems.append("mlx_lm.server.LRUPromptCache is not mlx_lm.models.cache's")
     if lru is not None:
         params = inspect.signature(lru.insert_cache).parameters
         if "cache_type" not in params:
@@ -109,19 +115,32 @@ class _Hooks:
             )
             return
         args = provider.cli_args
-        report = hydrate(
-            self.cache,
-            key,
-            model_path,
-            home=self.home,
-            adapter_path=adapter,
+        quant = dict(
             kv_bits=args.kv_bits,
             kv_group_size=args.kv_group_size,
             quantized_kv_start=args.quantized_kv_start,
-            model_config=self.model_config,
-            model=provider.model,
-            prefetched=prefetched,
         )
+        if prefetched is None:
+            prefetched = prefetch(
+                model_path,
+                home=self.home,
+                adapter_path=adapter,
+                model_config=self.model_config,
+                model=provider.model,
+                **quant,
+            )
+        self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
+        report = insert(self.cache, key, prefetched)
+        pins = self.cache.pins_of(key)
+        if pins:
+            log.info(
+                "kvstore: %d pins (%d tokens, %.1f MiB of KV) of %s kept resident, outside "
+                "--prompt-cache-size and --prompt-cache-bytes",
+                len(pins),
+                sum(len(t) for t in pins),
+                sum(pins.values()) / 2**20,
+                model_path,
+            )
         if not (report.warning and not report.entries):  # hydrate already said why not
             log.info(
                 "kvstore: hydrated %d entries (%d tokens) for %s in %.2fs%s",
@@ -230,14 +249,41 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
                 entries = None  # read under other files: hydrate re-reads (and refuses) with it
             hooks.on_load(self, entries)
 
-    class PersistentServerCache(server.LRUPromptCache):
+    class PersistentServerCache(PinnedPromptCache):
+        """The server's prompt cache; stored pins of the loaded model are kept as pins."""
+
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
+            self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
             hooks.cache = self
 
-        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
+            """The next inserts of these entries' tokens become pins. Pins of other models are
+            let go: the server holds one model, and loading one again hydrates them again."""
+            for m, tokens in [k for k in self._pins if k[0] != model]:
+                self._trie.pop(m, list(tokens))
+                del self._pins[(m, tokens)]
+            self._to_pin = {(model, tuple(meta.token_ids())): meta.label for meta in metas}
+
+        def pins_of(self, model: Any) -> dict[tuple[int, ...], int]:
+            """This model's pins: tokens -> bytes of KV."""
+            return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
+
+        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
+            label = self._to_pin.pop((model, tuple(tokens)), None)
+            if label is not None:
+                self.attach_pin(model, tokens, prompt_cache, label)
+                return True
+            if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
+                return False
             hooks.on_insert(model, tokens, prompt_cache, cache_type)
+            return True
+
+        def stats_by_type(self) -> dict[str, dict[str, int]]:
+            # what mlx_lm.server logs per request: pins are not in any of the LRU's types
+            stats = super().stats_by_type()
+            stats["pinned"] = {"n_sequences": len(self._pins), "n_bytes": self.pinned_nbytes}
+            return stats
 
     class StableSegmentGenerator(server.ResponseGenerator):
         def _tokenize(self, tokenizer, request, args):

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import TWO_PINS, manifest_for
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, manifest_for
 
 from kvstore.manifest import load_manifest
 from kvstore.store import Store
@@ -133,6 +133,54 @@ def test_first_request_after_start_is_served_from_the_store(llama_path, kv_home,
     assert cold["choices"][0]["message"]["content"] == batched["choices"][0]["message"]["content"]
 
 
+STAGES = {
+    "classify": CLASSIFY,
+    "reason": "You are the planner. Read the classified request, call the tools you need, and "
+    "write a numbered plan of at most five steps; say which step needs a human and why.",
+    "examine": "You are the reviewer. Check the plan against the refund policy and the account "
+    "history, list every risk you find, and approve or reject it with one sentence.",
+    "synthesize": SYNTHESIZE,
+}
+
+
+def test_pins_are_served_after_churn_past_the_prompt_cache_size(llama_path, kv_home, tmp_path):
+    # Each stage's first conversation extends its pin (mlx-lm then drops the pin from the LRU as
+    # a prefix of a longer trimmable entry); more calls of other stages than the LRU holds then
+    # evict those conversations. A new conversation of the first stage still gets all its pin.
+    prefixes = "".join(
+        f'\n[[model.prefix]]\nname = "{name}"\n'
+        f'messages = [{{ role = "system", content = "{text}" }}]\n'
+        for name, text in STAGES.items()
+    )
+    manifest = load_manifest(manifest_for(tmp_path, llama_path, prefixes))
+    with Store(kv_home) as store:
+        assert warm(manifest, store, home=kv_home).warmed == len(STAGES)
+        pins = {m.label: m.ntokens for m in store.metas()}
+
+    def ask(stage: str, n: int) -> dict:
+        messages = [
+            {"role": "system", "content": STAGES[stage]},
+            {"role": "user", "content": f"Ticket {n}: my invoice {1000 + n} was charged twice."},
+        ]
+        return server.chat(messages)
+
+    log = tmp_path / "server.log"
+    server = Server(kv_home, llama_path, log)  # mlx_lm.server's default --prompt-cache-size 10
+    try:
+        server.wait_ready()
+        for n, stage in enumerate(STAGES):  # every pin extended by a conversation
+            assert _cached(ask(stage, n)) >= pins[stage], log.read_text()
+        others = [s for s in STAGES if s != "classify"]
+        for n in range(12):  # churn: more calls of the other stages than the LRU holds
+            stage = others[n % len(others)]
+            assert _cached(ask(stage, 100 + n)) >= pins[stage], log.read_text()
+        reply = ask("classify", 999)
+    finally:
+        server.stop()
+    assert _cached(reply) >= pins["classify"], log.read_text()
+    assert reply["usage"]["prompt_tokens"] > _cached(reply)
+
+
 def _system_messages(n: int) -> list[dict]:
     system = f"You are reviewer {n}. Check the plan against the policy, list every risk you find."
     return [
@@ -219,3 +267,32 @@ def test_server_shape_check_names_what_changed(tmp_path):
         assert issubclass(patched.ModelProvider, original[0])
         assert issubclass(patched.LRUPromptCache, original[1])
     assert (server.ModelProvider, server.LRUPromptCache) == original
+
+
+def test_server_cache_keeps_pins_of_the_loaded_model_only(tmp_path):
+    import types
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from client.serve import patched_server
+
+    def kv(n: int) -> list:
+        c = KVCache()
+        c.update_and_fetch(mx.zeros((1, 2, n, 4)), mx.zeros((1, 2, n, 4)))
+        return [c]
+
+    def meta(tokens: list[int]):
+        return types.SimpleNamespace(token_ids=lambda: tokens, label="stage")
+
+    with patched_server(tmp_path / "home") as server:
+        cache = server.LRUPromptCache(2)
+        cache.keep_pins("a", [meta([1, 2, 3])])
+        cache.insert_cache("a", [1, 2, 3], kv(3), cache_type="system")
+        for n in range(4):  # conversations extending the pin, more than max_size
+            cache.insert_cache("a", [1, 2, 3, 10 + n, 20], kv(5))
+        assert len(cache) == 3 and cache.stats_by_type()["pinned"]["n_sequences"] == 1
+        _, rest = cache.fetch_nearest_cache("a", [1, 2, 3, 99])
+        assert rest == [99]
+        cache.keep_pins("b", [])  # another model loaded: model a's pin is let go
+        assert cache.pinned_nbytes == 0 and len(cache) == 2  # the LRU's own entries stay

@@ -28,8 +28,8 @@ from kvstore.identity import (
 )
 from kvstore.keys import entry_key, pack_tokens
 from kvstore.manifest import Manifest, ModelSpec, PrefixSpec
-from kvstore.ownership import adopted, manifest_owner, owners, released
-from kvstore.purge import Purged, spec_ident, stale_pins
+from kvstore.ownership import adopted, manifest_owner, owners, released, renamed
+from kvstore.purge import Purged, moved_pins, spec_ident, stale_pins
 from kvstore.render import RenderedPin, pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
@@ -366,6 +366,12 @@ def warm(
             log.error("%s", e)
     me = manifest_owner(manifest.path)
     if purge:
+        moved = moved_pins(manifest, store, plans)
+        if moved:  # same KV, new model name: re-owned, not purged and prefilled again
+            edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
+            for k, spec in moved.items():
+                log.info("kept %s under the model's new name %s: same fingerprint and tokens",
+                         k.hex()[:12], spec.path)  # fmt: skip
         stale = stale_pins(manifest, store, plans)
         report.purged = [p for p in stale if not p.released]
         report.released = [p for p in stale if p.released]

@@ -141,6 +141,7 @@ class Commands:
             "manifests": [str(p) for p in self.manifests],
             "writing": self.writer.current,
             "last_warm": self.upkeep.last_warm,
+            "deferred": dict(self.upkeep.deferred),  # warms waiting for memory to load a model
         }
         data["ledger"] = self.ledger.stats()
         return data

@@ -129,6 +129,7 @@ class Daemon(Commands):
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._conns_lock = threading.Lock()
         self._pending: Future | None = None
+        self._retry: Future | None = None  # a deferred warm retried (memory allowed it)
         self._pending_lock = threading.Lock()
         self._hup = False
         self._wake_r, self._wake_w = socket.socketpair()
@@ -260,13 +261,16 @@ class Daemon(Commands):
         back to writing directly while the write in flight finishes."""
         interval = float(self.settings["reader_check_interval"])
         next_check = time.monotonic() + interval
+        memory_interval = float(self.settings["memory_check_interval"])
+        next_memory = time.monotonic() + memory_interval
         self.listener.setblocking(False)
         try:
             with selectors.DefaultSelector() as sel:
                 sel.register(self.listener, selectors.EVENT_READ)
                 sel.register(self._wake_r, selectors.EVENT_READ)
                 while not self.stopping.is_set():
-                    for key, _ in sel.select(timeout=max(0.0, next_check - time.monotonic())):
+                    wake_at = min(next_check, next_memory)
+                    for key, _ in sel.select(timeout=max(0.0, wake_at - time.monotonic())):
                         if key.fileobj is self.listener:
                             self._accept()
                         else:
@@ -279,6 +283,9 @@ class Daemon(Commands):
                         if n := self.store.reader_check():
                             log.info("reader_check: cleared %d stale reader slot(s)", n)
                         next_check = time.monotonic() + interval
+                    if time.monotonic() >= next_memory:
+                        self._retry_deferred()
+                        next_memory = time.monotonic() + memory_interval
         except Exception:  # a bug here must still stop the daemon cleanly, not hang it
             log.exception("accept loop failed")
             self.request_stop("error")
@@ -289,6 +296,15 @@ class Daemon(Commands):
             except FileNotFoundError:
                 pass
             log.info("stopping (%s): socket closed and removed", self.stop_reason)
+
+    def _retry_deferred(self) -> None:
+        """A warm deferred for memory is retried once memory allows (one retry queued at a time)."""
+        if self._retry is not None and not self._retry.done():
+            return
+        if self.upkeep.memory_allows_retry():
+            self._retry = self.writer.submit(
+                "warm deferred", lambda: self.upkeep.retry_deferred(list(self.manifests))
+            )
 
     def _accept(self) -> None:
         try:

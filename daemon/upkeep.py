@@ -16,14 +16,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from daemon import lifecycle
 from daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
-from daemon.lifecycle import peak_rss_bytes, rss_bytes, trim_heap
+from daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
 from kvstore.clock import local_now
 from kvstore.errors import KVStoreError, PrefillStopped
 from kvstore.eviction import select_for_eviction
 from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
 from kvstore.manifest import Manifest, load_manifest, manifest_files
 from kvstore.prefill import stop_when
+from kvstore.registry import canonical
 from kvstore.store import Store
 from kvstore.warm import WarmReport, warm
 
@@ -93,7 +95,12 @@ def watched_files(manifest_paths: list[Path]) -> list[Path]:
 
 def report_dict(report: WarmReport, manifest: Manifest) -> dict[str, Any]:
     d = asdict(report)
-    d.update(manifest=str(manifest.path), warmed=report.warmed, failed=len(report.failed))
+    d.update(
+        manifest=str(manifest.path),
+        warmed=report.warmed,
+        failed=len(report.failed),
+        deferred=len(report.deferred),
+    )
     return d
 
 
@@ -115,6 +122,9 @@ class Upkeep:
         self.settings = settings
         self.stopping = stopping
         self.last_warm: dict[str, Any] | None = None
+        # Manifests whose warm waits for memory to load a model: path -> why, since, bytes needed.
+        # Written on the writer thread, read (copied) by stats and the accept loop's re-check.
+        self.deferred: dict[str, dict[str, Any]] = {}
         self._pins_over_budget = False
         self._versions: VersionWatch | None = None
         self.uploader: Any = None  # the fleet tier (kvstore.remote_queue), when [remote] is set
@@ -171,6 +181,22 @@ class Upkeep:
         now = now or self.clock()
         if self.fetcher is not None:
             self.fetcher.start()
+        short: dict[str, int] = {}  # model path -> bytes its load needs, for models deferred
+
+        def may_load(plan) -> str | None:
+            """The daemon must not double a model's memory: no load unless it fits now."""
+            need = memory_to_load(plan.model_dir, plan.spec.adapter)
+            avail = lifecycle.available_memory_bytes()  # looked up here: tests patch it
+            if avail is None or avail >= need:
+                return None
+            short[plan.spec.path] = need
+            return (
+                f"not enough memory to load model {plan.spec.path!r}: it needs about "
+                f"{need / 2**20:.0f} MiB (weights + margin), {avail / 2**20:.0f} MiB is available; "
+                f"warm deferred, retried when memory allows (checked every "
+                f"{float(self.settings['memory_check_interval']):g}s)"
+            )
+
         with RssSampler() as rss, stop_when(self.stopping.is_set):
             try:
                 report = warm(
@@ -181,6 +207,7 @@ class Upkeep:
                     purge=purge,
                     now=now,
                     fetch=self.fetcher,
+                    may_load=may_load,
                 )
             except PrefillStopped as e:
                 raise WarmCancelled(f"the daemon is stopping: {e}") from None
@@ -188,7 +215,7 @@ class Upkeep:
                 trim_heap()  # kvstore.warm released the model; hand its freed pages back too
         present = sum(p.status == "present" for p in report.pins)
         for p in report.pins:  # where each pin's KV came from
-            if p.status != "failed":
+            if p.status not in ("failed", "deferred"):
                 source = {"warmed": "prefilled", "present": "already present"}.get(
                     p.status, p.status
                 )
@@ -213,6 +240,7 @@ class Upkeep:
         )
         for p in report.failed:
             log.error("warm: pin %r of %s failed: %s", p.name, p.model, p.error)
+        self._note_deferred(str(manifest.path), report, short)
         self.last_warm = {
             "at": time.time(),
             "manifest": str(manifest.path),
@@ -222,6 +250,7 @@ class Upkeep:
             "fetched": report.fetched,
             "present": present,
             "failed": len(report.failed),
+            "deferred": len(report.deferred),
             "purged": len(report.purged),
             "models_loaded": report.models_loaded,
             "rss_before": rss.before,
@@ -230,6 +259,51 @@ class Upkeep:
         }
         self.enforce_budget()
         return report_dict(report, manifest)
+
+    def _note_deferred(self, manifest: str, report: WarmReport, short: dict[str, int]) -> None:
+        """Remember a warm deferred for memory; said once in the log, not at every retry."""
+        if not short:
+            if self.deferred.pop(manifest, None) is not None:
+                log.info("warm of %s no longer deferred", manifest)
+            return
+        reasons = list(dict.fromkeys(p.error for p in report.deferred))
+        first = manifest not in self.deferred
+        self.deferred[manifest] = {
+            "since": self.deferred.get(manifest, {}).get("since", time.time()),
+            "pins": len(report.deferred),
+            "need": max(short.values()),
+            "reason": "; ".join(reasons),
+        }
+        if first:
+            log.warning("warm of %s: %d pin(s) deferred: %s", manifest, len(report.deferred),
+                        "; ".join(reasons))  # fmt: skip
+
+    def memory_allows_retry(self) -> bool:
+        """Whether some deferred warm would now find the memory it needs."""
+        deferred = list(self.deferred.values())
+        if not deferred:
+            return False
+        avail = lifecycle.available_memory_bytes()
+        return avail is None or any(avail >= d["need"] for d in deferred)
+
+    def retry_deferred(self, manifest_paths: list[Path]) -> list[dict[str, Any]]:
+        """Warm again each deferred manifest (still watched) that memory now allows."""
+        watched = {str(canonical(p)) for p in manifest_paths}
+        reports = []
+        for path, d in list(self.deferred.items()):
+            if path not in watched:
+                self.deferred.pop(path, None)
+                continue
+            avail = lifecycle.available_memory_bytes()
+            if avail is not None and avail < d["need"]:
+                continue
+            try:
+                manifest = load_manifest(Path(path))
+            except KVStoreError as e:
+                log.error("retrying the deferred warm: %s", e)
+                continue
+            reports.append(self.warm(manifest, cause="memory available"))
+        return reports
 
     def reconcile(
         self,

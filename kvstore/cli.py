@@ -187,13 +187,17 @@ def warm(manifest: Path | None, home: Path) -> None:
             line += f"  valid {p.valid_date}"
         if p.remote:
             line += f"  [remote: {p.remote}]"
+        if p.status == "deferred":  # the daemon warms it once memory allows
+            line += f"  ({p.error})"
         click.echo(line)
         if p.warning:
             click.echo(f"warning: {p.warning}", err=True)
-    present = len(report.pins) - report.warmed - report.fetched - len(report.failed)
+    deferred = len(report.deferred)
+    present = len(report.pins) - report.warmed - report.fetched - len(report.failed) - deferred
     click.echo(
         f"{report.warmed} warmed, {present} present, {len(report.failed)} failed, "
         f"{report.fetched} fetched in {report.seconds:.2f}s"
+        + (f", {deferred} deferred (not enough memory to load the model now)" if deferred else "")
     )
     if report.failed:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))

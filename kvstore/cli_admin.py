@@ -217,6 +217,8 @@ def stats(as_json: bool, home: Path) -> None:
             f"daemon         pid {daemon['pid']}, up {daemon['uptime']:.0f}s, "
             f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
         )
+        for manifest, d in (daemon.get("deferred") or {}).items():
+            click.echo(f"deferred       warm of {manifest}: {d['reason']}")
     else:
         click.echo("daemon         not running")
     rows = (data.get("ledger") or {}).get("by_model_label") or []

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvstore.entry import EntryMeta
+from kvstore.manifest import ModelSpec
 
 APP = "app"  # runtime pins and prefixes an app or `kvstore serve` stored, and imports
 PINNED_BEFORE = "pinned_before_manifests"  # the pinned flag before the first manifest owner
@@ -57,3 +58,17 @@ def released(meta: EntryMeta, owner: str) -> EntryMeta | None:
     if not _manifests(left):  # back to what the app had before any manifest adopted it
         pinned = bool(extra.pop(PINNED_BEFORE, meta.pinned))
     return replace(meta, pinned=pinned, extra=extra)
+
+
+def renamed(meta: EntryMeta, spec: ModelSpec) -> EntryMeta:
+    """The meta under the model name (and adapter path, overrides) `spec` gives it: the entry's
+    KV is the same (same key), only what the manifest calls its model changed."""
+    extra = dict(
+        meta.extra,
+        adapter=spec.adapter,
+        kv_bits=spec.kv_bits,
+        kv_group_size=spec.kv_group_size,
+        quantized_kv_start=spec.quantized_kv_start,
+        model_config=spec.model_config,
+    )
+    return replace(meta, model=spec.path, extra=extra)

@@ -42,6 +42,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     stored under an older fingerprint of that model."""
     out = []
     me = manifest_owner(manifest.path)
+    planned = {pp.key for plan in plans.values() for pp in plan.pins}
+    # A model that does not resolve (a path mid-edit, a typo) may be the new name of any model the
+    # manifest no longer names: nothing of those is purged until it resolves.
+    unresolved = [s.path for s in manifest.models if spec_ident(s) not in plans]
     for meta in store.metas(errors=[]):
         plan = plans.get(entry_ident(meta))
         ours = me in owners(meta)
@@ -59,6 +63,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
         if plan is None:
             if any(spec_ident(s) == entry_ident(meta) for s in manifest.models):
                 continue  # its model failed to plan: keep what we have, do not guess
+            if meta.key in planned:
+                continue  # the same KV under the model's new name: re-owned (moved_pins)
+            if unresolved:
+                continue  # kept until the manifest's models resolve (see above)
             cause = "model removed from the manifest"
         elif meta.fingerprint != plan.fingerprint.digest:
             cause = "model changed (weights, config or adapter)"
@@ -84,3 +92,23 @@ def _prepared_ahead(meta, plan: ModelPlan) -> bool:
     if not isinstance(valid, str) or plan.day is None:
         return False
     return valid > plan.day.isoformat() and any(pp.pin.name == meta.label for pp in plan.pins)
+
+
+def moved_pins(
+    manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]
+) -> dict[bytes, ModelSpec]:
+    """This manifest's pins stored under a model name it no longer uses whose key (fingerprint and
+    tokens) one of its models now has: the same KV (the model moved to an identical copy), to be
+    re-owned under the new name rather than purged and prefilled again. An entry another manifest
+    also owns keeps its name (that manifest may still use it)."""
+    me = manifest_owner(manifest.path)
+    specs = {pp.key: plan.spec for plan in plans.values() for pp in plan.pins}
+    out = {}
+    for meta in store.metas(errors=[]):
+        spec = specs.get(meta.key)
+        if spec is None or entry_ident(meta) in plans:
+            continue
+        manifests = [o for o in owners(meta) if o.startswith("manifest:")]
+        if manifests == [me]:
+            out[meta.key] = spec
+    return out

@@ -28,6 +28,7 @@ DEFAULTS: dict[str, object] = {
     "poll_interval": 5.0,  # seconds between re-hash passes when no file observer can run
     "reader_check_interval": 60.0,  # seconds between LMDB reader_check() passes in the daemon
     "version_check_interval": 30.0,  # seconds between reads of the installed mlx/mlx-lm versions
+    "memory_check_interval": 15.0,  # seconds between checks whether a deferred warm now fits
 }
 
 STORE_DIR = "store"

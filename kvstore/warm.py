@@ -28,8 +28,8 @@ from kvstore.identity import (
 )
 from kvstore.keys import entry_key, pack_tokens
 from kvstore.manifest import Manifest, ModelSpec, PrefixSpec
-from kvstore.ownership import adopted, manifest_owner, owners, released
-from kvstore.purge import Purged, spec_ident, stale_pins
+from kvstore.ownership import adopted, manifest_owner, owners, released, renamed
+from kvstore.purge import Purged, moved_pins, spec_ident, stale_pins
 from kvstore.render import RenderedPin, pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
@@ -63,7 +63,9 @@ class PinResult:
     name: str
     key: str
     tokens: int
-    status: str  # "present" | "warmed" (prefilled) | "fetched" (from the fleet tier) | "failed"
+    # "present" | "warmed" (prefilled) | "fetched" (from the fleet tier) | "failed" | "deferred"
+    # (not enough memory to load the model now: `error` says why; the daemon retries)
+    status: str
     seconds: float = 0.0
     nbytes: int = 0
     warning: str | None = None
@@ -93,6 +95,10 @@ class WarmReport:
     @property
     def failed(self) -> list[PinResult]:
         return [p for p in self.pins if p.status == "failed"]
+
+    @property
+    def deferred(self) -> list[PinResult]:
+        return [p for p in self.pins if p.status == "deferred"]
 
 
 def plan_model(
@@ -250,9 +256,11 @@ def _warm_model(
     put: Callable[[bytes, bytes, dict], None],
     say: Callable[[str], None],
     fetch: Callable | None = None,
+    may_load: Callable[[ModelPlan], str | None] | None = None,
 ) -> None:
     """Prefill and put one model's missing pins; the model is loaded once and released. `fetch`
-    (the fleet tier, kvstore.remote_fetch) is tried for each missing pin before the model loads."""
+    (the fleet tier, kvstore.remote_fetch) is tried for each missing pin before the model loads;
+    `may_load` gives why the model may not load now (its pins are then deferred), or None."""
     spec = plan.spec
     for name, error in plan.failed:
         report.pins.append(PinResult(spec.path, name, "", 0, "failed", error=error))
@@ -269,6 +277,9 @@ def _warm_model(
             pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes, manifest.path)
         ]
     if not missing:
+        return
+    if may_load is not None and (why := may_load(plan)):
+        report.pins.extend(_result(pp, "deferred", error=why) for pp in missing)
         return
     say(f"loading {spec.path} to warm {len(missing)} pin(s)")
     try:
@@ -345,11 +356,14 @@ def warm(
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
+    may_load: Callable[[ModelPlan], str | None] | None = None,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
     own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
     `put`, `delete` and `edit` (Store.edit_meta) override where writes go (e.g. the daemon).
-    Pins render as requests on the local day of `now` do (default: the real clock)."""
+    Pins render as requests on the local day of `now` do (default: the real clock). `may_load`
+    (the daemon's memory check) may defer a model's load: its missing pins are reported
+    "deferred"."""
     t0 = time.perf_counter()
     report = WarmReport()
     say = progress or (lambda msg: None)
@@ -366,6 +380,12 @@ def warm(
             log.error("%s", e)
     me = manifest_owner(manifest.path)
     if purge:
+        moved = moved_pins(manifest, store, plans)
+        if moved:  # same KV, new model name: re-owned, not purged and prefilled again
+            edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
+            for k, spec in moved.items():
+                log.info("kept %s under the model's new name %s: same fingerprint and tokens",
+                         k.hex()[:12], spec.path)  # fmt: skip
         stale = stale_pins(manifest, store, plans)
         report.purged = [p for p in stale if not p.released]
         report.released = [p for p in stale if p.released]
@@ -385,6 +405,6 @@ def warm(
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():
-        _warm_model(plan, manifest, report, put=put, say=say, fetch=fetch)
+        _warm_model(plan, manifest, report, put=put, say=say, fetch=fetch, may_load=may_load)
     report.seconds = time.perf_counter() - t0
     return report

@@ -18,7 +18,7 @@ import click
 
 from kvstore.cli import home_option, human_size, main, open_store, user_errors
 from kvstore.daemon_client import connect
-from kvstore.errors import KVStoreError, RemoteError
+from kvstore.errors import KVStoreError, RemoteError, counted
 from kvstore.keys import FINGERPRINT_BYTES
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
@@ -154,7 +154,7 @@ def status_cmd(as_json: bool, home: Path) -> None:
     click.echo(f"reachable      {'yes' if data['reachable'] else 'no: ' + data.get('error', '')}")
     if data["reachable"]:
         click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
-                   f"{data['models']} model(s)")  # fmt: skip
+                   f"{counted(data['models'], 'model')}")  # fmt: skip
         for v in data["other_format_versions"]:
             click.echo(f"warning: objects of another format version ({v}) are ignored", err=True)
     q = data["queue"]
@@ -192,7 +192,7 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["modified"]))
         click.echo(f"{r['key'][32:44]:14} {r['fingerprint'][:12]:14} "
                    f"{human_size(r['nbytes']):>10} {when:19}  {r['label'] or '-'}")  # fmt: skip
-    click.echo(f"{len(rows)} objects, {human_size(sum(r['nbytes'] for r in rows))}")
+    click.echo(f"{counted(len(rows), 'object')}, {human_size(sum(r['nbytes'] for r in rows))}")
 
 
 @remote_group.command(name="push")
@@ -342,5 +342,5 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
         queue.forget([o.key for o in victims])
     finally:
         queue.close()
-    click.echo(f"{n} objects deleted, {human_size(kept)} kept"
-               + (f", {aborted} stale multipart upload(s) aborted" if aborted else ""))  # fmt: skip
+    aborted_text = f", {counted(aborted, 'stale multipart upload')} aborted" if aborted else ""
+    click.echo(f"{counted(n, 'object')} deleted, {human_size(kept)} kept{aborted_text}")

@@ -20,6 +20,7 @@ from kvstore.cli import home_option, human_size, main, open_store, user_errors
 from kvstore.daemon_client import connect
 from kvstore.errors import KVStoreError, RemoteError, counted
 from kvstore.keys import FINGERPRINT_BYTES
+from kvstore.remote_settings import REMOTE_SAMPLE
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -47,7 +48,10 @@ def _settings(home: Path):
 
     rs = remote_settings(load_settings(home), home)
     if rs is None:
-        raise click.ClickException(f"{home / 'settings.toml'}: no [remote] table; nothing to do")
+        raise click.ClickException(
+            f"{home / 'settings.toml'}: no [remote] table, so the fleet tier is off; add one with "
+            "endpoint and bucket (`kvstore remote --help` shows a sample; README: Fleet)"
+        )
     return rs
 
 
@@ -109,16 +113,22 @@ def _model_fingerprints(home: Path, model: str | None, manifest: Path | None) ->
     return [p.fingerprint.digest for p in _plans(home, manifest, model, None)]
 
 
-@main.group(name="remote")
-def remote_group() -> None:
-    """The fleet tier: share KV with boxes that serve the same model files, through S3.
+_REMOTE_HELP = f"""The fleet tier: share KV with boxes that serve the same model files, through S3.
 
-    \b
-    kvstore remote status          # settings, reachability, what is where
-    kvstore remote push            # upload every local entry; returns when done
-    kvstore remote pull            # fill this box from the remote before it serves
-    kvstore remote gc --older-than 30d
-    """
+\b
+kvstore remote status          # settings, reachability, what is where
+kvstore remote push            # upload every local entry; returns when done
+kvstore remote pull            # fill this box from the remote before it serves
+kvstore remote gc --older-than 30d
+
+\b
+It needs a [remote] table (all its keys: README, Fleet), at least:
+{REMOTE_SAMPLE}"""
+
+
+@main.group(name="remote", help=_REMOTE_HELP)
+def remote_group() -> None:
+    pass
 
 
 @remote_group.command(name="status")

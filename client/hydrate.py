@@ -15,7 +15,7 @@ from typing import Any
 
 from client.loader import check_loaded_from
 from kvstore.entry import EntryMeta
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, counted
 from kvstore.identity import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
 from kvstore.store import Store
@@ -51,9 +51,9 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
     if not stale:
         return None
     return (
-        f"kvstore: {len(stale)} stored entr{'y' if len(stale) == 1 else 'ies'} for {model_path} "
-        "were made with another version of it (weights, config, adapter or KV quantization "
-        "differ), so none is used; `kvstore warm` (or the daemon) re-warms them"
+        f"kvstore: {counted(len(stale), 'stored entry')} for {model_path}, made with another "
+        "version of it (weights, config, adapter or KV quantization differ): not used; "
+        "`kvstore warm` (or the daemon) re-warms what a manifest pins"
     )
 
 
@@ -151,8 +151,7 @@ def insert(prompt_cache, model_key: Any, pre: Prefetched) -> HydrateReport:
     report.dropped = max(0, report.entries - (len(prompt_cache) - before))
     if report.warning is None and report.skipped:
         report.warning = (
-            f"kvstore: skipped {len(report.skipped)} unreadable entr"
-            f"{'y' if len(report.skipped) == 1 else 'ies'} for {model_path} "
+            f"kvstore: skipped {counted(len(report.skipped), 'unreadable entry')} for {model_path} "
             f"(run `kvstore verify`): {report.skipped[0]}"
         )
     if report.warning is None and report.dropped:

@@ -36,7 +36,7 @@ from client.loader import fingerprint_files, tag_loaded
 from client.persistent import PinnedPromptCache
 from client.serve_boundary import StableSystemSegment, template_args_warning
 from client.serve_persist import SystemPromptPersister
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, counted
 
 log = logging.getLogger("kvstore.serve")
 
@@ -143,9 +143,9 @@ class _Hooks:
             )
         if not (report.warning and not report.entries):  # hydrate already said why not
             log.info(
-                "kvstore: hydrated %d entries (%d tokens) for %s in %.2fs%s",
-                report.entries,
-                report.tokens,
+                "kvstore: hydrated %s (%s) for %s in %.2fs%s",
+                counted(report.entries, "entry"),
+                counted(report.tokens, "token"),
                 model_path,
                 report.seconds,
                 f": {', '.join(report.labels)}" if report.labels else "",

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstore import canary, codehash
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, counted
 from kvstore.manifest import load_manifest
 from kvstore.store import Store
 
@@ -62,9 +62,10 @@ def check_at_boot(store: Store, home: Path, manifest_paths: list[Path]) -> list:
                 stale = [m.key for m in store.metas(fingerprint, errors=[])]
                 store.delete(stale)
                 log.warning(
-                    "upgrade canary: %s; dropped the model's %d entries so they are re-warmed "
+                    "upgrade canary: %s; dropped the model's %s so they are re-warmed "
                     "with mlx %s / mlx-lm %s",
-                    canary.describe(result), len(stale), running["mlx"], running["mlx_lm"],
+                    canary.describe(result), counted(len(stale), "entry"),
+                    running["mlx"], running["mlx_lm"],
                 )  # fmt: skip
     canary.save_versions(home, running)
     return results

@@ -30,7 +30,7 @@ from daemon.lifecycle import (
 from daemon.upkeep import Upkeep, watched_files
 from daemon.writer import Writer
 from kvstore import protocol
-from kvstore.errors import KVStoreError, ProtocolError
+from kvstore.errors import KVStoreError, ProtocolError, counted
 from kvstore.ledger import Ledger
 from kvstore.registry import canonical
 from kvstore.settings import STORE_DIR, load_settings
@@ -281,7 +281,7 @@ class Daemon(Commands):
                         self.reload("SIGHUP")
                     if time.monotonic() >= next_check:
                         if n := self.store.reader_check():
-                            log.info("reader_check: cleared %d stale reader slot(s)", n)
+                            log.info("reader_check: cleared %s", counted(n, "stale reader slot"))
                         next_check = time.monotonic() + interval
                     if time.monotonic() >= next_memory:
                         self._retry_deferred()
@@ -389,9 +389,9 @@ class Daemon(Commands):
             stuck.append("the fleet uploader")
         if stuck:
             log.warning(
-                "%d connection thread(s) still busy after %gs; leaving the store open for the "
+                "%s still busy after %gs; leaving the store open for the "
                 "process exit to release rather than closing it under them",
-                len(stuck),
+                counted(len(stuck), "connection thread"),
                 CONN_JOIN_SECONDS,
             )
         else:

@@ -20,7 +20,7 @@ from daemon import lifecycle
 from daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
 from kvstore.clock import local_now
-from kvstore.errors import KVStoreError, PrefillStopped
+from kvstore.errors import KVStoreError, PrefillStopped, counted
 from kvstore.eviction import select_for_eviction
 from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
 from kvstore.manifest import Manifest, load_manifest, manifest_files
@@ -225,7 +225,7 @@ class Upkeep:
             self.fetcher.record(report)
         log.info(
             "warm %s done in %.2fs: %d warmed, %d fetched, %d present, %d failed, %d purged, "
-            "%d model(s) loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
+            "%s loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
             manifest.path,
             report.seconds,
             report.warmed,
@@ -233,7 +233,7 @@ class Upkeep:
             present,
             len(report.failed),
             len(report.purged),
-            report.models_loaded,
+            counted(report.models_loaded, "model"),
             rss.before / 2**20,
             rss.peak / 2**20,
             rss.after / 2**20,

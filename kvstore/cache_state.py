@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
-from kvstore.errors import CodecError
+from kvstore.errors import CodecError, counted
 from kvstore.safetensors import Tensor
 from kvstore.safetensors import is_int as _is_int
 
@@ -147,7 +147,8 @@ class CacheStateDecoder:
                 self.check_state(pair[1], pair[0], f"{where}.{j}.0", depth + 1)
             return
         if len(st) != _ARITY[cls]:
-            raise self.fail(f"{cls} state {where} has {len(st)} entries, expected {_ARITY[cls]}")
+            has = counted(len(st), "entry")
+            raise self.fail(f"{cls} state {where} has {has}, expected {_ARITY[cls]}")
         w = f"{cls} {where}"
         if cls == "ArraysCache":
             slots, *rest = st

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
+from kvstore.settings import write_atomically
 
 log = logging.getLogger("kvstore")
 
@@ -162,10 +162,7 @@ def stored_versions(home: Path) -> dict | None:
 
 def save_versions(home: Path, versions: dict) -> None:
     path = home / RUNTIME_NAME
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(versions, sort_keys=True))
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(versions, sort_keys=True).encode())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.warning("cannot record the mlx versions in %s: %s", path, e)

@@ -20,6 +20,7 @@ from kvstore.cli import (
     user_errors,
 )
 from kvstore.daemon_client import connect
+from kvstore.errors import counted
 from kvstore.eviction import select_for_eviction
 
 
@@ -92,7 +93,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
                 # a clock-bound pin (its template prints the date) holds for one local day
                 + (f"  valid {m.extra['valid_date']}" if m.extra.get("valid_date") else "")
             )
-        click.echo(f"{len(metas)} entries, {human_size(sum(m.nbytes for m in metas))}")
+        click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
         click.echo(f"warning: {e}", err=True)
 
@@ -139,7 +140,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
                 to_size=size,
             )
         n = res["evicted"]
-        click.echo(f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(res['bytes'])}")
+        click.echo(f"evicted {counted(n, 'entry')}, {human_size(res['bytes'])}")
         _report_unknown(res.get("unknown") or [])
         return
     with open_store(home, write=True) as store:
@@ -159,9 +160,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             unknown=unknown,
         )
         n = store.delete(m.key for m in victims)
-    click.echo(
-        f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(sum(m.nbytes for m in victims))}"
-    )
+    click.echo(f"evicted {counted(n, 'entry')}, {human_size(sum(m.nbytes for m in victims))}")
     _report_unknown(
         [{"key": m.key.hex(), "label": m.label, "model": m.model, "reason": r} for m, r in unknown]
     )
@@ -172,7 +171,7 @@ def _report_unknown(unknown: list[dict]) -> None:
     if not unknown:
         return
     n = len(unknown)
-    click.echo(f"kept {n} entr{'y' if n == 1 else 'ies'} whose staleness is unknown here:")
+    click.echo(f"kept {counted(n, 'entry')} whose staleness is unknown here:")
     for u in unknown:
         click.echo(f"  {u['key'][32:44]} {u['label'][:16]:16} {u['model']}: {u['reason']}")
 
@@ -290,14 +289,15 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     if problems or differs:
         what = []
         if problems:
-            what.append(f"{len(problems)} of {n} entries failed" + (" and were deleted" * repair))
+            failed = f"{counted(len(problems), 'entry')} of {n} failed"
+            what.append(failed + (" (deleted)" * repair))
         if differs:
             what.append(
-                f"{differs} model(s) computed other KV than stored"
-                + (" and were re-warmed" * repair)
+                f"{counted(differs, 'model')} computed other KV than stored"
+                + (" (re-warmed)" * repair)
             )
         raise click.ClickException("; ".join(what))
-    click.echo(f"{n} entries ok")
+    click.echo(f"{counted(n, 'entry')} ok")
 
 
 def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
@@ -344,4 +344,4 @@ def _rewarm(home: Path, differs: list) -> None:
             store.delete(keys)
             for manifest in {m.path: m for m, _ in differs}.values():
                 warm(manifest, store, home=home, progress=_progress)
-    click.echo(f"dropped {len(keys)} entries and re-warmed their manifests")
+    click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")

@@ -11,6 +11,7 @@ import click
 
 from kvstore.cli import home_option, main, user_errors
 from kvstore.daemon_client import connect
+from kvstore.errors import counted
 from kvstore.registry import canonical, registered, unregister
 
 
@@ -62,7 +63,8 @@ def manifests(ctx: click.Context, as_json: bool, home: Path) -> None:
     gone = [row["path"] for row in rows if not row["present"]]
     if gone:
         click.echo(
-            f"{len(gone)} registered manifest(s) gone; `kvstore manifests remove PATH` forgets one",
+            f"{counted(len(gone), 'registered manifest')} gone; "
+            "`kvstore manifests remove PATH` forgets one",
             err=True,
         )
 

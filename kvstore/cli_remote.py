@@ -18,8 +18,9 @@ import click
 
 from kvstore.cli import home_option, human_size, main, open_store, user_errors
 from kvstore.daemon_client import connect
-from kvstore.errors import KVStoreError, RemoteError
+from kvstore.errors import KVStoreError, RemoteError, counted
 from kvstore.keys import FINGERPRINT_BYTES
+from kvstore.remote_settings import REMOTE_SAMPLE
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -47,7 +48,10 @@ def _settings(home: Path):
 
     rs = remote_settings(load_settings(home), home)
     if rs is None:
-        raise click.ClickException(f"{home / 'settings.toml'}: no [remote] table; nothing to do")
+        raise click.ClickException(
+            f"{home / 'settings.toml'}: no [remote] table, so the fleet tier is off; add one with "
+            "endpoint and bucket (`kvstore remote --help` shows a sample; README: Fleet)"
+        )
     return rs
 
 
@@ -109,16 +113,22 @@ def _model_fingerprints(home: Path, model: str | None, manifest: Path | None) ->
     return [p.fingerprint.digest for p in _plans(home, manifest, model, None)]
 
 
-@main.group(name="remote")
-def remote_group() -> None:
-    """The fleet tier: share KV with boxes that serve the same model files, through S3.
+_REMOTE_HELP = f"""The fleet tier: share KV with boxes that serve the same model files, through S3.
 
-    \b
-    kvstore remote status          # settings, reachability, what is where
-    kvstore remote push            # upload every local entry; returns when done
-    kvstore remote pull            # fill this box from the remote before it serves
-    kvstore remote gc --older-than 30d
-    """
+\b
+kvstore remote status          # settings, reachability, what is where
+kvstore remote push            # upload every local entry; returns when done
+kvstore remote pull            # fill this box from the remote before it serves
+kvstore remote gc --older-than 30d
+
+\b
+It needs a [remote] table (all its keys: README, Fleet), at least:
+{REMOTE_SAMPLE}"""
+
+
+@main.group(name="remote", help=_REMOTE_HELP)
+def remote_group() -> None:
+    pass
 
 
 @remote_group.command(name="status")
@@ -154,7 +164,7 @@ def status_cmd(as_json: bool, home: Path) -> None:
     click.echo(f"reachable      {'yes' if data['reachable'] else 'no: ' + data.get('error', '')}")
     if data["reachable"]:
         click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
-                   f"{data['models']} model(s)")  # fmt: skip
+                   f"{counted(data['models'], 'model')}")  # fmt: skip
         for v in data["other_format_versions"]:
             click.echo(f"warning: objects of another format version ({v}) are ignored", err=True)
     q = data["queue"]
@@ -192,7 +202,7 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["modified"]))
         click.echo(f"{r['key'][32:44]:14} {r['fingerprint'][:12]:14} "
                    f"{human_size(r['nbytes']):>10} {when:19}  {r['label'] or '-'}")  # fmt: skip
-    click.echo(f"{len(rows)} objects, {human_size(sum(r['nbytes'] for r in rows))}")
+    click.echo(f"{counted(len(rows), 'object')}, {human_size(sum(r['nbytes'] for r in rows))}")
 
 
 @remote_group.command(name="push")
@@ -342,5 +352,5 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
         queue.forget([o.key for o in victims])
     finally:
         queue.close()
-    click.echo(f"{n} objects deleted, {human_size(kept)} kept"
-               + (f", {aborted} stale multipart upload(s) aborted" if aborted else ""))  # fmt: skip
+    aborted_text = f", {counted(aborted, 'stale multipart upload')} aborted" if aborted else ""
+    click.echo(f"{counted(n, 'object')} deleted, {human_size(kept)} kept{aborted_text}")

@@ -1,4 +1,18 @@
-"""The kvstore error hierarchy: every message names the file, key or setting at fault."""
+"""The kvstore error hierarchy: every message names the file, key or setting at fault.
+
+`counted` words the counts those messages (and the CLI's output) carry: "1 entry", "2 entries".
+"""
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and the noun in the number it takes: counted(1, "entry") is "1 entry", counted(2,
+    "entry") "2 entries"; give `plural` where adding -s (or y -> -ies) is wrong."""
+    if n == 1:
+        return f"{n} {noun}"
+    if plural is None:
+        consonant_y = noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u")
+        plural = noun[:-1] + "ies" if consonant_y else noun + "s"
+    return f"{n} {plural}"
 
 
 class KVStoreError(Exception):

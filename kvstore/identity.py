@@ -23,6 +23,7 @@ import xxhash
 from kvstore.codec import CODEC_VERSION
 from kvstore.codehash import kv_code_digest, kv_code_files
 from kvstore.errors import ModelError
+from kvstore.manifest import check_kv_quantization
 from kvstore.modelconfig import check_overrides, config_identity, effective_config, model_args
 
 # Files whose contents change the KV of given tokens. The model's own *.py files are not among them:
@@ -237,6 +238,8 @@ def model_fingerprint(
     """
     from mlx_lm.models.cache import make_prompt_cache
 
+    # a kv_bits of "8" would otherwise be a fingerprint no entry is filed under, silently
+    check_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     model_dir = resolve_model_path(model)
     model_config = check_overrides(model_config)
     cache = hash_cache or FileHashCache(None)

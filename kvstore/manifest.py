@@ -7,6 +7,7 @@ silently pinning nothing.
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -128,7 +129,9 @@ def load_manifest(path: str | Path) -> Manifest:
     if models is None:
         raise where.error("model", "no [[model]] table; add one with path = '<model dir>'")
     if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
-        raise where.error("model", "must be an array of tables written as [[model]]")
+        raise where.error(
+            "model", f"must be an array of tables written as [[model]], got {got(models)}"
+        )
     if not models:
         raise where.error("model", "no [[model]] table; add one with path = '<model dir>'")
     lines = _model_lines(raw.decode("utf-8"))
@@ -203,25 +206,25 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     if path is None:
         raise where.error("path", "missing; set path to a local model directory or a hub id")
     if not isinstance(path, str) or not path.strip():
-        raise where.error("path", "must be a non-empty string")
+        raise where.error(
+            "path", f"must be a non-empty string (a model directory or hub id), got {got(path)}"
+        )
     adapter = table.get("adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter.strip()):
-        raise where.error("adapter", "must be a non-empty string (an adapter directory)")
+        raise where.error(
+            "adapter", f"must be a non-empty string (an adapter directory), got {got(adapter)}"
+        )
     kv_bits = table.get("kv_bits")
-    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
-        raise where.error("kv_bits", f"must be one of {_list(KV_BITS)}, got {kv_bits!r}")
     group = table.get("kv_group_size", DEFAULT_KV_GROUP_SIZE)
-    if not _is_int(group) or group not in KV_GROUP_SIZES:
-        raise where.error("kv_group_size", f"must be one of {_list(KV_GROUP_SIZES)}, got {group!r}")
     qstart = table.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
-    if not _is_int(qstart) or qstart < 0:
-        raise where.error("quantized_kv_start", f"must be an integer >= 0, got {qstart!r}")
+    check_kv_quantization(kv_bits, group, qstart, where)
     model_config = table.get("model_config")
     if model_config is not None:
         if not isinstance(model_config, dict):
             raise where.error(
                 "model_config",
-                "must be a table of config.json keys, e.g. model_config = { rope_theta = 1e6 }",
+                "must be a table of config.json keys, e.g. model_config = { rope_theta = 1e6 }, "
+                f"got {got(model_config)}",
             )
         try:
             model_config = json.loads(json.dumps(model_config))
@@ -230,7 +233,9 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     template_kwargs = check_template_kwargs(table.get("chat_template_kwargs"), where)
     prefixes = table.get("prefix", [])
     if not isinstance(prefixes, list) or not all(isinstance(p, dict) for p in prefixes):
-        raise where.error("prefix", "must be an array of tables written as [[model.prefix]]")
+        raise where.error(
+            "prefix", f"must be an array of tables written as [[model.prefix]], got {got(prefixes)}"
+        )
     specs: list[PrefixSpec] = []
     seen: set[str] = set()
     for i, prefix in enumerate(prefixes):
@@ -253,6 +258,28 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     )
 
 
+def check_kv_quantization(
+    kv_bits: Any, kv_group_size: Any, quantized_kv_start: Any, where: _Where | None = None
+) -> None:
+    """KV quantization as generate() takes it: a wrong type or value is an error naming the
+    setting, what it must be and what it got (never a fingerprint no entry was made under)."""
+
+    def bad(field: str, problem: str) -> Exception:
+        if where is None:
+            return ManifestError(f"{field}: {problem}")
+        return where.error(field, problem)
+
+    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
+        raise bad("kv_bits", f"must be an integer, one of {_list(KV_BITS)}; got {got(kv_bits)}")
+    if not _is_int(kv_group_size) or kv_group_size not in KV_GROUP_SIZES:
+        raise bad(
+            "kv_group_size",
+            f"must be an integer, one of {_list(KV_GROUP_SIZES)}; got {got(kv_group_size)}",
+        )
+    if not _is_int(quantized_kv_start) or quantized_kv_start < 0:
+        raise bad("quantized_kv_start", f"must be an integer >= 0; got {got(quantized_kv_start)}")
+
+
 def check_template_kwargs(value: Any, where: _Where | None = None) -> dict | None:
     """A chat_template_kwargs table: string keys, none that kvstore passes itself."""
     if value is None:
@@ -264,7 +291,7 @@ def check_template_kwargs(value: Any, where: _Where | None = None) -> dict | Non
         return where.error("chat_template_kwargs", problem)
 
     if not isinstance(value, dict):
-        raise bad("must be a table, e.g. { enable_thinking = false }")
+        raise bad(f"must be a table, e.g. {{ enable_thinking = false }}, got {got(value)}")
     for key in value:
         if not isinstance(key, str):
             raise bad(f"keys must be strings, got {key!r}")
@@ -282,7 +309,7 @@ def _load_prefix(
     if name is None:
         raise where.error("name", "missing; every prefix needs a name (its label in the store)")
     if not isinstance(name, str) or not name.strip():
-        raise where.error("name", "must be a non-empty string")
+        raise where.error("name", f"must be a non-empty string, got {got(name)}")
     messages, text = table.get("messages"), table.get("text")
     file_value, tools_value = table.get("file"), table.get("tools")
     if text is not None and (messages is not None or file_value is not None):
@@ -293,7 +320,7 @@ def _load_prefix(
     tools = _file_path(tools_value, "tools", where, base)
     if text is not None:
         if not isinstance(text, str) or not text:
-            raise where.error("text", "must be a non-empty string")
+            raise where.error("text", f"must be a non-empty string, got {got(text)}")
         if tools is not None:
             raise where.error(
                 "tools", "tools apply to chat messages only; remove them or use messages"
@@ -313,18 +340,24 @@ def _check_messages(value: Any, file_text: str | None, where: _Where) -> tuple[d
     if value is None:
         return ({"role": "system", "content": file_text},)
     if not isinstance(value, list) or not value:
-        raise where.error("messages", "must be a non-empty list of { role, content } tables")
+        raise where.error(
+            "messages", f"must be a non-empty list of {{ role, content }} tables, got {got(value)}"
+        )
     out: list[dict] = []
     replaced = False
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
             raise where.error(
-                "messages", f"item {i} must be a table {{ role = ..., content = ... }}"
+                "messages",
+                f"item {i} must be a table {{ role = ..., content = ... }}, got {got(msg)}",
             )
         _check_keys(msg, _MESSAGE_KEYS, where, f"messages item {i}")
         role, content = msg.get("role"), msg.get("content")
         if not isinstance(role, str):
-            raise where.error("messages", f"item {i}: role must be a string, one of {_list(ROLES)}")
+            raise where.error(
+                "messages",
+                f"item {i}: role must be a string, one of {_list(ROLES)}; got {got(role)}",
+            )
         if role not in ROLES:
             raise where.error(
                 "messages", f"item {i}: unknown role {role!r}; use one of {_list(ROLES)}"
@@ -333,7 +366,7 @@ def _check_messages(value: Any, file_text: str | None, where: _Where) -> tuple[d
             # The file supplies this message's content, so the inline content may be omitted.
             content, replaced = file_text, True
         if not isinstance(content, str):
-            raise where.error("messages", f"item {i}: content must be a string")
+            raise where.error("messages", f"item {i}: content must be a string, got {got(content)}")
         out.append({"role": role, "content": content})
     if file_text is not None and not replaced:
         raise where.error("file", "messages has no system message for the file's text to fill")
@@ -344,8 +377,12 @@ def _file_path(value: Any, field: str, where: _Where, base: Path) -> Path | None
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise where.error(field, "must be a non-empty string (a path relative to the manifest)")
+        raise where.error(
+            field, f"must be a non-empty string (a path relative to the manifest), got {got(value)}"
+        )
     path = (base / Path(value).expanduser()).resolve()
+    if path.is_dir():
+        raise where.error(field, f"{path} is a directory; name a file in it")
     if not path.is_file():
         raise where.error(field, f"file not found: {path}; create it or fix the path")
     return path
@@ -366,6 +403,22 @@ def _read_tools(path: Path, where: _Where) -> tuple:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise where.error("tools", f"{path} must hold a JSON list of tool schema objects")
     return tuple(tools)
+
+
+_KINDS = (  # TOML's names for what a value is (bool before int: True is an int in Python)
+    (bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+    (list, "an array"), (tuple, "an array"), (dict, "a table"),
+    (datetime.datetime, "a date-time"), (datetime.date, "a date"), (datetime.time, "a time"),
+)  # fmt: skip
+
+
+def got(value: Any) -> str:
+    """A wrong value as an error shows it: its text, cut short, and its type in TOML's words."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    kind = next((k for t, k in _KINDS if isinstance(value, t)), type(value).__name__)
+    return f"{text} ({kind})"
 
 
 def _is_int(value: Any) -> bool:

@@ -3,7 +3,7 @@
 `kvstore warm --manifest X` through a daemon registers X here; a daemon reconciles and watches
 every registered manifest at boot, beside its `--manifest` (or the home's default manifest).
 `kvstore manifests` lists them and `kvstore manifests remove X` forgets one. One small JSON file,
-rewritten whole (temp file, fsync, rename) under a lock, so a crash leaves the old list or the new.
+rewritten whole (settings.write_atomically) under a lock, so a crash leaves the old list or the new.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
+from kvstore.settings import write_atomically
 
 REGISTRY_NAME = "manifests.json"
 _LOCK_NAME = ".manifests.lock"
@@ -105,13 +106,7 @@ def _write(home: Path, entries: list[Registered]) -> None:
         "version": FORMAT_VERSION,
         "manifests": [{"path": str(r.path), "added": r.added} for r in entries],
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(data, indent=1).encode())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise KVStoreError(f"{path}: cannot write the manifest registry: {e}") from None

@@ -19,7 +19,7 @@ import xxhash
 
 from kvstore import codec
 from kvstore.entry import EntryMeta
-from kvstore.errors import CodecError, CorruptEntryError, RemoteError
+from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
 from kvstore.keys import FINGERPRINT_BYTES, KEY_BYTES
 from kvstore.remote_settings import RemoteSettings
 
@@ -327,7 +327,7 @@ class Remote:
                     raise RemoteError(
                         "credentials" if first.get("Code") == "AccessDenied" else "error",
                         f"{self.where()}: deleting {first.get('Key')}: {first.get('Code')} "
-                        f"({len(errors)} object(s) not deleted)",
+                        f"({counted(len(errors), 'object')} not deleted)",
                     )
         except Exception as e:
             raise self._error(e, "deleting objects") from None

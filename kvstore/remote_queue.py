@@ -19,7 +19,7 @@ from pathlib import Path
 import lmdb
 import msgpack
 
-from kvstore.errors import KVStoreError, RemoteError, StoreError
+from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
 from kvstore.lmdbenv import ENVS, close_env, open_env
 from kvstore.remote import Remote
 from kvstore.store import Store
@@ -198,9 +198,7 @@ class Uploader(threading.Thread):
     def run(self) -> None:
         try:
             if n := self.queue.sweep(self.store):
-                log.info(
-                    "remote: queued %d stored entr%s not yet uploaded", n, "y" if n == 1 else "ies"
-                )
+                log.info("remote: queued %s not yet uploaded", counted(n, "stored entry"))
         except KVStoreError as e:
             log.error("remote: sweep failed: %s", e)
         while not self._stop_event.is_set():

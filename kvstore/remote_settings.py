@@ -40,6 +40,15 @@ REMOTE_DEFAULTS: dict[str, Any] = {
 }
 
 
+# The least a [remote] table holds: `kvstore remote --help` shows it, a missing table points to it
+REMOTE_SAMPLE = """\
+[remote]                                   # in HOME/settings.toml
+endpoint = "http://kv.lan:8333"            # the S3 API: SeaweedFS, AWS S3, Ceph RGW, R2
+bucket = "kvstore"
+# credentials = "~/.config/kvstore/s3.toml"  # access_key_id, secret_access_key; chmod 600
+"""
+
+
 class RemoteSettingsError(KVStoreError):
     """The [remote] table or its credentials file is wrong."""
 

@@ -5,6 +5,7 @@ Precedence: DEFAULTS < `settings.toml` in the home < command line / environment.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -58,6 +59,30 @@ def ensure_home(home: Path) -> Path:
     if home.stat().st_mode & 0o077:
         os.chmod(home, 0o700)
     return home
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` so that a crash or power cut leaves the old file or the new,
+    and a return means the new one is on disk: temp file fsynced, renamed over, and the
+    directory fsynced (the rename is an entry in it, lost with it otherwise). Raises OSError."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # EINVAL: a file system that cannot sync a directory
+            raise
+    finally:
+        os.close(fd)
 
 
 def load_settings(home: Path, **overrides: object) -> dict[str, object]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvstore import codec
 from kvstore.clock import local_now
 from kvstore.codehash import runtime_versions
-from kvstore.errors import CorruptEntryError, KVStoreError, ModelError
+from kvstore.errors import CorruptEntryError, KVStoreError, ModelError, counted
 from kvstore.identity import (
     FileHashCache,
     Fingerprint,
@@ -281,7 +281,7 @@ def _warm_model(
     if may_load is not None and (why := may_load(plan)):
         report.pins.extend(_result(pp, "deferred", error=why) for pp in missing)
         return
-    say(f"loading {spec.path} to warm {len(missing)} pin(s)")
+    say(f"loading {spec.path} to warm {counted(len(missing), 'pin')}")
     try:
         model = load_model(plan)
     except KVStoreError as e:

@@ -73,7 +73,7 @@ def test_verify_deep_finds_and_repairs_kv_the_code_no_longer_computes(
     assert cli("verify", ok=False).exit_code == 0  # every entry is intact: only --deep sees it
     result = cli("verify", "--deep", "--manifest", manifest, ok=False)
     assert result.exit_code == 1 and "DIFFERS from its stored KV" in result.output
-    assert "1 model(s) computed other KV than stored" in result.output
+    assert "1 model computed other KV than stored" in result.output
 
     result = cli("verify", "--deep", "--repair", "--manifest", manifest, ok=False)
     assert result.exit_code == 1 and "re-warmed" in result.output

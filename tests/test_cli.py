@@ -243,3 +243,11 @@ def test_every_command_lists_home_in_its_help():
         assert expected in commands
     missing = [" ".join(c) for c in commands if "--home" not in run(*c, "--help").output]
     assert not missing, f"commands without --home: {missing}"
+
+
+def test_counts_of_one_are_in_the_singular(warmed):
+    assert "evicted 1 entry," in run("evict", "--label", "classify").output
+    assert "\n1 entry, " in "\n" + run("ls").output
+    assert "1 entry ok" in run("verify").output
+    assert "evicted 1 entry," in run("evict", "--all").output
+    assert "0 entries, " in run("ls").output

@@ -170,3 +170,33 @@ def test_entries_of_another_model_version_are_named_in_one_warning(llama_path, k
     report = hydrate(LRUPromptCache(), "m", model, home=kv_home)
     assert report.entries == 0
     assert "2 stored entries" in report.warning and "another version" in report.warning
+
+
+def test_kv_bits_of_the_wrong_type_is_named_not_taken_for_another_version(
+    llama_path, kv_home, tmp_path
+):
+    _warm(tmp_path, kv_home, llama_path, extra="kv_bits = 8")
+    report = hydrate(LRUPromptCache(), "m", llama_path, home=kv_home, kv_bits="8")
+    assert report.entries == 0 and "another version" not in report.warning
+    assert "kv_bits: must be an integer, one of 2, 3, 4, 5, 6, 8; got '8' (a string)" in (
+        report.warning
+    )
+    assert hydrate(LRUPromptCache(), "m", llama_path, home=kv_home, kv_bits=8).entries == 2
+
+
+def test_one_entry_of_another_model_version_is_worded_in_the_singular(
+    llama_path, kv_home, tmp_path
+):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    one_pin = '[[model.prefix]]\nname = "c"\nmessages = [{ role = "system", content = "Hi" }]'
+    manifest = manifest_for(tmp_path, model, one_pin)
+    with Store(kv_home) as store:
+        assert warm(load_manifest(manifest), store, home=kv_home).warmed == 1
+    config = model / "config.json"
+    config.write_text(config.read_text().replace("1e-05", "2e-05"))
+    report = hydrate(LRUPromptCache(), "m", model, home=kv_home)
+    assert report.entries == 0 and f"1 stored entry for {model}," in report.warning
+    assert "were" not in report.warning and "entries" not in report.warning

@@ -201,3 +201,108 @@ def test_errors_name_file_and_field(tmp_path: Path, case: str) -> None:
 def test_missing_manifest_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="absent.toml"):
         load_manifest(tmp_path / "absent.toml")
+
+
+# A wrong type for each key: (manifest body, the key, TOML's word for what was given)
+WRONG_TYPES = {
+    "model_not_tables": ('model = "m"\n', "model", "a string"),
+    "path_int": ("[[model]]\npath = 5\n", "path", "an integer"),
+    "path_array": ('[[model]]\npath = ["/m"]\n', "path", "an array"),
+    "adapter_int": ('[[model]]\npath = "/m"\nadapter = 3\n', "adapter", "an integer"),
+    "adapter_bool": ('[[model]]\npath = "/m"\nadapter = true\n', "adapter", "a boolean"),
+    "kv_bits_string": ('[[model]]\npath = "/m"\nkv_bits = "8"\n', "kv_bits", "a string"),
+    "kv_bits_float": ('[[model]]\npath = "/m"\nkv_bits = 8.0\n', "kv_bits", "a float"),
+    "kv_group_size_string": (
+        '[[model]]\npath = "/m"\nkv_group_size = "64"\n',
+        "kv_group_size",
+        "a string",
+    ),
+    "quantized_kv_start_float": (
+        '[[model]]\npath = "/m"\nquantized_kv_start = 1.5\n',
+        "quantized_kv_start",
+        "a float",
+    ),
+    "quantized_kv_start_string": (
+        '[[model]]\npath = "/m"\nquantized_kv_start = "0"\n',
+        "quantized_kv_start",
+        "a string",
+    ),
+    "model_config_string": (
+        '[[model]]\npath = "/m"\nmodel_config = "rope_theta=1e6"\n',
+        "model_config",
+        "a string",
+    ),
+    "model_config_array": (
+        '[[model]]\npath = "/m"\nmodel_config = [1]\n',
+        "model_config",
+        "an array",
+    ),
+    "model_template_kwargs_string": (
+        model_with(f'name = "p"\n{SYS}', 'chat_template_kwargs = "thinking"'),
+        "chat_template_kwargs",
+        "a string",
+    ),
+    "prefix_template_kwargs_bool": (
+        model_with(f'name = "p"\n{SYS}\nchat_template_kwargs = true'),
+        "chat_template_kwargs",
+        "a boolean",
+    ),
+    "prefix_not_tables": ('[[model]]\npath = "/m"\nprefix = "p"\n', "prefix", "a string"),
+    "name_int": (model_with(f"name = 1\n{SYS}"), "name", "an integer"),
+    "text_int": (model_with('name = "p"\ntext = 1'), "text", "an integer"),
+    "tools_int": (model_with(f'name = "p"\n{SYS}\ntools = 5'), "tools", "an integer"),
+    "tools_array": (model_with(f'name = "p"\n{SYS}\ntools = ["t.json"]'), "tools", "an array"),
+    "file_int": (model_with('name = "p"\nfile = 7'), "file", "an integer"),
+    "messages_string": (model_with('name = "p"\nmessages = "hi"'), "messages", "a string"),
+    "messages_table": (
+        model_with('name = "p"\nmessages = { role = "system", content = "s" }'),
+        "messages",
+        "a table",
+    ),
+    "message_int": (model_with('name = "p"\nmessages = [1]'), "messages", "an integer"),
+    "role_int": (
+        model_with('name = "p"\nmessages = [{ role = 1, content = "s" }]'),
+        "messages",
+        "an integer",
+    ),
+    "content_date": (
+        model_with('name = "p"\nmessages = [{ role = "system", content = 1979-05-27 }]'),
+        "messages",
+        "a date",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPES))
+def test_a_wrong_type_is_one_line_naming_the_file_key_and_type(tmp_path: Path, case: str) -> None:
+    body, key, kind = WRONG_TYPES[case]
+    path = write(tmp_path, body, name=f"{case}.toml")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(path)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message
+    assert f"field '{key}'" in message and f"({kind})" in message, message
+
+
+def test_kv_bits_as_a_string_names_the_type_and_the_allowed_values(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvstore.cli import main
+
+    path = write(tmp_path, '[[model]]\npath = "/m"\nkv_bits = "8"\n')
+    result = CliRunner().invoke(main, ["warm", "--manifest", str(path)])
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert str(path) in line and "kv_bits" in line
+    assert "must be an integer, one of 2, 3, 4, 5, 6, 8; got '8' (a string)" in line
+
+
+@pytest.mark.parametrize("key", ["file", "tools"])
+def test_a_directory_where_a_file_belongs_is_named_a_directory(tmp_path: Path, key: str) -> None:
+    (tmp_path / "prompts").mkdir()
+    body = model_with(f'name = "p"\n{SYS}\n{key} = "prompts"')
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write(tmp_path, body))
+    message = str(info.value)
+    assert f"field '{key}'" in message and f"{tmp_path / 'prompts'} is a directory" in message
+    assert "not found" not in message

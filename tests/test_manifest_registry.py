@@ -84,3 +84,37 @@ def test_a_registered_manifest_that_is_gone_is_reported_not_fatal(tmp_path, llam
     r = _cli(kv_home, "manifests", "remove", str(manifest))
     assert "forgot" in r.output and "no longer watches" not in r.output
     assert _listed(kv_home) == []
+
+
+def test_a_registration_is_on_disk_when_it_returns_file_then_rename_then_directory(tmp_path):
+    import os
+    import stat
+    from unittest import mock
+
+    from kvstore.registry import REGISTRY_NAME, register, registered
+
+    home = tmp_path / "home"
+    home.mkdir()
+    manifest = manifest_for(tmp_path, tmp_path / "model", TWO_PINS)
+    events: list[tuple] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else "file", st.st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.fspath(dst)))
+        return real_replace(src, dst)
+
+    with mock.patch("os.fsync", fsync), mock.patch("os.replace", replace):
+        assert register(home, manifest)
+    path = home / REGISTRY_NAME
+    assert events == [
+        ("fsync", "file", path.stat().st_ino),  # the new list's bytes, before it takes the name
+        ("replace", os.fspath(path)),
+        ("fsync", "dir", home.stat().st_ino),  # the rename itself, before register returns
+    ]
+    assert [r.path for r in registered(home)] == [manifest.resolve()]
+    assert [p.name for p in home.iterdir() if p.name.startswith(f".{REGISTRY_NAME}")] == []

@@ -59,11 +59,14 @@ def import_file(
     model_config: dict | None = None,
     label: str = "imported",
     pin: bool = False,
+    trust: bool = False,
     home: Path,
 ) -> EntryMeta:
     """Validate a prompt-cache file against the model (layers, heads, head dims, dtype, KV
-    quantization, its own `model` metadata) and the tokens, then store it; nothing is stored
-    for a file that does not fit."""
+    quantization, its own `model` metadata) and the tokens, then check that its KV is what this
+    model computes for these tokens (re-prefilled, kvstore.importfit.kv_check) and store it;
+    nothing is stored for a file that does not fit or differs. `trust` skips the re-prefill: the
+    entry is stored marked `trusted` (unchecked), as `ls` and `verify` show."""
     blob = Path(file).read_bytes()
     try:
         cache, metadata = codec.decode(blob, name=str(file))
@@ -117,6 +120,9 @@ def import_file(
             f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
             "pass the exact prompt (or --tokens) it was made from"
         )
+    checked = None
+    if not trust:
+        checked = _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp)
     metadata = {
         "model": metadata.get("model", model),
         "tokenizer_config": metadata.get("tokenizer_config", "{}"),
@@ -137,5 +143,51 @@ def import_file(
             "kv_group_size": group,
             "model_config": model_config,
             "source": "import",
+            **(
+                {"trusted": True, "checked": False}
+                if trust
+                else {"checked": True, "check": checked}
+            ),
         },
     )
+
+
+def _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp) -> str:
+    """Re-prefill with the model as given and compare (kvstore.importfit.kv_check); what was
+    compared, in words. Raises ImportMismatch (nothing stored) when the KV differs."""
+    from mlx_lm import load
+
+    from kvstore.importfit import kv_check
+    from kvstore.warm import release_model
+
+    check_vocabulary(tokens, model_dir, what=f"{file}")
+    try:
+        loaded, _ = load(
+            str(model_dir), adapter_path=adapter, model_config=dict(model_config or {})
+        )
+    except Exception as e:
+        raise KVStoreError(f"model {model!r}: cannot load it to check {file}: {e}") from None
+    try:
+        fp.check_unchanged(f"checking {file} against model {model!r}")
+        return kv_check(loaded, cache, tokens, what=str(file))
+    finally:
+        del loaded
+        release_model()
+
+
+def check_vocabulary(tokens, model_dir: Path, *, what: str) -> None:
+    """Token ids the model's embedding has no row for are a one-line error, not a crash."""
+    from mlx_lm.utils import load_config
+
+    try:
+        config = load_config(Path(model_dir))
+    except Exception:
+        return
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if (
+        isinstance(size, int)
+        and (bad := next((t for t in tokens if not 0 <= t < size), None)) is not None
+    ):
+        raise KVStoreError(
+            f"{what}: token id {bad} is outside the model's vocabulary (size {size})"
+        )

@@ -39,6 +39,7 @@ class CanaryResult:
     difference: float  # largest per-layer relative RMS difference, stored vs fresh
     tolerance: float
     error: str | None = None  # the check itself failed (load, decode): not a verdict on the KV
+    detail: str | None = None  # what was compared (ok) or what differs (first layer, position)
 
     @property
     def ok(self) -> bool:
@@ -212,6 +213,61 @@ def check_manifest(manifest: Any, store: Any, *, home: Path) -> list[CanaryResul
         release_model()
         if result is not None:
             out.append(result)
+    return out
+
+
+def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
+    """Re-prefill each entry with its model as it was stored (adapter, KV quantization,
+    overrides) and compare it as an import is compared (kvstore.importfit.kv_check): for
+    entries no manifest owns (imports, app pins, write-behind), which the per-model canary does
+    not reach. One model loaded at a time; an entry whose model changed since is not judged."""
+    from kvstore.identity import FileHashCache, model_fingerprint, resolve_model_path
+    from kvstore.importfit import ImportMismatch, kv_check, loaded_for_check
+    from kvstore.settings import FILEHASH_NAME
+
+    groups: dict[tuple, list] = {}
+    for m in metas:
+        groups.setdefault((*m.ident(), json.dumps(m.extra.get("model_config"), sort_keys=True)),
+                          []).append(m)  # fmt: skip
+    out = []
+    for (path, adapter, kv_bits, group, qstart, _), entries in groups.items():
+        results = [
+            CanaryResult(m.model, m.label, m.key.hex(), m.ntokens, 0.0, 0.0) for m in entries
+        ]
+        overrides = entries[0].extra.get("model_config")
+        try:
+            model_dir = resolve_model_path(path)
+            fp = model_fingerprint(
+                model_dir,
+                adapter_path=adapter,
+                kv_bits=kv_bits,
+                kv_group_size=group or 64,
+                quantized_kv_start=qstart or 5000,
+                model_config=overrides,
+                hash_cache=FileHashCache(home / FILEHASH_NAME),
+            )
+            todo = []
+            for m, r in zip(entries, results):
+                if m.fingerprint != fp.digest:
+                    r.error = (
+                        "its model changed since it was stored (kvstore evict --stale drops it)"
+                    )
+                else:
+                    todo.append((m, r))
+            if todo:
+                with loaded_for_check(path, model_dir, adapter, overrides, fp) as model:
+                    for m, r in todo:
+                        try:
+                            _, cache = store.load(m.key, m.tokens)
+                            r.detail = kv_check(model, cache, m.token_ids(), what="")
+                        except ImportMismatch as e:
+                            r.difference, r.detail = float("inf"), str(e)
+                        except (KVStoreError, ValueError, RuntimeError) as e:
+                            r.error = str(e)
+        except KVStoreError as e:
+            for r in results:
+                r.error = r.error or str(e)
+        out.extend(results)
     return out
 
 

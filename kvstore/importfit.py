@@ -9,6 +9,8 @@ quantization bits and group size must be what mlx-lm's QuantizedKVCache produces
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +149,28 @@ SAMPLE_WINDOWS = 8  # beyond it (plain KV caches): windows of positions spread t
 SAMPLE_WINDOW = 32  # each computed on the cache's own earlier KV and compared
 
 
+@contextmanager
+def loaded_for_check(model: str, model_dir: Path, adapter, model_config, fp) -> Iterator[Any]:
+    """The model loaded as given (adapter, overrides) for a check, its files unchanged since
+    `fp` was computed; released afterwards."""
+    from mlx_lm import load
+
+    from kvstore.warm import release_model
+
+    try:
+        loaded, _ = load(
+            str(model_dir), adapter_path=adapter, model_config=dict(model_config or {})
+        )
+    except Exception as e:
+        raise KVStoreError(f"model {model!r}: cannot load it to check KV: {e}") from None
+    try:
+        fp.check_unchanged(f"checking KV against model {model!r}")
+        yield loaded
+    finally:
+        del loaded
+        release_model()
+
+
 def _trimmed(cache: list, n: int) -> list:
     """Plain KV layers holding the first `n` positions of `cache` (a copy: arrays are sliced)."""
     from mlx_lm.models.cache import KVCache
@@ -186,7 +210,8 @@ def kv_check(model, cache: list, tokens: list[int], *, what: str) -> str:
         if bad:
             worst = min(bad, key=lambda d: (d.position is None, d.position or 0, d.layer))
             raise ImportMismatch(
-                f"{what}: not the KV this model computes for these tokens: {worst.describe()}"
+                f"{what + ': ' if what else ''}not the KV this model computes for these "
+                f"tokens: {worst.describe()}"
                 f"{f' ({len(bad)} layers differ)' if len(bad) > 1 else ''}; was it made with "
                 "another model or another prompt?"
             )

@@ -155,24 +155,11 @@ def import_file(
 def _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp) -> str:
     """Re-prefill with the model as given and compare (kvstore.importfit.kv_check); what was
     compared, in words. Raises ImportMismatch (nothing stored) when the KV differs."""
-    from mlx_lm import load
-
-    from kvstore.importfit import kv_check
-    from kvstore.warm import release_model
+    from kvstore.importfit import kv_check, loaded_for_check
 
     check_vocabulary(tokens, model_dir, what=f"{file}")
-    try:
-        loaded, _ = load(
-            str(model_dir), adapter_path=adapter, model_config=dict(model_config or {})
-        )
-    except Exception as e:
-        raise KVStoreError(f"model {model!r}: cannot load it to check {file}: {e}") from None
-    try:
-        fp.check_unchanged(f"checking {file} against model {model!r}")
+    with loaded_for_check(model, model_dir, adapter, model_config, fp) as loaded:
         return kv_check(loaded, cache, tokens, what=str(file))
-    finally:
-        del loaded
-        release_model()
 
 
 def check_vocabulary(tokens, model_dir: Path, *, what: str) -> None:

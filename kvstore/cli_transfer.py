@@ -128,7 +128,12 @@ def fingerprint(
     kvstore fingerprint ./Qwen3-0.6B --model-config '{"rope_theta": 1000000}'
     """
     from kvstore.identity import FileHashCache, model_fingerprint, template_hash
+    from kvstore.manifest import kv_quantization_problem
     from kvstore.settings import FILEHASH_NAME
+
+    if problem := kv_quantization_problem(kv_bits, kv_group_size):  # as a manifest refuses it
+        field, what = problem
+        raise click.BadParameter(what, param_hint=f"--{field.replace('_', '-')}")
 
     t = time.perf_counter()
     cache = FileHashCache(home / FILEHASH_NAME if home.is_dir() else None)

@@ -208,11 +208,9 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
     if adapter is not None and (not isinstance(adapter, str) or not adapter.strip()):
         raise where.error("adapter", "must be a non-empty string (an adapter directory)")
     kv_bits = table.get("kv_bits")
-    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
-        raise where.error("kv_bits", f"must be one of {_list(KV_BITS)}, got {kv_bits!r}")
     group = table.get("kv_group_size", DEFAULT_KV_GROUP_SIZE)
-    if not _is_int(group) or group not in KV_GROUP_SIZES:
-        raise where.error("kv_group_size", f"must be one of {_list(KV_GROUP_SIZES)}, got {group!r}")
+    if problem := kv_quantization_problem(kv_bits, group):
+        raise where.error(*problem)
     qstart = table.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START)
     if not _is_int(qstart) or qstart < 0:
         raise where.error("quantized_kv_start", f"must be an integer >= 0, got {qstart!r}")
@@ -366,6 +364,16 @@ def _read_tools(path: Path, where: _Where) -> tuple:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise where.error("tools", f"{path} must hold a JSON list of tool schema objects")
     return tuple(tools)
+
+
+def kv_quantization_problem(kv_bits: Any, group: Any) -> tuple[str, str] | None:
+    """(field, what is wrong) when KV quantization is not what mlx-lm's generate(kv_bits=,
+    kv_group_size=) makes; the one rule for manifests and the CLI."""
+    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
+        return "kv_bits", f"must be one of {_list(KV_BITS)}, got {kv_bits!r}"
+    if not _is_int(group) or group not in KV_GROUP_SIZES:
+        return "kv_group_size", f"must be one of {_list(KV_GROUP_SIZES)}, got {group!r}"
+    return None
 
 
 def _is_int(value: Any) -> bool:

@@ -25,9 +25,18 @@ def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
     """The stored blob already is the mlx-lm layout with `model` and `tokenizer_config` metadata."""
     meta, _ = store.load(key)  # verifies checksum and decodes before anything is written
     blob = store.read_blob(key)
+    folder = file.parent
+    if not folder.is_dir():
+        raise KVStoreError(
+            f"{folder}: no such folder to write {file.name} in; create it or choose another path"
+        )
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, file)
+    try:
+        tmp.write_bytes(blob)
+        os.replace(tmp, file)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return meta
 
 

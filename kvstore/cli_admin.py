@@ -92,6 +92,8 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
                 f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
                 # a clock-bound pin (its template prints the date) holds for one local day
                 + (f"  valid {m.extra['valid_date']}" if m.extra.get("valid_date") else "")
+                # imported with --trust: never compared with a re-prefill
+                + ("  trusted, unchecked" if m.extra.get("trusted") is True else "")
             )
         click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
@@ -244,14 +246,16 @@ def stats(as_json: bool, home: Path) -> None:
     "--deep",
     is_flag=True,
     help="Also re-prefill one short pin per manifest model and compare it with the stored KV "
-    "(the upgrade canary); with --repair, a model that differs is dropped and re-warmed.",
+    "(the upgrade canary), and every entry that is no manifest's pin (imports, app pins); with "
+    "--repair, a model that differs is dropped and re-warmed, an entry that differs deleted.",
 )
 @click.option(
     "--manifest",
     "manifests",
     multiple=True,
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Manifest whose models --deep checks (default: the home's manifest.toml). Repeatable.",
+    help="Manifest whose models --deep checks (default: the registered manifests and the "
+    "home's manifest.toml). Repeatable.",
 )
 @home_option
 @user_errors
@@ -285,8 +289,10 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
             problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
     for key, reason in problems:
         click.echo(f"bad entry {key}: {reason}")
+    _report_trusted(home, deep)
     differs = _deep(home, manifests, repair=repair) if deep else 0
-    if problems or differs:
+    entries_differ = _deep_entries(home, repair=repair) if deep else 0
+    if problems or differs or entries_differ:
         what = []
         if problems:
             failed = f"{counted(len(problems), 'entry')} of {n} failed"
@@ -295,6 +301,11 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
             what.append(
                 f"{counted(differs, 'model')} computed other KV than stored"
                 + (" (re-warmed)" * repair)
+            )
+        if entries_differ:
+            what.append(
+                f"{counted(entries_differ, 'entry')} computed other KV than stored"
+                + (" (deleted)" * repair)
             )
         raise click.ClickException("; ".join(what))
     click.echo(f"{counted(n, 'entry')} ok")
@@ -306,11 +317,15 @@ def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
     from kvstore.manifest import load_manifest
     from kvstore.settings import MANIFEST_NAME
 
-    paths = list(manifests) or [p for p in (home / MANIFEST_NAME,) if p.is_file()]
-    if not paths:
-        raise click.UsageError(
-            "--deep needs a manifest: pass --manifest M (its models are checked)"
-        )
+    if manifests:
+        paths = list(manifests)
+    else:  # the manifests a daemon keeps true: the registered ones and the home's own
+        from kvstore.registry import canonical, registered
+
+        known = [r.path for r in registered(home)] + [home / MANIFEST_NAME]
+        paths = [p for p in dict.fromkeys(canonical(p) for p in known) if p.is_file()]
+        if not paths:
+            _progress("no manifest registered or in the home: no manifest model to check")
     differs = []
     for path in paths:
         manifest = load_manifest(path)
@@ -345,3 +360,51 @@ def _rewarm(home: Path, differs: list) -> None:
             for manifest in {m.path: m for m, _ in differs}.values():
                 warm(manifest, store, home=home, progress=_progress)
     click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")
+
+
+def _report_trusted(home: Path, deep: bool) -> None:
+    """Entries imported with --trust: stored without a re-prefill to check them."""
+    with open_store(home) as store:
+        trusted = [m for m in store.metas(errors=[]) if m.extra.get("trusted") is True]
+    for m in trusted:
+        click.echo(
+            f"unchecked {m.key.hex()} {m.label!r} of {m.model}: imported with --trust, its KV "
+            "was never compared with the model" + ("" if deep else " (verify --deep compares it)")
+        )
+
+
+def _deep_entries(home: Path, *, repair: bool) -> int:
+    """Re-prefill every entry that is no manifest's pin (imports, app pins, write-behind) and
+    compare it; returns how many differ (deleted with --repair)."""
+    from kvstore.canary import check_entries
+    from kvstore.ownership import owners
+
+    with open_store(home) as store:
+        metas = [
+            m
+            for m in store.metas(errors=[])
+            if not any(o.startswith("manifest:") for o in owners(m))
+        ]
+        if not metas:
+            return 0
+        _progress(f"re-prefilling {counted(len(metas), 'entry')} that are no manifest's pins")
+        results = check_entries(store, metas, home=home)
+    differs = []
+    for r in results:
+        what = f"entry {r.label!r} ({r.key[32:44]}, {r.tokens} tokens) of {r.model}"
+        if r.error:
+            click.echo(f"error   {what}: could not be checked: {r.error}")
+        elif r.ok:
+            click.echo(f"ok      {what}: re-prefilled, {r.detail} match")
+        else:
+            click.echo(f"DIFFERS {what}: {r.detail}")
+            differs.append(bytes.fromhex(r.key))
+    if repair and differs:
+        client = connect(home)
+        if client is not None:
+            with client:
+                client.request("evict", keys=differs)
+        else:
+            with open_store(home, write=True) as store:
+                store.delete(differs)
+    return len(differs)

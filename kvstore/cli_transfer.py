@@ -55,12 +55,20 @@ def export_cmd(key: str, file: Path, home: Path) -> None:
 )
 @click.option("--label", default="imported")
 @click.option("--pin", is_flag=True, help="Store it pinned (never evicted automatically).")
+@click.option(
+    "--trust",
+    is_flag=True,
+    help="Store it without re-prefilling to check it (marked trusted/unchecked in ls and verify).",
+)
 @home_option
 @user_errors
 def import_cmd(
-    file, model, tokens_file, prompt, adapter, model_config, label, pin, home: Path
+    file, model, tokens_file, prompt, adapter, model_config, label, pin, trust, home: Path
 ) -> None:
     """Store a prompt-cache file written by `mlx_lm.cache_prompt` or `kvstore export`.
+
+    Before storing, the model is loaded and re-prefills the tokens: the file's KV must be what
+    this model computes for them (within the upgrade canary's tolerance), else nothing is stored.
 
     \b
     kvstore import cache.safetensors --model ./Qwen3-0.6B --prompt "You are..." --pin
@@ -83,9 +91,17 @@ def import_cmd(
             model_config=overrides,
             label=label,
             pin=pin,
+            trust=trust,
             home=home,
         )
-    click.echo(f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)})")
+    how = (
+        "trusted: not checked"
+        if meta.extra.get("trusted")
+        else f"checked: {meta.extra.get('check')} match"
+    )
+    click.echo(
+        f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)}; {how})"
+    )
 
 
 @main.command()
@@ -111,8 +127,16 @@ def fingerprint(
     \b
     kvstore fingerprint ./Qwen3-0.6B --model-config '{"rope_theta": 1000000}'
     """
+    from kvstore.errors import ManifestError
     from kvstore.identity import FileHashCache, model_fingerprint, template_hash
+    from kvstore.manifest import check_kv_quantization
     from kvstore.settings import FILEHASH_NAME
+
+    try:  # refused as a manifest refuses it
+        check_kv_quantization(kv_bits, kv_group_size, 0)
+    except ManifestError as e:
+        field, _, what = str(e).partition(": ")
+        raise click.BadParameter(what, param_hint=f"--{field.replace('_', '-')}") from None
 
     t = time.perf_counter()
     cache = FileHashCache(home / FILEHASH_NAME if home.is_dir() else None)

@@ -9,6 +9,8 @@ quantization bits and group size must be what mlx-lm's QuantizedKVCache produces
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,107 @@ def _say(part: Any) -> str:
             return f"{name} with {shape[1]} heads of dim {shape[3]}, {dtype}"
         return f"{name} {shape} {dtype}"
     return str(part)
+
+
+# -- is it this model's KV of these tokens? ------------------------------------------------------
+
+FULL_CHECK_TOKENS = 1024  # up to this many tokens every position is re-prefilled and compared
+SAMPLE_WINDOWS = 8  # beyond it (plain KV caches): windows of positions spread to the very end,
+SAMPLE_WINDOW = 32  # each computed on the cache's own earlier KV and compared
+
+
+@contextmanager
+def loaded_for_check(model: str, model_dir: Path, adapter, model_config, fp) -> Iterator[Any]:
+    """The model loaded as given (adapter, overrides) for a check, its files unchanged since
+    `fp` was computed; released afterwards."""
+    from mlx_lm import load
+
+    from kvstore.warm import release_model
+
+    try:
+        loaded, _ = load(
+            str(model_dir), adapter_path=adapter, model_config=dict(model_config or {})
+        )
+    except Exception as e:
+        raise KVStoreError(f"model {model!r}: cannot load it to check KV: {e}") from None
+    try:
+        fp.check_unchanged(f"checking KV against model {model!r}")
+        yield loaded
+    finally:
+        del loaded
+        release_model()
+
+
+def _trimmed(cache: list, n: int) -> list:
+    """Plain KV layers holding the first `n` positions of `cache` (a copy: arrays are sliced)."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for c in cache:
+        k = KVCache()
+        k.state = (c.keys[..., :n, :], c.values[..., :n, :], n)
+        out.append(k)
+    return out
+
+
+def _as_stored(stored: list, fresh: list) -> list:
+    """The fresh layers quantized as the stored ones are (same bits and group size)."""
+    return [
+        f.to_quantized(group_size=s.group_size, bits=s.bits)
+        if type(s).__name__ == "QuantizedKVCache" and type(f).__name__ == "KVCache"
+        else f
+        for s, f in zip(stored, fresh)
+    ]
+
+
+def kv_check(model, cache: list, tokens: list[int], *, what: str) -> str:
+    """Compare `cache` with what `model` computes for `tokens`, within the upgrade canary's
+    tolerance (kvstore.canary); raise ImportMismatch naming the first layer and position that
+    differ. Caches of up to FULL_CHECK_TOKENS tokens, and those that keep a window or a final
+    state only, are re-prefilled whole; longer plain KV caches are compared on their first
+    FULL_CHECK_TOKENS positions (a prefix re-prefilled) and on SAMPLE_WINDOWS windows spread to
+    their end. Returns what was compared, in words."""
+    import mlx.core as mx
+
+    from kvstore.canary import layer_differences
+    from kvstore.prefill import prefill
+
+    def judge(stored: list, fresh: list, first: int = 0) -> None:
+        bad = [d for d in layer_differences(stored, fresh, first=first) if not d.ok]
+        if bad:
+            worst = min(bad, key=lambda d: (d.position is None, d.position or 0, d.layer))
+            raise ImportMismatch(
+                f"{what + ': ' if what else ''}not the KV this model computes for these "
+                f"tokens: {worst.describe()}"
+                f"{f' ({len(bad)} layers differ)' if len(bad) > 1 else ''}; was it made with "
+                "another model or another prompt?"
+            )
+
+    n = len(tokens)
+    plain = all(type(c).__name__ == "KVCache" for c in cache)
+    if n <= FULL_CHECK_TOKENS or not plain:
+        judge(cache, _as_stored(cache, prefill(model, tokens)))
+        return f"all {n} positions" if plain else f"the whole prompt ({n} tokens)"
+    judge(_trimmed(cache, FULL_CHECK_TOKENS), prefill(model, tokens[:FULL_CHECK_TOKENS]))
+    span = max(0, n - FULL_CHECK_TOKENS - SAMPLE_WINDOW)
+    starts = sorted(
+        {FULL_CHECK_TOKENS + span * i // max(1, SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)}
+    )
+    checked = FULL_CHECK_TOKENS
+    for p in starts:
+        end = min(n, p + SAMPLE_WINDOW)
+        ctx = _trimmed(cache, p)
+        model(mx.array(tokens[p:end], dtype=mx.uint32)[None], cache=ctx)
+        mx.eval([c.state for c in ctx])
+        window = [_slice(c, p, end) for c in ctx]
+        judge([_slice(c, p, end) for c in cache], window, first=p)
+        checked += end - p
+    return f"{checked} of {n} positions (the first {FULL_CHECK_TOKENS} and {len(starts)} windows)"
+
+
+def _slice(c, start: int, end: int):
+    from mlx_lm.models.cache import KVCache
+
+    k = KVCache()
+    k.state = (c.keys[..., start:end, :], c.values[..., start:end, :], end - start)
+    return k

@@ -25,9 +25,18 @@ def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
     """The stored blob already is the mlx-lm layout with `model` and `tokenizer_config` metadata."""
     meta, _ = store.load(key)  # verifies checksum and decodes before anything is written
     blob = store.read_blob(key)
+    folder = file.parent
+    if not folder.is_dir():
+        raise KVStoreError(
+            f"{folder}: no such folder to write {file.name} in; create it or choose another path"
+        )
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, file)
+    try:
+        tmp.write_bytes(blob)
+        os.replace(tmp, file)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return meta
 
 
@@ -59,11 +68,14 @@ def import_file(
     model_config: dict | None = None,
     label: str = "imported",
     pin: bool = False,
+    trust: bool = False,
     home: Path,
 ) -> EntryMeta:
     """Validate a prompt-cache file against the model (layers, heads, head dims, dtype, KV
-    quantization, its own `model` metadata) and the tokens, then store it; nothing is stored
-    for a file that does not fit."""
+    quantization, its own `model` metadata) and the tokens, then check that its KV is what this
+    model computes for these tokens (re-prefilled, kvstore.importfit.kv_check) and store it;
+    nothing is stored for a file that does not fit or differs. `trust` skips the re-prefill: the
+    entry is stored marked `trusted` (unchecked), as `ls` and `verify` show."""
     blob = Path(file).read_bytes()
     try:
         cache, metadata = codec.decode(blob, name=str(file))
@@ -117,6 +129,9 @@ def import_file(
             f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
             "pass the exact prompt (or --tokens) it was made from"
         )
+    checked = None
+    if not trust:
+        checked = _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp)
     metadata = {
         "model": metadata.get("model", model),
         "tokenizer_config": metadata.get("tokenizer_config", "{}"),
@@ -137,5 +152,38 @@ def import_file(
             "kv_group_size": group,
             "model_config": model_config,
             "source": "import",
+            **(
+                {"trusted": True, "checked": False}
+                if trust
+                else {"checked": True, "check": checked}
+            ),
         },
     )
+
+
+def _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp) -> str:
+    """Re-prefill with the model as given and compare (kvstore.importfit.kv_check); what was
+    compared, in words. Raises ImportMismatch (nothing stored) when the KV differs."""
+    from kvstore.importfit import kv_check, loaded_for_check
+
+    check_vocabulary(tokens, model_dir, what=f"{file}")
+    with loaded_for_check(model, model_dir, adapter, model_config, fp) as loaded:
+        return kv_check(loaded, cache, tokens, what=str(file))
+
+
+def check_vocabulary(tokens, model_dir: Path, *, what: str) -> None:
+    """Token ids the model's embedding has no row for are a one-line error, not a crash."""
+    from mlx_lm.utils import load_config
+
+    try:
+        config = load_config(Path(model_dir))
+    except Exception:
+        return
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if (
+        isinstance(size, int)
+        and (bad := next((t for t in tokens if not 0 <= t < size), None)) is not None
+    ):
+        raise KVStoreError(
+            f"{what}: token id {bad} is outside the model's vocabulary (size {size})"
+        )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import textwrap
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
+from helpers import manifest_for
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, save_prompt_cache
 
@@ -22,9 +24,11 @@ from kvstore import codec
 from kvstore.cli import main
 from kvstore.identity import FileHashCache, model_fingerprint
 from kvstore.keys import entry_key, pack_tokens
+from kvstore.manifest import load_manifest
 from kvstore.prefill import check_token_ids
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store import Store
+from kvstore.warm import warm
 
 VOCAB = 512  # the tiny models' embedding rows
 
@@ -125,3 +129,22 @@ def test_hydrate_skips_stored_entries_keyed_by_ids_outside_the_vocabulary(llama_
     report = hydrate(lru, "m", llama_path, home=kv_home, model=model)
     assert report.entries == 0 and len(lru) == 0
     assert "token id 99999" in report.skipped[0] and "512 ids" in report.skipped[0]
+
+
+def test_warm_fails_a_pin_whose_text_tokenizes_past_the_vocabulary(llama_path, kv_home, tmp_path):
+    """A tokenizer that knows more ids than the model embeds (a mismatched download): the pin
+    fails with the id and the size named, the daemon's warm goes on, nothing is stored."""
+    small = tmp_path / "small-vocab"
+    shutil.copytree(llama_path, small)
+    weights = mx.load(str(small / "model.safetensors"))
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:8]
+    mx.save_safetensors(str(small / "model.safetensors"), weights, {"format": "mlx"})
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 8}))
+    prefix = '[[model.prefix]]\nname = "raw"\ntext = "You are a careful assistant."\n'
+    with Store(kv_home) as store:
+        report = warm(load_manifest(manifest_for(tmp_path, small, prefix)), store, home=kv_home)
+        assert store.metas() == []
+    (pin,) = report.pins
+    assert pin.status == "failed"
+    assert "token id" in pin.error and "the vocabulary has 8 ids" in pin.error

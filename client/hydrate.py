@@ -8,6 +8,7 @@ nobody stored gives one warning and a report of what did hydrate; no exception r
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from client.loader import check_loaded_from
 from kvstore.entry import EntryMeta
 from kvstore.errors import KVStoreError, counted
-from kvstore.identity import FileHashCache, model_fingerprint
+from kvstore.identity import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
 from kvstore.store import Store
 
@@ -57,6 +58,34 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
     )
 
 
+def check_arguments(
+    model_path: Any = "",
+    *,
+    home: Any = None,
+    adapter_path: Any = None,
+    kv_bits: Any = None,
+    kv_group_size: Any = 64,
+    quantized_kv_start: Any = 5000,
+    model_config: Any = None,
+) -> Path:
+    """The resolved home; KVStoreError naming the first argument of the wrong type (hydrate,
+    load and PersistentPromptCache turn it into their one warning, never an exception)."""
+    paths = dict(model_path=model_path, home=home, adapter_path=adapter_path)
+    for name, value in paths.items():
+        if not (value is None or isinstance(value, (str, os.PathLike))) or value == "":
+            raise KVStoreError(f"{name}={value!r} is not a path (a str or os.PathLike)")
+    ints = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+    for name, value in ints.items():
+        if not (
+            (value is None and name == "kv_bits")
+            or (isinstance(value, int) and not isinstance(value, bool))
+        ):
+            raise KVStoreError(f"{name}={value!r} is not an integer")
+    if model_config is not None and not isinstance(model_config, dict):
+        raise KVStoreError(f"model_config={model_config!r} is not a dict of config.json keys")
+    return resolve_home(home)
+
+
 @dataclass
 class Prefetched:
     """One model's entries, read, checked and decoded, not yet in any LRUPromptCache: what
@@ -65,6 +94,7 @@ class Prefetched:
     model_path: str
     entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
     report: HydrateReport = field(default_factory=HydrateReport)
+    fingerprint: Fingerprint | None = None  # with the files it hashed; None when refused
 
 
 def prefetch(
@@ -92,8 +122,16 @@ def prefetch(
     t0 = time.perf_counter()
     pre = Prefetched(str(model_path))
     report = pre.report
-    home = resolve_home(home)
     try:
+        home = check_arguments(
+            model_path,
+            home=home,
+            adapter_path=adapter_path,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            model_config=model_config,
+        )
         if adapter_path is None and _has_adapter(model):
             raise KVStoreError(
                 "the model has LoRA layers but no adapter_path was given; pass the adapter the "
@@ -111,6 +149,8 @@ def prefetch(
         )
         check_loaded_from(model, fp)
         report.fingerprint = fp.hex
+        pre.fingerprint = fp
+        vocab = _vocab_size(model, model_path, model_config)
         with Store(home, readonly=True) as store:
             errors: list = []
             metas = store.metas(fp.digest, errors=errors)
@@ -118,8 +158,9 @@ def prefetch(
             # oldest first, so the LRU keeps the most recently used when it overflows
             for meta in sorted(metas, key=lambda m: (m.pinned, m.last_used)):
                 try:
+                    _check_stored_ids(meta, vocab)
                     pre.entries.append(store.load(meta.key, meta.tokens))
-                except KVStoreError as e:
+                except (KVStoreError, ValueError) as e:
                     report.skipped.append(f"{meta.key.hex()}: {e}")
                 except KeyError:
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
@@ -136,10 +177,40 @@ def prefetch(
     return pre
 
 
+def _vocab_size(model: Any, model_path: str | Path, model_config: dict | None) -> int | None:
+    from kvstore.identity import resolve_model_path
+    from kvstore.modelconfig import effective_config
+    from kvstore.prefill import config_vocab_size, model_vocab_size
+
+    if model is not None:
+        return model_vocab_size(model)
+    return config_vocab_size(effective_config(resolve_model_path(model_path), model_config))
+
+
+def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
+    """ValueError for an entry keyed by ids the model cannot take (only a damaged or foreign
+    entry has them): served, they would send an out-of-vocabulary id towards mlx."""
+    import numpy as np
+
+    from kvstore.prefill import check_token_ids
+
+    ids = np.frombuffer(meta.tokens, dtype="<u4")
+    if vocab is not None and ids.size and int(ids.max()) >= vocab:
+        check_token_ids(ids.tolist(), vocab, what="stored token ids")
+
+
 def insert(prompt_cache, model_key: Any, pre: Prefetched) -> HydrateReport:
     """File prefetched entries into `prompt_cache`; log the report's one warning, if any."""
     t0 = time.perf_counter()
     report, model_path = pre.report, pre.model_path
+    if not hasattr(prompt_cache, "insert_cache"):  # a wrong argument: a warning, as documented
+        pre.entries, report.labels, report.skipped = [], [], []
+        report.warning = (
+            f"kvstore: not hydrating {model_path}: prompt_cache={prompt_cache!r} is not an "
+            "LRUPromptCache; prefilling as usual"
+        )
+        log.warning("%s", report.warning)
+        return report
     before = len(prompt_cache)
     for meta, cache in pre.entries:
         prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
@@ -186,7 +257,8 @@ def hydrate(
     you have it: its cache layout is then read from it instead of being rebuilt from config.json.
     `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
     `model_config` the overrides it loaded the model with. `prefetched` (from `prefetch` with the
-    same arguments) skips the reading.
+    same arguments) skips the reading. Never raises: a store problem or an argument of the wrong
+    type (`home=123`) is the report's one warning, logged, and nothing is inserted.
     """
     if prefetched is None:
         prefetched = prefetch(

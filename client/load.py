@@ -22,8 +22,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from client.hydrate import Prefetched, prefetch
+from client.hydrate import Prefetched, check_arguments, prefetch
 from client.loader import fingerprint_files, tag_loaded
+from kvstore.errors import KVStoreError
 
 
 def load(
@@ -44,7 +45,8 @@ def load(
     `model_config` are load-time overrides, as `mlx_lm.load(model_config=...)` takes them (they
     are part of the entries' identity). `cache_options` go to `PersistentPromptCache`
     (model_key, max_size, max_bytes, stats, ...).
-    Like `hydrate`, a store problem is one warning in `cache.report`, never an exception.
+    Like `hydrate`, a store problem or a wrong argument type is one warning in
+    `cache.report`, never an exception (mlx_lm.load's own errors still raise).
     """
     from mlx_lm import load as mlx_load
 
@@ -60,22 +62,30 @@ def load(
         quantized_kv_start=quantized_kv_start,
         model_config=model_config,
     )
-    before = fingerprint_files(model_path, **ident)  # the files' identity before mlx-lm reads them
+    try:
+        check_arguments(model_path, **ident)
+        usable = True
+    except KVStoreError:  # said once, by the cache below
+        usable = False
+    # the files' identity before mlx-lm reads them
+    before = fingerprint_files(model_path, **ident) if usable else None
 
     def prefetch_entries() -> None:
         read["entries"] = prefetch(model_path, **ident)
 
     reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
-    reader.start()
+    if usable:
+        reader.start()
     try:
         model, tokenizer = mlx_load(
             str(model_path),
             tokenizer_config=tokenizer_config,
-            model_config=dict(model_config) if model_config else None,
+            model_config=dict(model_config) if isinstance(model_config, dict) else model_config,
             adapter_path=None if adapter_path is None else str(adapter_path),
         )
     finally:
-        reader.join()  # also when the load fails: never leave mlx work running on a thread
+        if usable:
+            reader.join()  # also when the load fails: never leave mlx work running on a thread
     prefetched = read.get("entries")  # None only if the thread died: then it reads here
     same_files = tag_loaded(model, before, model_path)
     if prefetched is not None and not (

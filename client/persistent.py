@@ -21,12 +21,11 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from client.hydrate import HydrateReport, Prefetched, hydrate
+from client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
 from client.stats import StatsRecorder
 from client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
 from kvstore.render import RenderedPin, pin_extra
-from kvstore.settings import resolve_home
 
 log = logging.getLogger("kvstore.client")
 
@@ -121,7 +120,11 @@ class PersistentPromptCache(PinnedPromptCache):
 
     `model_config` names the overrides the model was loaded with (`mlx_lm.load(model_config=)`);
     its own arguments are read from `model` either way. Load it with `client.load` and a weight
-    file changed since is caught: nothing is hydrated or persisted for that model.
+    file changed since is caught: nothing is hydrated or persisted for that model. A model from
+    plain `mlx_lm.load` is compared with its files (a sample of its weights) instead. Before each
+    store the files are checked again: KV is filed only under the fingerprint of the weights that
+    computed it. Like `hydrate`, it never raises for a store problem or a wrong argument type:
+    the report holds one warning and the cache works as a plain LRUPromptCache.
     """
 
     def __init__(
@@ -149,11 +152,23 @@ class PersistentPromptCache(PinnedPromptCache):
         self.model, self.tokenizer = model, tokenizer
         self.model_path = str(model_path)
         self.model_key = self.model_path if model_key is None else model_key
-        self.home = resolve_home(home)
+        ident = dict(
+            home=home,
+            adapter_path=adapter_path,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            model_config=model_config,
+        )
+        try:
+            self.home: Path | None = check_arguments(model_path, **ident)
+            bad_argument = None
+        except KVStoreError as e:
+            self.home, bad_argument = None, f"kvstore: not hydrating or persisting: {e}"
         self.adapter_path = None if adapter_path is None else str(adapter_path)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.quantized_kv_start = quantized_kv_start
-        self.model_config = dict(model_config) if model_config else None
+        self.model_config = dict(model_config) if isinstance(model_config, dict) else None
         self.persist_chains = persist_chains
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -162,33 +177,37 @@ class PersistentPromptCache(PinnedPromptCache):
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
         self._hits_sent = time.monotonic()
         self._hydrating = True
-        self._writer = WriteBehind(self.home)
+        self._fp = None  # the Fingerprint, with the files it hashed: re-checked before each store
+        self._files_warned = False  # the files changed since: said once, nothing stored after
+        # no writer (nothing sent anywhere) without a usable home
+        self._writer = WriteBehind(self.home) if self.home is not None else None
         # Unsent stats and pins still reach the daemon when the app exits without close().
         ref = weakref.ref(self)
         self._at_exit = lambda: (c := ref()) is not None and c.close()
         atexit.register(self._at_exit)
         self.stats = (
-            StatsRecorder(self.model_path, writer=self._writer, verbose=verbose) if stats else None
+            StatsRecorder(
+                self.model_path, writer=self._writer, send=self._writer is not None, verbose=verbose
+            )
+            if stats
+            else None
         )
         self._template_hash: bytes | None = None
+        self.fingerprint: bytes | None = None
+        if bad_argument is not None:
+            log.warning("%s", bad_argument)
+            self.report = HydrateReport(warning=bad_argument)
+            self._hydrating = False
+            return
         try:
-            self.report: HydrateReport = hydrate(
-                self,
-                self.model_key,
-                model_path,
-                home=self.home,
-                adapter_path=adapter_path,
-                kv_bits=kv_bits,
-                kv_group_size=kv_group_size,
-                quantized_kv_start=quantized_kv_start,
-                model_config=self.model_config,
-                model=model,
-                prefetched=prefetched,  # read already, while the weights loaded (client.load)
-            )
+            if prefetched is None:  # else read already, while the weights loaded (client.load)
+                prefetched = prefetch(model_path, **ident, model=model)
+            self._fp = prefetched.fingerprint
+            self.report: HydrateReport = insert(self, self.model_key, prefetched)
         finally:
             self._hydrating = False
         fp = self.report.fingerprint
-        self.fingerprint: bytes | None = bytes.fromhex(fp) if fp else None
+        self.fingerprint = bytes.fromhex(fp) if fp else None
 
     # -- LRUPromptCache, with pins kept out of its eviction (PinnedPromptCache) -------------
 
@@ -243,7 +262,7 @@ class PersistentPromptCache(PinnedPromptCache):
 
     def _send_hits(self) -> None:
         keys, self._hits, self._hits_sent = self._hits, [], time.monotonic()
-        if keys:
+        if keys and self._writer is not None:
             self._writer.submit(
                 Job(f"{len(keys)} hits", lambda client: client.request("touch", keys=keys))
             )
@@ -278,7 +297,11 @@ class PersistentPromptCache(PinnedPromptCache):
             ids, warning = rendered.tokens, rendered.warning
             extra = pin_extra(rendered, dict(kwargs))
         else:
-            ids = tuple(int(t) for t in tokens)
+            ids = tuple(tokens)
+        from kvstore.prefill import check_token_ids, model_vocab_size
+
+        # an id past the embedding would crash the process in mlx, not raise
+        ids = check_token_ids(ids, model_vocab_size(self.model), what=f"pin {name!r}")
         if not ids:
             raise ValueError(f"pin {name!r}: no tokens to pin")
         key = (self.model_key, ids)
@@ -361,7 +384,9 @@ class PersistentPromptCache(PinnedPromptCache):
     ) -> bool:
         """Hand an evaluated cache to the write-behind worker; a few microseconds here."""
         ident = tuple(tokens)
-        if self.fingerprint is None or ident in self._offered:
+        if self.fingerprint is None or self._writer is None or self._files_warned:
+            return False
+        if ident in self._offered:
             return False
         import mlx.core as mx
 
@@ -384,6 +409,8 @@ class PersistentPromptCache(PinnedPromptCache):
         from kvstore.identity import template_hash
         from kvstore.keys import entry_key, pack_tokens
 
+        if not self._files_hold_these_weights():
+            return
         if self._template_hash is None:
             self._template_hash = template_hash(self.model_path)
         blob = codec.encode(cache, {"model": self.model_path, "tokenizer_config": "{}"})
@@ -408,12 +435,50 @@ class PersistentPromptCache(PinnedPromptCache):
         )
         client.put(entry_key(self.fingerprint, tokens), blob, fields)
 
+    def _files_hold_these_weights(self) -> bool:
+        """Whether the files still are the fingerprinted ones (a stat each; a re-fingerprint
+        only when one changed). When not, the KV in memory is the old weights': filed under the
+        fingerprint it would never be hydrated by a process loading the files as they are now,
+        and must never be filed under theirs. Said once; nothing is stored after."""
+        if self._fp is None or not self._fp.changed_files():
+            return True
+        from kvstore.identity import FileHashCache, model_fingerprint
+        from kvstore.settings import FILEHASH_NAME
+
+        try:
+            now = model_fingerprint(
+                self.model_path,
+                adapter_path=self.adapter_path,
+                kv_bits=self.kv_bits,
+                kv_group_size=self.kv_group_size,
+                quantized_kv_start=self.quantized_kv_start,
+                model_config=self.model_config,
+                model_object=self.model,
+                hash_cache=FileHashCache(self.home / FILEHASH_NAME),
+            )
+            same = now.digest == self._fp.digest
+        except KVStoreError as e:
+            now, same = None, False
+            log.debug("kvstore: re-fingerprinting %s: %s", self.model_path, e)
+        if same:
+            self._fp = now  # touched, same content: remember the new identities
+            return True
+        if not self._files_warned:
+            self._files_warned = True
+            log.warning(
+                "kvstore: %s changed on disk since this model was loaded: its KV is no longer "
+                "that of the files, so this process stores no more pins or chains for it "
+                "(load the model again to store them)",
+                ", ".join(self._fp.changed_files()[:3]) or self.model_path,
+            )
+        return False
+
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Send queued pins and stats to the daemon; wait (at most `timeout`) until it has them."""
         self._send_hits()
         if self.stats is not None:
             self.stats.flush(timeout)
-        return self._writer.flush(timeout)
+        return self._writer.flush(timeout) if self._writer is not None else True
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush, then stop the write-behind thread. The cache itself keeps working."""
@@ -421,7 +486,8 @@ class PersistentPromptCache(PinnedPromptCache):
         self._send_hits()
         if self.stats is not None:
             self.stats.close(timeout)
-        self._writer.close(timeout)
+        if self._writer is not None:
+            self._writer.close(timeout)
 
     def __enter__(self) -> PersistentPromptCache:
         return self

@@ -185,6 +185,10 @@ def stream_generate(
         bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
         special = bos is None or not prompt.startswith(bos)
         prompt = tokenizer.encode(prompt, add_special_tokens=special)
+    else:  # the app's own ids: one past the embedding would crash the process in mlx
+        from kvstore.prefill import check_token_ids, model_vocab_size
+
+        prompt = check_token_ids(prompt, model_vocab_size(model), what="prompt")
     tokens = list(prompt)
     if model_key is None:
         model_key = getattr(prompt_cache, "model_key", None)

@@ -94,6 +94,14 @@ def import_file(
             raise KVStoreError(f"{tokens_file}: cannot read token ids: {e}") from None
     else:
         tokens = _prompt_tokens(model_dir, prompt or "")
+    from kvstore.modelconfig import effective_config
+    from kvstore.prefill import check_token_ids, config_vocab_size
+
+    try:  # ids past the model's vocabulary: no prefill of this model could have made the file
+        vocab = config_vocab_size(effective_config(model_dir, model_config))
+        tokens = list(check_token_ids(tokens, vocab, what=str(tokens_file or "--prompt")))
+    except ValueError as e:
+        raise KVStoreError(str(e)) from None
     check_fits(
         cache,
         metadata,

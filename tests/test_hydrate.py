@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
+import pytest
 from helpers import TWO_PINS, assert_same_kv, manifest_for
 from mlx_lm import load
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-from client import hydrate
+import client
+from client import PersistentPromptCache, hydrate
 from kvstore.keys import pack_tokens, packed_prefix_hash
 from kvstore.manifest import load_manifest
 from kvstore.prefill import prefill
@@ -120,6 +122,47 @@ def test_hydrate_never_raises(llama_path, kv_home, tmp_path, caplog):
     assert sum("not hydrating" in r.message for r in caplog.records) == 1
     report = hydrate(lru, "m", tmp_path / "no-such-model", home=kv_home)
     assert report.entries == 0 and "no-such-model" in report.warning
+
+
+BAD_ARGUMENTS = [
+    ({"home": 123}, "home=123 is not a path"),
+    ({"kv_bits": "8"}, "kv_bits='8' is not an integer"),
+    ({"adapter_path": 5}, "adapter_path=5 is not a path"),
+    ({"model_config": "rope"}, "model_config='rope' is not a dict"),
+]
+
+
+@pytest.mark.parametrize("kwargs, said", BAD_ARGUMENTS)
+def test_wrong_argument_types_are_one_warning_in_hydrate_load_and_the_cache(
+    kwargs, said, llama_path, kv_home, tmp_path, caplog
+):
+    """hydrate, client.load and PersistentPromptCache never raise (documented): a wrong argument
+    type is the report's one warning, and the cache still works as a plain LRUPromptCache."""
+    _warm(tmp_path, kv_home, llama_path)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        report = hydrate(LRUPromptCache(), "m", llama_path, **kwargs)
+    assert report.entries == 0 and said in report.warning
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    model, tokenizer = load(str(llama_path))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        with PersistentPromptCache(model, tokenizer, llama_path, stats=False, **kwargs) as cache:
+            assert cache.report.entries == 0 and said in cache.report.warning
+            assert cache.fingerprint is None
+            pin = cache.pin("p", tokens=[1, 2, 3])
+    assert (pin.source, pin.queued) == ("prefill", False)
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    if set(kwargs) & {"adapter_path", "model_config"}:
+        return  # mlx_lm.load's own arguments: its own errors
+    _, _, cache = client.load(llama_path, stats=False, **kwargs)
+    with cache:
+        assert cache.report.entries == 0 and said in cache.report.warning
+
+
+def test_hydrate_into_something_that_is_not_a_prompt_cache_warns(llama_path, kv_home, tmp_path):
+    _warm(tmp_path, kv_home, llama_path)
+    report = hydrate(None, "m", llama_path, home=kv_home)
+    assert report.entries == 0 and "prompt_cache=None is not an LRUPromptCache" in report.warning
 
 
 def test_hydrate_reports_lru_overflow(llama_path, kv_home, tmp_path):

@@ -195,6 +195,9 @@ def warm(manifest: Path | None, home: Path) -> None:
         f"{report.warmed} warmed, {present} present, {len(report.failed)} failed, "
         f"{report.fetched} fetched in {report.seconds:.2f}s"
     )
+    if report.stopped:  # a full disk: one line with why, and every pin left unwarmed
+        names = ", ".join(f"{p.name!r}" for p in report.failed)
+        raise click.ClickException(f"{report.stopped}; left unwarmed: {names}")
     if report.failed:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
 

@@ -221,4 +221,5 @@ def warm_report(data: dict[str, Any]):
         adopted=data.get("adopted", 0),
         models_loaded=data.get("models_loaded", 0),
         seconds=data.get("seconds", 0.0),
+        stopped=data.get("stopped"),
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvstore import codec
 from kvstore.clock import local_now
 from kvstore.codehash import runtime_versions
-from kvstore.errors import CorruptEntryError, KVStoreError, ModelError
+from kvstore.errors import CorruptEntryError, KVStoreError, ModelError, disk_full
 from kvstore.identity import (
     FileHashCache,
     Fingerprint,
@@ -81,6 +81,7 @@ class WarmReport:
     adopted: int = 0  # present pins this manifest became an owner of
     models_loaded: int = 0
     seconds: float = 0.0
+    stopped: str | None = None  # why warming stopped early (a full disk): the rest is unwarmed
 
     @property
     def warmed(self) -> int:
@@ -242,6 +243,24 @@ def _fail(report: WarmReport, pp: PlannedPin, msg: str) -> None:
     log.error("%s", msg)
 
 
+def _stop(report: WarmReport, pp: PlannedPin, msg: str, e: KVStoreError) -> bool:
+    """Record a failed store of `pp`; True when it was a full disk (ENOSPC, EDQUOT), which
+    stops the warm: every later pin would be prefilled (minutes for a long one) and then fail
+    the same way. LMDB's map being full is not this: Store grows the map, up to max_map_size."""
+    _fail(report, pp, msg)
+    if not disk_full(e):
+        return False
+    report.stopped = f"the disk is full, so warming stopped at pin {pp.pin.name!r}: {e}"
+    log.error("%s", report.stopped)
+    return True
+
+
+def _unwarmed(report: WarmReport, pps: list[PlannedPin]) -> None:
+    """The pins a stopped warm leaves unwarmed, as failures naming why."""
+    for pp in pps:
+        report.pins.append(_result(pp, "failed", error="not warmed: " + str(report.stopped)))
+
+
 def _warm_model(
     plan: ModelPlan,
     manifest: Manifest,
@@ -263,12 +282,19 @@ def _warm_model(
         if pp.present:
             report.pins.append(_result(pp, "present", warning=pp.pin.warning))
     missing = [pp for pp in plan.pins if not pp.present]
+    if report.stopped:
+        _unwarmed(report, missing)
+        return
     notes: dict[bytes, str] = {}
     if fetch is not None:
-        missing = [
-            pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes, manifest.path)
-        ]
-    if not missing:
+        fetching, missing = missing, []
+        for pp in fetching:
+            if report.stopped:
+                _unwarmed(report, [pp])
+            elif not _fetched(plan, pp, report, put, fetch, notes, manifest.path):
+                missing.append(pp)
+    if not missing or report.stopped:
+        _unwarmed(report, missing)
         return
     say(f"loading {spec.path} to warm {len(missing)} pin(s)")
     try:
@@ -290,8 +316,11 @@ def _warm_model(
                 continue
             try:
                 put(pp.key, blob, fields)
-            except KVStoreError as e:  # the map cap, a full disk: say so, go on
-                _fail(report, pp, f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}")
+            except KVStoreError as e:  # the map cap: say so, go on; a full disk: stop
+                msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
+                if _stop(report, pp, msg, e):
+                    _unwarmed(report, missing[i:])
+                    return
                 continue
             dt = time.perf_counter() - t
             report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
@@ -326,7 +355,7 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path) -> bool:
     try:
         put(pp.key, blob, fields)
     except KVStoreError as e:
-        _fail(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}")
+        _stop(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}", e)
         return True
     report.pins.append(_result(pp, "fetched", seconds=time.perf_counter() - t,
                                nbytes=len(blob), warning=pp.pin.warning, remote=note))  # fmt: skip

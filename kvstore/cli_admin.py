@@ -18,8 +18,9 @@ from kvstore.cli import (
     parse_size,
     resolve_keys,
     user_errors,
+    wait_option,
 )
-from kvstore.daemon_client import connect
+from kvstore.daemon_client import DaemonNotAnswering, connect, connect_writer
 from kvstore.eviction import select_for_eviction
 
 
@@ -109,9 +110,10 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
 )
 @click.option("--all", "everything", is_flag=True, help="Every entry.")
 @click.option("--to-size", default=None, help="Evict LRU unpinned entries until the store fits.")
+@wait_option
 @home_option
 @user_errors
-def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) -> None:
+def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: Path) -> None:
     """Remove entries. Filters combine (AND); at least one is required.
 
     \b
@@ -124,7 +126,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
         )
     size = parse_size(to_size) if to_size else None
-    client = connect(home)
+    client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it selects and deletes in one job
         with client, open_store(home) as store:
             resolved = resolve_keys(store, keys) if keys else []
@@ -179,9 +181,10 @@ def _report_unknown(unknown: list[dict]) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
+@wait_option
 @home_option
 @user_errors
-def stats(as_json: bool, home: Path) -> None:
+def stats(as_json: bool, wait: float, home: Path) -> None:
     """Store size, entries, pins, settings; with a daemon running, its state and the prefill
     ledger (per model and label: calls, tokens from cache, tokens prefilled, seconds).
 
@@ -191,7 +194,11 @@ def stats(as_json: bool, home: Path) -> None:
     """
     from kvstore.settings import load_settings
 
-    client = connect(home, timeout=10)
+    silent: DaemonNotAnswering | None = None  # the store is read directly; exits 1 after
+    try:
+        client = connect_writer(home, timeout=10, wait=wait)
+    except DaemonNotAnswering as e:
+        client, silent = None, e
     if client is not None:
         with client:
             data = client.request("stats")
@@ -205,14 +212,20 @@ def stats(as_json: bool, home: Path) -> None:
 
         data["ledger"] = Ledger(home).stats()
     data.setdefault("settings", load_settings(home))
+    if silent is not None:
+        data["daemon"] = {"pid": silent.pid, "answers": False}
     if as_json:
         click.echo(json.dumps(data, indent=1))
+        if silent is not None:
+            raise click.ClickException(str(silent))
         return
     for k, v in data.items():
         if not isinstance(v, dict):
             click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
     daemon = data.get("daemon")
-    if daemon:
+    if silent is not None:
+        click.echo(f"daemon         pid {silent.pid}: holds this store but does not answer")
+    elif daemon:
         click.echo(
             f"daemon         pid {daemon['pid']}, up {daemon['uptime']:.0f}s, "
             f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
@@ -235,6 +248,8 @@ def stats(as_json: bool, home: Path) -> None:
     click.echo("settings:")
     for k, v in data["settings"].items():
         click.echo(f"  {k:22} {v}")
+    if silent is not None:
+        raise click.ClickException(str(silent))
 
 
 @main.command()

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from kvstore.cli import home_option, human_size, main, open_store, user_errors
-from kvstore.daemon_client import connect
+from kvstore.daemon_client import connect_writer
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.keys import FINGERPRINT_BYTES
 
@@ -240,7 +240,7 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
 
     remote = _remote(home)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
-    client = connect(home)
+    client = connect_writer(home)
     queue = UploadQueue(home)
     fetched = failed = absent = 0
     try:

@@ -22,6 +22,8 @@ from kvstore.cli import (
 )
 from kvstore.daemon_client import DaemonNotAnswering, connect, connect_writer
 from kvstore.eviction import select_for_eviction
+from kvstore.ownership import owning_manifests
+from kvstore.registry import canonical
 
 
 def _age(ts: float) -> str:
@@ -142,6 +144,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
             )
         n = res["evicted"]
         click.echo(f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(res['bytes'])}")
+        _report_owned(res.get("owned") or [], daemon=True)
         _report_unknown(res.get("unknown") or [])
         return
     with open_store(home, write=True) as store:
@@ -164,9 +167,59 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
     click.echo(
         f"evicted {n} entr{'y' if n == 1 else 'ies'}, {human_size(sum(m.nbytes for m in victims))}"
     )
+    started = _started_manifests(home)
+    _report_owned(
+        [
+            {"label": m.label, "model": m.model, "manifest": path,
+             "watched": canonical(path) in started}
+            for m in victims
+            for path in owning_manifests(m)
+        ],
+        daemon=False,
+    )  # fmt: skip
     _report_unknown(
         [{"key": m.key.hex(), "label": m.label, "model": m.model, "reason": r} for m, r in unknown]
     )
+
+
+def _started_manifests(home: Path) -> set[Path]:
+    """The manifests a daemon started for this home reconciles: the registered ones and the
+    home's manifest.toml."""
+    from kvstore.errors import KVStoreError
+    from kvstore.registry import registered
+    from kvstore.settings import MANIFEST_NAME
+
+    try:
+        paths = {r.path for r in registered(home)}
+    except KVStoreError:
+        paths = set()
+    if (home / MANIFEST_NAME).is_file():
+        paths.add(canonical(home / MANIFEST_NAME))
+    return paths
+
+
+def _report_owned(owned: list[dict], *, daemon: bool) -> None:
+    """An evicted pin that a manifest still names comes back when that manifest is reconciled:
+    say which manifest, and when. Evict does not re-warm it at once: it is how space is freed or
+    a suspect entry dropped, and a re-warm loads the model."""
+    for o in owned:
+        name, path = o["label"], o["manifest"]
+        if not o["watched"]:
+            click.echo(
+                f"pin {name!r} came from manifest {path}, which no daemon watches: it stays "
+                f"evicted until `kvstore warm --manifest {path}`"
+            )
+            continue
+        when = (
+            "the daemon re-warms it at its next reconcile (a restart, a manifest edit or "
+            f"`kvstore warm --manifest {path}`)"
+            if daemon
+            else f"the daemon re-warms it when it starts (`kvstore warm --manifest {path}` now)"
+        )
+        click.echo(
+            f"pin {name!r} is kept by manifest {path}: {when}; "
+            "remove it from the manifest to drop it for good"
+        )
 
 
 def _report_unknown(unknown: list[dict]) -> None:

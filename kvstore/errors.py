@@ -94,8 +94,3 @@ def os_errno(e: BaseException | None) -> int | None:
 def transient(e: BaseException) -> bool:
     """Whether `e` comes from an OS error that passes (TRANSIENT_ERRNOS)."""
     return os_errno(e) in TRANSIENT_ERRNOS
-
-
-def disk_full(e: BaseException) -> bool:
-    """Whether `e` comes from a full disk or quota (ENOSPC, EDQUOT), not LMDB's map."""
-    return os_errno(e) in DISK_FULL_ERRNOS

@@ -7,6 +7,7 @@ stay resident in a long-lived process.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import gc
 import logging
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from kvstore import codec
 from kvstore.clock import local_now
 from kvstore.codehash import runtime_versions
-from kvstore.errors import CorruptEntryError, KVStoreError, ModelError, disk_full
+from kvstore.errors import DISK_FULL_ERRNOS, CorruptEntryError, KVStoreError, ModelError, os_errno
 from kvstore.identity import (
     FileHashCache,
     Fingerprint,
@@ -244,13 +245,16 @@ def _fail(report: WarmReport, pp: PlannedPin, msg: str) -> None:
 
 
 def _stop(report: WarmReport, pp: PlannedPin, msg: str, e: KVStoreError) -> bool:
-    """Record a failed store of `pp`; True when it was a full disk (ENOSPC, EDQUOT), which
-    stops the warm: every later pin would be prefilled (minutes for a long one) and then fail
-    the same way. LMDB's map being full is not this: Store grows the map, up to max_map_size."""
+    """Record a failed store of `pp`; True when the disk is full (ENOSPC, EDQUOT) or failing
+    (EIO: LMDB reports a short write on a full disk so), which stops the warm: every later pin
+    would be prefilled (minutes for a long one) and then fail the same way. LMDB's map being
+    full is not this: Store grows the map, up to max_map_size."""
     _fail(report, pp, msg)
-    if not disk_full(e):
+    code = os_errno(e)
+    if code not in DISK_FULL_ERRNOS and code != errno.EIO:
         return False
-    report.stopped = f"the disk is full, so warming stopped at pin {pp.pin.name!r}: {e}"
+    what = "the disk is full" if code in DISK_FULL_ERRNOS else "the store's disk is full or failing"
+    report.stopped = f"{what}, so warming stopped at pin {pp.pin.name!r}: {e}"
     log.error("%s", report.stopped)
     return True
 

@@ -1,8 +1,9 @@
 """Boot the daemon and map every way it ends to an exit status (daemon/exits.py's table).
 
 Order matters: the lock first (a second daemon exits 0 without touching the home), then settings,
-store and socket; a refusal there is a configuration error (78), a failure once serving is an
-internal one (70).
+store and socket; a refusal there is a configuration error (78), except a transient I/O error (a
+full disk, EIO: kvstore.errors.transient) which a restart may mend (70); a failure once serving is
+an internal one (70).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from daemon import exits
 from daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, park_if_supervised
 from daemon.server import Daemon
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, transient
 from kvstore.registry import canonical, registered
 from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
 from kvstore.store import Store
@@ -28,6 +29,10 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
     try:
         booted = _boot(home, manifest)
     except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
+        if transient(e):  # a full disk, EIO: the supervisor starts it again, and it may then work
+            log.error("cannot start (a transient I/O error; exits %d to be restarted): %s",
+                      exits.TRANSIENT_IO, e)  # fmt: skip
+            return exits.TRANSIENT_IO
         log.error("cannot start: %s", e)
         return park_if_supervised(exits.CONFIG, str(e))
     except Exception:

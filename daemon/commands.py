@@ -26,6 +26,7 @@ from kvstore.eviction import select_for_eviction
 from kvstore.keys import KEY_BYTES
 from kvstore.ledger import Ledger, validate
 from kvstore.manifest import load_manifest
+from kvstore.ownership import owning_manifests
 from kvstore.registry import canonical, register, unregister
 from kvstore.store import Store, blob_checksum
 
@@ -253,9 +254,24 @@ class Commands:
                     m.model,
                     m.nbytes,
                 )
+            watched = {canonical(p) for p in self.manifests}
+            owned = [
+                {"label": m.label, "model": m.model, "manifest": path,
+                 "watched": canonical(path) in watched}
+                for m in victims
+                for path in owning_manifests(m)
+            ]  # fmt: skip
+            for o in owned:  # evicted all the same: the next reconcile of that manifest re-warms
+                log.info(
+                    "evicted pin %r is kept by manifest %s (%s)",
+                    o["label"],
+                    o["manifest"],
+                    "re-warmed at its next reconcile" if o["watched"] else "not watched",
+                )
             return {
                 "evicted": n,
                 "bytes": sum(m.nbytes for m in victims),
+                "owned": owned,
                 "keys": [m.key.hex() for m in victims],
                 "unknown": [
                     {"key": m.key.hex(), "label": m.label, "model": m.model, "reason": why}

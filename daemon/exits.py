@@ -38,9 +38,17 @@ EXITS: dict[str, ExitRule] = {
         True,
         "restarted after ThrottleInterval / RestartSec; the traceback is in the log",
     ),
+    "transient_io": ExitRule(
+        70,  # EX_SOFTWARE, as "internal": a failure worth a restart, not a refusal
+        "a transient I/O error at start (ENOSPC, EDQUOT, EIO: kvstore.errors.TRANSIENT_ERRNOS)",
+        True,
+        "restarted after ThrottleInterval / RestartSec; the log line names the path and the "
+        "error: free space or check that disk, and the next start proceeds",
+    ),
     "config": ExitRule(
         78,  # EX_CONFIG (sysexits.h)
-        "configuration refused: socket directory or home unusable, settings or store unreadable",
+        "configuration refused: socket directory or home unusable (permissions, not a directory), "
+        "settings or store unreadable for a reason a restart does not mend",
         False,
         "fix what the one log line names, then `kvstore service install` again",
     ),
@@ -55,6 +63,7 @@ EXITS: dict[str, ExitRule] = {
 OK = 0
 LOCK_HELD = EXITS["lock_held"].code
 INTERNAL = EXITS["internal"].code
+TRANSIENT_IO = EXITS["transient_io"].code
 CONFIG = EXITS["config"].code
 
 # Supervisors that restart every non-zero exit, so `config` waits for SIGTERM instead of exiting.

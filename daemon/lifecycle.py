@@ -18,6 +18,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from daemon.exits import PARK_UNDER, SUPERVISOR_ENV
@@ -66,24 +67,44 @@ def park_if_supervised(code: int, reason: str) -> int:
     return code
 
 
+# A CLI tests the lock with a shared flock held for microseconds (kvstore.daemon_client.
+# lock_holder): a daemon starting in that instant tries again for this long before it concludes
+# that another daemon holds the home.
+LOCK_RETRY_SECONDS = 1.0
+
+
 def acquire_lock(home: Path) -> int:
     """flock home/daemon.lock (non-blocking) and write our pid in it; the fd must stay open.
 
     The lock dies with the process however it dies, so a killed daemon never blocks the next one.
+    An OS error names the lock file (a full disk at start is told apart from a refusal by errno).
     """
     path = home / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    deadline = time.monotonic() + LOCK_RETRY_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DaemonRunning(
+                f"a kvstore daemon (pid {pid}) already runs for home {home}; "
+                f"stop it first (kill {pid}) or pass another --home"
+            ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
         os.close(fd)
-        raise DaemonRunning(
-            f"a kvstore daemon (pid {pid}) already runs for home {home}; "
-            f"stop it first (kill {pid}) or pass another --home"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     return fd
 
 

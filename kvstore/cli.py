@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
-from kvstore.daemon_client import connect, warm_report
+from kvstore.daemon_client import connect_writer, warm_report
 from kvstore.errors import KVStoreError
 from kvstore.settings import ensure_home, resolve_home
 
@@ -56,6 +56,17 @@ home_option = click.option(
     envvar="KVSTORE_HOME",
     callback=lambda _ctx, _param, value: resolve_home(value),
     help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
+
+
+wait_option = click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for a daemon that holds the store but does not answer (stopped, "
+    "busy starting); without an answer this exits 1 and writes nothing.",
 )
 
 
@@ -147,9 +158,10 @@ def main() -> None:
     default=None,
     help="Manifest TOML (default: manifest.toml in the home).",
 )
+@wait_option
 @home_option
 @user_errors
-def warm(manifest: Path | None, home: Path) -> None:
+def warm(manifest: Path | None, wait: float, home: Path) -> None:
     """Prefill and store every pin of a manifest that is missing.
 
     \b
@@ -161,7 +173,7 @@ def warm(manifest: Path | None, home: Path) -> None:
 
     manifest = manifest or home / MANIFEST_NAME
     m = load_manifest(manifest)
-    client = connect(home)
+    client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
         _progress(f"warming through the daemon for {home}; its log shows the progress")
         with client:
@@ -199,6 +211,9 @@ def warm(manifest: Path | None, home: Path) -> None:
         f"{report.fetched} fetched in {report.seconds:.2f}s"
         + (f", {deferred} deferred (not enough memory to load the model now)" if deferred else "")
     )
+    if report.stopped:  # a full disk: one line with why, and every pin left unwarmed
+        names = ", ".join(f"{p.name!r}" for p in report.failed)
+        raise click.ClickException(f"{report.stopped}; left unwarmed: {names}")
     if report.failed:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
 

@@ -18,10 +18,13 @@ from kvstore.cli import (
     parse_size,
     resolve_keys,
     user_errors,
+    wait_option,
 )
-from kvstore.daemon_client import connect
+from kvstore.daemon_client import DaemonNotAnswering, connect_writer
 from kvstore.errors import counted
 from kvstore.eviction import select_for_eviction
+from kvstore.ownership import owning_manifests
+from kvstore.registry import canonical
 
 
 def _age(ts: float) -> str:
@@ -112,9 +115,10 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
 )
 @click.option("--all", "everything", is_flag=True, help="Every entry.")
 @click.option("--to-size", default=None, help="Evict LRU unpinned entries until the store fits.")
+@wait_option
 @home_option
 @user_errors
-def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) -> None:
+def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: Path) -> None:
     """Remove entries. Filters combine (AND); at least one is required.
 
     \b
@@ -127,7 +131,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
         )
     size = parse_size(to_size) if to_size else None
-    client = connect(home)
+    client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it selects and deletes in one job
         with client, open_store(home) as store:
             resolved = resolve_keys(store, keys) if keys else []
@@ -143,6 +147,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
             )
         n = res["evicted"]
         click.echo(f"evicted {counted(n, 'entry')}, {human_size(res['bytes'])}")
+        _report_owned(res.get("owned") or [], daemon=True)
         _report_unknown(res.get("unknown") or [])
         return
     with open_store(home, write=True) as store:
@@ -163,9 +168,59 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, home: Path) 
         )
         n = store.delete(m.key for m in victims)
     click.echo(f"evicted {counted(n, 'entry')}, {human_size(sum(m.nbytes for m in victims))}")
+    started = _started_manifests(home)
+    _report_owned(
+        [
+            {"label": m.label, "model": m.model, "manifest": path,
+             "watched": canonical(path) in started}
+            for m in victims
+            for path in owning_manifests(m)
+        ],
+        daemon=False,
+    )  # fmt: skip
     _report_unknown(
         [{"key": m.key.hex(), "label": m.label, "model": m.model, "reason": r} for m, r in unknown]
     )
+
+
+def _started_manifests(home: Path) -> set[Path]:
+    """The manifests a daemon started for this home reconciles: the registered ones and the
+    home's manifest.toml."""
+    from kvstore.errors import KVStoreError
+    from kvstore.registry import registered
+    from kvstore.settings import MANIFEST_NAME
+
+    try:
+        paths = {r.path for r in registered(home)}
+    except KVStoreError:
+        paths = set()
+    if (home / MANIFEST_NAME).is_file():
+        paths.add(canonical(home / MANIFEST_NAME))
+    return paths
+
+
+def _report_owned(owned: list[dict], *, daemon: bool) -> None:
+    """An evicted pin that a manifest still names comes back when that manifest is reconciled:
+    say which manifest, and when. Evict does not re-warm it at once: it is how space is freed or
+    a suspect entry dropped, and a re-warm loads the model."""
+    for o in owned:
+        name, path = o["label"], o["manifest"]
+        if not o["watched"]:
+            click.echo(
+                f"pin {name!r} came from manifest {path}, which no daemon watches: it stays "
+                f"evicted until `kvstore warm --manifest {path}`"
+            )
+            continue
+        when = (
+            "the daemon re-warms it at its next reconcile (a restart, a manifest edit or "
+            f"`kvstore warm --manifest {path}`)"
+            if daemon
+            else f"the daemon re-warms it when it starts (`kvstore warm --manifest {path}` now)"
+        )
+        click.echo(
+            f"pin {name!r} is kept by manifest {path}: {when}; "
+            "remove it from the manifest to drop it for good"
+        )
 
 
 def _report_unknown(unknown: list[dict]) -> None:
@@ -180,9 +235,10 @@ def _report_unknown(unknown: list[dict]) -> None:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
+@wait_option
 @home_option
 @user_errors
-def stats(as_json: bool, home: Path) -> None:
+def stats(as_json: bool, wait: float, home: Path) -> None:
     """Store size, entries, pins, settings; with a daemon running, its state and the prefill
     ledger (per model and label: calls, tokens from cache, tokens prefilled, seconds).
 
@@ -192,7 +248,11 @@ def stats(as_json: bool, home: Path) -> None:
     """
     from kvstore.settings import load_settings
 
-    client = connect(home, timeout=10)
+    silent: DaemonNotAnswering | None = None  # the store is read directly; exits 1 after
+    try:
+        client = connect_writer(home, timeout=10, wait=wait)
+    except DaemonNotAnswering as e:
+        client, silent = None, e
     if client is not None:
         with client:
             data = client.request("stats")
@@ -206,14 +266,20 @@ def stats(as_json: bool, home: Path) -> None:
 
         data["ledger"] = Ledger(home).stats()
     data.setdefault("settings", load_settings(home))
+    if silent is not None:
+        data["daemon"] = {"pid": silent.pid, "answers": False}
     if as_json:
         click.echo(json.dumps(data, indent=1))
+        if silent is not None:
+            raise click.ClickException(str(silent))
         return
     for k, v in data.items():
         if not isinstance(v, dict):
             click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
     daemon = data.get("daemon")
-    if daemon:
+    if silent is not None:
+        click.echo(f"daemon         pid {silent.pid}: holds this store but does not answer")
+    elif daemon:
         click.echo(
             f"daemon         pid {daemon['pid']}, up {daemon['uptime']:.0f}s, "
             f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
@@ -238,6 +304,8 @@ def stats(as_json: bool, home: Path) -> None:
     click.echo("settings:")
     for k, v in data["settings"].items():
         click.echo(f"  {k:22} {v}")
+    if silent is not None:
+        raise click.ClickException(str(silent))
 
 
 @main.command()
@@ -271,7 +339,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     if not (home / "store" / "data.mdb").is_file():
         click.echo("no store: nothing to verify")
         return
-    client = connect(home) if repair else None  # a busy daemon is an error: never write beside it
+    client = connect_writer(home) if repair else None  # never write beside a daemon
     if client is not None:
         _progress(f"repairing through the daemon for {home}; it checks every entry")
         with client:
@@ -348,7 +416,7 @@ def _rewarm(home: Path, differs: list) -> None:
 
     with open_store(home) as store:
         keys = [m.key for _, fp in differs for m in store.metas(fp, errors=[])]
-    client = connect(home)
+    client = connect_writer(home)
     if client is not None:
         with client:
             client.request("evict", keys=keys)
@@ -400,7 +468,7 @@ def _deep_entries(home: Path, *, repair: bool) -> int:
             click.echo(f"DIFFERS {what}: {r.detail}")
             differs.append(bytes.fromhex(r.key))
     if repair and differs:
-        client = connect(home)
+        client = connect_writer(home)
         if client is not None:
             with client:
                 client.request("evict", keys=differs)

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from kvstore.cli import home_option, main, user_errors
-from kvstore.daemon_client import connect
+from kvstore.daemon_client import connect, connect_writer
 from kvstore.errors import counted
 from kvstore.registry import canonical, registered, unregister
 
@@ -80,7 +80,7 @@ def remove(path: Path, home: Path) -> None:
     kvstore manifests remove pins.toml
     """
     target = canonical(path)
-    client = connect(home)
+    client = connect_writer(home)
     if client is not None:
         with client:
             res = client.request("manifest_remove", path=str(target))

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from kvstore.cli import home_option, human_size, main, open_store, user_errors
-from kvstore.daemon_client import connect
+from kvstore.daemon_client import connect_writer
 from kvstore.errors import KVStoreError, RemoteError, counted
 from kvstore.keys import FINGERPRINT_BYTES
 from kvstore.remote_settings import REMOTE_SAMPLE
@@ -250,7 +250,7 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
 
     remote = _remote(home)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
-    client = connect(home)
+    client = connect_writer(home)
     queue = UploadQueue(home)
     fetched = failed = absent = 0
     try:

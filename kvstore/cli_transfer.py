@@ -17,7 +17,7 @@ from kvstore.cli import (
     resolve_keys,
     user_errors,
 )
-from kvstore.daemon_client import DaemonWriter, connect
+from kvstore.daemon_client import DaemonWriter, connect_writer
 
 
 @main.command(name="export")
@@ -78,7 +78,7 @@ def import_cmd(
     if (tokens_file is None) == (prompt is None):
         raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
     overrides = parse_json_object(model_config, "--model-config")
-    client = connect(home)
+    client = connect_writer(home)
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
     with client or open_store(home, write=True) as store:
         meta = import_file(

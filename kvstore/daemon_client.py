@@ -6,10 +6,12 @@ deep for the OS limit on unix socket paths and a short fallback under /tmp is us
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import xxhash
 
 from kvstore import protocol
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
-from kvstore.settings import SOCKET_NAME, resolve_home
+from kvstore.settings import LOCK_NAME, SOCKET_NAME, resolve_home
 from kvstore.store import EntryMeta, blob_checksum, with_model_location
 
 # sun_path holds 104 bytes on macOS and the BSDs, 108 on Linux, NUL terminator included.
@@ -210,6 +212,60 @@ def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonC
     return client
 
 
+class DaemonNotAnswering(DaemonError):
+    """A daemon holds the home's lock (so it owns the store) but does not answer on its socket:
+    stopped (SIGSTOP), hung, or still starting. Nothing may write the store beside it."""
+
+    def __init__(self, pid: int, home: Path):
+        self.pid = pid
+        who = f"pid {pid}" if pid else "pid unknown"
+        super().__init__(
+            f"the daemon ({who}) holds this store but does not answer: it is stopped, hung or "
+            f"still starting ({home}); nothing was written (--wait SECONDS waits for it)"
+        )
+
+
+def lock_holder(home: str | Path | None) -> int | None:
+    """The pid of the daemon that holds the home's lock (0 when it has not written it yet), or
+    None when no process holds it. Tested with a shared flock held for an instant, never
+    blocking (a daemon starting in that instant tries again: daemon/lifecycle.py)."""
+    path = resolve_home(home) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None  # no lock file: no daemon ever ran here
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else 0
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def connect_writer(
+    home: str | Path | None = None, *, timeout: float = 30.0, wait: float = 0.0
+) -> DaemonClient | None:
+    """The daemon to send writes to, or None when no daemon holds this home (the caller may then
+    write the store itself). A daemon that holds the lock but does not answer is
+    DaemonNotAnswering, after waiting up to `wait` seconds for it to answer or let go: the
+    caller must never write the store beside it."""
+    deadline = time.monotonic() + max(0.0, wait)
+    while True:
+        client = connect(home, timeout=timeout)
+        if client is not None:
+            return client
+        pid = lock_holder(home)
+        if pid is None:
+            return None
+        if time.monotonic() >= deadline:
+            raise DaemonNotAnswering(pid, resolve_home(home))
+        time.sleep(0.2)
+
+
 def warm_report(data: dict[str, Any]):
     """A daemon's warm report (a dict on the wire) back as a kvstore.warm.WarmReport."""
     from kvstore.warm import PinResult, Purged, WarmReport
@@ -221,4 +277,5 @@ def warm_report(data: dict[str, Any]):
         adopted=data.get("adopted", 0),
         models_loaded=data.get("models_loaded", 0),
         seconds=data.get("seconds", 0.0),
+        stopped=data.get("stopped"),
     )

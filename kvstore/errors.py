@@ -3,6 +3,8 @@
 `counted` words the counts those messages (and the CLI's output) carry: "1 entry", "2 entries".
 """
 
+import errno as _errno
+
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """`n` and the noun in the number it takes: counted(1, "entry") is "1 entry", counted(2,
@@ -13,6 +15,26 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
         consonant_y = noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u")
         plural = noun[:-1] + "ies" if consonant_y else noun + "s"
     return f"{n} {plural}"
+
+
+# OS errors that pass: a full disk or quota, an I/O error, memory or descriptors short for now.
+# A process that failed on one of these is worth starting again; a permission or a bad path is not.
+TRANSIENT_ERRNOS = frozenset(
+    {
+        _errno.ENOSPC,
+        _errno.EDQUOT,
+        _errno.EIO,
+        _errno.ENOMEM,
+        _errno.EAGAIN,
+        _errno.EBUSY,
+        _errno.EINTR,
+        _errno.ETIMEDOUT,
+        _errno.ENFILE,
+        _errno.EMFILE,
+        _errno.ESTALE,
+    }
+)
+DISK_FULL_ERRNOS = frozenset({_errno.ENOSPC, _errno.EDQUOT})
 
 
 class KVStoreError(Exception):
@@ -37,7 +59,11 @@ class CorruptEntryError(KVStoreError):
 
 
 class StoreError(KVStoreError):
-    """The LMDB store cannot be opened or written."""
+    """The LMDB store cannot be opened or written; `errno` is the OS error behind it, if any."""
+
+    def __init__(self, message: str, *, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 class ModelError(KVStoreError):
@@ -66,3 +92,20 @@ class RemoteError(KVStoreError):
 
 class ChecksumError(CodecError):
     """A blob's bytes do not hash to the checksum its meta recorded."""
+
+
+def os_errno(e: BaseException | None) -> int | None:
+    """The OS error number behind `e`: its own `errno`, else its cause's or context's."""
+    for _ in range(8):  # a short chain; never a cycle
+        if e is None:
+            return None
+        code = getattr(e, "errno", None)
+        if isinstance(code, int):
+            return code
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def transient(e: BaseException) -> bool:
+    """Whether `e` comes from an OS error that passes (TRANSIENT_ERRNOS)."""
+    return os_errno(e) in TRANSIENT_ERRNOS

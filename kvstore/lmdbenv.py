@@ -3,6 +3,7 @@ that keeps this process's readers off while a write or a map resize runs."""
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import shutil
@@ -110,3 +111,17 @@ def space_hint(path: Path) -> str:
         return ""
     limit = "" if soft == resource.RLIM_INFINITY else f", file size limit {soft} bytes"
     return f" (disk full or a file size limit? {free // 2**20} MiB free there{limit})"
+
+
+def lmdb_errno(e: Exception) -> int | None:
+    """The OS error number behind an lmdb.Error: py-lmdb raises DiskError for ENOSPC and a plain
+    Error whose text ends in the OS's message for the rest (EIO: "path: Input/output error")."""
+    if isinstance(e, lmdb.DiskError):
+        return errno.ENOSPC
+    if len(e.args) >= 2 and isinstance(e.args[1], int) and e.args[1] > 0:  # the cffi build
+        return e.args[1]
+    text = str(e.args[0]) if e.args else ""
+    for code in errno.errorcode:
+        if text.endswith(": " + os.strerror(code)):
+            return code
+    return None

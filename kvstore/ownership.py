@@ -33,6 +33,11 @@ def owners(meta: EntryMeta) -> list[str]:
     return [APP]
 
 
+def owning_manifests(meta: EntryMeta) -> list[str]:
+    """The paths of the manifests that own the entry (what `kvstore evict` warns about)."""
+    return [o.removeprefix("manifest:") for o in _manifests(owners(meta))]
+
+
 def _manifests(names: list[str]) -> list[str]:
     return [o for o in names if o.startswith("manifest:")]
 

@@ -22,7 +22,7 @@ import lmdb
 
 from kvstore.entry import DEFAULT_QUANTIZED_KV_START, SCHEMA_VERSION, EntryMeta, blob_checksum
 from kvstore.errors import StoreError
-from kvstore.lmdbenv import ENVS, close_env, open_env, space_hint
+from kvstore.lmdbenv import ENVS, close_env, lmdb_errno, open_env, space_hint
 from kvstore.settings import DEFAULTS, STORE_DIR
 from kvstore.store_admin import StoreAdmin
 from kvstore.store_read import StoreReads
@@ -57,9 +57,15 @@ class Store(StoreReads, StoreWrites, StoreAdmin):
         self._pid = os.getpid()
         if readonly and not (self.path / "data.mdb").is_file():
             raise StoreError(f"{self.path}: no store here (run `kvstore warm` or start the daemon)")
-        try:
-            if not readonly:
+        if not readonly:
+            try:
                 self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as e:
+                raise StoreError(
+                    f"{self.path}: cannot create the store directory: {e.strerror or e}",
+                    errno=e.errno,
+                ) from None
+        try:
             self.env = open_env(
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
@@ -67,7 +73,9 @@ class Store(StoreReads, StoreWrites, StoreAdmin):
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
         except lmdb.Error as e:
-            raise StoreError(f"{self.path}: cannot open the LMDB store: {e}") from None
+            raise StoreError(
+                f"{self.path}: cannot open the LMDB store: {e}", errno=lmdb_errno(e)
+            ) from None
         if not readonly:
             self.env.reader_check()
         self.on_commit: list[Callable[[EntryMeta], None]] = []  # after each put (the fleet queue)
@@ -119,8 +127,14 @@ class Store(StoreReads, StoreWrites, StoreAdmin):
                         f"max_map_size={self.max_map_size} is reached; evict entries or raise it"
                     ) from None
                 self.env.set_mapsize(size * 2)  # no transaction of this process is open
-            except lmdb.Error as e:
-                raise StoreError(f"{self.path}: write failed: {e}{space_hint(self.path)}") from None
+            except lmdb.Error as e:  # ENOSPC and EIO come from put or commit: keep the errno
+                raise StoreError(
+                    f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=lmdb_errno(e)
+                ) from None
+            except OSError as e:
+                raise StoreError(
+                    f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=e.errno
+                ) from None
 
     def _read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
         self._check_pid()

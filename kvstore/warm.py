@@ -7,6 +7,7 @@ stay resident in a long-lived process.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import gc
 import logging
 import time
@@ -17,7 +18,14 @@ from pathlib import Path
 from kvstore import codec
 from kvstore.clock import local_now
 from kvstore.codehash import runtime_versions
-from kvstore.errors import CorruptEntryError, KVStoreError, ModelError, counted
+from kvstore.errors import (
+    DISK_FULL_ERRNOS,
+    CorruptEntryError,
+    KVStoreError,
+    ModelError,
+    counted,
+    os_errno,
+)
 from kvstore.identity import (
     FileHashCache,
     Fingerprint,
@@ -83,6 +91,7 @@ class WarmReport:
     adopted: int = 0  # present pins this manifest became an owner of
     models_loaded: int = 0
     seconds: float = 0.0
+    stopped: str | None = None  # why warming stopped early (a full disk): the rest is unwarmed
 
     @property
     def warmed(self) -> int:
@@ -248,6 +257,27 @@ def _fail(report: WarmReport, pp: PlannedPin, msg: str) -> None:
     log.error("%s", msg)
 
 
+def _stop(report: WarmReport, pp: PlannedPin, msg: str, e: KVStoreError) -> bool:
+    """Record a failed store of `pp`; True when the disk is full (ENOSPC, EDQUOT) or failing
+    (EIO: LMDB reports a short write on a full disk so), which stops the warm: every later pin
+    would be prefilled (minutes for a long one) and then fail the same way. LMDB's map being
+    full is not this: Store grows the map, up to max_map_size."""
+    _fail(report, pp, msg)
+    code = os_errno(e)
+    if code not in DISK_FULL_ERRNOS and code != errno.EIO:
+        return False
+    what = "the disk is full" if code in DISK_FULL_ERRNOS else "the store's disk is full or failing"
+    report.stopped = f"{what}, so warming stopped at pin {pp.pin.name!r}: {e}"
+    log.error("%s", report.stopped)
+    return True
+
+
+def _unwarmed(report: WarmReport, pps: list[PlannedPin]) -> None:
+    """The pins a stopped warm leaves unwarmed, as failures naming why."""
+    for pp in pps:
+        report.pins.append(_result(pp, "failed", error="not warmed: " + str(report.stopped)))
+
+
 def _warm_model(
     plan: ModelPlan,
     manifest: Manifest,
@@ -271,12 +301,19 @@ def _warm_model(
         if pp.present:
             report.pins.append(_result(pp, "present", warning=pp.pin.warning))
     missing = [pp for pp in plan.pins if not pp.present]
+    if report.stopped:
+        _unwarmed(report, missing)
+        return
     notes: dict[bytes, str] = {}
     if fetch is not None:
-        missing = [
-            pp for pp in missing if not _fetched(plan, pp, report, put, fetch, notes, manifest.path)
-        ]
-    if not missing:
+        fetching, missing = missing, []
+        for pp in fetching:
+            if report.stopped:
+                _unwarmed(report, [pp])
+            elif not _fetched(plan, pp, report, put, fetch, notes, manifest.path):
+                missing.append(pp)
+    if not missing or report.stopped:
+        _unwarmed(report, missing)
         return
     if may_load is not None and (why := may_load(plan)):
         report.pins.extend(_result(pp, "deferred", error=why) for pp in missing)
@@ -301,8 +338,11 @@ def _warm_model(
                 continue
             try:
                 put(pp.key, blob, fields)
-            except KVStoreError as e:  # the map cap, a full disk: say so, go on
-                _fail(report, pp, f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}")
+            except KVStoreError as e:  # the map cap: say so, go on; a full disk: stop
+                msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
+                if _stop(report, pp, msg, e):
+                    _unwarmed(report, missing[i:])
+                    return
                 continue
             dt = time.perf_counter() - t
             report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
@@ -337,7 +377,7 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path) -> bool:
     try:
         put(pp.key, blob, fields)
     except KVStoreError as e:
-        _fail(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}")
+        _stop(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}", e)
         return True
     report.pins.append(_result(pp, "fetched", seconds=time.perf_counter() - t,
                                nbytes=len(blob), warning=pp.pin.warning, remote=note))  # fmt: skip

@@ -34,6 +34,26 @@ socket.socket.bind = refused
 """
 
 
+# A full disk or a failing disk at start, injected on the real calls: lmdb.open (py-lmdb raises
+# DiskError for ENOSPC, a plain Error ending in the OS's text for EIO) and the store's mkdir.
+_LMDB_OPEN_FAILS = """
+import lmdb
+def full(path, **kw):
+    raise lmdb.{cls}(path + ": {text}")
+lmdb.open = full
+"""
+
+_STORE_MKDIR_EIO = """
+import errno, os, pathlib
+real = pathlib.Path.mkdir
+def failing(self, *a, **kw):
+    if self.name == "store":
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+    return real(self, *a, **kw)
+pathlib.Path.mkdir = failing
+"""
+
+
 def _exit_code(d: Proc, timeout: float = 60) -> int:
     return d.p.wait(timeout=timeout)
 
@@ -105,3 +125,30 @@ def test_missing_manifest_waits_for_it_says_so_once_then_warms(tmp_path, llama_p
     finally:
         rc, _ = d.stop()
     assert rc == 0, d.text()
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        _LMDB_OPEN_FAILS.format(cls="DiskError", text="No space left on device"),
+        _LMDB_OPEN_FAILS.format(cls="Error", text="Input/output error"),
+        _STORE_MKDIR_EIO,
+    ],
+    ids=["enospc-at-lmdb-open", "eio-at-lmdb-open", "eio-at-store-mkdir"],
+)
+def test_a_transient_io_error_at_start_exits_restartable_naming_the_path(
+    tmp_path, monkeypatch, patch
+):
+    # Even under launchd: a full disk is no configuration error, so no parking.
+    monkeypatch.setenv(exits.SUPERVISOR_ENV, "launchd")
+    home = tmp_path / "h"
+    d = Proc(home, log=tmp_path / "d.log", code=_PATCHED.format(patch=patch))
+    code = _exit_code(d)
+    assert code == exits.TRANSIENT_IO == 70, d.text()
+    assert exits.restarted_by_systemd(code) and exits.restarted_by_launchd(code)
+    assert code not in exits.restart_prevent_statuses()
+    errors = [ln for ln in d.text().splitlines() if " ERROR " in ln]
+    assert len(errors) == 1, d.text()
+    assert str(home / "store") in errors[0], errors[0]
+    assert "No space left on device" in errors[0] or "Input/output error" in errors[0]
+    assert "waits here until stopped" not in d.text()

@@ -17,7 +17,9 @@ HEADER = """\
 Generated from each command's `--help` by `make docs` (`python -m kvstore.cli_reference >
 docs/cli.md`); do not edit by hand. A test fails when this page and the commands drift apart.
 Every command takes `--home` (default `$KVSTORE_HOME`, else the per-user data directory: see
-[README](../README.md#where-the-store-lives)) and `-h`/`--help`.
+[README](../README.md#where-the-store-lives)) and `-h`/`--help`. Keys can be given as any unique
+hex prefix of the full key or of its prefix-hash half (the short form `ls` shows). User errors
+exit 1 with one line naming the file, key or setting at fault.
 """
 
 

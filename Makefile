@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format stress bench bench-quick clean
+.PHONY: demo test lint format docs stress bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format kvstore daemon client tests bench
+
+# the CLI reference, generated from each command's --help (tests/test_cli_reference.py checks it)
+docs: $(STAMP)
+	$(PY) -m kvstore.cli_reference > docs/cli.md
 
 # the reliability battery at full scale (tests/test_reliability_*.py); figures go to
 # bench/results/reliability.json. `make test` runs the same tests at their quick scale.

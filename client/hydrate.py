@@ -18,6 +18,7 @@ from client.loader import check_loaded_from
 from kvstore.entry import EntryMeta
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity import FileHashCache, Fingerprint, model_fingerprint
+from kvstore.manifest import check_kv_quantization
 from kvstore.settings import FILEHASH_NAME, resolve_home
 from kvstore.store import Store
 
@@ -74,13 +75,7 @@ def check_arguments(
     for name, value in paths.items():
         if not (value is None or isinstance(value, (str, os.PathLike))) or value == "":
             raise KVStoreError(f"{name}={value!r} is not a path (a str or os.PathLike)")
-    ints = dict(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-    for name, value in ints.items():
-        if not (
-            (value is None and name == "kv_bits")
-            or (isinstance(value, int) and not isinstance(value, bool))
-        ):
-            raise KVStoreError(f"{name}={value!r} is not an integer")
+    check_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # the manifest's one rule
     if model_config is not None and not isinstance(model_config, dict):
         raise KVStoreError(f"model_config={model_config!r} is not a dict of config.json keys")
     return resolve_home(home)

@@ -126,7 +126,7 @@ def test_hydrate_never_raises(llama_path, kv_home, tmp_path, caplog):
 
 BAD_ARGUMENTS = [
     ({"home": 123}, "home=123 is not a path"),
-    ({"kv_bits": "8"}, "kv_bits='8' is not an integer"),
+    ({"kv_bits": "8"}, "kv_bits: must be an integer, one of 2, 3, 4, 5, 6, 8; got '8' (a string)"),
     ({"adapter_path": 5}, "adapter_path=5 is not a path"),
     ({"model_config": "rope"}, "model_config='rope' is not a dict"),
 ]

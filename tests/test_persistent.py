@@ -278,17 +278,18 @@ def test_full_queue_drops_with_a_counted_warning(kv_home, caplog):
     assert writer.sent == 2 and not writer.thread.is_alive()
 
 
-def test_readme_example_runs(llama_path, kv_home, capsys):
-    """The README section's code, as written, with the tiny model in place of MODEL."""
+def test_docs_example_runs(llama_path, kv_home, capsys):
+    """The PersistentPromptCache example of docs/apps.md as written, the tiny model for MODEL."""
     from pathlib import Path
 
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    section = text.split("## In-process apps", 1)[1]
+    root = next(p for p in Path(__file__).parents if (p / "pyproject.toml").is_file())
+    text = (root / "docs" / "apps.md").read_text()
+    section = text.split("## `PersistentPromptCache`", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     line = 'MODEL = "/models/Qwen3.5-9B-8bit"'
     assert line in code
     ns: dict = {}
-    exec(compile(code.replace(line, f"MODEL = {str(llama_path)!r}"), "README", "exec"), ns)
+    exec(compile(code.replace(line, f"MODEL = {str(llama_path)!r}"), "docs/apps.md", "exec"), ns)
     cache = ns["cache"]
     assert set(cache.pins) == {"classify", "reason", "examine", "synthesize"}
     assert all(p.warning is None for p in cache.pins.values())

@@ -13,6 +13,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache, save_prompt_cache
 
+from kvstore import cache_api
+from kvstore.cache_state import ALLOWED_CLASSES
 from kvstore.importfit import ImportMismatch
 from kvstore.store import Store
 from kvstore.transfer import import_file
@@ -30,9 +32,7 @@ def llama_cache(llama_path):
 
 
 def kv(keys, values) -> KVCache:
-    c = KVCache()
-    c.state = (keys, values, keys.shape[2])
-    return c
+    return cache_api.from_state("KVCache", [keys, values, keys.shape[2]], ALLOWED_CLASSES)
 
 
 def write(tmp_path, cache, *, model) -> tuple:

@@ -32,6 +32,7 @@ from client.hydrate import Prefetched, hydrate, prefetch
 from client.loader import fingerprint_files, tag_loaded
 from client.serve_boundary import StableSystemSegment, template_args_warning
 from client.serve_persist import SystemPromptPersister
+from kvstore.entry import DEFAULT_QUANTIZED_KV_START
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.serve")
@@ -115,9 +116,7 @@ class _Hooks:
             model_path,
             home=self.home,
             adapter_path=adapter,
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            quantized_kv_start=args.quantized_kv_start,
+            **_kv_quantization(args),
             model_config=self.model_config,
             model=provider.model,
             prefetched=prefetched,
@@ -140,9 +139,7 @@ class _Hooks:
                 fingerprint=bytes.fromhex(report.fingerprint),
                 model=str(model_path),
                 adapter=adapter,
-                kv_bits=args.kv_bits,
-                kv_group_size=args.kv_group_size,
-                quantized_kv_start=args.quantized_kv_start,
+                **_kv_quantization(args),
                 model_config=self.model_config,
                 template_hash=template_hash(resolve_model_path(model_path)),
             )
@@ -169,6 +166,16 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
+def _kv_quantization(args: Any) -> dict[str, Any]:
+    """The server's KV quantization options; mlx-lm 0.31's server has none (its KV is never
+    quantized), so mlx-lm's defaults."""
+    return dict(
+        kv_bits=getattr(args, "kv_bits", None),
+        kv_group_size=getattr(args, "kv_group_size", 64),
+        quantized_kv_start=getattr(args, "quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
+    )
+
+
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
@@ -178,11 +185,7 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
             reader = before = None
             if draft_model_path is None and not getattr(self, "is_distributed", False):
                 args = self.cli_args
-                quant = dict(
-                    kv_bits=args.kv_bits,
-                    kv_group_size=args.kv_group_size,
-                    quantized_kv_start=args.quantized_kv_start,
-                )
+                quant = _kv_quantization(args)
                 before = fingerprint_files(  # file identity before mlx-lm reads the files
                     model_path,
                     home=hooks.home,

@@ -43,7 +43,7 @@ class ServeError(KVStoreError):
 
 
 def check_server_shape(server: Any) -> None:
-    """Fail with one clear message when mlx_lm.server no longer looks like 0.30-0.32's."""
+    """Fail with one clear message when mlx_lm.server no longer looks like 0.31-0.32's."""
     problems = []
     for name in ("main", "run", "ModelProvider", "LRUPromptCache", "ResponseGenerator"):
         if not hasattr(server, name):
@@ -77,7 +77,7 @@ def check_server_shape(server: Any) -> None:
         raise ServeError(
             f"kvstore serve does not support this mlx-lm ({mlx_lm.__version__}): "
             + "; ".join(problems)
-            + ". Run plain `mlx_lm.server`, or install mlx-lm 0.30-0.32."
+            + ". Run plain `mlx_lm.server`, or install mlx-lm 0.31.3-0.32."
         )
 
 

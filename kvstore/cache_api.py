@@ -148,11 +148,13 @@ def _legacy_one(name: str, st: Any, meta: Any, fail: Callable[[str], Exception],
         raise fail(f"{name} has a meta_state")
     else:
         got = {}
-    seq = getattr(keys[0] if isinstance(keys, list) else keys, "shape", [0, 0, 0])
+    first = keys[0] if isinstance(keys, list) and keys else keys
+    shape = getattr(first, "shape", ())
+    held = shape[2] if len(shape) == 4 else 0  # a malformed state fails the codec's checks after
     if name == "KVCache":
-        got["offset"] = seq[2] if len(seq) > 2 else 0  # 0.31 rebuilds the offset from the keys
+        got["offset"] = held  # 0.31 rebuilds the offset from the keys
     elif name == "ChunkedKVCache":
-        got["offset"] = got["start_position"] + (seq[2] if len(seq) > 2 else 0)
+        got["offset"] = got["start_position"] + held
     return [keys, values, *(got[f] for f in FIELDS[name][2:])]
 
 

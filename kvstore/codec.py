@@ -1,8 +1,10 @@
 """Encode and decode mlx-lm prompt caches as safetensors bytes, validating before mlx sees them.
 
-The layout is exactly what `mlx_lm.models.cache.save_prompt_cache` writes (tensor names from
-`tree_flatten` of the cache states, class names and scalar markers in `__metadata__`), so an
-exported blob is a prompt-cache file mlx-lm loads, and a file mlx-lm wrote decodes here. The
+The layout is exactly what mlx-lm 0.32's `save_prompt_cache` writes (tensor names from
+`tree_flatten` of the cache states, class names and scalar markers in `__metadata__`), whatever
+mlx-lm is installed (`kvstore.cache_api` converts to and from the installed version's objects), so
+a store written under mlx-lm 0.31 or 0.32 reads under either. `kvstore import` also takes 0.31's
+files (`either_layout`); `kvstore export` writes the installed version's (kvstore.transfer). The
 bytes come from a store we do not fully trust (a corrupt or hostile LMDB value), so `decode`
 checks every length, offset, dtype and class name in pure Python first and rebuilds the cache
 objects itself instead of resolving stored names with `globals()`. The byte layout is checked

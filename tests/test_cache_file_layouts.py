@@ -194,3 +194,30 @@ def test_a_bad_0_31_meta_state_is_refused_in_one_line(llama_path, kv_home, tmp_p
         )
     assert "not a valid prompt-cache file" in str(err.value) and "'eleven'" in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"0.1.2": None},  # a meta_state value missing
+        {"2.0": "Foo"},  # a class outside the allowlist
+        {"2.5.0": "KVCache"},  # a class name where a string is expected
+        {"3.0": "x"},  # a fourth metadata list
+        {"0.5.0.0": "CacheList"},  # a CacheList naming itself, with no state
+        {"0.1": "", "0.1.0": None, "0.1.1": None, "0.1.2": None, "0.1.3": None},  # no meta_state
+        {"0.2.1": "0"},  # a quantized group size of 0
+        {"0.0": "7"},  # a KVCache with a meta_state
+    ],
+)
+def test_malformed_0_31_files_are_refused_by_the_codec(edit, tmp_path):
+    file = tmp_path / "bad.safetensors"
+    write_legacy(file, fixed_cache(), USER)
+    metadata = dict(parse_layout(memoryview(file.read_bytes()), ValueError).metadata)
+    for k, v in edit.items():
+        if v is None:
+            metadata.pop(k, None)
+        else:
+            metadata[k] = v
+    mx.save_safetensors(str(file), mx.load(str(file)), metadata)
+    with pytest.raises(CodecError):
+        decode(file.read_bytes(), either_layout=True)

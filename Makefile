@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format docs stress bench bench-quick clean
+.PHONY: demo test test-lowest lint format docs stress bench bench-quick clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvstore daemon client tests bench
 	$(PY) -m pytest -q tests
+
+# The lowest supported mlx / mlx-lm (pyproject's floors) in a second venv; `make test` gets the
+# highest. `.ci/run` runs both.
+LOWEST := mlx==0.31.2 mlx-lm==0.31.3
+LOW_VENV := .venv-lowest
+
+$(LOW_VENV)/.installed: pyproject.toml
+	test -x $(LOW_VENV)/bin/python || $(PYTHON) -m venv $(LOW_VENV)
+	$(LOW_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOW_VENV)/bin/python -m pip install -q -e '.[test,fleet]' $(LOWEST)
+	touch $@
+
+test-lowest: $(LOW_VENV)/.installed
+	$(LOW_VENV)/bin/python -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvstore daemon client tests bench
@@ -43,4 +57,4 @@ bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick $(if $(REFERENCE),--reference)
 
 clean:
-	rm -rf $(VENV) .demo .pytest_cache
+	rm -rf $(VENV) $(LOW_VENV) .demo .pytest_cache

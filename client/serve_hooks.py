@@ -36,6 +36,7 @@ from client.loader import fingerprint_files, tag_loaded
 from client.persistent import PinnedPromptCache
 from client.serve_boundary import StableSystemSegment, template_args_warning
 from client.serve_persist import SystemPromptPersister
+from kvstore.entry import DEFAULT_QUANTIZED_KV_START
 from kvstore.errors import KVStoreError, counted
 
 log = logging.getLogger("kvstore.serve")
@@ -46,7 +47,7 @@ class ServeError(KVStoreError):
 
 
 def check_server_shape(server: Any) -> None:
-    """Fail with one clear message when mlx_lm.server no longer looks like 0.30-0.32's."""
+    """Fail with one clear message when mlx_lm.server no longer looks like 0.31-0.32's."""
     problems = []
     for name in ("main", "run", "ModelProvider", "LRUPromptCache", "ResponseGenerator"):
         if not hasattr(server, name):
@@ -82,7 +83,7 @@ def check_server_shape(server: Any) -> None:
         raise ServeError(
             f"kvstore serve does not support this mlx-lm ({mlx_lm.__version__}): "
             + "; ".join(problems)
-            + ". Run plain `mlx_lm.server`, or install mlx-lm 0.30-0.32."
+            + ". Run plain `mlx_lm.server`, or install mlx-lm 0.31.3-0.32."
         )
 
 
@@ -115,11 +116,7 @@ class _Hooks:
             )
             return
         args = provider.cli_args
-        quant = dict(
-            kv_bits=args.kv_bits,
-            kv_group_size=args.kv_group_size,
-            quantized_kv_start=args.quantized_kv_start,
-        )
+        quant = _kv_quantization(args)
         if prefetched is None:
             prefetched = prefetch(
                 model_path,
@@ -134,10 +131,10 @@ class _Hooks:
         pins = self.cache.pins_of(key)
         if pins:
             log.info(
-                "kvstore: %d pins (%d tokens, %.1f MiB of KV) of %s kept resident, outside "
+                "kvstore: %s (%s, %.1f MiB of KV) of %s kept resident, outside "
                 "--prompt-cache-size and --prompt-cache-bytes",
-                len(pins),
-                sum(len(t) for t in pins),
+                counted(len(pins), "pin"),
+                counted(sum(len(t) for t in pins), "token"),
                 sum(pins.values()) / 2**20,
                 model_path,
             )
@@ -159,9 +156,7 @@ class _Hooks:
                 fingerprint=bytes.fromhex(report.fingerprint),
                 model=str(model_path),
                 adapter=adapter,
-                kv_bits=args.kv_bits,
-                kv_group_size=args.kv_group_size,
-                quantized_kv_start=args.quantized_kv_start,
+                **_kv_quantization(args),
                 model_config=self.model_config,
                 template_hash=template_hash(resolve_model_path(model_path)),
             )
@@ -188,6 +183,16 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
+def _kv_quantization(args: Any) -> dict[str, Any]:
+    """The server's KV quantization options; mlx-lm 0.31's server has none (its KV is never
+    quantized), so mlx-lm's defaults."""
+    return dict(
+        kv_bits=getattr(args, "kv_bits", None),
+        kv_group_size=getattr(args, "kv_group_size", 64),
+        quantized_kv_start=getattr(args, "quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
+    )
+
+
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
@@ -197,11 +202,7 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
             reader = before = None
             if draft_model_path is None and not getattr(self, "is_distributed", False):
                 args = self.cli_args
-                quant = dict(
-                    kv_bits=args.kv_bits,
-                    kv_group_size=args.kv_group_size,
-                    quantized_kv_start=args.quantized_kv_start,
-                )
+                quant = _kv_quantization(args)
                 before = fingerprint_files(  # file identity before mlx-lm reads the files
                     model_path,
                     home=hooks.home,

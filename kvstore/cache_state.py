@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
+from kvstore import cache_api
 from kvstore.errors import CodecError, counted
 from kvstore.safetensors import Tensor
 from kvstore.safetensors import is_int as _is_int
@@ -27,23 +28,13 @@ _MAX_DEPTH = 12  # dotted tensor-name depth; bounds CacheList nesting too
 # Flattened `[metadata, classes, scalars]` keys other than user metadata ("0.*") and "2.0".
 _META_KEY = re.compile(r"1\.(0|[1-9][0-9]{0,5})|2\.([1-9][0-9]{0,5})\.([01])")
 
-# Top-level state arity of each class, as its `state` property returns it.
-_ARITY = {
-    "KVCache": 3,
-    "RotatingKVCache": 6,
-    "QuantizedKVCache": 5,
-    "ArraysCache": 3,
-    "ChunkedKVCache": 5,
-    "ConcatenateKVCache": 2,
-}
+# Top-level state arity of each class, in the stored form (mlx-lm 0.32's `state`).
+_ARITY = {name: len(fields) for name, fields in cache_api.FIELDS.items()}
 
 
 def rebuild(name: str, state: list) -> Any:
-    """A cache object of an allowed class from its state (`from_state`, as mlx-lm loads it)."""
-    cls = ALLOWED_CLASSES[name]
-    if name == "ConcatenateKVCache" and state[0] is None:
-        return cls()  # its state setter cannot take an empty cache
-    return cls.from_state(state)
+    """A cache object of the installed mlx-lm, of an allowed class, from its stored state."""
+    return cache_api.from_state(name, state, ALLOWED_CLASSES)
 
 
 def _is_index(p: str) -> bool:
@@ -224,6 +215,4 @@ class CacheStateDecoder:
         return x
 
     def build(self, cls: str, st: list, arrays: dict[int, mx.array]) -> Any:
-        if cls == "CacheList":
-            return mlc.CacheList(*(self.build(name, sub, arrays) for sub, name in st))
         return rebuild(cls, self.materialize(st, arrays))

@@ -1,8 +1,10 @@
 """Encode and decode mlx-lm prompt caches as safetensors bytes, validating before mlx sees them.
 
-The layout is exactly what `mlx_lm.models.cache.save_prompt_cache` writes (tensor names from
-`tree_flatten` of the cache states, class names and scalar markers in `__metadata__`), so an
-exported blob is a prompt-cache file mlx-lm loads, and a file mlx-lm wrote decodes here. The
+The layout is exactly what mlx-lm 0.32's `save_prompt_cache` writes (tensor names from
+`tree_flatten` of the cache states, class names and scalar markers in `__metadata__`), whatever
+mlx-lm is installed (`kvstore.cache_api` converts to and from the installed version's objects), so
+a store written under mlx-lm 0.31 or 0.32 reads under either. `kvstore import` also takes 0.31's
+files (`either_layout`); `kvstore export` writes the installed version's (kvstore.transfer). The
 bytes come from a store we do not fully trust (a corrupt or hostile LMDB value), so `decode`
 checks every length, offset, dtype and class name in pure Python first and rebuilds the cache
 objects itself instead of resolving stored names with `globals()`. The byte layout is checked
@@ -22,7 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlc
 
-from kvstore import materialize
+from kvstore import cache_api, materialize
 from kvstore.cache_state import ALLOWED_CLASSES, CacheStateDecoder, rebuild
 from kvstore.errors import ChecksumError, CodecError
 from kvstore.safetensors import DTYPES as _DTYPES
@@ -73,7 +75,7 @@ def _normalize_one(c: Any) -> Any:
         raise CodecError(f"encode: unsupported cache class {type(c).__module__}.{name}")
     if name == "CacheList":
         return mlc.CacheList(*(_normalize_one(x) for x in c.caches))
-    state = list(c.state)
+    state = cache_api.state(c)
     # mlx-lm grows these buffers 256 positions at a time; only the first n are real data.
     if name in ("KVCache", "QuantizedKVCache", "ChunkedKVCache") and c.keys is not None:
         n = c.offset - getattr(c, "start_position", 0)
@@ -90,7 +92,8 @@ def normalize(cache: list) -> list:
     `_idx` points into the ring. The input is not mutated.
     """
     out = [_normalize_one(c) for c in cache]
-    mx.eval([v for _, v in tree_flatten([c.state for c in out]) if isinstance(v, mx.array)])
+    states = tree_flatten([cache_api.state(c) for c in out])
+    mx.eval([v for _, v in states if isinstance(v, mx.array)])
     return out
 
 
@@ -134,7 +137,7 @@ def encode(cache: list, metadata: dict[str, str] | None = None) -> bytes:
     cache = normalize(cache)
     scalars: list[Any] = [""]  # non-empty so tree_flatten keeps it, as save_prompt_cache does
     entries = []
-    for key, leaf in tree_flatten([c.state for c in cache]):
+    for key, leaf in tree_flatten([cache_api.state(c) for c in cache]):
         if isinstance(leaf, mx.array):
             code, shape, payload = _array_entry(leaf)
         else:
@@ -178,21 +181,36 @@ _STRUCTURES_MAX = 256
 _STRUCTURES_LOCK = threading.Lock()
 
 
-def _structure(d: CacheStateDecoder) -> _Structure:
+def _legacy_structure(d: CacheStateDecoder, layout: Layout) -> _Structure:
+    """A prompt-cache file in mlx-lm 0.31's layout, read into the stored form (integers from its
+    meta_states, no scalar tensors)."""
+    n = sum(1 for k in layout.metadata if k.startswith("2."))
+    tensors = d.build_tree(layout.tensors, n)
+    user, classes, states = cache_api.legacy_states(layout.metadata, tensors, d.fail)
+    for c in classes:
+        d.check_class_name(c)
+    return _Structure(layout, user, classes, {}, states)
+
+
+def _structure(d: CacheStateDecoder, legacy: bool = False) -> _Structure:
     mv = d.mv
     n = int.from_bytes(mv[:8], "little") if len(mv) >= 8 else -1
-    key = (bytes(mv[: 8 + n]), len(mv)) if 2 <= n <= MAX_HEADER_BYTES else None
+    key = (bytes(mv[: 8 + n]), len(mv), legacy) if 2 <= n <= MAX_HEADER_BYTES else None
     with _STRUCTURES_LOCK:
         hit = _STRUCTURES.get(key) if key else None
         if hit is not None:
             _STRUCTURES.move_to_end(key)
             return hit
     layout = parse_layout(mv, d.fail)
-    user, classes, markers = d.parse_metadata(layout.metadata)
-    for pos in markers:
-        if pos not in layout.tensors:
-            raise d.fail(f"scalar marker points at missing tensor {pos!r}")
-    st = _Structure(layout, user, classes, markers, d.build_tree(layout.tensors, len(classes)))
+    if legacy and cache_api.is_legacy_file(layout.metadata):
+        st = _legacy_structure(d, layout)
+    else:
+        user, classes, markers = d.parse_metadata(layout.metadata)
+        for pos in markers:
+            if pos not in layout.tensors:
+                raise d.fail(f"scalar marker points at missing tensor {pos!r}")
+        tree = d.build_tree(layout.tensors, len(classes))
+        st = _Structure(layout, user, classes, markers, tree)
     with _STRUCTURES_LOCK:
         _STRUCTURES[key] = st
         if len(_STRUCTURES) > _STRUCTURES_MAX:
@@ -206,8 +224,10 @@ def _substitute(x: Any, values: dict[int, Any]) -> Any:
     return values.get(id(x), x) if isinstance(x, Tensor) else x
 
 
-def _validate(d: CacheStateDecoder) -> tuple[Layout, dict, list[str], list, set[str]]:
-    st = _structure(d)
+def _validate(
+    d: CacheStateDecoder, legacy: bool = False
+) -> tuple[Layout, dict, list[str], list, set[str]]:
+    st = _structure(d, legacy)
     layout = st.layout
     values = {
         id(layout.tensors[pos]): read_scalar(d.mv, layout, pos, kind, d.fail)
@@ -220,18 +240,23 @@ def _validate(d: CacheStateDecoder) -> tuple[Layout, dict, list[str], list, set[
 
 
 def decode(
-    blob: bytes | memoryview, *, name: str = "blob", checksum: int | None = None
+    blob: bytes | memoryview,
+    *,
+    name: str = "blob",
+    checksum: int | None = None,
+    either_layout: bool = False,
 ) -> tuple[list, dict[str, str]]:
     """Validate `blob`, then rebuild its cache objects; return (cache, user metadata).
 
     Every check runs before mlx touches the bytes; any failure raises CodecError whose message
     starts with `name`. With `checksum`, the blob's xxh3-64 must equal it (ChecksumError; it runs
     alongside the copy of a large blob). Arrays are copied out of the blob and evaluated, so the
-    caller may free or reuse the buffer afterwards.
+    caller may free or reuse the buffer afterwards. The store holds one layout (mlx-lm 0.32's);
+    `either_layout` also takes a file mlx-lm 0.31 wrote (`kvstore import`).
     """
     d = CacheStateDecoder(blob, name)
     try:
-        layout, user, classes, states, scalars = _validate(d)
+        layout, user, classes, states, scalars = _validate(d, either_layout)
     except CodecError:
         if checksum is not None and materialize.checksum(d.mv) != checksum:
             raise ChecksumError(f"{name}: blob checksum mismatch") from None  # the root cause

@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from kvstore import codec
+from kvstore import cache_api, codec
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.identity import (
     FileHashCache,
@@ -21,21 +21,40 @@ from kvstore.settings import FILEHASH_NAME
 from kvstore.store import EntryMeta, Store
 
 
+def write_file(blob: bytes | memoryview, file: Path, *, name: str = "blob") -> None:
+    """Write a stored blob as a prompt-cache file the installed mlx-lm's `load_prompt_cache`
+    loads: the blob as it is (mlx-lm 0.32's layout), or under mlx-lm 0.31 the decoded cache
+    written by its own `save_prompt_cache`. Atomic: `file` is whole or untouched."""
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp.safetensors")
+    try:
+        if cache_api.META_STATE:
+            cache, user = codec.decode(blob, name=name)
+            try:
+                cache_api.save_file(tmp, cache, user)
+            except (RuntimeError, ValueError) as e:
+                raise KVStoreError(
+                    f"{name}: mlx-lm {cache_api.version()}'s save_prompt_cache cannot write this "
+                    f"cache ({e}); export it with mlx-lm 0.32 or later"
+                ) from None
+        else:
+            tmp.write_bytes(blob)
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
-    """The stored blob already is the mlx-lm layout with `model` and `tokenizer_config` metadata."""
+    """Write one entry as a prompt-cache file (`write_file`), with `model` and `tokenizer_config`
+    metadata."""
     meta, _ = store.load(key)  # verifies checksum and decodes before anything is written
-    blob = store.read_blob(key)
     folder = file.parent
     if not folder.is_dir():
         raise KVStoreError(
             f"{folder}: no such folder to write {file.name} in; create it or choose another path"
         )
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(blob)
-        os.replace(tmp, file)
+        write_file(store.read_blob(key), file, name=key.hex())
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return meta
 
@@ -78,7 +97,7 @@ def import_file(
     entry is stored marked `trusted` (unchecked), as `ls` and `verify` show."""
     blob = Path(file).read_bytes()
     try:
-        cache, metadata = codec.decode(blob, name=str(file))
+        cache, metadata = codec.decode(blob, name=str(file), either_layout=True)
     except CodecError as e:
         raise KVStoreError(f"not a valid prompt-cache file: {e}") from None  # e names the file
     model_dir = resolve_model_path(model)

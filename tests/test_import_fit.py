@@ -13,6 +13,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache, save_prompt_cache
 
+from kvstore import cache_api
+from kvstore.cache_state import ALLOWED_CLASSES
 from kvstore.importfit import ImportMismatch
 from kvstore.store import Store
 from kvstore.transfer import import_file
@@ -30,9 +32,7 @@ def llama_cache(llama_path):
 
 
 def kv(keys, values) -> KVCache:
-    c = KVCache()
-    c.state = (keys, values, keys.shape[2])
-    return c
+    return cache_api.from_state("KVCache", [keys, values, keys.shape[2]], ALLOWED_CLASSES)
 
 
 def write(tmp_path, cache, *, model) -> tuple:
@@ -74,8 +74,19 @@ def test_kv_of_another_shape_or_dtype_is_refused(
 def test_quantization_mlx_lm_does_not_produce_is_refused(
     llama_cache, llama_path, kv_home, tmp_path
 ):
-    # 1-bit KV packs consistently (the codec takes it), but no kv_bits setting makes it
-    cache = [kv(*live(c)).to_quantized(group_size=32, bits=1) for c in llama_cache]
+    # 1-bit KV packs consistently (the codec takes it), but no kv_bits setting makes it (mlx
+    # before 0.32 cannot even quantize to 1 bit: the packed words are made here)
+    def one_bit(x):
+        b, h, n, d = x.shape
+        words = mx.zeros((b, h, n, d // 32), dtype=mx.uint32)
+        return [words, mx.ones((b, h, n, d // 32), x.dtype), mx.zeros((b, h, n, d // 32), x.dtype)]
+
+    cache = [
+        cache_api.from_state(
+            "QuantizedKVCache", [one_bit(k), one_bit(v), k.shape[2], 32, 1], ALLOWED_CLASSES
+        )
+        for k, v in map(live, llama_cache)
+    ]
     file, tokens = write(tmp_path, cache, model=llama_path)
     with Store(kv_home) as store:
         refused(store, file, tokens, llama_path, kv_home, "bits=1")

@@ -21,6 +21,7 @@ from kvstore import codec, materialize
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError
 from kvstore.keys import entry_key, pack_tokens
 from kvstore.store import Store, blob_checksum
+from kvstore.transfer import write_file
 
 
 def _bytes_equal(a: list, b: list) -> None:
@@ -39,7 +40,7 @@ def _paths(monkeypatch, path: str) -> None:
 @pytest.mark.parametrize("shape", [KV28_F16, KV36_BF16, HYBRID_9B], ids=lambda s: s.name)
 def test_large_path_equals_load_prompt_cache_of_the_same_bytes(shape, tmp_path, monkeypatch):
     blob = codec.encode(make_cache(shape, 80))
-    (tmp_path / "c.safetensors").write_bytes(blob)
+    write_file(blob, tmp_path / "c.safetensors")  # as `kvstore export` writes it
     _paths(monkeypatch, "large")
     reference = load_prompt_cache(str(tmp_path / "c.safetensors"))
     views = []
@@ -81,7 +82,7 @@ def _unaligned_blob() -> bytes:
 
 def test_unaligned_blob_takes_the_per_tensor_path(tmp_path, monkeypatch):
     blob = _unaligned_blob()
-    (tmp_path / "u.safetensors").write_bytes(blob)
+    write_file(blob, tmp_path / "u.safetensors")
     _paths(monkeypatch, "large")
     copies = []
     real = materialize._copy_one

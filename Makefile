@@ -42,7 +42,7 @@ format: $(STAMP)
 
 # the CLI reference, generated from each command's --help (tests/test_cli_reference.py checks it)
 docs: $(STAMP)
-	$(PY) -m kvstore.cli_reference > docs/cli.md
+	$(PY) -m kvstore.cli.reference > docs/cli.md
 
 # the reliability battery at full scale (tests/test_reliability_*.py); figures go to
 # bench/results/reliability.json. `make test` runs the same tests at their quick scale.

@@ -1,5 +1,5 @@
 """The upgrade canary's tolerance, measured: how far float rounding moves a tiny llama's KV, and how
-far a real change of the computation (a RoPE base override) does, as kvstore.canary measures it
+far a real change of the computation (a RoPE base override) does, as kvstore.warm.canary measures it
 (largest per-layer relative RMS difference).
 
     python -m bench.canary_noise
@@ -13,9 +13,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 
-from kvstore.canary import ROUNDOFFS, kv_difference
-from kvstore.prefill import prefill
 from kvstore.tiny import make_tiny_model
+from kvstore.warm.canary import ROUNDOFFS, kv_difference
+from kvstore.warm.prefill import prefill
 
 TOKENS = list(range(3, 303))
 

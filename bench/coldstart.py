@@ -2,7 +2,8 @@
 
 Each alternative is timed as one call in its own new interpreter (imports done before the timer),
 the two alternating, medians of N:
-  kvstore            client.hydrate(LRUPromptCache(), ...) end to end: fingerprint of a model
+  kvstore            kvstore.client.hydrate(LRUPromptCache(), ...) end to end: fingerprint of a
+  model
                      directory with Qwen3.5-9B's config.json (hash cache warm, as after the first
                      start), store open, scan, checksum, validate, copy, insert
   load_prompt_cache  mlx_lm.models.cache.load_prompt_cache of the same bytes from a .safetensors
@@ -49,7 +50,7 @@ def _worker(argv: list[str]) -> None:
     from mlx_lm.models.cache import LRUPromptCache
 
     if a.alternative == "kvstore":
-        from client import hydrate
+        from kvstore.client import hydrate
 
         imported, cpu = time.perf_counter(), time.process_time()
         lru = LRUPromptCache()
@@ -77,11 +78,11 @@ def _worker(argv: list[str]) -> None:
 def _store_entry(home: Path, model: Path, shape, tokens: int) -> tuple[Path, int]:
     """One pinned entry under the model's real fingerprint, and the same bytes as a file."""
     from bench.shapes import make_cache
-    from kvstore import codec
-    from kvstore.identity import FileHashCache, model_fingerprint
-    from kvstore.keys import entry_key, pack_tokens
+    from kvstore.codec import codec
+    from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
     from kvstore.settings import FILEHASH_NAME, ensure_home
-    from kvstore.store import Store
+    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.store import Store
 
     ensure_home(home)
     fp = model_fingerprint(model, hash_cache=FileHashCache(home / FILEHASH_NAME)).digest

@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 
 
 def kvstore_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvstore.cli", *args]
+    return [sys.executable, "-m", "kvstore.cli.main", *args]
 
 
 def setup() -> tuple[Path, Path, Path]:
@@ -40,11 +40,11 @@ def setup() -> tuple[Path, Path, Path]:
 def run_calls(model_path: Path, home: Path) -> int:
     """The fresh process: every stage twice, cold and hydrated; prints the table."""
     import mlx.core as mx
+    from kvstore.client import hydrate
     from mlx_lm import load, stream_generate
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
     from bench.stages import STAGES, user_turn
-    from client import hydrate
 
     model, tokenizer = load(str(model_path))
     lru = LRUPromptCache(max_size=16)
@@ -114,7 +114,7 @@ def run_calls(model_path: Path, home: Path) -> int:
 
 def wait_for_boot_warm(home: Path, daemon: subprocess.Popen, timeout: float = 300.0) -> dict:
     """Poll the daemon until its boot warm has run; returns its last_warm record."""
-    from kvstore.daemon_client import connect
+    from kvstore.wire.daemon_client import connect
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
 
 from bench.timing import interleave
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 HOME = Path(".demo/home")
 

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from bench.timing import Stats, interleave, once
-from kvstore.identity import FileHashCache, model_fingerprint
+from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 
 GB = 2**30
 # Qwen3.5-9B's text config: the cache layout is derived from it when no loaded model is passed
@@ -68,7 +68,7 @@ def run(quick: bool) -> dict:
         def warm_config():  # layout derived from config.json (no loaded model)
             return model_fingerprint(model, hash_cache=FileHashCache(cache_file))
 
-        def warm_model():  # layout given, as client.hydrate(model=...) passes it
+        def warm_model():  # layout given, as kvstore.client.hydrate(model=...) passes it
             return model_fingerprint(model, layout=layout, hash_cache=FileHashCache(cache_file))
 
         warm = interleave(

@@ -33,14 +33,14 @@ def _settings(home: Path, server) -> None:
 
 def _box(home: Path, manifest, *, remote: bool) -> dict:
     """Warm one box; with the fleet tier, read-through first and upload after (write-behind)."""
-    from kvstore.ledger import Ledger
-    from kvstore.remote import Remote
-    from kvstore.remote_fetch import WarmFetcher
-    from kvstore.remote_queue import UploadQueue, upload_one
-    from kvstore.remote_settings import remote_settings
+    from kvstore.fleet.fetch import WarmFetcher
+    from kvstore.fleet.objects import Remote
+    from kvstore.fleet.queue import UploadQueue, upload_one
+    from kvstore.fleet.settings import remote_settings
     from kvstore.settings import load_settings
-    from kvstore.store import Store
-    from kvstore.warm import warm
+    from kvstore.store.ledger import Ledger
+    from kvstore.store.store import Store
+    from kvstore.warm.warm import warm
 
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     with Store(home) as store:
@@ -74,7 +74,7 @@ def _box(home: Path, manifest, *, remote: bool) -> dict:
 def run(quick: bool) -> dict:
     from bench.stages import write_manifest
     from bench.weed import Weed
-    from kvstore.manifest import load_manifest
+    from kvstore.pins.manifest import load_manifest
     from kvstore.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvstore-fleet-") as tmp:

@@ -3,8 +3,9 @@
 Alternatives, interleaved per size, all in this one long-lived process (the first call in a new
 process is bench.coldstart's):
   kvstore            Store.load (checksum, validate, one copy into mlx) + insert_cache: the work
-                     client.hydrate does per entry
-  client.hydrate     end to end: a new LRUPromptCache, fingerprint (hash and layout caches warm),
+                     kvstore.client.hydrate does per entry
+  kvstore.client.hydrate     end to end: a new LRUPromptCache, fingerprint (hash and layout caches
+  warm),
                      store open, scan, load, insert
   load_prompt_cache  mlx_lm's loader of the same bytes from a .safetensors file (page cache warm),
                      evaluated, + insert_cache
@@ -23,21 +24,21 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
 
 from bench.fingerprint import make_model_dir
 from bench.shapes import HYBRID_9B, KV28_F16, KV36_BF16, MB, Shape, make_cache
 from bench.timing import interleave
-from client import hydrate
-from kvstore import codec
-from kvstore.identity import FileHashCache, model_fingerprint
-from kvstore.keys import entry_key, pack_tokens
+from kvstore.codec import codec
+from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, ensure_home
-from kvstore.store import Store
+from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.store import Store
 
 QUICK_SIZES = [1, 4, 16, 64, 256]  # MB
 FULL_SIZES = [1, 4, 16, 64, 256, 1024]
-ALTERNATIVES = ("kvstore", "client.hydrate", "load_prompt_cache", "read", "memcpy")
+ALTERNATIVES = ("kvstore", "kvstore.client.hydrate", "load_prompt_cache", "read", "memcpy")
 
 
 def _model(home: Path) -> Path:
@@ -94,7 +95,7 @@ def _measure(store, key, ids, packed, path, src, nbytes, reps, fresh, home) -> d
         lru = LRUPromptCache()
         rep = hydrate(lru, "m", _model(home), home=home)
         assert rep.entries == 1 and rep.warning is None, rep.warning
-        keep["client.hydrate"] = lru
+        keep["kvstore.client.hydrate"] = lru
 
     def via_lpc():
         cache = load_prompt_cache(str(path))
@@ -139,7 +140,7 @@ def _measure(store, key, ids, packed, path, src, nbytes, reps, fresh, home) -> d
         "gbps": gbps,
         "kvstore_vs_load_prompt_cache": stats["load_prompt_cache"].median / stats["kvstore"].median,
         "hydrate_vs_load_prompt_cache": stats["load_prompt_cache"].median
-        / stats["client.hydrate"].median,
+        / stats["kvstore.client.hydrate"].median,
     }
 
 

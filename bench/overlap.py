@@ -1,11 +1,11 @@
-"""Process start with and without kvstore: `client.load` (weights and store entries read at the
-same time) against `mlx_lm.load` alone, and against the two one after the other.
+"""Process start with and without kvstore: `kvstore.client.load` (weights and store entries
+read at the same time) against `mlx_lm.load` alone, and against the two one after the other.
 
 The model is generated here: random float16 weights in a real architecture (llama), >= 1 GiB at
 full scale; entries of at least 0.5 GiB in total are stored under its real fingerprint. Each
 alternative runs as one call in its own new interpreter, alternating, medians of N:
   mlx_lm.load         model and tokenizer, nothing hydrated (what an app without kvstore pays)
-  client.load         the same, plus a PersistentPromptCache hydrated on a second thread
+  kvstore.client.load         the same, plus a PersistentPromptCache hydrated on a second thread
   load, then hydrate  mlx_lm.load, then PersistentPromptCache(model, ...) hydrating after it
 
     python -m bench.overlap [--full]
@@ -23,7 +23,7 @@ from pathlib import Path
 from bench.timing import Stats, in_fresh_process
 
 MB = 2**20
-ALTERNATIVES = ("mlx_lm.load", "client.load", "load, then hydrate")
+ALTERNATIVES = ("mlx_lm.load", "kvstore.client.load", "load, then hydrate")
 # llama, float16: full ~1.3 GB of weights (663M parameters), quick ~0.23 GB
 ARCH = {
     True: dict(hidden_size=1024, num_hidden_layers=4, intermediate_size=2752, vocab_size=32000),
@@ -41,18 +41,16 @@ def _worker(argv: list[str]) -> None:
         imported = time.perf_counter()
         load(model)
         hydrated = 0
-    elif alternative == "client.load":
-        import client
-        import client.persistent  # noqa: F401  (imported before the timer, as the others' are)
+    elif alternative == "kvstore.client.load":
+        import kvstore.client.persistent  # noqa: F401  (imported before the timer, as the others' are)
 
         imported = time.perf_counter()
-        _, _, cache = client.load(model, home=home, stats=False)
+        _, _, cache = kvstore.client.load(model, home=home, stats=False)
         hydrated = cache.report.entries
         cache.close()
     else:
+        from kvstore.client import PersistentPromptCache
         from mlx_lm import load
-
-        from client import PersistentPromptCache
 
         imported = time.perf_counter()
         m, tok = load(model)
@@ -94,11 +92,11 @@ def make_model(path: Path, quick: bool) -> int:
 
 def _store_entries(home: Path, model: Path, sizes_mb: list[int]) -> int:
     from bench.shapes import KV28_F16, make_cache
-    from kvstore import codec
-    from kvstore.identity import FileHashCache, model_fingerprint
-    from kvstore.keys import entry_key, pack_tokens
+    from kvstore.codec import codec
+    from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
     from kvstore.settings import FILEHASH_NAME, ensure_home
-    from kvstore.store import Store
+    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.store import Store
 
     ensure_home(home)
     fp = model_fingerprint(model, hash_cache=FileHashCache(home / FILEHASH_NAME)).digest
@@ -135,13 +133,13 @@ def run(quick: bool) -> dict:
         "entries_bytes": entries,
         "stats": {a: st.to_json() for a, st in stats.items()},
         "process_s": process,
-        "client_load_vs_mlx_lm_load": stats["client.load"].median / base,
+        "client_load_vs_mlx_lm_load": stats["kvstore.client.load"].median / base,
         "sequential_vs_mlx_lm_load": stats["load, then hydrate"].median / base,
     }
     print(
         f"  overlap {weights / 2**30:.2f} GiB weights, {entries / 2**30:.2f} GiB entries: "
         + ", ".join(f"{a} {st.median:.2f} s" for a, st in stats.items())
-        + f"  (client.load x{out['client_load_vs_mlx_lm_load']:.3f} of mlx_lm.load)",
+        + f"  (kvstore.client.load x{out['client_load_vs_mlx_lm_load']:.3f} of mlx_lm.load)",
         flush=True,
     )
     return out

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from bench.shapes import HYBRID_9B, KV28_F16, MB, make_cache
 from bench.timing import interleave
-from kvstore import codec
-from kvstore.keys import entry_key, pack_tokens
-from kvstore.store import Store
+from kvstore.codec import codec
+from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.store import Store
 
 
 def _alternatives(store: Store, cache: list, ids: list[int], blob: bytes, ppc) -> dict:
@@ -49,9 +49,9 @@ def _persistent_prompt_cache(tmp: Path):
     worker after the request path handed them over, which is all that is timed here."""
     import logging
 
+    from kvstore.client import PersistentPromptCache
     from mlx_lm import load
 
-    from client import PersistentPromptCache
     from kvstore.tiny import make_tiny_model
 
     logging.getLogger("kvstore.client").setLevel(logging.ERROR)  # the one no-daemon warning

@@ -7,7 +7,8 @@ cold start. Token ids are generated (seeded), not tokenized: the replay needs ex
 
 Each tier's static stage prefixes are pinned first (prefill + encode + Store.put, as `kvstore warm`
 does). Then fresh subprocesses run the tier, alternating: "cold" (empty LRUPromptCache, plain mlx-lm
-behaviour) and "kvstore" (client.hydrate at start). Each call fetches the nearest cache, prefills
+behaviour) and "kvstore" (kvstore.client.hydrate at start). Each call fetches the nearest cache,
+prefills
 the rest, decodes greedily and inserts its transcript, as mlx_lm.server does.
 
 Decode length: this CPU prefills only ~3x faster per token than it decodes, where an M-series GPU
@@ -91,7 +92,7 @@ def child(model_path: Path, home: Path | None, spec: dict) -> dict:
     out: dict = {"load_s": time.perf_counter() - t0, "tiers": {}}
     lru = LRUPromptCache(max_size=64)
     if home is not None:
-        from client import hydrate
+        from kvstore.client import hydrate
 
         rep = hydrate(lru, "m", model_path, home=home, model=model)
         out["hydrate"] = {
@@ -157,12 +158,12 @@ def _warm_and_calibrate(model_path: Path, home: Path, all_tiers: dict) -> dict:
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvstore import codec
-    from kvstore.identity import FileHashCache, describe_cache, model_fingerprint
-    from kvstore.keys import entry_key, pack_tokens
-    from kvstore.prefill import prefill
+    from kvstore.codec import codec
+    from kvstore.identity.fingerprint import FileHashCache, describe_cache, model_fingerprint
     from kvstore.settings import FILEHASH_NAME, ensure_home
-    from kvstore.store import Store
+    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.store import Store
+    from kvstore.warm.prefill import prefill
 
     model, _ = load(str(model_path))
     ensure_home(home)

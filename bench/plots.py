@@ -71,7 +71,7 @@ def scaling_plot(res: dict, path: Path) -> None:
     axes[0].set_xscale("log", base=2)
     axes[0].set_yscale("log")
     axes[0].set_xlabel("prefix tokens (kv28-f16, 112 KiB/token)")
-    axes[0].set_ylabel("client.hydrate ms (median)")
+    axes[0].set_ylabel("kvstore.client.hydrate ms (median)")
     axes[0].grid(alpha=0.3)
     pop = res["vs_population"]
     names = list(pop)

@@ -1,11 +1,13 @@
 """Where hydrate time goes. Two regimes:
 
-    python -m bench.profile_hydrate --fresh [--mb 235]   # the first client.hydrate of a new process
+    python -m bench.profile_hydrate --fresh [--mb 235]   # the first kvstore.client.hydrate of a
+    new process
     python -m bench.profile_hydrate [--mb 235] [--reps 10]   # Store.load + insert, warmed up
 
 --fresh stores one kv28-f16 entry under a real fingerprint (sparse model shards, Qwen3.5-9B's
 config.json, the hash cache and the fingerprint's memo warm), then profiles the one
-client.hydrate call of a child interpreter, as an app restart makes it; the default profiles the
+kvstore.client.hydrate call of a child interpreter, as an app restart makes it; the default
+profiles the
 per-entry work in this process after warm-up rounds (mlx's buffer cache then recycles the
 destination memory).
 """
@@ -27,9 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _child(home: str, model: str) -> None:
+    from kvstore.client import hydrate
     from mlx_lm.models.cache import LRUPromptCache
-
-    from client import hydrate
 
     profile = cProfile.Profile()
     t = time.perf_counter()
@@ -38,7 +39,7 @@ def _child(home: str, model: str) -> None:
     profile.disable()
     dt = time.perf_counter() - t
     assert rep.entries == 1, rep.warning
-    print(f"first client.hydrate of a new process: {dt * 1e3:.1f} ms under the profiler "
+    print(f"first kvstore.client.hydrate of a new process: {dt * 1e3:.1f} ms under the profiler "
           f"({rep.nbytes / dt / 1e9:.2f} GB/s, {rep.nbytes / 2**20:.0f} MiB)")  # fmt: skip
     stats = pstats.Stats(profile)
     fingerprint = [v[3] for k, v in stats.stats.items() if k[2] == "model_fingerprint"]
@@ -66,9 +67,9 @@ def warm(mb: int, reps: int) -> None:
     from mlx_lm.models.cache import LRUPromptCache
 
     from bench.shapes import KV28_F16, MB, make_cache
-    from kvstore import codec
-    from kvstore.keys import entry_key, pack_tokens
-    from kvstore.store import Store
+    from kvstore.codec import codec
+    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.store import Store
 
     tokens = KV28_F16.tokens_for(mb * MB)
     ids = list(range(tokens))

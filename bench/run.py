@@ -53,7 +53,8 @@ def targets(res: dict) -> list[dict]:
     if o := res.get("overlap"):
         x = o["client_load_vs_mlx_lm_load"]
         add(
-            f"client.load within 5% of mlx_lm.load ({o['weights_bytes'] / 2**30:.2f} GiB weights, "
+            f"kvstore.client.load within 5% of mlx_lm.load "
+            f"({o['weights_bytes'] / 2**30:.2f} GiB weights, "
             f"{o['entries_bytes'] / 2**30:.2f} GiB hydrated)",
             round(x, 3),
             "x",
@@ -65,7 +66,7 @@ def targets(res: dict) -> list[dict]:
             r = _largest(h["rows"], shape=shape, regime="reused")
             x = r["hydrate_vs_load_prompt_cache"]
             add(
-                f"steady state, end to end (client.hydrate) >= load_prompt_cache (aim 2x): "
+                f"steady state, end to end (kvstore.client.hydrate) >= load_prompt_cache (aim 2x): "
                 f"{shape}, {r['size_mb']} MB",
                 round(x, 2),
                 "x",

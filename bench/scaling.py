@@ -1,4 +1,4 @@
-"""Scaling: client.hydrate vs prefix length and vs store population (mostly other models'
+"""Scaling: kvstore.client.hydrate vs prefix length and vs store population (mostly other models'
 entries); `kvstore ls` and `evict` at 10,000 entries; Store.put vs a raw write + fsync."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
+from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
 from bench.shapes import KV28_F16, MB, make_cache
 from bench.timing import Stats, interleave
-from client import hydrate
-from kvstore import codec
-from kvstore.cli import main as cli
-from kvstore.identity import FileHashCache, model_fingerprint
-from kvstore.keys import entry_key, pack_tokens
+from kvstore.cli.main import main as cli
+from kvstore.codec import codec
+from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, ensure_home
-from kvstore.store import EntryMeta, Store
+from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.store import EntryMeta, Store
 
 
 def _put_pins(home: Path, model: Path, lengths: list[int]) -> bytes:
@@ -133,7 +133,7 @@ def admin_at_10k(root: Path) -> dict:
     stats = interleave({"ls --json": ls_json, "ls": ls_table}, reps=3)
     t = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "ls", "--json", "--home", str(home)],
+        [sys.executable, "-m", "kvstore.cli.main", "ls", "--json", "--home", str(home)],
         check=True,
         capture_output=True,
     )

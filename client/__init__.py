@@ -11,28 +11,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from client.hydrate import HydrateReport, hydrate
+from kvstore.client.hydrate import HydrateReport, hydrate
 
 # Imported eagerly: the function then shadows its submodule's name on the package for good.
-from client.load import load  # noqa: E402  (light: mlx_lm is imported on the first call)
+from kvstore.client.load import load  # noqa: E402  (light: mlx_lm is imported on the first call)
 
 # name -> module, imported on first access (module __getattr__, PEP 562)
 _LAZY = {
-    "PersistentPromptCache": "client.persistent",
-    "Pin": "client.persistent",
-    "CallStats": "client.stats",
-    "LabelSummary": "client.stats",
-    "StatsRecorder": "client.stats",
-    "generate": "client.stats",
-    "stream_generate": "client.stats",
-    "StageReport": "client.analyze",
-    "load_capture": "client.analyze",
-    "ParityReport": "client.parity",
-    "load_prompts": "client.parity",
-    "run_parity": "client.parity",
-    "patched_server": "client.serve",
+    "PersistentPromptCache": "kvstore.client.persistent",
+    "Pin": "kvstore.client.persistent",
+    "CallStats": "kvstore.client.stats",
+    "LabelSummary": "kvstore.client.stats",
+    "StatsRecorder": "kvstore.client.stats",
+    "generate": "kvstore.client.stats",
+    "stream_generate": "kvstore.client.stats",
+    "StageReport": "kvstore.client.analyze",
+    "load_capture": "kvstore.client.analyze",
+    "ParityReport": "kvstore.client.parity",
+    "load_prompts": "kvstore.client.parity",
+    "run_parity": "kvstore.client.parity",
+    "patched_server": "kvstore.client.serve.command",
 }
-# client.serve.serve and client.analyze.analyze are not re-exported: a package attribute cannot be
+# kvstore.client.serve.command.serve and kvstore.client.analyze.analyze are not re-exported: a
+# package attribute cannot be
 # both the submodule and the function of the same name.
 
 __all__ = ["HydrateReport", "hydrate", "load", *_LAZY]

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from kvstore.client.jsonl import read_objects
 
-from client.jsonl import read_objects
-from kvstore.cli import home_option  # every command takes --home (analyze reads no store)
+from kvstore.cli.main import home_option  # every command takes --home (analyze reads no store)
 from kvstore.errors import KVStoreError
 
 CONTEXT = 30  # characters of stable text shown before the first dynamic block
@@ -278,8 +278,8 @@ def shared_messages(calls: list[Capture]) -> tuple[list[dict], tuple | None]:
 
 def stage_pin(stage: str, calls: list[Capture], tokenizer: Any) -> dict[str, Any]:
     """The pin kvstore's stable-boundary rule gives this stage, as a manifest warm would."""
-    from kvstore.manifest import PrefixSpec
-    from kvstore.render import render_prefix
+    from kvstore.pins.manifest import PrefixSpec
+    from kvstore.pins.render import render_prefix
 
     messages, tools = shared_messages(calls)
     if not messages:
@@ -384,7 +384,7 @@ def analyze_cmd(captured: Path, model: str | None, as_json: bool, home: Path) ->
         if model is not None:
             from mlx_lm.utils import load_tokenizer
 
-            from kvstore.identity import resolve_model_path
+            from kvstore.identity.fingerprint import resolve_model_path
 
             tokenizer = load_tokenizer(resolve_model_path(model))
         reports = analyze(captures, tokenizer=tokenizer)

@@ -1,5 +1,6 @@
 """Hydrate: scan one model's entries, decode them (`prefetch`), insert them into an LRUPromptCache
-(`insert`). The two halves are apart so that `client.load` can prefetch while the weights load.
+(`insert`). The two halves are apart so that `kvstore.client.load` can prefetch while the weights
+load.
 
 The cache is never a hard dependency: a missing home, a corrupt store or entry, or a fingerprint
 nobody stored gives one warning and a report of what did hydrate; no exception reaches the app.
@@ -14,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.loader import check_loaded_from
-from kvstore.entry import EntryMeta
+from kvstore.client.loader import check_loaded_from
+
 from kvstore.errors import KVStoreError, counted
-from kvstore.identity import FileHashCache, Fingerprint, model_fingerprint
-from kvstore.manifest import check_kv_quantization
+from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
+from kvstore.pins.manifest import check_kv_quantization
 from kvstore.settings import FILEHASH_NAME, resolve_home
-from kvstore.store import Store
+from kvstore.store.entry import EntryMeta
+from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.client")
 
@@ -84,7 +86,7 @@ def check_arguments(
 @dataclass
 class Prefetched:
     """One model's entries, read, checked and decoded, not yet in any LRUPromptCache: what
-    `client.load` reads while the weights load, and `insert` then files."""
+    `kvstore.client.load` reads while the weights load, and `insert` then files."""
 
     model_path: str
     entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
@@ -111,7 +113,8 @@ def prefetch(
     `model_config` the overrides it loaded the model with (`mlx_lm.load(model_config=...)`); with
     the loaded `model` its own arguments count too. Without the loaded `model`, the cache layout
     comes from config.json (remembered in the home's hash cache). A model loaded
-    with `client.load` is checked against the files it was loaded from: a weight file changed
+    with `kvstore.client.load` is checked against the files it was loaded from: a weight file
+    changed
     since then hydrates nothing.
     """
     t0 = time.perf_counter()
@@ -173,9 +176,9 @@ def prefetch(
 
 
 def _vocab_size(model: Any, model_path: str | Path, model_config: dict | None) -> int | None:
-    from kvstore.identity import resolve_model_path
-    from kvstore.modelconfig import effective_config
-    from kvstore.prefill import config_vocab_size, model_vocab_size
+    from kvstore.identity.fingerprint import resolve_model_path
+    from kvstore.identity.modelconfig import effective_config
+    from kvstore.warm.prefill import config_vocab_size, model_vocab_size
 
     if model is not None:
         return model_vocab_size(model)
@@ -187,7 +190,7 @@ def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
     entry has them): served, they would send an out-of-vocabulary id towards mlx."""
     import numpy as np
 
-    from kvstore.prefill import check_token_ids
+    from kvstore.warm.prefill import check_token_ids
 
     ids = np.frombuffer(meta.tokens, dtype="<u4")
     if vocab is not None and ids.size and int(ids.max()) >= vocab:

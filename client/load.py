@@ -1,4 +1,5 @@
-"""`client.load`: `mlx_lm.load` with the store's entries for the model read while the weights load.
+"""`kvstore.client.load`: `mlx_lm.load` with the store's entries for the model read while the
+weights load.
 
 The fingerprint needs only the model's files and config.json, so a second thread reads, checks
 and decodes the entries while this thread loads the weights; both mostly wait on the kernel
@@ -22,8 +23,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from client.hydrate import Prefetched, check_arguments, prefetch
-from client.loader import fingerprint_files, tag_loaded
+from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
+from kvstore.client.loader import fingerprint_files, tag_loaded
+
 from kvstore.errors import KVStoreError
 
 
@@ -48,9 +50,8 @@ def load(
     Like `hydrate`, a store problem or a wrong argument type is one warning in
     `cache.report`, never an exception (mlx_lm.load's own errors still raise).
     """
+    from kvstore.client.persistent import PersistentPromptCache
     from mlx_lm import load as mlx_load
-
-    from client.persistent import PersistentPromptCache
 
     read: dict[str, Prefetched] = {}
     # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache

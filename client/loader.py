@@ -1,4 +1,4 @@
-"""What `client.load` remembers of the files it loaded, for hydrate to check.
+"""What `kvstore.client.load` remembers of the files it loaded, for hydrate to check.
 
 An app loads the weights, then hydrate fingerprints the files: a weight file replaced in between
 would file the old weights' KV under the new files' fingerprint (and hydrate the new files' KV into
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError, ModelError
-from kvstore.identity import FileHashCache, Fingerprint, model_fingerprint
+from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, resolve_home
 
 log = logging.getLogger("kvstore.client")
@@ -104,7 +104,7 @@ def check_weights_match(model: Any, fp: Fingerprint) -> None:
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from kvstore.safetensors import DTYPES
+    from kvstore.codec.safetensors import DTYPES
 
     params = dict(tree_flatten(model.parameters())) if hasattr(model, "parameters") else {}
     candidates = []  # (name, file, offset of its bytes, byte length)
@@ -151,6 +151,6 @@ def check_weights_match(model: Any, fp: Fingerprint) -> None:
         raise ModelError(
             f"the loaded weights are not those in {path} ({len(differ)} of {compared} sampled "
             f"tensors differ, e.g. {name}): the files changed since the model was loaded; "
-            "load the model again (client.load remembers which files it loaded)"
+            "load the model again (kvstore.client.load remembers which files it loaded)"
         )
     fp.check_unchanged("its weights were compared with the loaded model")

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from kvstore.client.jsonl import read_objects
 
-from client.jsonl import read_objects
-from kvstore.cli import home_option
+from kvstore.cli.main import home_option
 from kvstore.errors import KVStoreError
 
 MAX_TOKENS = 16  # greedy steps per prompt
@@ -200,12 +200,12 @@ def run_parity(
     reference: str = "split",
 ) -> ParityReport:
     """Run every prompt with the hydrated store and without it; see the module docstring."""
+    from kvstore.client.hydrate import hydrate
     from mlx_lm import load
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-    from client.hydrate import hydrate
-    from kvstore.identity import resolve_model_path
-    from kvstore.prefill import prefill
+    from kvstore.identity.fingerprint import resolve_model_path
+    from kvstore.warm.prefill import prefill
 
     if reference not in REFERENCES:
         raise ParityError(f"reference must be one of {', '.join(REFERENCES)}")
@@ -343,7 +343,7 @@ def parity_cmd(
     \b
     kvstore parity --manifest pins.toml --prompts prompts.jsonl --max-tokens 32
     """
-    from kvstore.manifest import load_manifest
+    from kvstore.pins.manifest import load_manifest
     from kvstore.settings import MANIFEST_NAME, resolve_home
 
     home = resolve_home(home)

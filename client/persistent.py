@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
+from kvstore.client.stats import StatsRecorder
+from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
-from client.stats import StatsRecorder
-from client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
-from kvstore.render import RenderedPin, pin_extra
+from kvstore.pins.render import RenderedPin, pin_extra
 
 log = logging.getLogger("kvstore.client")
 
@@ -119,7 +119,8 @@ class PersistentPromptCache(PinnedPromptCache):
     >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
 
     `model_config` names the overrides the model was loaded with (`mlx_lm.load(model_config=)`);
-    its own arguments are read from `model` either way. Load it with `client.load` and a weight
+    its own arguments are read from `model` either way. Load it with `kvstore.client.load` and a
+    weight
     file changed since is caught: nothing is hydrated or persisted for that model. A model from
     plain `mlx_lm.load` is compared with its files (a sample of its weights) instead. Before each
     store the files are checked again: KV is filed only under the fingerprint of the weights that
@@ -200,7 +201,9 @@ class PersistentPromptCache(PinnedPromptCache):
             self._hydrating = False
             return
         try:
-            if prefetched is None:  # else read already, while the weights loaded (client.load)
+            if (
+                prefetched is None
+            ):  # else read already, while the weights loaded (kvstore.client.load)
                 prefetched = prefetch(model_path, **ident, model=model)
             self._fp = prefetched.fingerprint
             self.report: HydrateReport = insert(self, self.model_key, prefetched)
@@ -254,7 +257,7 @@ class PersistentPromptCache(PinnedPromptCache):
         )
         if best is None:
             return
-        from kvstore.keys import entry_key
+        from kvstore.store.keys import entry_key
 
         self._hits.append(entry_key(self.fingerprint, best))
         if time.monotonic() - self._hits_sent >= HIT_BATCH_S:
@@ -298,7 +301,7 @@ class PersistentPromptCache(PinnedPromptCache):
             extra = pin_extra(rendered, dict(kwargs))
         else:
             ids = tuple(tokens)
-        from kvstore.prefill import check_token_ids, model_vocab_size
+        from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
         # an id past the embedding would crash the process in mlx, not raise
         ids = check_token_ids(ids, model_vocab_size(self.model), what=f"pin {name!r}")
@@ -309,7 +312,7 @@ class PersistentPromptCache(PinnedPromptCache):
             return self._pins[key][0]
         source, cache = self._find(ids)
         if cache is None:
-            from kvstore.prefill import prefill
+            from kvstore.warm.prefill import prefill
 
             source = "prefill"
             cache = prefill(
@@ -341,8 +344,8 @@ class PersistentPromptCache(PinnedPromptCache):
         tools: Iterable | None,
         template_kwargs: dict,
     ) -> RenderedPin:
-        from kvstore.manifest import PrefixSpec, check_template_kwargs
-        from kvstore.render import render_prefix
+        from kvstore.pins.manifest import PrefixSpec, check_template_kwargs
+        from kvstore.pins.render import render_prefix
 
         spec = PrefixSpec(
             name=name,
@@ -363,8 +366,8 @@ class PersistentPromptCache(PinnedPromptCache):
             return "memory", self._trie.get(self.model_key, list(ids)).prompt_cache
         if self.fingerprint is None:
             return "", None
-        from kvstore.keys import entry_key, pack_tokens
-        from kvstore.store import Store
+        from kvstore.store.keys import entry_key, pack_tokens
+        from kvstore.store.store import Store
 
         try:
             with Store(self.home, readonly=True) as store:
@@ -404,10 +407,10 @@ class PersistentPromptCache(PinnedPromptCache):
     def _send(
         self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool, extra: dict
     ) -> None:
-        from kvstore import codec
-        from kvstore.codehash import runtime_versions
-        from kvstore.identity import template_hash
-        from kvstore.keys import entry_key, pack_tokens
+        from kvstore.codec import codec
+        from kvstore.identity.codehash import runtime_versions
+        from kvstore.identity.fingerprint import template_hash
+        from kvstore.store.keys import entry_key, pack_tokens
 
         if not self._files_hold_these_weights():
             return
@@ -442,7 +445,7 @@ class PersistentPromptCache(PinnedPromptCache):
         and must never be filed under theirs. Said once; nothing is stored after."""
         if self._fp is None or not self._fp.changed_files():
             return True
-        from kvstore.identity import FileHashCache, model_fingerprint
+        from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
         from kvstore.settings import FILEHASH_NAME
 
         try:

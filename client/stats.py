@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from client.writebehind import Job, WriteBehind
-from kvstore import codec
+from kvstore.client.writebehind import Job, WriteBehind
+
+from kvstore.codec import codec
 
 log = logging.getLogger("kvstore.client")
 
@@ -186,7 +187,7 @@ def stream_generate(
         special = bos is None or not prompt.startswith(bos)
         prompt = tokenizer.encode(prompt, add_special_tokens=special)
     else:  # the app's own ids: one past the embedding would crash the process in mlx
-        from kvstore.prefill import check_token_ids, model_vocab_size
+        from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
         prompt = check_token_ids(prompt, model_vocab_size(model), what="prompt")
     tokens = list(prompt)

@@ -146,8 +146,8 @@ class WriteBehind:
         # Reconnect per job while none answers: cheap (no socket file, or a refused connect), and
         # a daemon started after the app is picked up without a restart.
         if self._client is None:
-            from kvstore.daemon_client import connect
             from kvstore.errors import KVStoreError
+            from kvstore.wire.daemon_client import connect
 
             try:
                 self._client = connect(self.home)

@@ -1,5 +1,5 @@
 """The kvstore daemon: the store's one writer (socket server, warmer, watcher, service files)."""
 
-from daemon.server import Daemon, run
+from kvstore.daemon.server import Daemon, run
 
 __all__ = ["Daemon", "run"]

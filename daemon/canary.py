@@ -6,7 +6,8 @@ an upgrade rewrites) every `version_check_interval` seconds; when it changed sin
 started, the daemon stops and re-executes itself (same pid, what launchd and systemd see) into the
 new code. At boot the versions it runs are compared with those its home last ran with
 (HOME/runtime.json); when they differ, one short pin per model is re-prefilled and compared with
-its stored entry (kvstore.canary), and a model whose KV moved beyond float noise has its entries
+its stored entry (kvstore.warm.canary), and a model whose KV moved beyond float noise has its
+entries
 dropped, so the boot warm that follows re-warms its pins with the new code.
 """
 
@@ -20,10 +21,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore import canary, codehash
 from kvstore.errors import KVStoreError, counted
-from kvstore.manifest import load_manifest
-from kvstore.store import Store
+from kvstore.identity import codehash
+from kvstore.pins.manifest import load_manifest
+from kvstore.store.store import Store
+from kvstore.warm import canary
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -113,9 +115,9 @@ def restart_into_new_code(what: str) -> None:
 
 
 def reexec(argv: list[str]) -> None:
-    """Replace this process with `python -m kvstore.cli daemon ...` (the lock, socket and LMDB
+    """Replace this process with `python -m kvstore.cli.main daemon ...` (the lock, socket and LMDB
     were released by the clean stop; the pid stays, so a service manager sees no exit)."""
     log.info("upgrade canary: re-executing %s", " ".join(argv))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "kvstore.cli", *argv])
+    os.execv(sys.executable, [sys.executable, "-m", "kvstore.cli.main", *argv])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli import home_option
+from kvstore.cli.main import home_option
 
 
 @click.command(name="daemon")
@@ -41,9 +41,9 @@ def daemon_cmd(manifest: Path | None, home: Path, log_level: str, log_file: Path
     \b
     kvstore daemon --manifest pins.toml
     """
-    from daemon import canary
-    from daemon.boot import run
-    from daemon.logs import setup_logging
+    from kvstore.daemon import canary
+    from kvstore.daemon.boot import run
+    from kvstore.daemon.logs import setup_logging
 
     setup_logging(log_level, log_file)
     rc = run(home, manifest=manifest)

@@ -16,22 +16,23 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.lifecycle import peak_rss_bytes, rss_bytes
-from daemon.upkeep import Upkeep
-from daemon.writer import Writer
-from kvstore import codec
-from kvstore.entry import tokens_match_key
+from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
+from kvstore.daemon.upkeep import Upkeep
+from kvstore.daemon.writer import Writer
+
+from kvstore.codec import codec
 from kvstore.errors import CodecError, KVStoreError
-from kvstore.eviction import select_for_eviction
-from kvstore.keys import KEY_BYTES
-from kvstore.ledger import Ledger, validate
-from kvstore.manifest import load_manifest
-from kvstore.ownership import owning_manifests
-from kvstore.registry import canonical, register, unregister
-from kvstore.store import Store, blob_checksum
+from kvstore.pins.manifest import load_manifest
+from kvstore.pins.registry import canonical, register, unregister
+from kvstore.store.entry import tokens_match_key
+from kvstore.store.eviction import select_for_eviction
+from kvstore.store.keys import KEY_BYTES
+from kvstore.store.ledger import Ledger, validate
+from kvstore.store.ownership import owning_manifests
+from kvstore.store.store import Store, blob_checksum
 
 if TYPE_CHECKING:
-    from daemon.server import Connection
+    from kvstore.daemon.server import Connection
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -186,7 +187,8 @@ class Commands:
             raise ValueError(f"put {key.hex()}: blob length or checksum does not match")
 
         def job():
-            # Decoded here, on the writer (main) thread: see daemon.writer on mlx and threads.
+            # Decoded here, on the writer (main) thread: see kvstore.daemon.writer on mlx and
+            # threads.
             try:
                 cache, _ = codec.decode(blob, name=f"put {key.hex()}")
             except CodecError as e:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvstore.ownership import owners
+from kvstore.store.ownership import owners
 
 log = logging.getLogger("kvstore.daemon")
 

@@ -21,10 +21,11 @@ import threading
 import time
 from pathlib import Path
 
-from daemon.exits import PARK_UNDER, SUPERVISOR_ENV
-from kvstore.daemon_client import socket_path
+from kvstore.daemon.exits import PARK_UNDER, SUPERVISOR_ENV
+
 from kvstore.errors import KVStoreError
 from kvstore.settings import LOCK_NAME
+from kvstore.wire.daemon_client import socket_path
 
 # struct ucred (Linux SO_PEERCRED): pid_t pid, uid_t uid, gid_t gid.
 UCRED = struct.Struct("=iII")
@@ -67,7 +68,7 @@ def park_if_supervised(code: int, reason: str) -> int:
     return code
 
 
-# A CLI tests the lock with a shared flock held for microseconds (kvstore.daemon_client.
+# A CLI tests the lock with a shared flock held for microseconds (kvstore.wire.daemon_client.
 # lock_holder): a daemon starting in that instant tries again for this long before it concludes
 # that another daemon holds the home.
 LOCK_RETRY_SECONDS = 1.0
@@ -275,7 +276,7 @@ def _sysctl_int(name: str) -> int | None:
 
 def memory_to_load(model_dir: Path, adapter: str | None) -> int:
     """Bytes a model load needs: its weight (and adapter) files plus the margin."""
-    from kvstore.identity import ADAPTER_GLOBS, WEIGHT_GLOBS
+    from kvstore.identity.fingerprint import ADAPTER_GLOBS, WEIGHT_GLOBS
 
     files = [p for g in WEIGHT_GLOBS for p in model_dir.glob(g)]
     if adapter:

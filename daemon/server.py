@@ -19,22 +19,23 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from daemon import exits
-from daemon.commands import Commands
-from daemon.daywatch import DayWatch
-from daemon.lifecycle import (
+from kvstore.daemon import exits
+from kvstore.daemon.commands import Commands
+from kvstore.daemon.daywatch import DayWatch
+from kvstore.daemon.lifecycle import (
     check_peer,
     cred_layout,
     rss_bytes,
 )
-from daemon.upkeep import Upkeep, watched_files
-from daemon.writer import Writer
-from kvstore import protocol
+from kvstore.daemon.upkeep import Upkeep, watched_files
+from kvstore.daemon.writer import Writer
+
 from kvstore.errors import KVStoreError, ProtocolError, counted
-from kvstore.ledger import Ledger
-from kvstore.registry import canonical
+from kvstore.pins.registry import canonical
 from kvstore.settings import STORE_DIR, load_settings
-from kvstore.store import Store
+from kvstore.store.ledger import Ledger
+from kvstore.store.store import Store
+from kvstore.wire import protocol
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -193,7 +194,7 @@ class Daemon(Commands):
 
     def _start_watcher(self) -> None:
         try:
-            from daemon.watcher import Watcher
+            from kvstore.daemon.watcher import Watcher
         except ImportError as e:  # pragma: no cover - only while the watcher is being written
             log.warning("file watching unavailable (%s); SIGHUP or `kvstore warm` re-reads", e)
             return
@@ -402,14 +403,14 @@ class Daemon(Commands):
 
 
 def setup_logging(level: str = "INFO") -> None:
-    """One line per event on stderr (daemon.logs does files too)."""
-    from daemon.logs import setup_logging as setup
+    """One line per event on stderr (kvstore.daemon.logs does files too)."""
+    from kvstore.daemon.logs import setup_logging as setup
 
     setup(level)
 
 
 def run(home: Path, *, manifest: Path | None = None) -> int:
     """Run the daemon for `home` (daemon/boot.py); its exit status."""
-    from daemon.boot import run as boot_run
+    from kvstore.daemon.boot import run as boot_run
 
     return boot_run(home, manifest=manifest)

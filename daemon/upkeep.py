@@ -1,6 +1,7 @@
 """Keeping the store true: reconcile manifests (warm) and hold the byte budget.
 
-Everything here runs on the writer thread. The warm itself is kvstore.warm.warm: it purges stale
+Everything here runs on the writer thread. The warm itself is kvstore.warm.warm.warm: it purges
+stale
 pins, loads a model only when a pin is missing, and releases it afterwards.
 """
 
@@ -16,18 +17,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from daemon import lifecycle
-from daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
-from daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
-from kvstore.clock import local_now
+from kvstore.daemon import lifecycle
+from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
+from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
+
 from kvstore.errors import KVStoreError, PrefillStopped, counted
-from kvstore.eviction import select_for_eviction
-from kvstore.identity import ADAPTER_GLOBS, TEMPLATE_FILES, WEIGHT_GLOBS, resolve_model_path
-from kvstore.manifest import Manifest, load_manifest, manifest_files
-from kvstore.prefill import stop_when
-from kvstore.registry import canonical
-from kvstore.store import Store
-from kvstore.warm import WarmReport, warm
+from kvstore.identity.fingerprint import (
+    ADAPTER_GLOBS,
+    TEMPLATE_FILES,
+    WEIGHT_GLOBS,
+    resolve_model_path,
+)
+from kvstore.pins.clock import local_now
+from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
+from kvstore.pins.registry import canonical
+from kvstore.store.eviction import select_for_eviction
+from kvstore.store.store import Store
+from kvstore.warm.prefill import stop_when
+from kvstore.warm.warm import WarmReport, warm
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -127,21 +134,21 @@ class Upkeep:
         self.deferred: dict[str, dict[str, Any]] = {}
         self._pins_over_budget = False
         self._versions: VersionWatch | None = None
-        self.uploader: Any = None  # the fleet tier (kvstore.remote_queue), when [remote] is set
+        self.uploader: Any = None  # the fleet tier (kvstore.fleet.queue), when [remote] is set
         self.fetcher: Any = None
 
     def start_remote(self, ledger: Any) -> None:
         """Start the fleet tier's upload worker and read-through, when settings have [remote].
         Any problem is one log line and the daemon runs local-only."""
-        from kvstore.remote_settings import remote_settings
+        from kvstore.fleet.settings import remote_settings
 
         try:
             rs = remote_settings(self.settings, self.home)
             if rs is None:
                 return
-            from kvstore.remote import Remote
-            from kvstore.remote_fetch import WarmFetcher
-            from kvstore.remote_queue import UploadQueue, start_uploader
+            from kvstore.fleet.fetch import WarmFetcher
+            from kvstore.fleet.objects import Remote
+            from kvstore.fleet.queue import UploadQueue, start_uploader
 
             remote = Remote(rs)
             if rs.upload:
@@ -166,7 +173,7 @@ class Upkeep:
     def _progress(self, msg: str) -> None:
         if self.stopping.is_set():
             raise WarmCancelled("the daemon is stopping; the warm stopped between pins")
-        if not msg.startswith("purged pin"):  # kvstore.warm logs purges itself
+        if not msg.startswith("purged pin"):  # kvstore.warm.warm logs purges itself
             log.info("warm: %s", msg)
 
     def warm(
@@ -212,7 +219,7 @@ class Upkeep:
             except PrefillStopped as e:
                 raise WarmCancelled(f"the daemon is stopping: {e}") from None
             if report.models_loaded:
-                trim_heap()  # kvstore.warm released the model; hand its freed pages back too
+                trim_heap()  # kvstore.warm.warm released the model; hand its freed pages back too
         present = sum(p.status == "present" for p in report.pins)
         for p in report.pins:  # where each pin's KV came from
             if p.status not in ("failed", "deferred"):
@@ -334,7 +341,8 @@ class Upkeep:
         return reports
 
     def boot_canary(self, manifest_paths: list[Path]) -> None:
-        """After an upgrade the stored KV is checked before the boot warm (daemon.canary), and
+        """After an upgrade the stored KV is checked before the boot warm (kvstore.daemon.canary),
+        and
         from then on the installed versions are watched."""
         try:
             check_at_boot(self.store, self.home, manifest_paths)

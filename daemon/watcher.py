@@ -30,16 +30,17 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from kvstore.daemon.watch_paths import covers, identity, nearest_dir, path_key
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
-from daemon.watch_paths import covers, identity, nearest_dir, path_key
-from kvstore.identity import hash_file
+from kvstore.identity.fingerprint import hash_file
 
 log = logging.getLogger("kvstore.daemon")
 
-# Weight files this large are compared by stat identity, not read: kvstore.identity already
+# Weight files this large are compared by stat identity, not read: kvstore.identity.fingerprint
+# already
 # content-hashes them (cached by the same identity) when the fingerprint is recomputed.
 STAT_ONLY_BYTES = 64 * 2**20  # 64 MiB
 # A file saved over and over must still be reported eventually.

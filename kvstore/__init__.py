@@ -1,6 +1,5 @@
 """kvstore: a persistent on-disk store of pinned-prefix KV caches for mlx-lm."""
 
-from kvstore.daemon_client import DaemonClient, connect
 from kvstore.errors import (
     CodecError,
     CorruptEntryError,
@@ -11,9 +10,10 @@ from kvstore.errors import (
     ProtocolError,
     StoreError,
 )
-from kvstore.identity import Fingerprint, model_fingerprint, template_hash
-from kvstore.keys import entry_key, prefix_hash
-from kvstore.store import EntryMeta, Store
+from kvstore.identity.fingerprint import Fingerprint, model_fingerprint, template_hash
+from kvstore.store.keys import entry_key, prefix_hash
+from kvstore.store.store import EntryMeta, Store
+from kvstore.wire.daemon_client import DaemonClient, connect
 
 __version__ = "0.1.0"
 

@@ -62,14 +62,14 @@ def full_open_env(real):
 DAEMON_CODE = f"""
 import sys
 sys.path.insert(0, {str(HERE)!r})
-import kvstore.store, kvstore.warm
+import kvstore.store.store, kvstore.warm.warm
 from full_disk import full_open_env
-kvstore.store.open_env = full_open_env(kvstore.store.open_env)
-real_prefill = kvstore.warm.prefill_pin
+kvstore.store.store.open_env = full_open_env(kvstore.store.store.open_env)
+real_prefill = kvstore.warm.warm.prefill_pin
 def counted(*a, **kw):
     print("INJECTED: prefill", file=sys.stderr, flush=True)
     return real_prefill(*a, **kw)
-kvstore.warm.prefill_pin = counted
-from kvstore.cli import main
+kvstore.warm.warm.prefill_pin = counted
+from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])
 """

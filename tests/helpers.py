@@ -12,8 +12,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from kvstore.daemon_client import DaemonClient, connect
+from kvstore.pins.manifest import load_manifest
+from kvstore.store.store import Store
+from kvstore.warm.warm import warm
+from kvstore.wire.daemon_client import DaemonClient, connect
 
 
 def manifest_for(
@@ -88,7 +93,7 @@ class Proc:
         """`code`, if given, is run with `python -c` instead of `kvstore daemon` (a daemon with
         a patched call, say); `preexec_fn` runs in the child before exec (rlimits)."""
         self.home, self.log = home, log
-        argv = ["-c", code] if code else ["-m", "kvstore.cli", "daemon"]
+        argv = ["-c", code] if code else ["-m", "kvstore.cli.main", "daemon"]
         with log.open("ab") as f:
             self.p = subprocess.Popen(
                 [sys.executable, *argv, "--home", str(home), *args],
@@ -158,3 +163,24 @@ def serving(d: Proc, *, warm: bool = True) -> Iterator[Proc]:
     finally:
         rc, _ = d.stop()
     assert rc == 0, d.text()
+
+
+def warm_two_pins(tmp_path, home, model_path, extra=""):
+    manifest = load_manifest(manifest_for(tmp_path, model_path, TWO_PINS, extra=extra))
+    with Store(home) as store:
+        report = warm(manifest, store, home=home)
+        metas = {m.label: m for m in store.metas()}
+    assert report.warmed == 2 and not report.failed
+    return metas
+
+
+def mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
+    """The reference, from mlx-lm's own pieces: one forward pass into make_prompt_cache, then
+    generate's maybe_quantize_kv_cache (kvstore's prefill is not used to check itself)."""
+    cache = make_prompt_cache(model)
+    model(mx.array(tokens)[None], cache=cache)
+    if quant:
+        maybe_quantize_kv_cache(cache, quant["quantized_kv_start"], quant["kv_group_size"],
+                                quant["kv_bits"])  # fmt: skip
+    mx.eval([c.state for c in cache])
+    return cache

@@ -1,0 +1,87 @@
+"""`kvstore serve --persist-system-prompts`: new system-prompt caches the server inserts are
+sent to the daemon (kvstore.client.serve.hooks offers them), so later starts hydrate them."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvstore.client.writebehind import Job, WriteBehind
+
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.serve")
+
+PERSIST_QUEUE = 8  # system prefixes waiting to be sent; more are dropped (never block a request)
+
+
+class SystemPromptPersister:
+    """Sends new system-prompt caches to the daemon through the client's write-behind queue.
+
+    The request path only evaluates and enqueues; encoding and the socket happen on its worker.
+    With no daemon, one warning, then prefixes are dropped and serving goes on.
+    """
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.writer = WriteBehind(home, maxsize=PERSIST_QUEUE)
+        self.seen: set[tuple] = set()
+        self.sent = 0
+
+    def offer(
+        self, target: dict[str, Any], tokens: Sequence[int], cache: list, extra: dict | None = None
+    ) -> None:
+        ident = (target["fingerprint"], tuple(tokens))
+        if ident in self.seen:
+            return
+        self.seen.add(ident)
+        import mlx.core as mx
+
+        # Evaluate on the generation thread (its stream); the worker only reads finished arrays.
+        mx.eval([c.state for c in cache])
+        tokens = list(tokens)
+        job = Job(
+            f"system prefix ({len(tokens)} tokens)",
+            lambda client: self._send(client, target, tokens, cache, extra or {}),
+        )
+        if not self.writer.submit(job):
+            self.seen.discard(ident)  # offered again the next time the server inserts it
+
+    def _send(
+        self, client: Any, target: dict[str, Any], tokens: list[int], cache: list, extra: dict
+    ) -> None:
+        from kvstore.codec import codec
+        from kvstore.identity.codehash import runtime_versions
+        from kvstore.store.keys import entry_key, pack_tokens
+        from kvstore.store.store import Store
+
+        key = entry_key(target["fingerprint"], tokens)
+        with contextlib.suppress(KVStoreError), Store(self.home, readonly=True) as store:
+            meta = store.get_meta(key)
+            if meta is not None and meta.tokens == pack_tokens(tokens):
+                return  # hydrated or persisted before
+        blob = codec.encode(cache, {"model": target["model"], "tokenizer_config": "{}"})
+        fields = dict(
+            tokens=pack_tokens(tokens),
+            label="system",
+            pinned=False,
+            model=target["model"],
+            template_hash=target["template_hash"],
+            classes=codec.cache_classes(cache),
+            extra={
+                "adapter": target["adapter"],
+                "kv_bits": target["kv_bits"],
+                "kv_group_size": target["kv_group_size"],
+                "quantized_kv_start": target["quantized_kv_start"],
+                "model_config": target["model_config"],
+                "source": "serve",
+                "runtime": runtime_versions(),
+                **extra,
+            },
+        )
+        client.put(key, blob, fields)
+        self.sent += 1
+        log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), target["model"])

@@ -1,0 +1,1 @@
+"""`kvstore service`: the daemon as a launchd LaunchAgent (macOS) or a systemd user unit (Linux)."""

@@ -1,0 +1,478 @@
+"""`kvstore ls | evict | stats | verify`: what is stored, and keeping it within bounds."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from kvstore.cli.main import (
+    _progress,
+    _tty,
+    home_option,
+    human_size,
+    main,
+    open_store,
+    parse_size,
+    resolve_keys,
+    user_errors,
+    wait_option,
+)
+from kvstore.errors import counted
+from kvstore.pins.registry import canonical
+from kvstore.store.eviction import select_for_eviction
+from kvstore.store.ownership import owning_manifests
+from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
+
+
+def _age(ts: float) -> str:
+    s = max(0.0, time.time() - ts)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _previews(metas) -> dict[bytes, str]:
+    """First tokens of each entry, decoded with its model's tokenizer when that loads."""
+    from kvstore.identity.fingerprint import resolve_model_path
+
+    tokenizers: dict[str, object] = {}
+    out = {}
+    for m in metas:
+        if m.model not in tokenizers:
+            try:
+                from mlx_lm.utils import load_tokenizer
+
+                tokenizers[m.model] = load_tokenizer(resolve_model_path(m.model))
+            except Exception:
+                tokenizers[m.model] = None
+        tok = tokenizers[m.model]
+        ids = m.token_ids()[:24]
+        text = tok.decode(ids) if tok is not None else " ".join(map(str, ids))
+        out[m.key] = text.replace("\n", "\\n")[:48]
+    return out
+
+
+@main.command(name="ls")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, as a list.")
+@click.option("--model", default=None, help="Only entries of this model path.")
+@click.option("--label", default=None, help="Only entries with this label.")
+@home_option
+@user_errors
+def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> None:
+    """List stored entries.
+
+    \b
+    kvstore ls
+    kvstore ls --json | jq '.[] | select(.pinned)'
+    """
+    if not (home / "store" / "data.mdb").is_file():
+        metas, errors = [], []
+    else:
+        with open_store(home) as store:
+            errors: list = []
+            metas = store.metas(errors=errors)
+    metas = [
+        m
+        for m in metas
+        if (model is None or m.model == model) and (label is None or m.label == label)
+    ]
+    if as_json:
+        click.echo(json.dumps([m.to_json() for m in metas], indent=1))
+    else:
+        previews = _previews(metas)
+        click.echo(
+            f"{'KEY':14} {'LABEL':16} {'TOKENS':>6} {'SIZE':>10} PIN {'HITS':>4} "
+            f"{'LAST USED':>10}  MODEL / FIRST TOKENS"
+        )
+        for m in sorted(metas, key=lambda m: (m.model, m.label)):
+            click.echo(
+                f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
+                f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
+                f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
+                # a clock-bound pin (its template prints the date) holds for one local day
+                + (f"  valid {m.extra['valid_date']}" if m.extra.get("valid_date") else "")
+                # imported with --trust: never compared with a re-prefill
+                + ("  trusted, unchecked" if m.extra.get("trusted") is True else "")
+            )
+        click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
+    for e in errors:
+        click.echo(f"warning: {e}", err=True)
+
+
+@main.command()
+@click.argument("keys", nargs=-1)
+@click.option("--label", default=None, help="Entries with this label.")
+@click.option("--model", default=None, help="Entries of this model path (as stored).")
+@click.option("--unpinned", is_flag=True, help="Only unpinned entries.")
+@click.option(
+    "--stale",
+    is_flag=True,
+    help="Entries whose model changed or is gone (those it cannot judge here are kept).",
+)
+@click.option("--all", "everything", is_flag=True, help="Every entry.")
+@click.option("--to-size", default=None, help="Evict LRU unpinned entries until the store fits.")
+@wait_option
+@home_option
+@user_errors
+def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: Path) -> None:
+    """Remove entries. Filters combine (AND); at least one is required.
+
+    \b
+    kvstore evict 3fa2c1          # one key (a unique hex prefix)
+    kvstore evict --label classify
+    kvstore evict --unpinned --to-size 2G
+    """
+    if not (keys or label or model or unpinned or stale or everything or to_size):
+        raise click.UsageError(
+            "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
+        )
+    size = parse_size(to_size) if to_size else None
+    client = connect_writer(home, wait=wait)
+    if client is not None:  # the daemon is the writer: it selects and deletes in one job
+        with client, open_store(home) as store:
+            resolved = resolve_keys(store, keys) if keys else []
+            res = client.request(
+                "evict",
+                keys=list(resolved),
+                label=label,
+                model=model,
+                unpinned=unpinned,
+                stale=stale,
+                all=everything,
+                to_size=size,
+            )
+        n = res["evicted"]
+        click.echo(f"evicted {counted(n, 'entry')}, {human_size(res['bytes'])}")
+        _report_owned(res.get("owned") or [], daemon=True)
+        _report_unknown(res.get("unknown") or [])
+        return
+    with open_store(home, write=True) as store:
+        resolved = resolve_keys(store, keys) if keys else ()
+        metas = store.metas(errors=[])
+        unknown: list = []
+        victims = select_for_eviction(
+            metas,
+            keys=resolved,
+            label=label,
+            model=model,
+            unpinned=unpinned,
+            stale=stale,
+            everything=everything,
+            to_size=size,
+            home=home,
+            unknown=unknown,
+        )
+        n = store.delete(m.key for m in victims)
+    click.echo(f"evicted {counted(n, 'entry')}, {human_size(sum(m.nbytes for m in victims))}")
+    started = _started_manifests(home)
+    _report_owned(
+        [
+            {"label": m.label, "model": m.model, "manifest": path,
+             "watched": canonical(path) in started}
+            for m in victims
+            for path in owning_manifests(m)
+        ],
+        daemon=False,
+    )  # fmt: skip
+    _report_unknown(
+        [{"key": m.key.hex(), "label": m.label, "model": m.model, "reason": r} for m, r in unknown]
+    )
+
+
+def _started_manifests(home: Path) -> set[Path]:
+    """The manifests a daemon started for this home reconciles: the registered ones and the
+    home's manifest.toml."""
+    from kvstore.errors import KVStoreError
+    from kvstore.pins.registry import registered
+    from kvstore.settings import MANIFEST_NAME
+
+    try:
+        paths = {r.path for r in registered(home)}
+    except KVStoreError:
+        paths = set()
+    if (home / MANIFEST_NAME).is_file():
+        paths.add(canonical(home / MANIFEST_NAME))
+    return paths
+
+
+def _report_owned(owned: list[dict], *, daemon: bool) -> None:
+    """An evicted pin that a manifest still names comes back when that manifest is reconciled:
+    say which manifest, and when. Evict does not re-warm it at once: it is how space is freed or
+    a suspect entry dropped, and a re-warm loads the model."""
+    for o in owned:
+        name, path = o["label"], o["manifest"]
+        if not o["watched"]:
+            click.echo(
+                f"pin {name!r} came from manifest {path}, which no daemon watches: it stays "
+                f"evicted until `kvstore warm --manifest {path}`"
+            )
+            continue
+        when = (
+            "the daemon re-warms it at its next reconcile (a restart, a manifest edit or "
+            f"`kvstore warm --manifest {path}`)"
+            if daemon
+            else f"the daemon re-warms it when it starts (`kvstore warm --manifest {path}` now)"
+        )
+        click.echo(
+            f"pin {name!r} is kept by manifest {path}: {when}; "
+            "remove it from the manifest to drop it for good"
+        )
+
+
+def _report_unknown(unknown: list[dict]) -> None:
+    """--stale never deletes what it cannot judge: say which entries were kept, and why."""
+    if not unknown:
+        return
+    n = len(unknown)
+    click.echo(f"kept {counted(n, 'entry')} whose staleness is unknown here:")
+    for u in unknown:
+        click.echo(f"  {u['key'][32:44]} {u['label'][:16]:16} {u['model']}: {u['reason']}")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+@wait_option
+@home_option
+@user_errors
+def stats(as_json: bool, wait: float, home: Path) -> None:
+    """Store size, entries, pins, settings; with a daemon running, its state and the prefill
+    ledger (per model and label: calls, tokens from cache, tokens prefilled, seconds).
+
+    \b
+    kvstore stats
+    kvstore stats --json | jq .ledger
+    """
+    from kvstore.settings import load_settings
+
+    silent: DaemonNotAnswering | None = None  # the store is read directly; exits 1 after
+    try:
+        client = connect_writer(home, timeout=10, wait=wait)
+    except DaemonNotAnswering as e:
+        client, silent = None, e
+    if client is not None:
+        with client:
+            data = client.request("stats")
+    elif not (home / "store" / "data.mdb").is_file():
+        data = {"path": str(home / "store"), "entries": 0, "bytes": 0}
+    else:
+        with open_store(home) as store:
+            data = store.stats()
+    if "ledger" not in data:
+        from kvstore.store.ledger import Ledger
+
+        data["ledger"] = Ledger(home).stats()
+    data.setdefault("settings", load_settings(home))
+    if silent is not None:
+        data["daemon"] = {"pid": silent.pid, "answers": False}
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        if silent is not None:
+            raise click.ClickException(str(silent))
+        return
+    for k, v in data.items():
+        if not isinstance(v, dict):
+            click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
+    daemon = data.get("daemon")
+    if silent is not None:
+        click.echo(f"daemon         pid {silent.pid}: holds this store but does not answer")
+    elif daemon:
+        click.echo(
+            f"daemon         pid {daemon['pid']}, up {daemon['uptime']:.0f}s, "
+            f"{human_size(daemon['rss'])} resident, watcher {daemon['watcher']}"
+        )
+        for manifest, d in (daemon.get("deferred") or {}).items():
+            click.echo(f"deferred       warm of {manifest}: {d['reason']}")
+    else:
+        click.echo("daemon         not running")
+    rows = (data.get("ledger") or {}).get("by_model_label") or []
+    if rows:
+        click.echo(
+            f"\n{'MODEL':20} {'LABEL':14} {'CALLS':>6} {'PROMPT':>8} {'CACHED':>8} "
+            f"{'PREFILLED':>9} {'PREFILL S':>9} {'SAVED S~':>8}"
+        )
+        for r in rows:
+            click.echo(
+                f"{Path(r['model']).name[:20]:20} {r['label'][:14]:14} {r['calls']:6d} "
+                f"{r['prompt_tokens']:8d} {r['cached_tokens']:8d} "
+                f"{r['prefilled_tokens']:9d} {r['prefill_s']:9.2f} "
+                f"{r['saved_s']:8.2f}"
+            )
+    click.echo("settings:")
+    for k, v in data["settings"].items():
+        click.echo(f"  {k:22} {v}")
+    if silent is not None:
+        raise click.ClickException(str(silent))
+
+
+@main.command()
+@click.option("--repair", is_flag=True, help="Delete the entries that fail.")
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Also re-prefill one short pin per manifest model and compare it with the stored KV "
+    "(the upgrade canary), and every entry that is no manifest's pin (imports, app pins); with "
+    "--repair, a model that differs is dropped and re-warmed, an entry that differs deleted.",
+)
+@click.option(
+    "--manifest",
+    "manifests",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Manifest whose models --deep checks (default: the registered manifests and the "
+    "home's manifest.toml). Repeatable.",
+)
+@home_option
+@user_errors
+def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) -> None:
+    """Check every entry: meta, checksum, and a full decode. Exits 1 naming each bad entry.
+
+    Checking reads the store directly. With --repair the deletions are writes: with a daemon
+    running it does the repair (it is the one writer), else this process does.
+
+    \b
+    kvstore verify --deep          # after upgrading mlx or mlx-lm
+    """
+    if not (home / "store" / "data.mdb").is_file():
+        click.echo("no store: nothing to verify")
+        return
+    client = connect_writer(home) if repair else None  # never write beside a daemon
+    if client is not None:
+        _progress(f"repairing through the daemon for {home}; it checks every entry")
+        with client:
+            res = client.call("repair", timeout=None)
+        n = res["entries"]
+        problems = [(bytes(p["key"]).hex(), p["reason"]) for p in res["problems"]]
+    else:
+        with open_store(home, write=repair) as store:
+            n = len(store.keys())
+            bar = (
+                (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
+                if _tty()
+                else None
+            )
+            problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
+    for key, reason in problems:
+        click.echo(f"bad entry {key}: {reason}")
+    _report_trusted(home, deep)
+    differs = _deep(home, manifests, repair=repair) if deep else 0
+    entries_differ = _deep_entries(home, repair=repair) if deep else 0
+    if problems or differs or entries_differ:
+        what = []
+        if problems:
+            failed = f"{counted(len(problems), 'entry')} of {n} failed"
+            what.append(failed + (" (deleted)" * repair))
+        if differs:
+            what.append(
+                f"{counted(differs, 'model')} computed other KV than stored"
+                + (" (re-warmed)" * repair)
+            )
+        if entries_differ:
+            what.append(
+                f"{counted(entries_differ, 'entry')} computed other KV than stored"
+                + (" (deleted)" * repair)
+            )
+        raise click.ClickException("; ".join(what))
+    click.echo(f"{counted(n, 'entry')} ok")
+
+
+def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
+    """The upgrade canary on demand; returns how many models differ."""
+    from kvstore.pins.manifest import load_manifest
+    from kvstore.settings import MANIFEST_NAME
+    from kvstore.warm.canary import check_manifest, describe
+
+    if manifests:
+        paths = list(manifests)
+    else:  # the manifests a daemon keeps true: the registered ones and the home's own
+        from kvstore.pins.registry import canonical, registered
+
+        known = [r.path for r in registered(home)] + [home / MANIFEST_NAME]
+        paths = [p for p in dict.fromkeys(canonical(p) for p in known) if p.is_file()]
+        if not paths:
+            _progress("no manifest registered or in the home: no manifest model to check")
+    differs = []
+    for path in paths:
+        manifest = load_manifest(path)
+        _progress(f"re-prefilling one pin per model of {manifest.path}")
+        with open_store(home) as store:
+            results = check_manifest(manifest, store, home=home)
+        for r in results:
+            click.echo(("ok    " if r.ok else "error " if r.error else "DIFFERS ") + describe(r))
+            if not r.ok and not r.error:
+                differs.append((manifest, bytes.fromhex(r.key)[:16]))
+    if repair and differs:
+        _rewarm(home, differs)
+    return len(differs)
+
+
+def _rewarm(home: Path, differs: list) -> None:
+    """Drop each differing model's entries and warm its manifest again (through the daemon when
+    one runs: it is the writer)."""
+    from kvstore.warm.warm import warm
+
+    with open_store(home) as store:
+        keys = [m.key for _, fp in differs for m in store.metas(fp, errors=[])]
+    client = connect_writer(home)
+    if client is not None:
+        with client:
+            client.request("evict", keys=keys)
+            for manifest in {m.path: m for m, _ in differs}.values():
+                client.warm(manifest.path)
+    else:
+        with open_store(home, write=True) as store:
+            store.delete(keys)
+            for manifest in {m.path: m for m, _ in differs}.values():
+                warm(manifest, store, home=home, progress=_progress)
+    click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")
+
+
+def _report_trusted(home: Path, deep: bool) -> None:
+    """Entries imported with --trust: stored without a re-prefill to check them."""
+    with open_store(home) as store:
+        trusted = [m for m in store.metas(errors=[]) if m.extra.get("trusted") is True]
+    for m in trusted:
+        click.echo(
+            f"unchecked {m.key.hex()} {m.label!r} of {m.model}: imported with --trust, its KV "
+            "was never compared with the model" + ("" if deep else " (verify --deep compares it)")
+        )
+
+
+def _deep_entries(home: Path, *, repair: bool) -> int:
+    """Re-prefill every entry that is no manifest's pin (imports, app pins, write-behind) and
+    compare it; returns how many differ (deleted with --repair)."""
+    from kvstore.store.ownership import owners
+    from kvstore.warm.canary import check_entries
+
+    with open_store(home) as store:
+        metas = [
+            m
+            for m in store.metas(errors=[])
+            if not any(o.startswith("manifest:") for o in owners(m))
+        ]
+        if not metas:
+            return 0
+        _progress(f"re-prefilling {counted(len(metas), 'entry')} that are no manifest's pins")
+        results = check_entries(store, metas, home=home)
+    differs = []
+    for r in results:
+        what = f"entry {r.label!r} ({r.key[32:44]}, {r.tokens} tokens) of {r.model}"
+        if r.error:
+            click.echo(f"error   {what}: could not be checked: {r.error}")
+        elif r.ok:
+            click.echo(f"ok      {what}: re-prefilled, {r.detail} match")
+        else:
+            click.echo(f"DIFFERS {what}: {r.detail}")
+            differs.append(bytes.fromhex(r.key))
+    if repair and differs:
+        client = connect_writer(home)
+        if client is not None:
+            with client:
+                client.request("evict", keys=differs)
+        else:
+            with open_store(home, write=True) as store:
+                store.delete(differs)
+    return len(differs)

@@ -1,0 +1,356 @@
+"""`kvstore remote status | ls | push | pull | gc`: the fleet tier from the command line.
+
+Each works with or without a daemon: reads and uploads go to the object store from this process
+(conditional creates make a race with the daemon's uploader harmless), and local writes of `pull`
+go through the daemon when one runs (it is the one writer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from kvstore.cli.main import home_option, human_size, main, open_store, user_errors
+from kvstore.errors import KVStoreError, RemoteError, counted
+from kvstore.fleet.settings import REMOTE_SAMPLE
+from kvstore.store.keys import FINGERPRINT_BYTES
+from kvstore.wire.daemon_client import connect_writer
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+STALE_UPLOAD_SECONDS = 86400  # multipart uploads older than this are a crash's: gc aborts them
+
+manifest_option = click.option(
+    "--manifest",
+    "-m",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Manifest naming the models (default: manifest.toml in the home).",
+)
+
+
+def parse_duration(text: str) -> float:
+    m = _DURATION.match(text)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a duration (e.g. 30d, 12h, 90m, 3600)")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _settings(home: Path):
+    from kvstore.fleet.settings import remote_settings
+    from kvstore.settings import load_settings
+
+    rs = remote_settings(load_settings(home), home)
+    if rs is None:
+        raise click.ClickException(
+            f"{home / 'settings.toml'}: no [remote] table, so the fleet tier is off; add one with "
+            "endpoint and bucket (`kvstore remote --help` shows a sample; README: Fleet)"
+        )
+    return rs
+
+
+def _remote(home: Path):
+    from kvstore.fleet.objects import Remote
+
+    return Remote(_settings(home))
+
+
+@contextmanager
+def local_fleet(home: Path, store) -> Iterator[object]:
+    """For a warm without a daemon: commits queued for upload, and the read-through fetcher
+    (None when there is no [remote] table, or when it is unusable: then one line says why)."""
+    from kvstore.fleet.fetch import WarmFetcher
+    from kvstore.fleet.objects import Remote
+    from kvstore.fleet.queue import UploadQueue, enqueue_on_commit
+    from kvstore.store.ledger import Ledger
+
+    try:
+        rs = _settings(home)
+        remote = Remote(rs)
+    except click.ClickException:
+        yield None
+        return
+    except KVStoreError as e:
+        click.echo(f"warning: remote: {e}; warming local-only", err=True)
+        yield None
+        return
+    queue = UploadQueue(home)
+    hooked = enqueue_on_commit(store, home) if rs.upload else None
+    try:
+        yield WarmFetcher(remote, queue, ledger=Ledger(home)) if rs.download else None
+    finally:
+        if hooked is not None:
+            store.on_commit.pop()
+            hooked.close()
+        queue.close()
+
+
+def _plans(home: Path, manifest: Path | None, model: str | None, store):
+    """The manifest's model plans (fingerprint and rendered pins), only `model`'s if given."""
+    from kvstore.pins.manifest import load_manifest
+    from kvstore.settings import MANIFEST_NAME
+    from kvstore.warm.warm import plan_model
+
+    path = manifest or home / MANIFEST_NAME
+    if not path.is_file():
+        raise click.ClickException(f"{path}: no manifest; name the models with --manifest")
+    specs = [s for s in load_manifest(path).models if model is None or s.path == model]
+    if not specs:
+        raise click.ClickException(f"{path}: no model {model!r} in this manifest")
+    return [plan_model(s, store, home=home) for s in specs]
+
+
+def _model_fingerprints(home: Path, model: str | None, manifest: Path | None) -> list[bytes]:
+    """A 32-hex-digit fingerprint as given, else the fingerprints of the manifest's models."""
+    if model is not None and re.fullmatch(r"[0-9a-fA-F]{32}", model):
+        return [bytes.fromhex(model)]
+    return [p.fingerprint.digest for p in _plans(home, manifest, model, None)]
+
+
+_REMOTE_HELP = f"""The fleet tier: share KV with boxes that serve the same model files, through S3.
+
+\b
+kvstore remote status          # settings, reachability, what is where
+kvstore remote push            # upload every local entry; returns when done
+kvstore remote pull            # fill this box from the remote before it serves
+kvstore remote gc --older-than 30d
+
+\b
+It needs a [remote] table (all its keys: README, Fleet), at least:
+{REMOTE_SAMPLE}"""
+
+
+@main.group(name="remote", help=_REMOTE_HELP)
+def remote_group() -> None:
+    pass
+
+
+@remote_group.command(name="status")
+@click.option("--json", "as_json", is_flag=True)
+@home_option
+@user_errors
+def status_cmd(as_json: bool, home: Path) -> None:
+    """Settings (never the secret), whether the remote answers, objects there, the local queue."""
+    from kvstore.fleet.objects import Remote
+    from kvstore.fleet.queue import UploadQueue
+
+    rs = _settings(home)
+    remote = Remote(rs)
+    data: dict = {"settings": rs.shown(), "reachable": False}
+    try:
+        remote.check()
+        objs = list(remote.objects())
+        data.update(reachable=True, objects=len(objs), bytes=sum(o.size for o in objs))
+        data["models"] = len({o.key[:FINGERPRINT_BYTES] for o in objs})
+        data["other_format_versions"] = remote.other_versions()
+    except RemoteError as e:
+        data["error"] = str(e)
+    queue = UploadQueue(home)
+    try:
+        data["queue"] = queue.counts()
+        data["rates"] = {n: queue.rate(n) for n in ("fetch_bps", "upload_bps")}
+    finally:
+        queue.close()
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    click.echo(f"remote         {remote.where()}")
+    click.echo(f"reachable      {'yes' if data['reachable'] else 'no: ' + data.get('error', '')}")
+    if data["reachable"]:
+        click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
+                   f"{counted(data['models'], 'model')}")  # fmt: skip
+        for v in data["other_format_versions"]:
+            click.echo(f"warning: objects of another format version ({v}) are ignored", err=True)
+    q = data["queue"]
+    click.echo(f"queue          {q['queued']} waiting, {q['uploaded']} known uploaded")
+    for k, v in data["settings"].items():
+        click.echo(f"  {k:22} {v}")
+
+
+@remote_group.command(name="ls")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--model", default=None, help="A model path of the manifest, or a fingerprint.")
+@manifest_option
+@home_option
+@user_errors
+def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) -> None:
+    """Objects on the remote, with the local label when this box holds the entry too."""
+    remote = _remote(home)
+    fps = _model_fingerprints(home, model, manifest) if model else [b""]
+    objs = [o for fp in fps for o in remote.objects(fp)]
+    local = {}
+    if (home / "store" / "data.mdb").is_file():
+        with open_store(home) as store:
+            local = {m.key: m for m in store.metas(errors=[])}
+    rows = [
+        {"key": o.key.hex(), "fingerprint": o.key[:FINGERPRINT_BYTES].hex(), "object": o.name,
+         "nbytes": o.size, "modified": o.modified, "local": o.key in local,
+         "label": local[o.key].label if o.key in local else None}
+        for o in objs
+    ]  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    click.echo(f"{'KEY':14} {'FINGERPRINT':14} {'SIZE':>10} {'MODIFIED':19}  LOCAL")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["modified"]))
+        click.echo(f"{r['key'][32:44]:14} {r['fingerprint'][:12]:14} "
+                   f"{human_size(r['nbytes']):>10} {when:19}  {r['label'] or '-'}")  # fmt: skip
+    click.echo(f"{counted(len(rows), 'object')}, {human_size(sum(r['nbytes'] for r in rows))}")
+
+
+@remote_group.command(name="push")
+@click.option("--model", default=None, help="Only entries of this model path (as stored).")
+@home_option
+@user_errors
+def push_cmd(model: str | None, home: Path) -> None:
+    """Upload every local entry the remote lacks; returns once all are up (or one failed)."""
+    from kvstore.fleet.queue import UploadQueue, upload_one
+
+    remote = _remote(home)
+    if not (home / "store" / "data.mdb").is_file():
+        click.echo("no store: nothing to push")
+        return
+    counts = {"uploaded": 0, "exists": 0, "gone": 0}
+    with open_store(home) as store:
+        queue = UploadQueue(home)
+        try:
+            keys = [m.key for m in store.metas(errors=[]) if model is None or m.model == model]
+            queue.forget(keys)  # re-checked against the remote, not trusted from memory
+            queue.add(keys)
+            for key in keys:
+                counts[upload_one(remote, store, queue, key)] += 1
+        except RemoteError as e:
+            raise click.ClickException(f"{e} (the rest stays queued for the daemon)") from None
+        finally:
+            queue.close()
+    gone = f", {counts['gone']} gone or corrupt locally" if counts["gone"] else ""
+    click.echo(f"{counts['uploaded']} uploaded, {counts['exists']} already there{gone}")
+
+
+@remote_group.command(name="pull")
+@click.option("--model", default=None, help="Only this model of the manifest.")
+@manifest_option
+@home_option
+@user_errors
+def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
+    """Fetch every entry of the manifest's models that this box lacks (pins and the rest),
+    verified in full before it is stored. Nothing is prefilled."""
+    from kvstore.fleet.fetch import WarmFetcher, foreign_fields, other_runtime
+    from kvstore.fleet.objects import verify_object
+    from kvstore.fleet.queue import UploadQueue
+    from kvstore.settings import MANIFEST_NAME
+    from kvstore.warm.warm import pin_fields
+
+    remote = _remote(home)
+    manifest = (manifest or home / MANIFEST_NAME).resolve()
+    client = connect_writer(home)
+    queue = UploadQueue(home)
+    fetched = failed = absent = 0
+    try:
+        with open_store(home, write=client is None) as store:
+
+            def put(key, blob, fields):
+                if client is not None:
+                    client.put(key, blob, fields)
+                else:
+                    store.put(key, blob, **fields)
+
+            fetcher = WarmFetcher(remote, queue, always=True)
+            for plan in _plans(home, manifest, model, store):
+                have = set(store.keys())
+                for pp in plan.pins:
+                    if pp.key in have:
+                        continue
+                    blob, classes, note = fetcher(plan, pp)
+                    if blob is None:
+                        click.echo(f"not fetched {pp.pin.name}: {note}", err=True)
+                        absent += note == "not on the remote"
+                        failed += note != "not on the remote"
+                        continue
+                    fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
+                    fields["extra"]["origin"] = "remote"
+                    put(pp.key, blob, fields)
+                    have.add(pp.key)
+                    fetched += 1
+                    click.echo(f"fetched  {pp.pin.name:20} {human_size(len(blob))}")
+                for o in remote.objects(plan.fingerprint.digest):  # runtime pins, chains
+                    if o.key in have:
+                        continue
+                    try:
+                        data, _ = remote.fetch(o.key)
+                        meta, blob = verify_object(o.key, data)
+                    except RemoteError as e:
+                        click.echo(f"warning: {e}; not stored", err=True)
+                        failed += 1
+                        continue
+                    if other := other_runtime(meta):
+                        click.echo(f"not fetched {meta.label}: {other}", err=True)
+                        failed += 1
+                        continue
+                    put(o.key, blob, foreign_fields(meta, plan))
+                    queue.done(o.key, "fetched")
+                    fetched += 1
+                    click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")
+    finally:
+        queue.close()
+        if client is not None:
+            client.close()
+    click.echo(f"{fetched} fetched, {absent} not on the remote, {failed} failed")
+    if failed:
+        raise click.ClickException(f"{failed} entr(ies) could not be fetched (see above)")
+
+
+@remote_group.command(name="gc")
+@click.option("--older-than", default=None, help="Delete objects created longer ago (30d, 12h).")
+@click.option("--model", default=None, help="Delete this model's objects (path or fingerprint).")
+@manifest_option
+@click.option("--dry-run", is_flag=True, help="Say what would go; delete nothing.")
+@home_option
+@user_errors
+def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
+    """The janitor, the only thing that deletes from the remote: objects older than a duration,
+    a retired model's objects, then the oldest until the bucket is within its [remote] max_bytes;
+    and multipart uploads a crash left behind.
+
+    \b
+    kvstore remote gc --older-than 30d
+    kvstore remote gc --model 0f3a...   # a retired model's fingerprint
+    """
+    from kvstore.fleet.queue import UploadQueue
+
+    remote = _remote(home)
+    age = parse_duration(older_than) if older_than else None
+    fps = set(_model_fingerprints(home, model, manifest)) if model else set()
+    objs = sorted(remote.objects(), key=lambda o: o.modified)
+    now = time.time()
+    victims = [o for o in objs if (age is not None and now - o.modified > age)
+               or o.key[:FINGERPRINT_BYTES] in fps]  # fmt: skip
+    gone = {o.name for o in victims}
+    kept = sum(o.size for o in objs if o.name not in gone)
+    for o in objs:  # oldest first, until within the byte budget
+        if kept <= remote.settings.max_bytes:
+            break
+        if o.name not in gone:
+            victims.append(o)
+            gone.add(o.name)
+            kept -= o.size
+    for o in victims:
+        click.echo(f"{'would delete' if dry_run else 'deleted'} {o.name} ({human_size(o.size)})")
+    if dry_run:
+        return
+    n = remote.delete([o.name for o in victims])
+    aborted = remote.abort_stale_uploads(STALE_UPLOAD_SECONDS)
+    queue = UploadQueue(home)
+    try:
+        queue.forget([o.key for o in victims])
+    finally:
+        queue.close()
+    aborted_text = f", {counted(aborted, 'stale multipart upload')} aborted" if aborted else ""
+    click.echo(f"{counted(n, 'object')} deleted, {human_size(kept)} kept{aborted_text}")

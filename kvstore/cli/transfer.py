@@ -1,0 +1,165 @@
+"""`kvstore export | import | fingerprint`: entries as mlx-lm prompt-cache files; identity."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from kvstore.cli.main import (
+    home_option,
+    human_size,
+    main,
+    open_store,
+    parse_json_object,
+    resolve_keys,
+    user_errors,
+)
+from kvstore.wire.daemon_client import DaemonWriter, connect_writer
+
+
+@main.command(name="export")
+@click.argument("key")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@home_option
+@user_errors
+def export_cmd(key: str, file: Path, home: Path) -> None:
+    """Write an entry as a file that `mlx_lm.generate --prompt-cache-file FILE` loads."""
+    from kvstore.warm.transfer import export_entry
+
+    with open_store(home) as store:
+        (k,) = resolve_keys(store, (key,))
+        meta = export_entry(store, k, file)
+    click.echo(f"wrote {file} ({meta.ntokens} tokens of {meta.model}, {human_size(meta.nbytes)})")
+
+
+@main.command(name="import")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", required=True, help="Model path the cache was made with.")
+@click.option(
+    "--tokens",
+    "tokens_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSON list of the cached token ids.",
+)
+@click.option("--prompt", default=None, help="The prompt given to mlx_lm.cache_prompt.")
+@click.option("--adapter", default=None, help="LoRA adapter the cache was made with.")
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="JSON",
+    help="config.json overrides the model ran with, as mlx_lm.load(model_config=...).",
+)
+@click.option("--label", default="imported")
+@click.option("--pin", is_flag=True, help="Store it pinned (never evicted automatically).")
+@click.option(
+    "--trust",
+    is_flag=True,
+    help="Store it without re-prefilling to check it (marked trusted/unchecked in ls and verify).",
+)
+@home_option
+@user_errors
+def import_cmd(
+    file, model, tokens_file, prompt, adapter, model_config, label, pin, trust, home: Path
+) -> None:
+    """Store a prompt-cache file written by `mlx_lm.cache_prompt` or `kvstore export`.
+
+    Before storing, the model is loaded and re-prefills the tokens: the file's KV must be what
+    this model computes for them (within the upgrade canary's tolerance), else nothing is stored.
+
+    \b
+    kvstore import cache.safetensors --model ./Qwen3-0.6B --prompt "You are..." --pin
+    """
+    from kvstore.warm.transfer import import_file
+
+    if (tokens_file is None) == (prompt is None):
+        raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
+    overrides = parse_json_object(model_config, "--model-config")
+    client = connect_writer(home)
+    # With a daemon running, the entry goes through it (it verifies and commits); else directly.
+    with client or open_store(home, write=True) as store:
+        meta = import_file(
+            DaemonWriter(client) if client is not None else store,
+            file,
+            model=model,
+            tokens_file=tokens_file,
+            prompt=prompt,
+            adapter=adapter,
+            model_config=overrides,
+            label=label,
+            pin=pin,
+            trust=trust,
+            home=home,
+        )
+    how = (
+        "trusted: not checked"
+        if meta.extra.get("trusted")
+        else f"checked: {meta.extra.get('check')} match"
+    )
+    click.echo(
+        f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)}; {how})"
+    )
+
+
+@main.command()
+@click.argument("model_path")
+@click.option("--adapter", default=None)
+@click.option("--kv-bits", type=int, default=None)
+@click.option("--kv-group-size", type=int, default=64)
+@click.option(
+    "--model-config",
+    "model_config",
+    default=None,
+    metavar="JSON",
+    help="config.json overrides, as mlx_lm.load(model_config=...).",
+)
+@click.option("--json", "as_json", is_flag=True)
+@home_option
+@user_errors
+def fingerprint(
+    model_path, adapter, kv_bits, kv_group_size, model_config, as_json, home: Path
+) -> None:
+    """Print a model's fingerprint (the key prefix of its entries) and template hash.
+
+    \b
+    kvstore fingerprint ./Qwen3-0.6B --model-config '{"rope_theta": 1000000}'
+    """
+    from kvstore.errors import ManifestError
+    from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, template_hash
+    from kvstore.pins.manifest import check_kv_quantization
+    from kvstore.settings import FILEHASH_NAME
+
+    try:  # refused as a manifest refuses it
+        check_kv_quantization(kv_bits, kv_group_size, 0)
+    except ManifestError as e:
+        field, _, what = str(e).partition(": ")
+        raise click.BadParameter(what, param_hint=f"--{field.replace('_', '-')}") from None
+
+    t = time.perf_counter()
+    cache = FileHashCache(home / FILEHASH_NAME if home.is_dir() else None)
+    fp = model_fingerprint(
+        model_path,
+        adapter_path=adapter,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        model_config=parse_json_object(model_config, "--model-config"),
+        hash_cache=cache,
+    )
+    th = template_hash(model_path)
+    dt = time.perf_counter() - t
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "fingerprint": fp.hex,
+                    "template_hash": th.hex(),
+                    "layout": [list(x) for x in fp.layout],
+                    "seconds": dt,
+                }
+            )
+        )
+    else:
+        click.echo(fp.hex)

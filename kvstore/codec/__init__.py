@@ -1,0 +1,1 @@
+"""Cache objects <-> bytes: mlx-lm prompt-cache safetensors, validated before mlx sees a byte."""

@@ -1,0 +1,244 @@
+"""Copy validated tensors out of a blob into mlx memory: the one place mlx receives stored bytes.
+
+In a process that has just started, most of a hydrate is the kernel faulting in fresh pages for
+the copy (both mlx-lm's loader and ours pay it). Two paths give the same arrays (evaluated, owning
+their memory, so the blob may be released):
+- small blobs: one `mx.array(np.frombuffer(...))` per tensor, the least fixed cost;
+- large blobs: mlx allocates one buffer for the whole data section (`mx.load` of a one-tensor
+  stream whose header this module writes, so mlx never parses stored bytes), which is filled in
+  chunks on a few threads after asking the kernel to populate its pages in one call; each tensor
+  is a view of it. The threads only run numpy copies (GIL released) and the checksum over plain
+  buffers: no mlx call leaves mlx's own threads, so mlx's stream rules do not apply to them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import struct
+import sys
+import threading
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+
+from kvstore.codec.safetensors import DTYPES, Layout
+
+# From here on the threaded one-buffer path, when the copy lands in new pages: on this 2-core VM
+# it wins in a new process from ~64 MiB (1.3x at 64 MiB; a tie in time, 10% less CPU at 16 MiB).
+LARGE_BYTES = 16 << 20
+# Few, large units of work: each hand-over between threads needs the GIL, which an app thread
+# busy in Python (mlx_lm.load building the model while kvstore.client.load prefetches) holds for up
+# to
+# the 5 ms switch interval; 8 MiB chunks made a concurrent prefetch 3x slower than alone.
+CHUNK_BYTES = 64 << 20  # checksum: the GIL is released between chunks, for the copy's hand-overs
+# mlx's own loader reads with 4 threads; KVSTORE_COPY_THREADS overrides (for measuring)
+THREADS = int(os.environ.get("KVSTORE_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in one call; elsewhere a no-op
+_PAGE = 4096  # madvise needs a page-aligned start; 4 KiB divides every page size in use
+
+
+def _libc_madvise() -> Callable | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_madvise = _libc_madvise()
+
+
+def _populate(dst: np.ndarray) -> None:
+    """Ask the kernel for all of `dst`'s pages at once: cheaper than a fault per page. Only a
+    hint (a failure, or an older kernel's EINVAL, leaves the copy to fault them)."""
+    if _madvise is not None and dst.nbytes:
+        addr = dst.ctypes.data
+        start = addr - addr % _PAGE
+        _madvise(start, dst.nbytes + addr - start, _MADV_POPULATE_WRITE)
+
+
+def checksum(buf) -> int:
+    """xxh3-64 of `buf` (the value `xxhash.xxh3_64_intdigest` gives), in chunks so that other
+    threads get the GIL between them."""
+    data = np.frombuffer(buf, np.uint8)
+    if data.nbytes <= CHUNK_BYTES:
+        return xxhash.xxh3_64_intdigest(data)
+    h = xxhash.xxh3_64()
+    for i in range(0, data.nbytes, CHUNK_BYTES):
+        h.update(data[i : i + CHUNK_BYTES])
+    return h.intdigest()
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], object]):
+        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
+
+    def result(self) -> object:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _Copiers:
+    """Worker threads started by the hydrating thread and joined before `arrays` returns. mlx's
+    io thread (which calls readinto) only queues jobs and waits: creating threads there would
+    register a dummy Thread for each of mlx's pool threads."""
+
+    def __init__(self, n: int):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, name=f"kvstore-copy-{i}", daemon=True)
+                        for i in range(n)]  # fmt: skip
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            try:
+                job.value = job.fn()
+            except BaseException as e:  # handed to whoever waits on the job
+                job.error = e
+            finally:
+                job.done.set()
+
+    def submit(self, fn: Callable[[], object]) -> _Job:
+        job = _Job(fn)
+        self.jobs.put(job)
+        return job
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join()
+
+    def __enter__(self) -> _Copiers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _DataStream:
+    """What mx.load reads: a safetensors header for one U8 tensor (ours), then `data`, which
+    `readinto` copies into mlx's freshly allocated buffer on the pool's threads."""
+
+    closed = False
+
+    def __init__(self, data: np.ndarray, pool: _Copiers):
+        n = data.nbytes
+        head = json.dumps({"data": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}})
+        head = head.encode() + b" " * (-len(head) % 8)
+        self.head = struct.pack("<Q", len(head)) + head
+        self.data, self.pool, self.pos = data, pool, 0
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, len(self.head) + self.data.nbytes)[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        n, pos = len(buf), self.pos
+        self.pos += n
+        if pos + n <= len(self.head):
+            buf[:n] = self.head[pos : pos + n]
+            return n
+        if pos != len(self.head) or n != self.data.nbytes:
+            raise OSError(f"unexpected read of {n} bytes at {pos}")  # mlx reads the tensor whole
+        dst = np.frombuffer(buf, np.uint8)
+
+        def fill(i: int) -> Callable[[], None]:
+            def run() -> None:
+                part = dst[i : i + step]
+                _populate(part)
+                np.copyto(part, self.data[i : i + step])
+
+            return run
+
+        step = max(1 << 20, -(-n // len(self.pool.threads)))  # one share per copy thread
+        for job in [self.pool.submit(fill(i)) for i in range(0, n, step)]:
+            job.result()
+        return n
+
+
+def _recycled(nbytes: int) -> bool:
+    """mlx's buffer cache holds as much: per-tensor copies land in recycled, already-faulted
+    pages (a long-lived process), where one thread copies at memory speed. mlx caches only
+    buffers of a few MiB (a freed 64 MiB one goes back to the OS), so the one buffer of the
+    threaded path always takes new pages: it is for processes whose cache is still empty."""
+    return mx.get_cache_memory() >= nbytes
+
+
+def _aligned(layout: Layout) -> bool:
+    """Every tensor starts at a multiple of its item size (codec.encode writes them so; a blob
+    from elsewhere may not), so each can be a view of one buffer."""
+    return all(t.begin % DTYPES[t.code][0].itemsize == 0 for t in layout.tensors.values())
+
+
+def arrays(
+    mv: memoryview, layout: Layout, keys: list[str], *, expect_checksum: int | None = None
+) -> tuple[dict[str, mx.array], bool]:
+    """mlx arrays of the tensors `keys` (validated by `layout`), evaluated; and whether the
+    blob's checksum equals `expect_checksum` (True when none is expected).
+
+    A large blob's checksum runs alongside the copy; the caller must drop the arrays if False.
+    """
+    data_len = len(mv) - layout.data_start
+    if data_len < LARGE_BYTES or _recycled(data_len) or not _aligned(layout):
+        ok = expect_checksum is None or checksum(mv) == expect_checksum
+        if not ok:
+            return {}, False
+        out = {k: _copy_one(mv, layout, k) for k in keys}
+        mx.eval(list(out.values()))
+        return out, True
+    data = np.frombuffer(mv, np.uint8, data_len, layout.data_start)
+    with _Copiers(THREADS) as pool:
+        summed = pool.submit(lambda: checksum(mv)) if expect_checksum is not None else None
+        big = mx.load(_DataStream(data, pool), format="safetensors")["data"]  # evaluated
+        ok = summed is None or summed.result() == expect_checksum
+    if not ok:
+        return {}, False
+    return _views(big, layout, keys), True
+
+
+def _copy_one(mv: memoryview, layout: Layout, key: str) -> mx.array:
+    t = layout.tensors[key]
+    np_dt, mx_dt = DTYPES[t.code]
+    if t.end == t.begin:
+        return mx.zeros(t.shape, mx_dt)
+    count = (t.end - t.begin) // np_dt.itemsize
+    src = np.frombuffer(mv, np_dt, count, layout.data_start + t.begin)
+    a = mx.array(src.reshape(t.shape))  # the one copy: blob -> mlx memory
+    return a.view(mx.bfloat16) if t.code == "BF16" else a
+
+
+def _views(big: mx.array, layout: Layout, keys: list[str]) -> dict[str, mx.array]:
+    """Each tensor as a view of the one buffer (split shares it), on the CPU stream: the ops are
+    metadata only, and a CPU stream needs no GPU command encoder on whatever thread this runs."""
+    cpu = mx.cpu
+    # every non-empty tensor, scalars included: together they cover the data exactly from 0
+    spans = sorted((t.begin, k) for k, t in layout.tensors.items() if t.end > t.begin)
+    parts = mx.split(big, [b for b, _ in spans[1:]], stream=cpu)
+    piece = {k: p for (_, k), p in zip(spans, parts, strict=True)}
+    out: dict[str, mx.array] = {}
+    for k in keys:
+        t = layout.tensors[k]
+        mx_dt = DTYPES[t.code][1]
+        if k not in piece:
+            out[k] = mx.zeros(t.shape, mx_dt, stream=cpu)
+            continue
+        part = piece[k] if mx_dt == mx.uint8 else mx.view(piece[k], mx_dt, stream=cpu)
+        out[k] = mx.reshape(part, t.shape, stream=cpu)
+    mx.eval(list(out.values()))
+    return out

@@ -1,0 +1,190 @@
+"""Read-through when warming: fetch a missing pin from the fleet tier when that is expected to
+beat prefilling it, verified in full before it is stored.
+
+The cost rule: expected prefill = pin tokens / the model's measured prefill rate (the ledger's
+per-call figures, else this box's own warm prefills); expected fetch = object bytes / measured
+bandwidth to the remote. Fetch when the fetch is expected to be faster; with no measurement yet
+fetch (and measure), since a box that never prefilled has nothing to compare against.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore.errors import RemoteError
+from kvstore.fleet.objects import Remote, verify_object
+from kvstore.fleet.queue import UploadQueue
+from kvstore.store.keys import pack_tokens
+from kvstore.store.ownership import APP, PINNED_BEFORE, owners
+
+if TYPE_CHECKING:
+    from kvstore.store.entry import EntryMeta
+    from kvstore.store.ledger import Ledger
+    from kvstore.warm.warm import ModelPlan, PlannedPin, WarmReport
+
+log = logging.getLogger("kvstore")
+
+_OUTAGES = (
+    "unreachable",
+    "credentials",
+    "bucket",
+    "tls",
+    "error",
+)  # the remote is off for this warm
+
+
+@dataclass
+class Choice:
+    fetch: bool
+    reason: str
+
+
+def choose(
+    *, nbytes: int, tokens: int, prefill_tps: float | None, fetch_bps: float | None, deadline: float
+) -> Choice:
+    """The cost rule, as data in and a verdict with its reason out."""
+    fetch_s = nbytes / fetch_bps if fetch_bps else None
+    if fetch_s is not None and fetch_s > deadline:
+        return Choice(False, f"expected fetch {fetch_s:.2f}s is past fetch_deadline={deadline:g}s")
+    if prefill_tps is None:
+        return Choice(True, "no measured prefill rate for this model")
+    prefill_s = tokens / prefill_tps
+    if fetch_s is None:
+        return Choice(True, f"no measured bandwidth yet (prefill ~{prefill_s:.2f}s)")
+    if fetch_s < prefill_s:
+        return Choice(True, f"expected fetch {fetch_s:.3f}s < prefill {prefill_s:.3f}s")
+    return Choice(
+        False, f"remote slower: expected fetch {fetch_s:.3f}s >= prefill {prefill_s:.3f}s"
+    )
+
+
+def ledger_rate(ledger: Ledger | None, model: str) -> float | None:
+    """Tokens per second the ledger measured prefilling `model` (all labels), or None."""
+    if ledger is None:
+        return None
+    rows = [s for (m, _), s in ledger.summary.items() if m == model]
+    tokens, seconds = sum(s["prefilled_tokens"] for s in rows), sum(s["prefill_s"] for s in rows)
+    return tokens / seconds if tokens and seconds > 0 else None
+
+
+class WarmFetcher:
+    """The `fetch` callable kvstore.warm.warm.warm takes: (plan, pin) -> (blob, cache classes, note)
+    where a None blob means "prefill it", and the note says why either way."""
+
+    def __init__(
+        self,
+        remote: Remote,
+        queue: UploadQueue,
+        *,
+        ledger: Ledger | None = None,
+        always: bool = False,
+    ):
+        self.remote, self.queue, self.ledger = remote, queue, ledger
+        self.always = always  # `remote pull`: fetch whatever the cost
+        self._down: str | None = None  # an outage seen in this warm: prefill the rest
+
+    def start(self) -> None:
+        """A new warm: an outage seen in the last one is asked about again."""
+        self._down = None
+
+    def prefill_rate(self, model: str) -> float | None:
+        return ledger_rate(self.ledger, model) or self.queue.rate(f"prefill_tps:{model}")
+
+    def __call__(self, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes | None, list, str]:
+        if self._down:
+            return None, [], f"remote unavailable ({self._down})"
+        try:
+            nbytes = self.remote.head(pp.key)
+            if nbytes is None:
+                return None, [], "not on the remote"
+            choice = self.choose(plan, pp, nbytes)
+            if not choice.fetch:
+                log.info(
+                    "remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, choice.reason
+                )
+                return None, [], choice.reason
+            data, seconds = self.remote.fetch(pp.key)
+            meta, blob = verify_object(pp.key, data, tokens=pack_tokens(pp.pin.tokens))
+            if other := other_runtime(meta):
+                log.info("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, other)
+                return None, [], other
+        except RemoteError as e:
+            if e.cause in _OUTAGES:
+                self._down = e.cause
+            log.error(
+                "remote: pin %r of %s: %s; prefilling instead", pp.pin.name, plan.spec.path, e
+            )
+            return None, [], f"remote failed ({e.cause})"
+        self.queue.measured("fetch_bps", len(data) / max(seconds, 1e-6))
+        self.queue.done(pp.key, "fetched")  # the remote has it: never queued for upload
+        note = f"{len(data) / 2**20:.1f} MiB in {seconds:.2f}s ({choice.reason})"
+        log.info("remote: pin %r of %s: fetched %s", pp.pin.name, plan.spec.path, note)
+        return blob, meta.classes, note
+
+    def choose(self, plan: ModelPlan, pp: PlannedPin, nbytes: int) -> Choice:
+        if self.always:
+            return Choice(True, "pull")
+        return choose(
+            nbytes=nbytes,
+            tokens=len(pp.pin.tokens),
+            prefill_tps=self.prefill_rate(plan.spec.path),
+            fetch_bps=self.queue.rate("fetch_bps") or self.queue.rate("upload_bps"),
+            deadline=self.remote.settings.fetch_deadline,
+        )
+
+    def record(self, report: WarmReport) -> None:
+        """This box's own prefill rate per model, from the pins the warm prefilled."""
+        for p in report.pins:
+            if p.status == "warmed" and p.seconds > 0:
+                self.queue.measured(f"prefill_tps:{p.model}", p.tokens / p.seconds)
+
+
+def other_runtime(meta: EntryMeta) -> str | None:
+    """Why an object is not used here: it records other mlx / mlx-lm versions than this process
+    runs. The fingerprint leaves those out (the upgrade canary checks them), so such KV would be
+    filed as this runtime's, and would bring back what the canary dropped after an upgrade."""
+    from kvstore.identity.codehash import runtime_versions
+
+    theirs, ours = meta.extra.get("runtime"), runtime_versions()
+    if not isinstance(theirs, dict) or theirs == ours:
+        return None  # not recorded: nothing to judge by
+    said = ", ".join(f"{k} {theirs.get(k)}" for k in sorted(ours))
+    mine = ", ".join(f"{k} {v}" for k, v in sorted(ours.items()))
+    return f"made with {said}; this box runs {mine}"
+
+
+# What another box recorded about itself: where its model resolved (evict --stale would judge
+# this box's entry by that box's path) and which of its manifests own the entry.
+_THAT_BOX = ("model_dir", "adapter_dir", "owners", "manifest", PINNED_BEFORE)
+
+
+def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
+    """The Store.put fields for an object another box stored (a runtime pin, a chain), fetched
+    for `plan`'s model: its own extra without that box's locations and manifest owners, so the
+    put records where the model resolves here and no manifest of this box is taken to own it;
+    the model named as this box's manifest names it, so its purges find the entry."""
+    extra = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
+    pinned = meta.pinned
+    if any(o.startswith("manifest:") for o in owners(meta)):  # as if its manifests let go
+        pinned = bool(meta.extra.get(PINNED_BEFORE, False))
+    if extra.get("source") == "manifest":
+        extra["source"] = "remote"  # the manifest that stored it is another box's
+    spec = plan.spec  # same fingerprint: the model as this box's manifest names it
+    extra.update(adapter=spec.adapter, kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
+                 quantized_kv_start=spec.quantized_kv_start, model_config=spec.model_config,
+                 owners=[APP], origin="remote")  # fmt: skip
+    return dict(
+        tokens=meta.tokens,
+        label=meta.label,
+        pinned=pinned,
+        model=plan.spec.path,
+        template_hash=meta.template_hash,
+        classes=meta.classes,
+        extra=extra,
+    )
+
+
+Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str]]

@@ -1,0 +1,351 @@
+"""The fleet tier's object store (any S3 API, through boto3): one object per entry.
+
+Layout: `[prefix/]kvstore/v<FORMAT>/<fingerprint hex>/<prefix-hash hex>`, so one model is one
+listing prefix (retiring it is one `gc --model`) and another format version never shares a key.
+An object is a header (magic, format version, meta length), the entry's msgpack meta, then the
+blob. Everything fetched is verified before a caller may store it: format, key, fingerprint,
+tokens, length, checksum and a full decode (`verify_object`).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.codec import codec
+from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
+from kvstore.fleet.settings import RemoteSettings
+from kvstore.store.entry import EntryMeta
+from kvstore.store.keys import FINGERPRINT_BYTES, KEY_BYTES
+
+log = logging.getLogger("kvstore")
+
+FORMAT_VERSION = 1
+MAGIC = b"KVSR"
+HEADER = struct.Struct("<4sHI")  # magic, format version, meta length
+MAX_META_BYTES = 64 * 2**20  # a meta holds token ids: 4 bytes a token
+READ_CHUNK = 1 << 20
+
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}
+_BUCKET_CODES = {"NoSuchBucket"}
+
+
+@dataclass
+class RemoteObject:
+    key: bytes  # the entry key
+    name: str  # the object's key in the bucket
+    size: int
+    modified: float  # epoch seconds
+
+
+def object_root(rs: RemoteSettings) -> str:
+    return f"{rs.prefix}/kvstore/" if rs.prefix else "kvstore/"
+
+
+def version_prefix(rs: RemoteSettings, version: int = FORMAT_VERSION) -> str:
+    return f"{object_root(rs)}v{version}/"
+
+
+def object_name(rs: RemoteSettings, key: bytes) -> str:
+    return f"{version_prefix(rs)}{key[:FINGERPRINT_BYTES].hex()}/{key[FINGERPRINT_BYTES:].hex()}"
+
+
+def parse_object_name(rs: RemoteSettings, name: str) -> bytes | None:
+    """The entry key an object name of this format version stands for, or None."""
+    rest = name.removeprefix(version_prefix(rs))
+    fp, _, h = rest.partition("/")
+    try:
+        key = bytes.fromhex(fp) + bytes.fromhex(h)
+    except ValueError:
+        return None
+    return key if rest != name and len(key) == KEY_BYTES else None
+
+
+def object_header(meta: EntryMeta) -> bytes:
+    packed = meta.pack()
+    return HEADER.pack(MAGIC, FORMAT_VERSION, len(packed)) + packed
+
+
+def verify_object(
+    key: bytes, data: bytes | bytearray, *, tokens: bytes | None = None
+) -> tuple[EntryMeta, memoryview]:
+    """Meta and blob of a fetched object, verified in full (the decode too); raises RemoteError
+    with cause "corrupt" or "version" naming what is wrong. Nothing is stored here."""
+    where = f"remote object for entry {key.hex()}"
+    if len(data) < HEADER.size:
+        raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
+    data = memoryview(data)  # slices below are views: a 1 GB object is not copied again
+    magic, version, meta_len = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise RemoteError("corrupt", f"{where}: not a kvstore object (bad magic)")
+    if version != FORMAT_VERSION:
+        raise RemoteError(
+            "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
+        )
+    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
+        raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
+    try:
+        meta = EntryMeta.unpack(key, bytes(data[HEADER.size : HEADER.size + meta_len]))
+    except CorruptEntryError as e:
+        raise RemoteError("corrupt", f"{where}: {e.reason}") from None
+    if xxhash.xxh3_128(meta.tokens).digest() != key[FINGERPRINT_BYTES:]:
+        raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
+    if tokens is not None and meta.tokens != tokens:
+        raise RemoteError("corrupt", f"{where}: its tokens are not the pin's")
+    blob = data[HEADER.size + meta_len :]
+    if len(blob) != meta.nbytes:
+        raise RemoteError("corrupt", f"{where}: blob is {len(blob)} bytes, meta says {meta.nbytes}")
+    if xxhash.xxh3_64_intdigest(blob) != meta.checksum:
+        raise RemoteError("corrupt", f"{where}: blob checksum mismatch")
+    try:
+        cache, _ = codec.decode(blob, name=where)
+    except CodecError as e:
+        raise RemoteError("corrupt", f"{where}: {e}") from None
+    held = codec.cache_tokens(cache)
+    if held != meta.ntokens and not (held is None and codec.keeps_no_offset(cache)):
+        raise RemoteError("corrupt", f"{where}: its KV holds {held} tokens, not {meta.ntokens}")
+    del cache
+    return meta, blob
+
+
+class Remote:
+    """A boto3 client for one bucket; every failure comes out as a RemoteError naming its cause."""
+
+    def __init__(self, rs: RemoteSettings):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise RemoteError(
+                "unavailable", "the fleet tier needs boto3: pip install 'kvstore[fleet]'"
+            ) from None
+
+        self.settings = rs
+        self.bucket = rs.bucket
+        self.client = boto3.session.Session().client(
+            "s3",
+            endpoint_url=rs.endpoint,
+            region_name=rs.region,
+            aws_access_key_id=rs.access_key_id,
+            aws_secret_access_key=rs.secret_access_key,
+            verify=rs.ca_bundle or None,  # None: the system's trust store; http: unused
+            config=Config(
+                connect_timeout=rs.connect_timeout,
+                read_timeout=rs.read_timeout,
+                retries={"max_attempts": 2, "mode": "standard"},
+                s3={"addressing_style": "path"},  # SeaweedFS and most LAN servers: no DNS names
+            ),
+        )
+
+    def where(self) -> str:
+        return f"remote {self.settings.endpoint} bucket {self.bucket!r}"
+
+    def _error(self, e: Exception, what: str) -> RemoteError:
+        from botocore import exceptions as bx
+
+        if isinstance(e, RemoteError):
+            return e
+        if isinstance(e, bx.ClientError):
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _CREDENTIAL_CODES or status == 403:
+                return RemoteError(
+                    "credentials", f"{self.where()}: {what}: credentials refused ({code})"
+                )
+            if code in _BUCKET_CODES:
+                return RemoteError("bucket", f"{self.where()}: {what}: no such bucket")
+            return RemoteError("error", f"{self.where()}: {what}: {code or status}")
+        if isinstance(e, bx.SSLError):
+            return RemoteError(
+                "tls",
+                f"{self.where()}: {what}: TLS failed ({e}); for a certificate signed by your own "
+                "CA, set [remote] ca_bundle to its PEM file",
+            )
+        if isinstance(e, bx.NoCredentialsError):
+            return RemoteError("credentials", f"{self.where()}: {what}: no credentials set")
+        if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionError, bx.HTTPClientError)):
+            return RemoteError("unreachable", f"{self.where()}: {what}: unreachable ({e})")
+        if isinstance(e, (OSError, bx.BotoCoreError)):
+            return RemoteError("unreachable", f"{self.where()}: {what}: {type(e).__name__}: {e}")
+        raise e
+
+    @staticmethod
+    def _status(e: Exception) -> int | None:
+        from botocore.exceptions import ClientError
+
+        if isinstance(e, ClientError):
+            return e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return None
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The bucket exists and these credentials may use it."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as e:
+            if self._status(e) == 404:
+                raise RemoteError("bucket", f"{self.where()}: no such bucket") from None
+            raise self._error(e, "checking the bucket") from None
+
+    def head(self, key: bytes) -> int | None:
+        """The object's size in bytes, or None when the remote does not have it."""
+        try:
+            return int(
+                self.client.head_object(Bucket=self.bucket, Key=object_name(self.settings, key))[
+                    "ContentLength"
+                ]
+            )
+        except Exception as e:
+            if self._status(e) == 404:
+                return None
+            raise self._error(e, f"looking up entry {key.hex()}") from None
+
+    def fetch(self, key: bytes, *, deadline: float | None = None) -> tuple[bytearray, float]:
+        """The object's bytes (read into one buffer of its length) and the seconds the transfer
+        took; over `deadline` seconds it is dropped with cause "slow"."""
+        deadline = self.settings.fetch_deadline if deadline is None else deadline
+        name = object_name(self.settings, key)
+        t0 = time.monotonic()
+        try:
+            res = self.client.get_object(Bucket=self.bucket, Key=name)
+            body, size = res["Body"], int(res["ContentLength"])
+            buf, got = bytearray(size), 0
+            try:
+                while got < size and (chunk := body.read(min(READ_CHUNK, size - got))):
+                    buf[got : got + len(chunk)] = chunk
+                    got += len(chunk)
+                    if time.monotonic() - t0 > deadline:
+                        raise RemoteError(
+                            "slow",
+                            f"{self.where()}: fetching entry {key.hex()} passed fetch_deadline="
+                            f"{deadline:g}s",
+                        )
+            finally:
+                body.close()
+        except Exception as e:
+            raise self._error(e, f"fetching entry {key.hex()}") from None
+        if got != size:
+            raise RemoteError("corrupt", f"{self.where()}: entry {key.hex()}: object cut short")
+        return buf, time.monotonic() - t0
+
+    def objects(self, fingerprint: bytes = b"") -> Iterator[RemoteObject]:
+        """Every object of this format version (of one model with `fingerprint`)."""
+        prefix = version_prefix(self.settings) + (f"{fingerprint.hex()}/" if fingerprint else "")
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            )
+            for page in pages:
+                for o in page.get("Contents", []):
+                    key = parse_object_name(self.settings, o["Key"])
+                    if key is not None:
+                        yield RemoteObject(
+                            key, o["Key"], int(o["Size"]), o["LastModified"].timestamp()
+                        )
+        except Exception as e:
+            raise self._error(e, "listing objects") from None
+
+    def other_versions(self) -> list[str]:
+        """Format-version prefixes in the bucket other than ours (another kvstore's objects)."""
+        root = object_root(self.settings)
+        try:
+            res = self.client.list_objects_v2(Bucket=self.bucket, Prefix=root, Delimiter="/")
+        except Exception as e:
+            raise self._error(e, "listing format versions") from None
+        found = [p["Prefix"][len(root) :].rstrip("/") for p in res.get("CommonPrefixes", [])]
+        return [v for v in found if v != f"v{FORMAT_VERSION}"]
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def upload(self, meta: EntryMeta, read_blob: Callable[[int, int], bytes]) -> str:
+        """Create the entry's object unless it exists: "uploaded", or "exists" when it was there
+        already or another box created it first (If-None-Match: * makes the create conditional,
+        so two racing uploads end with one object). `read_blob(offset, size)` gives blob bytes;
+        large blobs go up in parts, each read on its own."""
+        name = object_name(self.settings, meta.key)
+        what = f"uploading entry {meta.key.hex()}"
+        if self.head(meta.key) is not None:
+            return "exists"
+        header = object_header(meta)
+        total = len(header) + meta.nbytes
+        try:
+            if total <= self.settings.multipart_threshold:
+                self.client.put_object(
+                    Bucket=self.bucket, Key=name, Body=header + read_blob(0, meta.nbytes),
+                    IfNoneMatch="*",
+                )  # fmt: skip
+                return "uploaded"
+            return self._upload_parts(name, header, meta.nbytes, read_blob)
+        except Exception as e:
+            if self._status(e) == 412:  # someone created it between our HEAD and our create
+                return "exists"
+            raise self._error(e, what) from None
+
+    def _upload_parts(
+        self, name: str, header: bytes, nbytes: int, read_blob: Callable[[int, int], bytes]
+    ) -> str:
+        size, total = self.settings.part_size, len(header) + nbytes
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, total, size), 1):
+                stop = min(start + size, total)
+                head = header[start:stop]
+                lo, hi = max(start - len(header), 0), stop - len(header)
+                body = head + (read_blob(lo, hi - lo) if hi > lo else b"")
+                res = self.client.upload_part(
+                    Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=body
+                )
+                parts.append({"PartNumber": number, "ETag": res["ETag"]})
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=name, UploadId=upload_id,
+                MultipartUpload={"Parts": parts}, IfNoneMatch="*",
+            )  # fmt: skip
+            return "uploaded"
+        except BaseException:
+            try:  # parts of an upload nobody completes are billed until aborted
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
+            except Exception:
+                pass  # `remote gc` aborts uploads left behind
+            raise
+
+    def delete(self, names: list[str]) -> int:
+        n = 0
+        try:
+            for i in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
+                batch = [{"Key": k} for k in names[i : i + 1000]]
+                res = self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch})
+                n += len(res.get("Deleted", []))
+                if errors := res.get("Errors"):  # per key, e.g. a key that may not delete
+                    first = errors[0]
+                    raise RemoteError(
+                        "credentials" if first.get("Code") == "AccessDenied" else "error",
+                        f"{self.where()}: deleting {first.get('Key')}: {first.get('Code')} "
+                        f"({counted(len(errors), 'object')} not deleted)",
+                    )
+        except Exception as e:
+            raise self._error(e, "deleting objects") from None
+        return n
+
+    def abort_stale_uploads(self, older_than: float) -> int:
+        """Abort multipart uploads started more than `older_than` seconds ago (a crash's)."""
+        n, now = 0, time.time()
+        try:
+            res = self.client.list_multipart_uploads(
+                Bucket=self.bucket, Prefix=object_root(self.settings)
+            )
+            for u in res.get("Uploads", []):
+                if now - u["Initiated"].timestamp() > older_than:
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    )
+                    n += 1
+        except Exception as e:
+            raise self._error(e, "aborting stale multipart uploads") from None
+        return n

@@ -1,0 +1,260 @@
+"""Write-behind upload to the fleet tier: a persistent queue in its own LMDB environment
+(HOME/remote-queue, beside the store, so the store's format is untouched) and the worker thread
+that drains it.
+
+A local commit adds its key (Store.on_commit); the worker uploads it later, so a put never waits
+on the remote. The queue survives restarts; entries the store holds but the queue never saw (a
+CLI warm without a daemon, an import) are found by `sweep`. The same environment keeps the
+measured transfer rates the warm's cost rule reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import msgpack
+
+from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
+from kvstore.fleet.objects import Remote
+from kvstore.store.lmdbenv import ENVS, close_env, open_env
+from kvstore.store.store import Store
+
+log = logging.getLogger("kvstore")
+
+QUEUE_DIR = "remote-queue"
+IDLE_SECONDS = 5.0  # how often an idle worker re-checks the queue without being woken
+RATE_WEIGHT = 0.5  # weight of the newest measurement in a rate's moving average
+
+
+class UploadQueue:
+    """Keys waiting for upload (`queue`), keys the remote has (`done`), measured rates (`rates`)."""
+
+    def __init__(self, home: Path):
+        self.path = Path(home) / QUEUE_DIR
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.env = open_env(self.path, readonly=False, map_size=8 * 2**20, max_readers=126)
+        except lmdb.Error as e:
+            raise StoreError(f"{self.path}: cannot open the upload queue: {e}") from None
+        self._gate = ENVS[str(self.path.resolve())][3]
+        self._queue = self.env.open_db(b"queue")
+        self._done = self.env.open_db(b"done")
+        self._rates = self.env.open_db(b"rates")
+
+    def close(self) -> None:
+        if self.env is not None:
+            close_env(self.path)
+            self.env = None
+
+    def _write(self, fn: Callable) -> object:
+        with self._gate.exclusive():
+            while True:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        return fn(txn)
+                except lmdb.MapFullError:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                except lmdb.Error as e:
+                    raise StoreError(f"{self.path}: upload queue write failed: {e}") from None
+
+    def _read(self, fn: Callable) -> object:
+        for _ in range(3):
+            try:
+                with self._gate.txn(), self.env.begin() as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                with self._gate.exclusive():
+                    self.env.set_mapsize(0)
+        raise StoreError(f"{self.path}: the upload queue keeps being resized under this reader")
+
+    # -- the queue ----------------------------------------------------------------------------
+
+    def add(self, keys: list[bytes]) -> int:
+        """Queue keys the remote is not known to have; returns how many were queued."""
+        record = msgpack.packb({"queued": time.time(), "tries": 0, "error": None})
+
+        def fn(txn):
+            n = 0
+            for k in keys:
+                if txn.get(k, db=self._done) is None:
+                    n += txn.put(k, record, db=self._queue, overwrite=False)
+            return n
+
+        return self._write(fn)
+
+    def pending(self) -> list[bytes]:
+        return self._read(
+            lambda txn: [bytes(k) for k in txn.cursor(self._queue).iternext(values=False)]
+        )
+
+    def done(self, key: bytes, outcome: str) -> None:
+        def fn(txn):
+            txn.delete(key, db=self._queue)
+            txn.put(key, msgpack.packb({"at": time.time(), "outcome": outcome}), db=self._done)
+
+        self._write(fn)
+
+    def drop(self, key: bytes) -> None:
+        """A queued key the store no longer holds (evicted before it went up)."""
+        self._write(lambda txn: txn.delete(key, db=self._queue))
+
+    def failed(self, key: bytes, error: str) -> None:
+        def fn(txn):
+            raw = txn.get(key, db=self._queue)
+            rec = msgpack.unpackb(raw) if raw is not None else {"queued": time.time(), "tries": 0}
+            rec.update(tries=rec.get("tries", 0) + 1, error=error)
+            txn.put(key, msgpack.packb(rec), db=self._queue)
+
+        self._write(fn)
+
+    def forget(self, keys: list[bytes]) -> None:
+        """The remote no longer has these (gc deleted them): a box holding one uploads it again."""
+        self._write(lambda txn: [txn.delete(k, db=self._done) for k in keys])
+
+    def sweep(self, store: Store) -> int:
+        """Queue every stored entry neither queued nor known uploaded."""
+        known = set(self.pending()) | set(
+            self._read(
+                lambda txn: [bytes(k) for k in txn.cursor(self._done).iternext(values=False)]
+            )
+        )
+        return self.add([k for k in store.keys() if k not in known])
+
+    def counts(self) -> dict[str, int]:
+        def fn(txn):
+            return {
+                "queued": txn.stat(self._queue)["entries"],
+                "uploaded": txn.stat(self._done)["entries"],
+            }
+
+        return self._read(fn)
+
+    # -- measured rates -----------------------------------------------------------------------
+
+    def rate(self, name: str) -> float | None:
+        raw = self._read(lambda txn: txn.get(name.encode(), db=self._rates))
+        return None if raw is None else float(msgpack.unpackb(raw))
+
+    def measured(self, name: str, value: float) -> None:
+        """Fold one measurement (bytes/s, tokens/s) into the named moving average."""
+        if value <= 0:
+            return
+        old = self.rate(name)
+        new = value if old is None else RATE_WEIGHT * value + (1 - RATE_WEIGHT) * old
+        self._write(lambda txn: txn.put(name.encode(), msgpack.packb(new), db=self._rates))
+
+
+def upload_one(remote: Remote, store: Store, queue: UploadQueue, key: bytes) -> str:
+    """Upload one queued entry: "uploaded", "exists" or "gone" (no longer stored here). A
+    RemoteError leaves it queued; a locally corrupt entry is dropped, never uploaded."""
+    meta = store.get_meta(key)
+    if meta is None:
+        queue.drop(key)
+        return "gone"
+    if not store.blob_ok(meta):
+        queue.drop(key)
+        log.error("remote: entry %s is corrupt locally; not uploaded (kvstore verify)", key.hex())
+        return "gone"
+    t = time.monotonic()
+    outcome = remote.upload(meta, lambda offset, size: store.read_blob_range(key, offset, size))
+    if outcome == "uploaded":
+        queue.measured("upload_bps", meta.nbytes / max(time.monotonic() - t, 1e-6))
+    queue.done(key, outcome)
+    return outcome
+
+
+class Uploader(threading.Thread):
+    """Drains the queue on a side thread (boto3 only: no mlx work here); stops between entries."""
+
+    def __init__(self, remote: Remote, store: Store, queue: UploadQueue):
+        super().__init__(name="kvstore-upload", daemon=True)
+        self.remote, self.store, self.queue = remote, store, queue
+        self.retry_interval = remote.settings.retry_interval
+        self._stop_event = threading.Event()
+        self._wake = threading.Event()
+        self._cause: str | None = None  # the failure last logged: one line per cause, not per try
+        self.uploaded = 0
+
+    def notify(self, meta: object = None) -> None:
+        """Store.on_commit hook: queue the key (one small local write) and wake the worker."""
+        try:
+            self.queue.add([meta.key] if meta is not None else [])
+        except KVStoreError as e:  # the local put committed; the sweep at next start catches up
+            log.error("remote: %s", e)
+        self._wake.set()
+
+    def stop(self, timeout: float = 2.0) -> bool:
+        self._stop_event.set()
+        self._wake.set()
+        if self.is_alive():
+            self.join(timeout)
+        return not self.is_alive()
+
+    def run(self) -> None:
+        try:
+            if n := self.queue.sweep(self.store):
+                log.info("remote: queued %s not yet uploaded", counted(n, "stored entry"))
+        except KVStoreError as e:
+            log.error("remote: sweep failed: %s", e)
+        while not self._stop_event.is_set():
+            self._wake.clear()
+            try:
+                self._drain()
+            except RemoteError as e:
+                if e.cause != self._cause:
+                    log.error(
+                        "remote: upload paused: %s; %d entr(ies) kept in the queue, retrying "
+                        "every %gs", e, len(self.queue.pending()), self.retry_interval,
+                    )  # fmt: skip
+                    self._cause = e.cause
+                self._stop_event.wait(self.retry_interval)
+                continue
+            except Exception:  # a bug must not kill the worker silently
+                log.exception("remote: uploader failed; retrying")
+                self._stop_event.wait(self.retry_interval)
+                continue
+            self._wake.wait(IDLE_SECONDS)
+
+    def _drain(self) -> None:
+        for key in self.queue.pending():
+            if self._stop_event.is_set():
+                return
+            try:
+                outcome = upload_one(self.remote, self.store, self.queue, key)
+            except RemoteError as e:
+                self.queue.failed(key, str(e))
+                raise
+            if self._cause is not None:
+                log.info("remote: reachable again; uploading the queue")
+                self._cause = None
+            if outcome != "gone":
+                self.uploaded += outcome == "uploaded"
+                log.info("remote: entry %s %s", key.hex(), outcome)
+
+
+def start_uploader(remote: Remote, store: Store, home: Path) -> Uploader:
+    """Open the queue, hook it to the store's commits and start the worker (the daemon)."""
+    queue = UploadQueue(home)
+    worker = Uploader(remote, store, queue)
+    store.on_commit.append(worker.notify)
+    worker.start()
+    return worker
+
+
+def enqueue_on_commit(store: Store, home: Path) -> UploadQueue:
+    """Without a daemon (a CLI warm): commits are queued for the next daemon or `remote push`."""
+    queue = UploadQueue(home)
+
+    def add(meta) -> None:
+        try:
+            queue.add([meta.key])
+        except KVStoreError as e:
+            log.error("remote: %s", e)
+
+    store.on_commit.append(add)
+    return queue

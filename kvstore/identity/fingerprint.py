@@ -1,0 +1,328 @@
+"""Who an entry belongs to: model fingerprint, template hash, and model path resolution.
+
+The fingerprint changes whenever the KV of the same tokens would differ: weight contents, the
+effective configuration (config.json with load-time overrides, kvstore.identity.modelconfig),
+adapter
+weights and config, KV quantization, the per-layer cache layout, the mlx-lm source that computes
+the KV (kvstore.identity.codehash) and the codec version. Full-content hashes of large files are
+cached by
+file identity (device, inode, size, mtime, ctime) in the home, so a start after the first costs a
+few stat calls and a touched-but-unchanged file re-hashes to the same value. The identities seen
+are kept on the Fingerprint, so a caller can check nothing changed while it loaded the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import xxhash
+
+from kvstore.codec.codec import CODEC_VERSION
+from kvstore.errors import ModelError
+from kvstore.identity.codehash import kv_code_digest, kv_code_files
+from kvstore.identity.modelconfig import (
+    check_overrides,
+    config_identity,
+    effective_config,
+    model_args,
+)
+from kvstore.pins.manifest import check_kv_quantization
+
+# Files whose contents change the KV of given tokens. The model's own *.py files are not among them:
+# mlx-lm runs none, except a config's `model_file` under trust_remote_code (hashed as code).
+WEIGHT_GLOBS = ("config.json", "hf_quant_config.json", "*.safetensors")
+ADAPTER_GLOBS = ("adapter_config.json", "*.safetensors")
+# Files that change how text becomes tokens, but not the KV of given tokens: provenance only.
+TEMPLATE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tiktoken.model",
+)
+_CHUNK = 16 * 2**20  # 16 MiB reads while hashing
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    digest: bytes  # 16 bytes: the key prefix of every entry of this model
+    layout: tuple  # per-layer cache classes and their shape-defining parameters
+    kv_bits: int | None
+    kv_group_size: int
+    model_config: dict | None = None  # the load-time overrides it was computed with
+    files: tuple = ()  # (path, stat identity, digest) of every file hashed, as it was hashed
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    def changed_files(self) -> list[str]:
+        """The hashed files whose identity changed since (or that are gone): a stat each."""
+        out = []
+        for path, ident, _ in self.files:
+            try:
+                now = FileHashCache.identity(Path(path).stat())
+            except OSError:
+                now = None
+            if now != list(ident):
+                out.append(path)
+        return out
+
+    def check_unchanged(self, what: str) -> None:
+        """Raise ModelError naming the files that changed since the fingerprint was computed."""
+        if changed := self.changed_files():
+            raise ModelError(
+                f"{', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''} changed while "
+                f"{what}: the loaded weights may not be the fingerprinted ones; not storing or "
+                "hydrating KV for it (load again once the files settle)"
+            )
+
+
+class FileHashCache:
+    """Full-content hashes keyed by file identity, kept in one msgpack file written atomically."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._data: dict[str, list] = {}
+        self._dirty = False
+        if path is not None and path.is_file():
+            try:
+                self._data = msgpack.unpackb(path.read_bytes(), raw=False)
+                if not isinstance(self._data, dict):
+                    self._data = {}
+            except Exception:  # a damaged cache only costs a re-hash
+                self._data = {}
+
+    @staticmethod
+    def identity(st: os.stat_result) -> list:
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def digest(self, path: Path) -> bytes:
+        return self.digest_and_identity(path)[0]
+
+    def digest_and_identity(self, path: Path) -> tuple[bytes, list]:
+        ident = self.identity(path.stat())
+        hit = self._data.get(str(path))
+        if hit and hit[:5] == ident:
+            return bytes(hit[5]), ident
+        digest = hash_file(path)
+        if self.identity(path.stat()) != ident:  # written while we read it: not this content
+            raise ModelError(f"{path}: changed while being hashed; try again once it settles")
+        self._data[str(path)] = [*ident, digest]
+        self._dirty = True
+        return digest, ident
+
+    def memo(self, key: str):
+        """A value remembered with `remember`, while every file it was derived from keeps its
+        identity; else None."""
+        hit = self._data.get(key)
+        if not (isinstance(hit, list) and len(hit) == 2 and isinstance(hit[0], list)):
+            return None
+        try:
+            if all(self.identity(os.stat(p)) == list(ident) for p, ident in hit[0]):
+                return hit[1]
+        except (OSError, TypeError, ValueError):
+            pass
+        return None
+
+    def remember(self, key: str, files: list[Path], value) -> None:
+        self._data[key] = [[[str(p), self.identity(p.stat())] for p in files], value]
+        self._dirty = True
+
+    def save(self) -> None:
+        if not (self._dirty and self.path and self.path.parent.is_dir()):
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        try:
+            tmp.write_bytes(msgpack.packb(self._data, use_bin_type=True))
+            os.replace(tmp, self.path)
+            self._dirty = False
+        except OSError:  # read-only home: the cache is an optimization only
+            tmp.unlink(missing_ok=True)
+
+
+def hash_file(path: Path) -> bytes:
+    h = xxhash.xxh3_128()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.digest()
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local directory as given, or a hub id resolved from the local hub cache (no download)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p.resolve()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) and not p.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            cache_dir = os.environ.get("HF_HUB_CACHE") or None  # read now, not at import
+            return Path(snapshot_download(str(model), local_files_only=True, cache_dir=cache_dir))
+        except Exception as e:
+            raise ModelError(
+                f"model {model!r}: not a local directory and not in the local hub cache "
+                f"({type(e).__name__}); download it first (e.g. `hf download {model}`)"
+            ) from None
+    raise ModelError(f"model {str(model)!r}: no such directory")
+
+
+def _files(root: Path, globs: tuple[str, ...]) -> list[Path]:
+    found = {p for g in globs for p in root.glob(g) if p.is_file()}
+    return sorted(found)
+
+
+def describe_cache(c) -> tuple:
+    """A cache object's class and the parameters that shape its state (not its contents)."""
+    name = type(c).__name__
+    if name == "CacheList":
+        return (name, tuple(describe_cache(x) for x in c.caches))
+    params = {
+        "RotatingKVCache": lambda: (c.max_size, c.keep),
+        "ChunkedKVCache": lambda: (c.chunk_size,),
+        "ArraysCache": lambda: (len(c.cache),),
+        "QuantizedKVCache": lambda: (c.group_size, c.bits),
+    }.get(name, lambda: ())()
+    return (name, *params)
+
+
+def build_architecture(config: dict, model_dir: Path):
+    """The model object mlx-lm would build from `config`, without its weights: mlx arrays are lazy,
+    so instantiating the architecture without evaluating it allocates nothing."""
+    from mlx_lm.utils import _get_classes
+
+    if config.get("model_file") is not None:
+        raise ModelError(
+            f"{model_dir}: its config runs custom code (model_file); pass the loaded model "
+            "(model=...) so its layout is read from it"
+        )
+    try:
+        model_class, args_class = _get_classes(config)
+        return model_class(args_class.from_dict(config))
+    except Exception as e:
+        raise ModelError(f"{model_dir}: cannot build the model from its config: {e}") from None
+
+
+def cache_layout(model_dir: Path, model=None, *, model_config: dict | None = None) -> tuple:
+    """The per-layer cache layout of a model; without a loaded model, built from config alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if model is None:
+        model = build_architecture(effective_config(model_dir, model_config), model_dir)
+    return tuple(describe_cache(c) for c in make_prompt_cache(model))
+
+
+def model_fingerprint(
+    model: str | Path,
+    *,
+    adapter_path: str | Path | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = 5000,
+    model_config: dict | None = None,
+    layout: tuple | None = None,
+    model_object=None,
+    hash_cache: FileHashCache | None = None,
+) -> Fingerprint:
+    """Hash of everything that changes the KV of given tokens for this model as it would be run.
+
+    `model_config` are the overrides given to `mlx_lm.load(path, model_config=...)`. The model's
+    arguments and cache layout come from the loaded `model_object` when given (so overrides it
+    was loaded with count even if not named here), else from the effective config.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    # a kv_bits of "8" would otherwise be a fingerprint no entry is filed under, silently
+    check_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    model_dir = resolve_model_path(model)
+    model_config = check_overrides(model_config)
+    cache = hash_cache or FileHashCache(None)
+    files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
+    if not any(name.endswith(".safetensors") for name, _ in files):
+        raise ModelError(f"model {str(model)!r}: no *.safetensors weights in {model_dir}")
+    config = effective_config(model_dir, model_config)
+    if adapter_path is not None:
+        adir = Path(adapter_path).expanduser()
+        afiles = _files(adir, ADAPTER_GLOBS) if adir.is_dir() else []
+        if not afiles:
+            raise ModelError(f"adapter {str(adapter_path)!r}: no adapter files in that directory")
+        files += [(f"adapter/{p.relative_to(adir)}", p) for p in afiles]
+    # Building the architecture and hashing mlx-lm's source cost ~15 ms in a new process: what
+    # they give for this config is remembered while the source files keep their identity.
+    adapter = adapter_path is not None
+    key = (
+        None
+        if model_object is not None or config.get("model_file")
+        else _memo_key(config, adapter, kv_bits)
+    )
+    hit = cache.memo(key) if key else None
+    if hit is not None:
+        built_layout, args_id, code = _tuplify(hit[0]), bytes(hit[1]), bytes(hit[2])
+    else:
+        built = model_object if model_object is not None else build_architecture(config, model_dir)
+        built_layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
+        args_id = config_identity(model_args(built, config), config)
+        try:
+            code = kv_code_digest(config, model_dir, adapter=adapter, kv_bits=kv_bits)
+            if key:
+                sources = kv_code_files(config, adapter=adapter, kv_bits=kv_bits)
+                cache.remember(key, sources, [built_layout, args_id, code])
+        except (OSError, ValueError, SyntaxError) as e:
+            raise ModelError(f"model {str(model)!r}: cannot hash the mlx-lm code: {e}") from None
+    if layout is None:
+        layout = built_layout
+    h = xxhash.xxh3_128()
+    seen = []
+    for name, path in files:
+        if name == "model/config.json":  # its effect is hashed below, as the model reads it
+            digest, ident = b"", FileHashCache.identity(path.stat())
+        else:
+            digest, ident = cache.digest_and_identity(path)
+            h.update(f"{name}\0{path.stat().st_size}\0".encode())
+            h.update(digest)
+        seen.append((str(path), tuple(ident), digest))
+    h.update(b"config\0" + args_id)
+    h.update(b"code\0" + code)
+    quant = (kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
+    h.update(repr((layout, quant, CODEC_VERSION)).encode())
+    cache.save()
+    return Fingerprint(h.digest(), layout, kv_bits, kv_group_size, model_config, tuple(seen))
+
+
+def _memo_key(config: dict, adapter: bool, kv_bits: int | None) -> str:
+    import mlx_lm
+
+    # the install's location too: two venvs sharing a home run different mlx-lm files
+    where = [mlx_lm.__file__, CODEC_VERSION]
+    text = json.dumps([config, adapter, bool(kv_bits), where], sort_keys=True, default=repr)
+    return "derived:" + xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def _tuplify(value):
+    """msgpack gives lists back: the layout is compared as nested tuples."""
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+def template_hash(model: str | Path) -> bytes:
+    """Hash of the chat template, tokenizer files and special tokens (16 bytes)."""
+    model_dir = resolve_model_path(model)
+    h = xxhash.xxh3_128()
+    for name in TEMPLATE_FILES:
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode() + b"\0")
+            h.update(p.read_bytes())
+    return h.digest()

@@ -1,0 +1,71 @@
+"""kvstore.client.load: the model and tokenizer mlx_lm.load gives, and a PersistentPromptCache
+hydrated on a second thread while the weights loaded, equal to a fresh prefill; the thread is gone
+afterwards, and a process that used it exits cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import mlx.core as mx
+from helpers import assert_same_kv, mlx_lm_prefill, warm_two_pins
+from mlx_lm import load as mlx_load
+
+from kvstore import client
+from kvstore.identity.fingerprint import model_fingerprint
+
+LOAD_MODULE = sys.modules["kvstore.client.load"]  # `kvstore.client.load` is the function
+
+
+def test_load_returns_a_cache_hydrated_while_the_weights_loaded(
+    hybrid_path, kv_home, tmp_path, monkeypatch
+):
+    metas = warm_two_pins(tmp_path, kv_home, hybrid_path)
+    seen: list[str] = []
+    real = LOAD_MODULE.prefetch
+
+    def spy(*a, **k):
+        seen.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(LOAD_MODULE, "prefetch", spy)
+    model, tokenizer, cache = client.load(hybrid_path, home=kv_home, stats=False)
+    try:
+        assert seen == ["kvstore-prefetch"]  # read on the second thread, once
+        assert cache.report.warning is None and cache.report.entries == 2
+        fp = model_fingerprint(hybrid_path, model_object=model)  # layout from the loaded model
+        assert cache.fingerprint == fp.digest
+        reference, _ = mlx_load(str(hybrid_path))
+        for meta in metas.values():
+            kv, rest = cache.fetch_nearest_cache(str(hybrid_path), meta.token_ids())
+            assert rest == []
+            assert_same_kv(kv, mlx_lm_prefill(reference, meta.token_ids()))
+        assert tokenizer.encode("hello") == mlx_load(str(hybrid_path))[1].encode("hello")
+    finally:
+        cache.close()
+    assert not [t for t in threading.enumerate() if t.name == "kvstore-prefetch"]
+
+
+def test_load_without_a_store_warns_and_loads(llama_path, tmp_path):
+    model, _, cache = client.load(llama_path, home=tmp_path / "no-home", stats=False)
+    try:
+        assert cache.report.entries == 0 and "prefilling as usual" in cache.report.warning
+        assert model(mx.array([[1, 2]])).shape[-1] == 512
+    finally:
+        cache.close()
+
+
+def test_a_process_that_used_load_exits_cleanly(hybrid_path, kv_home, tmp_path):
+    warm_two_pins(tmp_path, kv_home, hybrid_path)
+    code = textwrap.dedent(f"""
+        from kvstore import client
+        for _ in range(3):
+            model, tok, cache = client.load({str(hybrid_path)!r}, home={str(kv_home)!r},
+                                            stats=False)
+            assert cache.report.entries == 2, cache.report
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -1,0 +1,144 @@
+"""Prefill stats: every call's numbers add up (cold, hydrated, chained, stopped early), the line
+is logged and shown by default, and a flush puts the records in the daemon's ledger."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, manifest_for
+from kvstore.client import PersistentPromptCache, StatsRecorder, generate, stream_generate
+from mlx_lm import load
+from mlx_lm.models.cache import LRUPromptCache
+
+from kvstore.pins.manifest import load_manifest
+from kvstore.store.store import Store
+from kvstore.warm.warm import warm
+
+
+@pytest.fixture(scope="module")
+def llama(llama_path):
+    return load(str(llama_path))
+
+
+def chat(tokenizer, system: str, user: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def assert_adds_up(call) -> None:
+    assert call.prompt_tokens == call.cached_tokens + call.prefilled_tokens
+    assert call.prefilled_tokens >= 1 and call.prefill_s > 0 and call.decode_s > 0
+
+
+def assert_entries_match_their_keys(cache) -> None:
+    """Every LRU entry holds exactly the tokens it is filed under (mlx-lm runs one token ahead)."""
+    for lru in cache._lru._lrus.values():
+        for model, tokens in lru:
+            entry = cache._trie.get(model, tokens)
+            assert entry.prompt_cache[0].offset == len(tokens)
+
+
+def test_cold_and_hydrated_calls_add_up(llama, llama_path, kv_home, tmp_path):
+    model, tokenizer = llama
+    prompt = chat(tokenizer, CLASSIFY, "My invoice 2291 was charged twice.")
+
+    cold = StatsRecorder(str(llama_path), send=False, verbose=False)
+    generate(LRUPromptCache(), model, tokenizer, prompt, model_key="m", stats=cold, max_tokens=5)
+    (call,) = cold.calls
+    assert_adds_up(call)
+    assert (call.prompt_tokens, call.cached_tokens, call.generated_tokens) == (len(prompt), 0, 5)
+
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS)), store, home=kv_home)
+        pins = {m.label: m.ntokens for m in store.metas()}
+    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+        generate(cache, model, tokenizer, prompt, label="classify", max_tokens=5)
+        generate(cache, model, tokenizer, prompt + [9, 9], label="classify", max_tokens=5)
+        generate(cache, model, tokenizer, chat(tokenizer, SYNTHESIZE, "ok"), label="synthesize")
+        hydrated, chained, other = cache.stats.calls
+        for c in cache.stats.calls:
+            assert_adds_up(c)
+        assert hydrated.cached_tokens == pins["classify"] > 0  # the pin hydrated from the store
+        assert chained.cached_tokens == len(prompt)  # served by the first call's transcript
+        assert other.cached_tokens > 0
+        summary = cache.stats.summary()
+        s = summary["classify"]
+        assert (s.calls, s.prompt_tokens) == (2, 2 * len(prompt) + 2)
+        assert s.cached_tokens == hydrated.cached_tokens + chained.cached_tokens
+        assert s.saved_s == pytest.approx(s.cached_tokens * s.prefill_s / s.prefilled_tokens)
+        assert summary["synthesize"].calls == 1
+        assert_entries_match_their_keys(cache)
+
+
+def test_line_is_logged_and_shown_by_default(llama, llama_path, caplog, capsys):
+    model, tokenizer = llama
+    prompt = chat(tokenizer, CLASSIFY, "hello")
+    shown = StatsRecorder("m", send=False)  # default: printed, since INFO is not shown
+    generate(LRUPromptCache(), model, tokenizer, prompt, model_key="m", stats=shown, max_tokens=2)
+    err = capsys.readouterr().err
+    assert f"kvstore: default: {len(prompt)} prompt tokens, 0 from cache" in err
+
+    caplog.set_level(logging.INFO, logger="kvstore.client")
+    quiet = StatsRecorder("m", send=False)  # logging shows it now: no second copy on stderr
+    generate(LRUPromptCache(), model, tokenizer, prompt, model_key="m", stats=quiet, label="x")
+    assert "kvstore: x:" not in capsys.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvstore.client"]
+    assert [ln for ln in lines if ln.startswith("kvstore: x:")] == [quiet.calls[0].line()]
+
+    off = StatsRecorder("m", send=False, verbose=False)
+    caplog.set_level(logging.WARNING, logger="kvstore.client")
+    generate(LRUPromptCache(), model, tokenizer, prompt, model_key="m", stats=off, max_tokens=2)
+    assert capsys.readouterr().err == "" and len(off.calls) == 1
+
+
+def test_early_stop_is_recorded_and_not_misfiled(llama, llama_path):
+    model, tokenizer = llama
+    prompt = chat(tokenizer, CLASSIFY, "stop early")
+    stats = StatsRecorder("m", send=False, verbose=False)
+    lru = LRUPromptCache()
+    for i, _ in enumerate(
+        stream_generate(lru, model, tokenizer, prompt, model_key="m", stats=stats, max_tokens=50)
+    ):
+        if i == 1:
+            break
+    (call,) = stats.calls
+    assert call.generated_tokens == 2 and call.prompt_tokens == len(prompt)
+    assert len(lru) == 1
+    assert_entries_match_their_keys(lru)
+    with pytest.raises(ValueError, match="model_key"):
+        generate(lru, model, tokenizer, prompt, stats=stats)
+
+
+def test_daemon_ledger_after_flush(tmp_path, llama, llama_path):
+    model, tokenizer = llama
+    d = Proc(tmp_path / "dhome", log=tmp_path / "daemon.log")
+    try:
+        d.wait_ready()
+        with PersistentPromptCache(model, tokenizer, llama_path, home=d.home, verbose=False) as c:
+            c.pin("classify", messages=[{"role": "system", "content": CLASSIFY}])
+            for user in ("one", "two"):
+                generate(c, model, tokenizer, chat(tokenizer, CLASSIFY, user), label="classify")
+            generate(c, model, tokenizer, chat(tokenizer, SYNTHESIZE, "x"), label="synthesize")
+            assert c.flush()
+            local, calls = c.stats.summary(), c.stats.calls
+            ledger = d.request("stats")["ledger"]
+    finally:
+        assert d.stop()[0] == 0, d.text()
+    rows = {r["label"]: r for r in ledger["by_model_label"] if r["model"] == str(llama_path)}
+    assert set(rows) == {"classify", "synthesize"}
+    for label, s in local.items():
+        row = rows[label]
+        assert (row["calls"], row["prompt_tokens"]) == (s.calls, s.prompt_tokens)
+        assert (row["cached_tokens"], row["prefilled_tokens"]) == (
+            s.cached_tokens,
+            s.prefilled_tokens,
+        )
+        assert row["prefill_s"] == pytest.approx(s.prefill_s)
+        generated = sum(c.generated_tokens for c in calls if c.label == label)
+        assert row.get("generated_tokens", generated) == generated  # optional in the ledger
+    assert rows["classify"]["cached_tokens"] > 0

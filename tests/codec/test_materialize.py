@@ -1,0 +1,166 @@
+"""The large-blob read path (one mlx buffer filled on threads, checksum alongside the copy) gives
+the same arrays as mlx-lm's own loader and as the per-tensor path, refuses what it must, and
+leaves no thread behind."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+
+import mlx.core as mx
+import pytest
+from helpers import assert_same_kv, mlx_lm_prefill, states, warm_two_pins
+from kvstore.client import hydrate
+from mlx_lm import load
+from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
+
+from bench.shapes import HYBRID_9B, KV28_F16, KV36_BF16, make_cache
+from kvstore.codec import codec, materialize
+from kvstore.errors import ChecksumError, CodecError, CorruptEntryError
+from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.store import Store, blob_checksum
+from kvstore.warm.transfer import write_file
+
+
+def _bytes_equal(a: list, b: list) -> None:
+    sa, sb = states(a), states(b)
+    assert len(sa) == len(sb)
+    for x, y in zip(sa, sb, strict=True):
+        assert (x.dtype, x.shape) == (y.dtype, y.shape)
+        assert bytes(memoryview(x)) == bytes(memoryview(y))  # bit for bit, NaN patterns too
+
+
+def _paths(monkeypatch, path: str) -> None:
+    monkeypatch.setattr(materialize, "LARGE_BYTES", 0 if path == "large" else 1 << 62)
+    monkeypatch.setattr(materialize, "_recycled", lambda nbytes: False)
+
+
+@pytest.mark.parametrize("shape", [KV28_F16, KV36_BF16, HYBRID_9B], ids=lambda s: s.name)
+def test_large_path_equals_load_prompt_cache_of_the_same_bytes(shape, tmp_path, monkeypatch):
+    blob = codec.encode(make_cache(shape, 80))
+    write_file(blob, tmp_path / "c.safetensors")  # as `kvstore export` writes it
+    _paths(monkeypatch, "large")
+    reference = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    views = []
+    real = materialize._views
+    monkeypatch.setattr(materialize, "_views", lambda *a: views.append(1) or real(*a))
+    got, _ = codec.decode(blob, checksum=blob_checksum(blob))
+    assert views == [1]  # the one-buffer path ran
+    _bytes_equal(got, reference)
+    _paths(monkeypatch, "small")
+    small, _ = codec.decode(blob, checksum=blob_checksum(blob))
+    _bytes_equal(small, got)
+
+
+@pytest.mark.parametrize("path", ["large", "small"])
+def test_arrays_own_their_memory_after_the_blob_is_gone(path, monkeypatch):
+    _paths(monkeypatch, path)
+    blob = bytearray(codec.encode(make_cache(KV28_F16, 80)))
+    got, _ = codec.decode(blob)
+    expected = [bytes(memoryview(x)) for x in states(got)]
+    blob[:] = bytes(len(blob))  # the buffer is reused, as an LMDB page would be
+    assert [bytes(memoryview(x)) for x in states(got)] == expected
+
+
+def _unaligned_blob() -> bytes:
+    """A one-layer KVCache laid out as another writer might: the offset scalar as one U8 byte
+    first, so the float16 keys and values start at odd offsets."""
+    cache = make_cache(KV28_F16, 40)[:1]
+    meta = json.loads(codec.encode(cache)[8:].split(b"}}", 1)[0] + b"}}")["__metadata__"]
+    k, v = (memoryview(mx.contiguous(x[..., :40, :])).tobytes() for x in cache[0].state[:2])
+    parts = [("0.2", "U8", [], bytes([40])), ("0.0", "F16", [1, 8, 40, 128], k),
+             ("0.1", "F16", [1, 8, 40, 128], v)]  # fmt: skip
+    header, off = {"__metadata__": meta}, 0
+    for name, code, shape, data in parts:
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"".join(p[3] for p in parts)
+
+
+def test_unaligned_blob_takes_the_per_tensor_path(tmp_path, monkeypatch):
+    blob = _unaligned_blob()
+    write_file(blob, tmp_path / "u.safetensors")
+    _paths(monkeypatch, "large")
+    copies = []
+    real = materialize._copy_one
+    monkeypatch.setattr(materialize, "_copy_one", lambda *a: copies.append(a[2]) or real(*a))
+    got, _ = codec.decode(blob)
+    assert sorted(copies) == ["0.0", "0.1"]
+    assert got[0].offset == 40
+    _bytes_equal(got, load_prompt_cache(str(tmp_path / "u.safetensors")))
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_corrupted_large_blob_is_refused_with_no_arrays_returned(where, kv_home, monkeypatch):
+    _paths(monkeypatch, "large")
+    blob = bytearray(codec.encode(make_cache(KV28_F16, 80)))
+    checksum = blob_checksum(blob)
+    pos = 12 if where == "header" else len(blob) - 7
+    blob[pos] ^= 0x20
+    calls = []
+    real = materialize.arrays
+
+    def watch(*a, **k):
+        out = real(*a, **k)
+        calls.append(out[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(materialize, "arrays", watch)
+        with pytest.raises(ChecksumError, match="checksum mismatch"):
+            codec.decode(bytes(blob), checksum=checksum)
+    # a broken header is refused before any copy; broken data after the copy, arrays dropped
+    assert calls == ([] if where == "header" else [False])
+    with pytest.raises(CodecError):
+        codec.decode(bytes(blob[:-1]))
+    # through the store: the checksum names the entry, and hydrate skips it with one warning
+    ids = list(range(80))
+    key = entry_key(b"\x01" * 16, ids)
+    with Store(kv_home) as s:
+        s.put(key, bytes(blob), tokens=pack_tokens(ids))  # then the meta keeps the old checksum
+        meta = s.get_meta(key)
+        s._write(lambda txn: txn.put(key, _with_checksum(meta, checksum), db=s._meta))
+        with pytest.raises(CorruptEntryError, match="blob checksum mismatch"):
+            s.load(key)
+
+
+def _with_checksum(meta, checksum: int) -> bytes:
+    meta.checksum = checksum
+    return meta.pack()
+
+
+def test_checksum_in_chunks_is_xxh3_64():
+    import xxhash
+
+    for n in (0, 1, materialize.CHUNK_BYTES, materialize.CHUNK_BYTES * 2 + 3):
+        data = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        assert materialize.checksum(data) == xxhash.xxh3_64_intdigest(data)
+
+
+def test_no_thread_outlives_a_large_decode(monkeypatch):
+    _paths(monkeypatch, "large")
+    before = set(threading.enumerate())
+    for _ in range(3):
+        codec.decode(codec.encode(make_cache(KV28_F16, 80)))
+    # mlx's io threads call readinto; had they made Python threads, dummies would show here
+    assert set(threading.enumerate()) == before
+
+
+def test_large_path_hydrate_equals_fresh_prefill(hybrid_path, kv_home, tmp_path, monkeypatch):
+    """A real model's KV through the threaded path (threshold 0) equals a fresh prefill."""
+    metas = warm_two_pins(tmp_path, kv_home, hybrid_path)
+    _paths(monkeypatch, "large")
+    model, _ = load(str(hybrid_path))
+    lru = LRUPromptCache(max_size=10)
+    report = hydrate(lru, "m", hybrid_path, home=kv_home, model=model)
+    assert report.warning is None and report.entries == 2
+    for meta in metas.values():
+        cache, rest = lru.fetch_nearest_cache("m", meta.token_ids())
+        assert rest == []
+        assert_same_kv(cache, mlx_lm_prefill(model, meta.token_ids()))
+        # and the hydrated cache keeps working: one more token, same logits as the cold cache
+        cold = mlx_lm_prefill(model, meta.token_ids())
+        nxt = mx.array([[5]])
+        assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=cold)).item()

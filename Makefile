@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's old name
 	$(PY) -m pip install -q -e '.[test,bench,fleet]'
 	touch $(STAMP)
 
@@ -44,10 +45,10 @@ format: $(STAMP)
 docs: $(STAMP)
 	$(PY) -m kvstore.cli.reference > docs/cli.md
 
-# the reliability battery at full scale (tests/test_reliability_*.py); figures go to
+# the reliability battery at full scale (tests/reliability); figures go to
 # bench/results/reliability.json. `make test` runs the same tests at their quick scale.
 stress: $(STAMP)
-	KVSTORE_STRESS=1 $(PY) -m pytest -q tests/test_reliability_*.py
+	KVSTORE_STRESS=1 $(PY) -m pytest -q tests/reliability
 
 bench: $(STAMP)
 	$(PY) -m bench.run --full

@@ -40,11 +40,11 @@ def setup() -> tuple[Path, Path, Path]:
 def run_calls(model_path: Path, home: Path) -> int:
     """The fresh process: every stage twice, cold and hydrated; prints the table."""
     import mlx.core as mx
-    from kvstore.client import hydrate
     from mlx_lm import load, stream_generate
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
     from bench.stages import STAGES, user_turn
+    from kvstore.client import hydrate
 
     model, tokenizer = load(str(model_path))
     lru = LRUPromptCache(max_size=16)

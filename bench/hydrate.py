@@ -24,12 +24,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
 
 from bench.fingerprint import make_model_dir
 from bench.shapes import HYBRID_9B, KV28_F16, KV36_BF16, MB, Shape, make_cache
 from bench.timing import interleave
+from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, ensure_home

@@ -49,8 +49,9 @@ def _worker(argv: list[str]) -> None:
         hydrated = cache.report.entries
         cache.close()
     else:
-        from kvstore.client import PersistentPromptCache
         from mlx_lm import load
+
+        from kvstore.client import PersistentPromptCache
 
         imported = time.perf_counter()
         m, tok = load(model)

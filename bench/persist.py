@@ -49,9 +49,9 @@ def _persistent_prompt_cache(tmp: Path):
     worker after the request path handed them over, which is all that is timed here."""
     import logging
 
-    from kvstore.client import PersistentPromptCache
     from mlx_lm import load
 
+    from kvstore.client import PersistentPromptCache
     from kvstore.tiny import make_tiny_model
 
     logging.getLogger("kvstore.client").setLevel(logging.ERROR)  # the one no-daemon warning

@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _child(home: str, model: str) -> None:
-    from kvstore.client import hydrate
     from mlx_lm.models.cache import LRUPromptCache
+
+    from kvstore.client import hydrate
 
     profile = cProfile.Profile()
     t = time.perf_counter()

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
-from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
 from bench.shapes import KV28_F16, MB, make_cache
 from bench.timing import Stats, interleave
 from kvstore.cli.main import main as cli
+from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, ensure_home

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from kvstore.client.jsonl import read_objects
 
 from kvstore.cli.main import home_option  # every command takes --home (analyze reads no store)
+from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 
 CONTEXT = 30  # characters of stable text shown before the first dynamic block

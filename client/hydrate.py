@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.client.loader import check_loaded_from
-
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.pins.manifest import check_kv_quantization

@@ -25,7 +25,6 @@ from typing import Any
 
 from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
-
 from kvstore.errors import KVStoreError
 
 
@@ -50,8 +49,9 @@ def load(
     Like `hydrate`, a store problem or a wrong argument type is one warning in
     `cache.report`, never an exception (mlx_lm.load's own errors still raise).
     """
-    from kvstore.client.persistent import PersistentPromptCache
     from mlx_lm import load as mlx_load
+
+    from kvstore.client.persistent import PersistentPromptCache
 
     read: dict[str, Prefetched] = {}
     # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import click
-from kvstore.client.jsonl import read_objects
 
 from kvstore.cli.main import home_option
+from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 
 MAX_TOKENS = 16  # greedy steps per prompt
@@ -200,10 +200,10 @@ def run_parity(
     reference: str = "split",
 ) -> ParityReport:
     """Run every prompt with the hydrated store and without it; see the module docstring."""
-    from kvstore.client.hydrate import hydrate
     from mlx_lm import load
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
+    from kvstore.client.hydrate import hydrate
     from kvstore.identity.fingerprint import resolve_model_path
     from kvstore.warm.prefill import prefill
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
+
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
-
 from kvstore.errors import KVStoreError
 from kvstore.pins.render import RenderedPin, pin_extra
 

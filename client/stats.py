@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.client.writebehind import Job, WriteBehind
-
 from kvstore.codec import codec
 
 log = logging.getLogger("kvstore.client")

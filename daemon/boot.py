@@ -15,7 +15,6 @@ from pathlib import Path
 from kvstore.daemon import exits
 from kvstore.daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, park_if_supervised
 from kvstore.daemon.server import Daemon
-
 from kvstore.errors import KVStoreError, transient
 from kvstore.pins.registry import canonical, registered
 from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings

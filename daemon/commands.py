@@ -16,11 +16,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.codec import codec
 from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.daemon.writer import Writer
-
-from kvstore.codec import codec
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.pins.manifest import load_manifest
 from kvstore.pins.registry import canonical, register, unregister

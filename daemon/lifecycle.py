@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from kvstore.daemon.exits import PARK_UNDER, SUPERVISOR_ENV
-
 from kvstore.errors import KVStoreError
 from kvstore.settings import LOCK_NAME
 from kvstore.wire.daemon_client import socket_path

@@ -29,7 +29,6 @@ from kvstore.daemon.lifecycle import (
 )
 from kvstore.daemon.upkeep import Upkeep, watched_files
 from kvstore.daemon.writer import Writer
-
 from kvstore.errors import KVStoreError, ProtocolError, counted
 from kvstore.pins.registry import canonical
 from kvstore.settings import STORE_DIR, load_settings

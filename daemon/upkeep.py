@@ -20,7 +20,6 @@ from typing import Any
 from kvstore.daemon import lifecycle
 from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
-
 from kvstore.errors import KVStoreError, PrefillStopped, counted
 from kvstore.identity.fingerprint import (
     ADAPTER_GLOBS,

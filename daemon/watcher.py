@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvstore.daemon.watch_paths import covers, identity, nearest_dir, path_key
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
+from kvstore.daemon.watch_paths import covers, identity, nearest_dir, path_key
 from kvstore.identity.fingerprint import hash_file
 
 log = logging.getLogger("kvstore.daemon")

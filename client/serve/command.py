@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import click
-from kvstore.client.serve.hooks import ServeError, check_server_shape, patched_server
-from kvstore.client.serve.persist import PERSIST_QUEUE, SystemPromptPersister
 
 from kvstore.cli.main import home_option, parse_json_object
+from kvstore.client.serve.hooks import ServeError, check_server_shape, patched_server
+from kvstore.client.serve.persist import PERSIST_QUEUE, SystemPromptPersister
 from kvstore.errors import KVStoreError
 
 __all__ = [

@@ -38,7 +38,6 @@ from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.persist import SystemPromptPersister
-
 from kvstore.errors import KVStoreError, counted
 from kvstore.store.entry import DEFAULT_QUANTIZED_KV_START
 

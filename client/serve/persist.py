@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.client.writebehind import Job, WriteBehind
-
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.serve")

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
-from kvstore.daemon import exits
-from kvstore.daemon.service import launchd, systemd
 
 from kvstore.cli.main import home_option
+from kvstore.daemon import exits
+from kvstore.daemon.service import launchd, systemd
 
 LABEL = launchd.LABEL
 UNIT_NAME = systemd.UNIT_NAME

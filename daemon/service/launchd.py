@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+
 from kvstore.daemon import exits
 from kvstore.daemon.logs import CRASH_LOG_NAME
 

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import click
+
 from kvstore.daemon import exits
 
 UNIT_NAME = "kvstore.service"

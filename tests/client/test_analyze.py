@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
-from kvstore.client.analyze import analyze, load_capture, static_first
 
 from kvstore.cli.main import main
+from kvstore.client.analyze import analyze, load_capture, static_first
 
 STATIC = "".join(
     f"Rule {i}: classify the request into billing, outage, account or other and explain why.\n"

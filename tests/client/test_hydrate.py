@@ -8,11 +8,11 @@ import logging
 import mlx.core as mx
 import pytest
 from helpers import assert_same_kv, manifest_for, mlx_lm_prefill, warm_two_pins
-from kvstore.client import PersistentPromptCache, hydrate
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import client
+from kvstore.client import PersistentPromptCache, hydrate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.keys import pack_tokens, packed_prefix_hash
 from kvstore.store.store import Store

@@ -14,10 +14,10 @@ import time
 import mlx_lm
 import pytest
 from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for, serving
-from kvstore.client import PersistentPromptCache, generate
-from kvstore.client.writebehind import Job, WriteBehind
 from mlx_lm import load
 
+from kvstore.client import PersistentPromptCache, generate
+from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill

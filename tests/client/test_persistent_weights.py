@@ -12,11 +12,11 @@ import shutil
 import mlx_lm
 import pytest
 from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for, serving
-from kvstore.client import PersistentPromptCache
-from kvstore.client.hydrate import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import client
+from kvstore.client import PersistentPromptCache
+from kvstore.client.hydrate import hydrate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model

@@ -16,11 +16,11 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 from helpers import manifest_for
-from kvstore.client.hydrate import hydrate
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, save_prompt_cache
 
 from kvstore.cli.main import main
+from kvstore.client.hydrate import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.pins.manifest import load_manifest

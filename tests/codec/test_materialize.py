@@ -11,11 +11,11 @@ import threading
 import mlx.core as mx
 import pytest
 from helpers import assert_same_kv, mlx_lm_prefill, states, warm_two_pins
-from kvstore.client import hydrate
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
 
 from bench.shapes import HYBRID_9B, KV28_F16, KV36_BF16, make_cache
+from kvstore.client import hydrate
 from kvstore.codec import codec, materialize
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError
 from kvstore.store.keys import entry_key, pack_tokens

@@ -203,8 +203,9 @@ def test_manifest_edit_rewarms_only_the_changed_pin(shared):
 
 
 def test_streamed_put_is_verified_then_hydrates(shared, make_entry, llama_path, monkeypatch):
-    from kvstore.client import hydrate
     from mlx_lm.models.cache import LRUPromptCache
+
+    from kvstore.client import hydrate
 
     key, blob, fields = make_entry("via-socket")
     monkeypatch.setattr(protocol, "CHUNK_BYTES", 4096)  # many frames even for a tiny blob
@@ -497,7 +498,6 @@ def test_reconcile_logs_a_failing_manifest_and_warms_the_next(tmp_path, llama_pa
     import threading
 
     import kvstore.daemon.upkeep as upkeep_mod
-
     from kvstore.warm.warm import WarmReport
 
     bad = manifest_for(tmp_path, llama_path, TWO_PINS, name="bad.toml")

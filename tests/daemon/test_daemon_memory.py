@@ -10,9 +10,9 @@ import time
 
 from click.testing import CliRunner
 from helpers import CLASSIFY, Proc, serving
-from kvstore.daemon.lifecycle import available_memory_bytes, memory_to_load
 
 from kvstore.cli.main import main
+from kvstore.daemon.lifecycle import available_memory_bytes, memory_to_load
 
 FAKE_MEMORY = """
 import sys

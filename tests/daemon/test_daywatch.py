@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from helpers import manifest_for
-from kvstore.daemon.daywatch import DayWatch
-from kvstore.daemon.upkeep import Upkeep
 from mlx_lm.utils import load_tokenizer
 
 from kvstore.cli.main import main
+from kvstore.daemon.daywatch import DayWatch
+from kvstore.daemon.upkeep import Upkeep
 from kvstore.pins.clock import clock_at
 from kvstore.settings import load_settings
 from kvstore.store.ownership import APP, owners
@@ -193,8 +193,9 @@ messages = [{{ role = "system", content = "{SYSTEM}" }}]
 
 
 def test_a_runtime_pin_follows_the_same_rule(dated_model, kv_home):
-    from kvstore.client import PersistentPromptCache
     from mlx_lm import load
+
+    from kvstore.client import PersistentPromptCache
 
     model, tok = load(str(dated_model))
     messages = [{"role": "system", "content": SYSTEM}]

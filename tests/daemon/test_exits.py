@@ -7,6 +7,7 @@ import time
 
 import pytest
 from helpers import TWO_PINS, Proc, manifest_for
+
 from kvstore.daemon import exits
 
 pytestmark = pytest.mark.slow

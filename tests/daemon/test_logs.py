@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 from helpers import Proc
+
 from kvstore.daemon import logs
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+
+from kvstore.cli.main import main
 from kvstore.daemon import exits
 from kvstore.daemon.service import command as service
 from kvstore.daemon.service import launchd
@@ -27,8 +29,6 @@ from kvstore.daemon.service.command import (
     service_spec,
     systemd_unit,
 )
-
-from kvstore.cli.main import main
 
 # A macOS-like home plus every character systemd would otherwise interpret.
 ODD_HOME = '/Users/Jane Doe/Library/Application Support/kv "store"\\$HOME 100%'

@@ -11,9 +11,10 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from kvstore.daemon.watcher import Watcher, _Hints, covers, file_digest, path_key
 from watchdog.events import FileModifiedEvent
 from watchdog.observers import Observer
+
+from kvstore.daemon.watcher import Watcher, _Hints, covers, file_digest, path_key
 
 DEBOUNCE = 0.2
 QUIET = DEBOUNCE * 4  # long enough that a second call would have arrived

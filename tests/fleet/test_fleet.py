@@ -69,8 +69,9 @@ def test_box_b_warms_from_the_remote_with_no_prefill(s3, llama_path, tmp_path):
             assert sa.read_blob(k) == sb.read_blob(k)
             assert_same_kv(sa.load(k)[1], sb.load(k)[1])
         assert sb.check() == []
-    from kvstore.client.hydrate import hydrate
     from mlx_lm.server import LRUPromptCache
+
+    from kvstore.client.hydrate import hydrate
 
     lru = LRUPromptCache()  # an app on box B hydrates what came from A, and gets A's KV
     assert hydrate(lru, "m", llama_path, home=b).entries == 2

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 from helpers import CLASSIFY, assert_same_kv, manifest_for
-from kvstore.client.hydrate import hydrate
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache
 
+from kvstore.client.hydrate import hydrate
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -103,8 +103,9 @@ def test_a_manifest_edit_of_model_config_purges_the_old_pins(llama_path, kv_home
 def test_serve_gives_model_config_to_the_served_models_load_only(llama_path, kv_home):
     from unittest import mock
 
-    from kvstore.client.serve.command import patched_server
     from mlx_lm import server
+
+    from kvstore.client.serve.command import patched_server
 
     seen = []
 

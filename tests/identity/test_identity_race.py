@@ -13,10 +13,10 @@ from unittest import mock
 import mlx_lm
 import pytest
 from helpers import TWO_PINS, manifest_for
-from kvstore.client.hydrate import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import client
+from kvstore.client.hydrate import hydrate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.warm import warm

@@ -222,9 +222,9 @@ def test_disk_full_on_a_small_tmpfs(tmp_path, tmpfs):
 
 def test_every_prefix_hashed_to_one_key_gives_no_wrong_hit(tmp_path, llama_path):
     """Stored token ids are compared on every hit: a collision costs a miss, never wrong KV."""
-    from kvstore.client import hydrate
     from mlx_lm.models.cache import LRUPromptCache
 
+    from kvstore.client import hydrate
     from kvstore.identity.fingerprint import model_fingerprint
 
     n = 100

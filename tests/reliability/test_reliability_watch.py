@@ -66,8 +66,9 @@ def _save_by_rename(path: Path, text: str) -> None:
 
 
 def test_watcher_passes_and_a_deleted_model(tmp_path, llama_path):
-    from kvstore.client import hydrate
     from mlx_lm.models.cache import LRUPromptCache
+
+    from kvstore.client import hydrate
 
     home, manifest, prompt = _setup(tmp_path, llama_path, f"debounce = {DEBOUNCE}\n")
     d = Proc(home, "--manifest", str(manifest), log=tmp_path / "daemon.log")

@@ -9,10 +9,10 @@ import struct
 import pytest
 from click.testing import CliRunner
 from helpers import TWO_PINS, manifest_for
-from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.cli.main import main
+from kvstore.client import hydrate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store, blob_checksum
 from kvstore.warm.warm import warm

@@ -8,10 +8,10 @@ import msgpack
 import pytest
 from click.testing import CliRunner
 from helpers import TWO_PINS, manifest_for
-from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.cli.main import main
+from kvstore.client import hydrate
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import EntryMeta

@@ -7,9 +7,9 @@ from unittest import mock
 import lmdb
 import pytest
 from helpers import TWO_PINS, manifest_for
-from kvstore.client import hydrate
 from mlx_lm.models.cache import LRUPromptCache
 
+from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.errors import StoreError
 from kvstore.pins.manifest import load_manifest

@@ -13,11 +13,11 @@ import time
 import mlx.core as mx
 from click.testing import CliRunner
 from helpers import TWO_PINS, Proc, assert_same_kv, manifest_for, serving
-from kvstore.daemon.canary import check_at_boot
 from mlx_lm import load
 
 from kvstore.cli.main import main
 from kvstore.codec import codec
+from kvstore.daemon.canary import check_at_boot
 from kvstore.identity.codehash import installed_versions, runtime_versions
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from kvstore.daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
 
+from kvstore.daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.settings import SOCKET_NAME
 from kvstore.store.ledger import validate

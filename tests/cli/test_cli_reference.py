@@ -4,7 +4,7 @@ from pathlib import Path
 
 from kvstore.cli.reference import render
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def test_docs_cli_md_matches_every_commands_help():

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 STRESS = os.environ.get("KVSTORE_STRESS") == "1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / ("reliability.json" if STRESS else "reliability-quick.json")
 
 FINGERPRINT = b"reliability-fp00"  # 16 bytes: the store never interprets it

@@ -193,24 +193,5 @@ def _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp) 
     compared, in words. Raises ImportMismatch (nothing stored) when the KV differs."""
     from kvstore.warm.importfit import kv_check, loaded_for_check
 
-    check_vocabulary(tokens, model_dir, what=f"{file}")
     with loaded_for_check(model, model_dir, adapter, model_config, fp) as loaded:
         return kv_check(loaded, cache, tokens, what=str(file))
-
-
-def check_vocabulary(tokens, model_dir: Path, *, what: str) -> None:
-    """Token ids the model's embedding has no row for are a one-line error, not a crash."""
-    from mlx_lm.utils import load_config
-
-    try:
-        config = load_config(Path(model_dir))
-    except Exception:
-        return
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    if (
-        isinstance(size, int)
-        and (bad := next((t for t in tokens if not 0 <= t < size), None)) is not None
-    ):
-        raise KVStoreError(
-            f"{what}: token id {bad} is outside the model's vocabulary (size {size})"
-        )

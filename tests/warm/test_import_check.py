@@ -122,7 +122,7 @@ def test_token_ids_outside_the_vocabulary_are_a_one_line_error(models, b0_file, 
         main, ["import", str(b0_file), "--model", str(b), "--tokens", str(ids)]
     )
     assert result.exit_code == 1
-    assert "token id 99999 is outside the model's vocabulary" in result.output
+    assert "token id 99999 (position 48) is out of range" in result.output
 
 
 def cli(*args, code=0):

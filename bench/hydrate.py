@@ -33,7 +33,7 @@ from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, ensure_home
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 
 QUICK_SIZES = [1, 4, 16, 64, 256]  # MB

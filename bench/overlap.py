@@ -96,7 +96,7 @@ def _store_entries(home: Path, model: Path, sizes_mb: list[int]) -> int:
     from kvstore.codec import codec
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
     from kvstore.settings import FILEHASH_NAME, ensure_home
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
 
     ensure_home(home)

@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.shapes import HYBRID_9B, KV28_F16, MB, make_cache
 from bench.timing import interleave
 from kvstore.codec import codec
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 
 

@@ -161,7 +161,7 @@ def _warm_and_calibrate(model_path: Path, home: Path, all_tiers: dict) -> dict:
     from kvstore.codec import codec
     from kvstore.identity.fingerprint import FileHashCache, describe_cache, model_fingerprint
     from kvstore.settings import FILEHASH_NAME, ensure_home
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
     from kvstore.warm.prefill import prefill
 

@@ -69,7 +69,7 @@ def warm(mb: int, reps: int) -> None:
 
     from bench.shapes import KV28_F16, MB, make_cache
     from kvstore.codec import codec
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
 
     tokens = KV28_F16.tokens_for(mb * MB)

@@ -21,8 +21,8 @@ from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.settings import FILEHASH_NAME, ensure_home
-from kvstore.store.keys import entry_key, pack_tokens
-from kvstore.store.store import EntryMeta, Store
+from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
+from kvstore.store.store import Store
 
 
 def _put_pins(home: Path, model: Path, lengths: list[int]) -> bytes:

@@ -257,7 +257,7 @@ class PersistentPromptCache(PinnedPromptCache):
         )
         if best is None:
             return
-        from kvstore.store.keys import entry_key
+        from kvstore.store.entry import entry_key
 
         self._hits.append(entry_key(self.fingerprint, best))
         if time.monotonic() - self._hits_sent >= HIT_BATCH_S:
@@ -366,7 +366,7 @@ class PersistentPromptCache(PinnedPromptCache):
             return "memory", self._trie.get(self.model_key, list(ids)).prompt_cache
         if self.fingerprint is None:
             return "", None
-        from kvstore.store.keys import entry_key, pack_tokens
+        from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
 
         try:
@@ -410,7 +410,7 @@ class PersistentPromptCache(PinnedPromptCache):
         from kvstore.codec import codec
         from kvstore.identity.codehash import runtime_versions
         from kvstore.identity.fingerprint import template_hash
-        from kvstore.store.keys import entry_key, pack_tokens
+        from kvstore.store.entry import entry_key, pack_tokens
 
         if not self._files_hold_these_weights():
             return

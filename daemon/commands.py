@@ -23,12 +23,11 @@ from kvstore.daemon.writer import Writer
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.pins.manifest import load_manifest
 from kvstore.pins.registry import canonical, register, unregister
-from kvstore.store.entry import tokens_match_key
+from kvstore.store.entry import KEY_BYTES, blob_checksum, tokens_match_key
 from kvstore.store.eviction import select_for_eviction
-from kvstore.store.keys import KEY_BYTES
 from kvstore.store.ledger import Ledger, validate
 from kvstore.store.ownership import owning_manifests
-from kvstore.store.store import Store, blob_checksum
+from kvstore.store.store import Store
 
 if TYPE_CHECKING:
     from kvstore.daemon.server import Connection

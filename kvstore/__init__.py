@@ -11,8 +11,8 @@ from kvstore.errors import (
     StoreError,
 )
 from kvstore.identity.fingerprint import Fingerprint, model_fingerprint, template_hash
-from kvstore.store.keys import entry_key, prefix_hash
-from kvstore.store.store import EntryMeta, Store
+from kvstore.store.entry import EntryMeta, entry_key, prefix_hash
+from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient, connect
 
 __version__ = "0.1.0"

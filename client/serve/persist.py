@@ -54,7 +54,7 @@ class SystemPromptPersister:
     ) -> None:
         from kvstore.codec import codec
         from kvstore.identity.codehash import runtime_versions
-        from kvstore.store.keys import entry_key, pack_tokens
+        from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
 
         key = entry_key(target["fingerprint"], tokens)

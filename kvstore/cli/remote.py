@@ -19,7 +19,7 @@ import click
 from kvstore.cli.main import home_option, human_size, main, open_store, user_errors
 from kvstore.errors import KVStoreError, RemoteError, counted
 from kvstore.fleet.settings import REMOTE_SAMPLE
-from kvstore.store.keys import FINGERPRINT_BYTES
+from kvstore.store.entry import FINGERPRINT_BYTES
 from kvstore.wire.daemon_client import connect_writer
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)

@@ -1,1 +1,7 @@
-"""Cache objects <-> bytes: mlx-lm prompt-cache safetensors, validated before mlx sees a byte."""
+"""Cache objects <-> bytes: mlx-lm prompt-cache safetensors, validated before mlx sees a byte.
+
+`codec` encodes and decodes (its `decode` reads top to bottom); the steps of a decode each have
+their module: `safetensors` (the byte layout, pure Python), `cache_state` (the cache structure
+and class allowlist), `materialize` (the one copy of stored bytes into mlx memory), and
+`cache_api` (the installed mlx-lm's cache objects <-> the one stored form, 0.31 or 0.32).
+"""

@@ -1,20 +1,23 @@
-"""The cache-state tree of a blob, checked class by class before any array is built.
+"""The cache structure a blob's validated layout names, checked class by class before any array
+is built.
 
 Tensor names are dotted index paths into `[state of each cache]`; each class's state must have
 its arity, consistent offsets and sizes, and arrays of matching shapes and dtypes. Class names come
-from an allowlist, never `globals()[name]` on stored text.
+from an allowlist, never `globals()[name]` on stored text. Two steps: `header` reads what the
+header alone decides (metadata, class names, scalar markers, the state tree with tensors as
+leaves; a 0.31 file through `kvstore.codec.cache_api`), `states` reads the scalar values from the
+data section and checks every class's state. `rebuild` makes the cache objects at the end.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
-import mlx.core as mx
 from mlx_lm.models import cache as mlc
 
 from kvstore.codec import cache_api
-from kvstore.codec.safetensors import Tensor
+from kvstore.codec.safetensors import Layout, Tensor, read_scalar
 from kvstore.codec.safetensors import is_int as _is_int
 from kvstore.errors import CodecError, counted
 
@@ -37,6 +40,25 @@ def rebuild(name: str, state: list) -> Any:
     return cache_api.from_state(name, state, ALLOWED_CLASSES)
 
 
+def substitute(tree: Any, values: dict[int, Any]) -> Any:
+    """`tree` with each Tensor leaf replaced by `values[id(leaf)]` where given (a scalar's value,
+    or the mlx array copied out of the blob)."""
+    if isinstance(tree, list):
+        return [substitute(y, values) for y in tree]
+    return values.get(id(tree), tree) if isinstance(tree, Tensor) else tree
+
+
+class Header(NamedTuple):
+    """What a blob's header alone decides: layout, user metadata, classes, scalar markers, and the
+    state tree with every tensor (scalars too) as a leaf."""
+
+    layout: Layout
+    user: dict[str, str]
+    classes: list[str]
+    markers: dict[str, str]
+    skeleton: list
+
+
 def _is_index(p: str) -> bool:
     return p.isascii() and p.isdigit() and len(p) <= 6 and (p == "0" or p[0] != "0")
 
@@ -53,6 +75,37 @@ class CacheStateDecoder:
 
     def fail(self, msg: str) -> CodecError:
         return CodecError(f"{self.name}: {msg}")
+
+    # -- the header's structure ----------------------------------------------------------
+    def header(self, layout: Layout, legacy: bool = False) -> Header:
+        """The structure `layout`'s metadata and tensor names give; `legacy` also takes a file in
+        mlx-lm 0.31's layout, read into the stored form (integers from its meta_states)."""
+        if legacy and cache_api.is_legacy_file(layout.metadata):
+            n = sum(1 for k in layout.metadata if k.startswith("2."))
+            tensors = self.build_tree(layout.tensors, n)
+            user, classes, states = cache_api.legacy_states(layout.metadata, tensors, self.fail)
+            for c in classes:
+                self.check_class_name(c)
+            return Header(layout, user, classes, {}, states)
+        user, classes, markers = self.parse_metadata(layout.metadata)
+        for pos in markers:
+            if pos not in layout.tensors:
+                raise self.fail(f"scalar marker points at missing tensor {pos!r}")
+        tree = self.build_tree(layout.tensors, len(classes))
+        return Header(layout, user, classes, markers, tree)
+
+    def states(self, header: Header) -> list:
+        """Each cache's state with its scalar values read from the data section (numpy, checked),
+        every class's state checked; array leaves stay Tensors."""
+        layout = header.layout
+        values = {
+            id(layout.tensors[pos]): read_scalar(self.mv, layout, pos, kind, self.fail)
+            for pos, kind in header.markers.items()
+        }
+        states = substitute(header.skeleton, values)
+        for i, (cls, state) in enumerate(zip(header.classes, states, strict=True)):
+            self.check_state(cls, state, str(i))
+        return states
 
     # -- metadata -------------------------------------------------------------------------
     def parse_metadata(self, meta: dict[str, str]) -> tuple[dict, list[str], dict[str, str]]:
@@ -205,14 +258,3 @@ class CacheStateDecoder:
                 raise self.fail(f"{w}: quantized parts hold too few positions")
             if packed.shape[3] * 32 != scales.shape[3] * group * bits:
                 raise self.fail(f"{w}: packed width does not match group_size and bits")
-
-    # -- build ----------------------------------------------------------------------------
-    def materialize(self, x: Any, arrays: dict[int, mx.array]) -> Any:
-        if isinstance(x, Tensor):
-            return arrays[id(x)]
-        if isinstance(x, list):
-            return [self.materialize(y, arrays) for y in x]
-        return x
-
-    def build(self, cls: str, st: list, arrays: dict[int, mx.array]) -> Any:
-        return rebuild(cls, self.materialize(st, arrays))

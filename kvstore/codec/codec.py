@@ -3,15 +3,16 @@
 The layout is exactly what mlx-lm 0.32's `save_prompt_cache` writes (tensor names from
 `tree_flatten` of the cache states, class names and scalar markers in `__metadata__`), whatever
 mlx-lm is installed (`kvstore.codec.cache_api` converts to and from the installed version's
-objects), so
-a store written under mlx-lm 0.31 or 0.32 reads under either. `kvstore import` also takes 0.31's
-files (`either_layout`); `kvstore export` writes the installed version's (kvstore.warm.transfer).
-The
-bytes come from a store we do not fully trust (a corrupt or hostile LMDB value), so `decode`
+objects), so a store written under mlx-lm 0.31 or 0.32 reads under either. `kvstore import` also
+takes 0.31's files (`either_layout`); `kvstore export` writes the installed version's
+(kvstore.warm.transfer).
+
+The bytes come from a store we do not fully trust (a corrupt or hostile LMDB value), so `decode`
 checks every length, offset, dtype and class name in pure Python first and rebuilds the cache
-objects itself instead of resolving stored names with `globals()`. The byte layout is checked
-in `kvstore.codec.safetensors`, the cache structure here; `kvstore.codec.materialize` then copies
-the tensors.
+objects itself instead of resolving stored names with `globals()`. It runs, in order: (a) the byte
+layout (`kvstore.codec.safetensors`), (b) the cache structure (`kvstore.codec.cache_state`),
+(c) the copy into mlx (`kvstore.codec.materialize`), (d) the cache objects (`cache_state.rebuild`,
+through `kvstore.codec.cache_api`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import struct
 import threading
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -28,9 +29,15 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlc
 
 from kvstore.codec import cache_api, materialize
-from kvstore.codec.cache_state import ALLOWED_CLASSES, CacheStateDecoder, rebuild
+from kvstore.codec.cache_state import (
+    ALLOWED_CLASSES,
+    CacheStateDecoder,
+    Header,
+    rebuild,
+    substitute,
+)
 from kvstore.codec.safetensors import DTYPES as _DTYPES
-from kvstore.codec.safetensors import MAX_HEADER_BYTES, Layout, Tensor, parse_layout, read_scalar
+from kvstore.codec.safetensors import MAX_HEADER_BYTES, parse_layout
 from kvstore.errors import ChecksumError, CodecError
 
 __all__ = ["CODEC_VERSION", "MAX_HEADER_BYTES", "cache_classes", "cache_tokens", "decode", "encode"]
@@ -165,81 +172,40 @@ def encode(cache: list, metadata: dict[str, str] | None = None) -> bytes:
     return b"".join([struct.pack("<Q", len(raw_bytes)), raw_bytes, *(e[3] for e in entries)])
 
 
-class _Structure(NamedTuple):
-    """What a blob's header alone decides: layout, user metadata, classes, scalar markers, and the
-    state tree with every tensor (scalars too) as a leaf."""
+class _Headers:
+    """Verdicts on headers already validated. Validating a header ((a) and the header half of
+    (b) in `decode`) is a pure function of its bytes and the blob length, so an identical header
+    (the same pin hydrated again, or another entry of the same length) reuses the verdict; scalar
+    values live in the data section and are read and checked on every decode."""
 
-    layout: Layout
-    user: dict[str, str]
-    classes: list[str]
-    markers: dict[str, str]
-    skeleton: list
+    MAX = 256
 
+    def __init__(self) -> None:
+        self._seen: OrderedDict[tuple[bytes, int, bool], Header] = OrderedDict()
+        self._lock = threading.Lock()
 
-# Validation of a header is a pure function of its bytes and the blob length, so an identical
-# header (the same pin hydrated again, or another entry of the same length) reuses the verdict;
-# scalar values live in the data section and are read and checked on every decode.
-_STRUCTURES: OrderedDict[tuple[bytes, int], _Structure] = OrderedDict()
-_STRUCTURES_MAX = 256
-_STRUCTURES_LOCK = threading.Lock()
+    @staticmethod
+    def _key(mv: memoryview, legacy: bool) -> tuple[bytes, int, bool] | None:
+        n = int.from_bytes(mv[:8], "little") if len(mv) >= 8 else -1
+        return (bytes(mv[: 8 + n]), len(mv), legacy) if 2 <= n <= MAX_HEADER_BYTES else None
 
-
-def _legacy_structure(d: CacheStateDecoder, layout: Layout) -> _Structure:
-    """A prompt-cache file in mlx-lm 0.31's layout, read into the stored form (integers from its
-    meta_states, no scalar tensors)."""
-    n = sum(1 for k in layout.metadata if k.startswith("2."))
-    tensors = d.build_tree(layout.tensors, n)
-    user, classes, states = cache_api.legacy_states(layout.metadata, tensors, d.fail)
-    for c in classes:
-        d.check_class_name(c)
-    return _Structure(layout, user, classes, {}, states)
-
-
-def _structure(d: CacheStateDecoder, legacy: bool = False) -> _Structure:
-    mv = d.mv
-    n = int.from_bytes(mv[:8], "little") if len(mv) >= 8 else -1
-    key = (bytes(mv[: 8 + n]), len(mv), legacy) if 2 <= n <= MAX_HEADER_BYTES else None
-    with _STRUCTURES_LOCK:
-        hit = _STRUCTURES.get(key) if key else None
-        if hit is not None:
-            _STRUCTURES.move_to_end(key)
+    def get(self, mv: memoryview, legacy: bool) -> Header | None:
+        key = self._key(mv, legacy)
+        with self._lock:
+            hit = self._seen.get(key) if key else None
+            if hit is not None:
+                self._seen.move_to_end(key)
             return hit
-    layout = parse_layout(mv, d.fail)
-    if legacy and cache_api.is_legacy_file(layout.metadata):
-        st = _legacy_structure(d, layout)
-    else:
-        user, classes, markers = d.parse_metadata(layout.metadata)
-        for pos in markers:
-            if pos not in layout.tensors:
-                raise d.fail(f"scalar marker points at missing tensor {pos!r}")
-        tree = d.build_tree(layout.tensors, len(classes))
-        st = _Structure(layout, user, classes, markers, tree)
-    with _STRUCTURES_LOCK:
-        _STRUCTURES[key] = st
-        if len(_STRUCTURES) > _STRUCTURES_MAX:
-            _STRUCTURES.popitem(last=False)
-    return st
+
+    def put(self, mv: memoryview, legacy: bool, header: Header) -> None:
+        key = self._key(mv, legacy)
+        with self._lock:
+            self._seen[key] = header
+            if len(self._seen) > self.MAX:
+                self._seen.popitem(last=False)
 
 
-def _substitute(x: Any, values: dict[int, Any]) -> Any:
-    if isinstance(x, list):
-        return [_substitute(y, values) for y in x]
-    return values.get(id(x), x) if isinstance(x, Tensor) else x
-
-
-def _validate(
-    d: CacheStateDecoder, legacy: bool = False
-) -> tuple[Layout, dict, list[str], list, set[str]]:
-    st = _structure(d, legacy)
-    layout = st.layout
-    values = {
-        id(layout.tensors[pos]): read_scalar(d.mv, layout, pos, kind, d.fail)
-        for pos, kind in st.markers.items()
-    }
-    states = _substitute(st.skeleton, values)
-    for i, (cls, state) in enumerate(zip(st.classes, states, strict=True)):
-        d.check_state(cls, state, str(i))
-    return layout, dict(st.user), st.classes, states, set(st.markers)
+_HEADERS = _Headers()
 
 
 def decode(
@@ -259,15 +225,28 @@ def decode(
     """
     d = CacheStateDecoder(blob, name)
     try:
-        layout, user, classes, states, scalars = _validate(d, either_layout)
+        header = _HEADERS.get(d.mv, either_layout)
+        if header is None:
+            # (a) the byte layout: header length, JSON, dtypes, shapes, offsets, exact coverage
+            layout = parse_layout(d.mv, d.fail)
+            # (b) the cache structure it names: metadata, allowed classes, the state tree
+            header = d.header(layout, either_layout)
+            _HEADERS.put(d.mv, either_layout, header)
+        # (b) continued: the scalar values (data section) and every class's state
+        states = d.states(header)
     except CodecError:
         if checksum is not None and materialize.checksum(d.mv) != checksum:
             raise ChecksumError(f"{name}: blob checksum mismatch") from None  # the root cause
         raise
-    keys = [k for k in layout.tensors if k not in scalars]
+    # (c) materialize: the tensors copied into mlx memory (the checksum alongside)
+    layout = header.layout
+    keys = [k for k in layout.tensors if k not in header.markers]
     arrays, ok = materialize.arrays(d.mv, layout, keys, expect_checksum=checksum)
     if not ok:
         raise ChecksumError(f"{name}: blob checksum mismatch")
+    # (d) rebuild: cache objects of the installed mlx-lm (kvstore.codec.cache_api)
     by_id = {id(layout.tensors[k]): a for k, a in arrays.items()}
-    cache = [d.build(cls, st, by_id) for cls, st in zip(classes, states, strict=True)]
-    return cache, user
+    cache = [
+        rebuild(cls, substitute(st, by_id)) for cls, st in zip(header.classes, states, strict=True)
+    ]
+    return cache, dict(header.user)

@@ -2,8 +2,9 @@
 
 A blob comes from a store we do not fully trust (a corrupt or hostile LMDB value): its header
 length, JSON, dtypes, shapes and offsets are all checked here, data bytes must be covered exactly
-once, and scalars are read with numpy. `kvstore.codec.codec` then checks the cache structure and
-`kvstore.codec.materialize` copies the tensors into mlx memory.
+once, and scalars are read with numpy. Step (a) of `kvstore.codec.codec.decode`;
+`kvstore.codec.cache_state` then checks the cache structure and `kvstore.codec.materialize` copies
+the tensors into mlx memory.
 """
 
 from __future__ import annotations

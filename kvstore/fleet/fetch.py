@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import RemoteError
 from kvstore.fleet.objects import Remote, verify_object
 from kvstore.fleet.queue import UploadQueue
-from kvstore.store.keys import pack_tokens
+from kvstore.store.entry import pack_tokens
 from kvstore.store.ownership import APP, PINNED_BEFORE, owners
 
 if TYPE_CHECKING:

@@ -20,8 +20,7 @@ import xxhash
 from kvstore.codec import codec
 from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
 from kvstore.fleet.settings import RemoteSettings
-from kvstore.store.entry import EntryMeta
-from kvstore.store.keys import FINGERPRINT_BYTES, KEY_BYTES
+from kvstore.store.entry import FINGERPRINT_BYTES, KEY_BYTES, EntryMeta
 
 log = logging.getLogger("kvstore")
 

@@ -1,23 +1,69 @@
-"""An entry's meta record: what is stored beside each blob (msgpack), and how it is checked.
+"""What an entry is and how it is keyed: its 32-byte key, its meta record, and the checks that
+tie them together.
 
-LMDB keeps no page checksums, so the record carries its own: schema 2 stores the msgpack body with
-its xxh3-64 (`{"v": 2, "body": bytes, "sum": int}`). Schema 1 records (a bare map, no checksum) are
-still read. Every read also checks that the tokens hash to the key's second half, so a flipped byte
-in either is a CorruptEntryError naming the key, never a hit.
+Keys: model fingerprint (16 bytes) + xxh3-128 of the prefix token ids (16 bytes). Keys sort by
+fingerprint, so one model's entries are one LMDB range scan. The hash only finds the candidate:
+stored token ids are compared on every hit.
+
+The meta record is what is stored beside each blob (msgpack). LMDB keeps no page checksums, so the
+record carries its own: schema 2 stores the msgpack body with its xxh3-64
+(`{"v": 2, "body": bytes, "sum": int}`). Schema 1 records (a bare map, no checksum) are still
+read. Every read also checks that the tokens hash to the key's second half, so a flipped byte in
+either is a CorruptEntryError naming the key, never a hit. At put time the meta's extra records
+where the model resolved (`model_location`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptEntryError
-from kvstore.store import keys
-from kvstore.store.keys import FINGERPRINT_BYTES, unpack_tokens
 
+FINGERPRINT_BYTES = 16
+KEY_BYTES = 32
+
+
+# -- keys ----------------------------------------------------------------------------------------
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32: compact in meta and compared in one memcmp."""
+    try:
+        return np.asarray(tokens, dtype="<u4").tobytes()
+    except (OverflowError, ValueError, TypeError):
+        raise ValueError("token ids must be integers in 0 .. 2**32-1") from None
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
+def prefix_hash(tokens: Sequence[int]) -> bytes:
+    return packed_prefix_hash(pack_tokens(tokens))
+
+
+def packed_prefix_hash(packed: bytes) -> bytes:
+    """The key's second half from packed token ids (what every read re-checks)."""
+    return xxhash.xxh3_128_digest(packed)
+
+
+def entry_key(fingerprint: bytes, tokens: Sequence[int]) -> bytes:
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+    return fingerprint + prefix_hash(tokens)
+
+
+def parse_key(text: str) -> bytes:
+    """A key given on the command line as hex (a unique prefix is resolved by the caller)."""
+    return bytes.fromhex(text)
+
+
+# -- meta ----------------------------------------------------------------------------------------
 SCHEMA_VERSION = 2
 LEGACY_SCHEMA_VERSION = 1  # a bare map without a checksum: read, re-checked, rewritten as 2
 _META_FIELDS = (
@@ -143,8 +189,8 @@ def seal(body: bytes) -> bytes:
 
 
 def tokens_match_key(key: bytes, tokens: bytes) -> bool:
-    """The key's second half is the xxh3-128 of the packed token ids (kvstore.store.keys)."""
-    return keys.packed_prefix_hash(tokens) == key[FINGERPRINT_BYTES:]
+    """The key's second half is the xxh3-128 of the packed token ids ."""
+    return packed_prefix_hash(tokens) == key[FINGERPRINT_BYTES:]
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -153,3 +199,37 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "last_used": (int, float), "hits": int, "nbytes": int, "checksum": int, "codec": int,
     "classes": list, "extra": dict,
 }  # fmt: skip
+
+
+# -- where the model resolved --------------------------------------------------------------------
+def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
+    """Where `model` and `adapter` resolve in this process, as absolute directories (a hub id:
+    its snapshot directory): recorded in each entry's extra at put time as `model_dir` and
+    `adapter_dir`, so a process with another cwd or HF_HOME (the daemon under launchd) can still
+    judge the entry stale or current. What does not resolve here is left out."""
+    from kvstore.errors import ModelError
+    from kvstore.identity.fingerprint import resolve_model_path
+
+    out: dict[str, str] = {}
+    if model:
+        try:
+            out["model_dir"] = str(resolve_model_path(model))
+        except (ModelError, OSError):
+            pass
+    if adapter:
+        adir = Path(adapter).expanduser()
+        if adir.is_dir():
+            out["adapter_dir"] = str(adir.resolve())
+    return out
+
+
+def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
+    model_location)."""
+    extra = fields.get("extra") or {}
+    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
+        return fields  # a bad extra: put's type check names it
+    model, adapter = fields.get("model"), extra.get("adapter")
+    if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
+        return fields  # put's type check names the field
+    return {**fields, "extra": {**model_location(model, adapter), **extra}}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
-from kvstore.store.store import EntryMeta
+from kvstore.store.entry import EntryMeta
 
 
 @dataclass(frozen=True)

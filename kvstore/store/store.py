@@ -1,47 +1,43 @@
 """The LMDB store: entry meta (msgpack) and blobs (safetensors bytes) under 32-byte keys.
 
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
-`_write`, the one place that grows the map; readers and writers recover from MapResizedError
-(another process grew the map) by adopting its size. Blob bytes read
-through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
-transaction. The meta record lives in `kvstore.store.entry`, the environment in
-`kvstore.store.lmdbenv`.
-
-This module holds the environment and its two transaction paths; what runs in them is split by
-responsibility: reads in `kvstore.store.read`, writes in `kvstore.store.write`, check and stats in
-`kvstore.store.admin`.
+`_write`, the one place that grows the map; every read through `_read`; both recover from
+MapResizedError (another process grew the map) by adopting its size. Blob bytes read through
+`buffers=True` are checksummed and decoded (copied into mlx memory) inside their transaction. The
+meta record and keys live in `kvstore.store.entry`, the process-wide environment and its gate in
+`kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods that encode or
+decode, so listing, stats and eviction never load mlx.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
-from kvstore.errors import StoreError
+from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
 from kvstore.settings import DEFAULTS, STORE_DIR
-from kvstore.store.admin import StoreAdmin
-from kvstore.store.entry import DEFAULT_QUANTIZED_KV_START, SCHEMA_VERSION, EntryMeta, blob_checksum
+from kvstore.store.entry import (
+    _META_FIELDS,
+    FINGERPRINT_BYTES,
+    KEY_BYTES,
+    EntryMeta,
+    blob_checksum,
+    tokens_match_key,
+    with_model_location,
+)
 from kvstore.store.lmdbenv import ENVS, close_env, lmdb_errno, open_env, space_hint
-from kvstore.store.read import StoreReads
-from kvstore.store.write import StoreWrites, model_location, with_model_location
-
-__all__ = [
-    "DEFAULT_QUANTIZED_KV_START",
-    "SCHEMA_VERSION",
-    "EntryMeta",
-    "Store",
-    "blob_checksum",
-    "model_location",
-    "with_model_location",
-]
 
 
-class Store(StoreReads, StoreWrites, StoreAdmin):
-    """One LMDB environment in `home/store`. Not to be carried across fork()."""
+class Store:
+    """One LMDB environment in `home/store`: reads, writes, check and stats, each in one
+    transaction of `_read` or `_write`. Not to be carried across fork()."""
 
     def __init__(
         self,
@@ -158,3 +154,308 @@ class Store(StoreReads, StoreWrites, StoreAdmin):
 
     def reader_check(self) -> int:
         return self.env.reader_check()
+
+    # -- reads ---------------------------------------------------------------------------
+    def _scan(self, txn, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        cur = txn.cursor(self._meta)
+        if not cur.set_range(prefix):
+            return
+        for k, v in cur:
+            k = bytes(k)
+            if not k.startswith(prefix):
+                break
+            yield k, bytes(v)
+
+    def metas(self, fingerprint: bytes = b"", *, errors: list | None = None) -> list[EntryMeta]:
+        """Every entry's meta (one model's with `fingerprint`): one range scan, short transaction.
+
+        Unreadable metas are appended to `errors` (as CorruptEntryError) if given, else raised.
+        """
+        raw = self._read(lambda txn: list(self._scan(txn, fingerprint)))
+        out = []
+        for k, v in raw:
+            try:
+                out.append(EntryMeta.unpack(k, v))
+            except CorruptEntryError as e:
+                if errors is None:
+                    raise
+                errors.append(e)
+        return out
+
+    def keys(self) -> list[bytes]:
+        return self._read(
+            lambda txn: [bytes(k) for k in txn.cursor(self._meta).iternext(values=False)]
+        )
+
+    def get_meta(self, key: bytes) -> EntryMeta | None:
+        raw = self._read(lambda txn: txn.get(key, db=self._meta))
+        return None if raw is None else EntryMeta.unpack(key, bytes(raw))
+
+    def load(self, key: bytes, tokens: bytes | None = None) -> tuple[EntryMeta, list]:
+        """Meta and decoded cache of one entry; `tokens` (packed), if given, must match."""
+
+        def fn(txn):
+            raw = txn.get(key, db=self._meta)
+            if raw is None:
+                raise KeyError(key.hex())
+            meta = EntryMeta.unpack(key, bytes(raw))
+            if tokens is not None and meta.tokens != tokens:
+                raise KeyError(key.hex())  # a hash collision: another prefix lives under this key
+            blob = txn.get(key, db=self._blob)
+            return meta, self._decode(key, meta, blob)
+
+        return self._read(fn, buffers=True)
+
+    def blob_ok(self, meta: EntryMeta) -> bool:
+        """The stored blob has its meta's length and checksum (no decode: ~30 GB/s)."""
+
+        def fn(txn):
+            blob = txn.get(meta.key, db=self._blob)
+            return (
+                blob is not None
+                and len(blob) == meta.nbytes
+                and (blob_checksum(blob) == meta.checksum)
+            )
+
+        return self._read(fn, buffers=True)
+
+    def read_blob(self, key: bytes) -> bytes:
+        blob = self._read(lambda txn: txn.get(key, db=self._blob))
+        if blob is None:
+            raise KeyError(key.hex())
+        return bytes(blob)
+
+    def read_blob_range(self, key: bytes, offset: int, size: int) -> bytes:
+        """`size` bytes of a blob from `offset`, in one short read transaction (a multipart
+        upload reads each part on its own rather than holding one open for the whole upload)."""
+
+        def fn(txn):
+            blob = txn.get(key, db=self._blob)
+            return None if blob is None else bytes(blob[offset : offset + size])
+
+        part = self._read(fn, buffers=True)
+        if part is None:
+            raise KeyError(key.hex())
+        return part
+
+    @staticmethod
+    def _decode(key: bytes, meta: EntryMeta, blob) -> list:
+        if blob is None:
+            raise CorruptEntryError(key, "meta without blob")
+        if len(blob) != meta.nbytes:
+            raise CorruptEntryError(key, f"blob is {len(blob)} bytes, meta says {meta.nbytes}")
+        from kvstore.codec import codec  # mlx: only where an entry is decoded
+
+        try:  # the checksum runs alongside the copy of a large blob, before anything is returned
+            cache, _ = codec.decode(blob, name=f"entry {key.hex()}", checksum=meta.checksum)
+        except ChecksumError:
+            raise CorruptEntryError(key, "blob checksum mismatch") from None
+        except CodecError as e:
+            raise CorruptEntryError(key, str(e)) from None
+        held = codec.cache_tokens(cache)
+        if held != meta.ntokens and not (held is None and codec.keeps_no_offset(cache)):
+            raise CorruptEntryError(
+                key, f"its KV holds {held} tokens but the entry is {meta.ntokens} tokens"
+            )
+        return cache
+
+    # -- writes --------------------------------------------------------------------------
+    def put(self, key: bytes, blob: bytes, *, locate: bool = True, **fields: Any) -> EntryMeta:
+        """Store one entry; the same key and blob again keeps `created` and hits.
+
+        `locate` records where the model resolves in this process (see model_location); the
+        daemon passes False for a client's put, which DaemonClient.put located in the client's
+        own cwd and environment: resolving a relative path or hub id here could find another."""
+        from kvstore.codec.codec import CODEC_VERSION  # mlx: only where an entry is stored
+
+        if len(key) != KEY_BYTES:
+            raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        if locate:
+            fields = with_model_location(fields)
+        now = time.time()
+        checksum = blob_checksum(blob)
+        extra = fields.pop("extra", {})
+        unknown = set(fields) - set(_META_FIELDS)
+        if unknown:
+            raise StoreError(f"unknown meta field(s): {sorted(unknown)}")
+
+        tokens = fields.get("tokens")
+        if not isinstance(tokens, bytes) or len(tokens) % 4:
+            raise StoreError("field 'tokens' must be packed uint32 token ids (bytes)")
+        if not tokens_match_key(key, tokens):  # every read would refuse it as corrupt
+            raise StoreError(f"entry {key.hex()}: key does not match the entry's tokens")
+        draft = EntryMeta(
+            key=key,
+            tokens=tokens,
+            ntokens=len(tokens) // 4,
+            label=fields.get("label", ""),
+            pinned=fields.get("pinned", False),
+            model=fields.get("model", ""),
+            fingerprint=key[:FINGERPRINT_BYTES],
+            template_hash=fields.get("template_hash") or b"",
+            created=now,
+            last_used=now,
+            hits=0,
+            nbytes=len(blob),
+            checksum=checksum,
+            codec=fields.get("codec", CODEC_VERSION),
+            classes=list(fields.get("classes", [])),
+            extra=extra,
+        )
+        if problem := draft.type_error():
+            raise StoreError(f"entry {key.hex()}: {problem}")
+
+        def fn(txn):
+            old_raw = txn.get(key, db=self._meta)
+            old = None
+            if old_raw is not None:
+                try:
+                    old = EntryMeta.unpack(key, old_raw)
+                except CorruptEntryError:
+                    old = None
+            same = old is not None and old.checksum == checksum and old.tokens == tokens
+            meta = replace(
+                draft,
+                pinned=draft.pinned or bool(same and old.pinned),
+                created=old.created if same else now,
+                hits=old.hits if same else 0,
+            )
+            txn.put(key, blob, db=self._blob)
+            txn.put(key, meta.pack(), db=self._meta)
+            return meta
+
+        meta = self._write(fn)
+        for notify in self.on_commit:  # after the commit: a failing hook cannot undo it
+            notify(meta)
+        return meta
+
+    def delete(self, keys: Iterable[bytes]) -> int:
+        keys = list(keys)
+
+        def fn(txn):
+            n = 0
+            for k in keys:
+                n += bool(txn.delete(k, db=self._meta))
+                txn.delete(k, db=self._blob)
+            return n
+
+        return self._write(fn)
+
+    def touch(self, keys: Iterable[bytes], *, now: float | None = None) -> int:
+        """Record hits: last_used = now, hits += 1."""
+        now = now or time.time()
+
+        counts = Counter(keys)  # a key given twice is two hits
+        done: dict[bytes, int] = {}
+
+        def hits(key: bytes) -> Callable[[EntryMeta], EntryMeta]:
+            def edit(meta: EntryMeta) -> EntryMeta:
+                done[key] = counts[key]  # idempotent: a retried transaction calls it again
+                return replace(meta, last_used=now, hits=meta.hits + counts[key])
+
+            return edit
+
+        self.edit_meta({k: hits(k) for k in counts})
+        return sum(done.values())
+
+    def edit_meta(self, edits: dict[bytes, Callable[[EntryMeta], EntryMeta | None]]) -> int:
+        """Rewrite some entries' meta in one transaction (owners: kvstore.store.ownership). An edit
+        gets the stored meta and returns the new one, or None to leave it; missing or unreadable
+        entries are skipped. The key, tokens, checksum and size never change here."""
+
+        def fn(txn):
+            n = 0
+            for k, edit in edits.items():
+                raw = txn.get(k, db=self._meta)
+                if raw is None:
+                    continue
+                try:
+                    meta = EntryMeta.unpack(k, raw)
+                except CorruptEntryError:
+                    continue
+                new = edit(meta)
+                if new is None:
+                    continue
+                fixed = (new.key, new.tokens, new.checksum, new.nbytes, new.fingerprint)
+                if fixed != (meta.key, meta.tokens, meta.checksum, meta.nbytes, meta.fingerprint):
+                    raise StoreError(f"entry {k.hex()}: an edit may not change its identity")
+                if problem := new.type_error():
+                    raise StoreError(f"entry {k.hex()}: {problem}")
+                txn.put(k, new.pack(), db=self._meta)
+                n += 1
+            return n
+
+        return self._write(fn)
+
+    def set_pinned(self, keys: Iterable[bytes], pinned: bool) -> int:
+        keys = list(keys)
+
+        def fn(txn):
+            n = 0
+            for k in keys:
+                raw = txn.get(k, db=self._meta)
+                if raw is not None:
+                    meta = EntryMeta.unpack(k, raw)
+                    meta.pinned = pinned
+                    txn.put(k, meta.pack(), db=self._meta)
+                    n += 1
+            return n
+
+        return self._write(fn)
+
+    # -- check and stats -----------------------------------------------------------------
+    def check(
+        self,
+        *,
+        repair: bool = False,
+        decode: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[CorruptEntryError]:
+        """Verify every entry (meta, length, checksum, full decode); `repair` deletes bad ones."""
+        problems: list[CorruptEntryError] = []
+        meta_keys = set(self.keys())
+        blob_keys = set(
+            self._read(
+                lambda txn: [bytes(k) for k in txn.cursor(self._blob).iternext(values=False)]
+            )
+        )
+        for k in sorted(blob_keys - meta_keys):
+            problems.append(CorruptEntryError(k, "blob without meta"))
+        keys = sorted(meta_keys)
+        for i, k in enumerate(keys):
+            try:
+                if decode:
+                    self.load(k)
+                else:
+                    meta = self.get_meta(k)
+                    blob = self.read_blob(k)
+                    if blob_checksum(blob) != meta.checksum:
+                        raise CorruptEntryError(k, "blob checksum mismatch")
+            except CorruptEntryError as e:
+                problems.append(e)
+            except KeyError:
+                problems.append(CorruptEntryError(k, "meta without blob"))
+            if progress:
+                progress(i + 1, len(keys))
+        if repair and problems:
+            self.delete(p.key for p in problems)
+        return problems
+
+    def stats(self) -> dict[str, Any]:
+        errors: list = []
+        metas = self.metas(errors=errors)
+        info, stat = self.env.info(), self.env.stat()
+        return {
+            "path": str(self.path),
+            "entries": len(metas),
+            "pinned": sum(m.pinned for m in metas),
+            "bytes": sum(m.nbytes for m in metas),
+            "pinned_bytes": sum(m.nbytes for m in metas if m.pinned),
+            "tokens": sum(m.ntokens for m in metas),
+            "models": len({m.fingerprint for m in metas}),
+            "unreadable": len(errors),
+            "map_size": info["map_size"],
+            "file_bytes": (self.path / "data.mdb").stat().st_size,
+            "page_size": stat["psize"],
+            "readers": info["num_readers"],
+        }

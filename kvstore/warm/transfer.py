@@ -16,8 +16,8 @@ from kvstore.identity.fingerprint import (
     template_hash,
 )
 from kvstore.settings import FILEHASH_NAME
-from kvstore.store.keys import entry_key, pack_tokens
-from kvstore.store.store import EntryMeta, Store
+from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
+from kvstore.store.store import Store
 from kvstore.warm.importfit import check_fits
 
 

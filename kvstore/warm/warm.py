@@ -37,7 +37,7 @@ from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec, PrefixSpec
 from kvstore.pins.render import RenderedPin, pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
 from kvstore.warm.purge import Purged, moved_pins, spec_ident, stale_pins

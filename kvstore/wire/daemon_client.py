@@ -19,7 +19,7 @@ import xxhash
 
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.settings import LOCK_NAME, SOCKET_NAME, resolve_home
-from kvstore.store.store import EntryMeta, blob_checksum, with_model_location
+from kvstore.store.entry import EntryMeta, blob_checksum, with_model_location
 from kvstore.wire import protocol
 
 # sun_path holds 104 bytes on macOS and the BSDs, 108 on Linux, NUL terminator included.

@@ -12,7 +12,7 @@ from helpers import TWO_PINS, assert_same_kv, manifest_for
 from mlx_lm.models.cache import load_prompt_cache
 
 from kvstore.cli.main import main
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 
 

@@ -16,7 +16,7 @@ from mlx_lm import load
 from kvstore.cli.main import main
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import model_fingerprint
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient

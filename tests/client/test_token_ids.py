@@ -25,7 +25,7 @@ from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.pins.manifest import load_manifest
 from kvstore.settings import FILEHASH_NAME
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.prefill import check_token_ids
 from kvstore.warm.warm import warm

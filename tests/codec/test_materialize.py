@@ -18,8 +18,8 @@ from bench.shapes import HYBRID_9B, KV28_F16, KV36_BF16, make_cache
 from kvstore.client import hydrate
 from kvstore.codec import codec, materialize
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError
-from kvstore.store.keys import entry_key, pack_tokens
-from kvstore.store.store import Store, blob_checksum
+from kvstore.store.entry import blob_checksum, entry_key, pack_tokens
+from kvstore.store.store import Store
 from kvstore.warm.transfer import write_file
 
 

@@ -55,7 +55,7 @@ def make_entry(llama_path):
 
     from kvstore.codec import codec
     from kvstore.identity.fingerprint import model_fingerprint, template_hash
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.warm.prefill import prefill
 
     model, _ = load(str(llama_path))
@@ -612,7 +612,7 @@ def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
 
 
 def test_verify_repair_goes_through_the_daemon(shared):
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
 
     key = entry_key(bytes([0xCD]) * 16, [1, 2])
     with Store(shared.home) as store:  # damage made behind the daemon's back

@@ -95,7 +95,7 @@ def _put_chain(d: Proc, fingerprint: str) -> None:
     from mlx_lm import load
 
     from kvstore.codec import codec
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.warm.prefill import prefill
 
     model, _ = load(str(d.model))

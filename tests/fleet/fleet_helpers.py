@@ -69,7 +69,7 @@ def big_entry(store, fp: bytes, tokens: int, seed: int = 0) -> bytes:
     from mlx_lm.models.cache import KVCache
 
     from kvstore.codec import codec
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
 
     mx.random.seed(seed)
     c = KVCache()

@@ -34,7 +34,7 @@ from kvstore.fleet.settings import RemoteSettings, RemoteSettingsError, remote_s
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.pins.manifest import load_manifest
 from kvstore.settings import load_settings
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.ledger import Ledger
 from kvstore.store.ownership import APP, owners
 from kvstore.store.store import Store

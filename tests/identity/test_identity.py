@@ -16,7 +16,7 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
     template_hash,
 )
-from kvstore.store.keys import entry_key, prefix_hash
+from kvstore.store.entry import entry_key, prefix_hash
 
 
 @pytest.fixture

@@ -109,7 +109,7 @@ def entry(
 ) -> tuple[bytes, bytes, dict[str, Any]]:
     """(key, blob, put fields): the first token is the seed, so a reader can re-derive the blob;
     `version` (in meta.extra) lets one key be overwritten with other content."""
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
 
     tokens = [seed, 7] if tokens is None else tokens
     blob = blob_of(*kv_rows(seed, version, nbytes, len(tokens)))

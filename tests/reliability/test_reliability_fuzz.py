@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 from kvstore.codec import codec, materialize
 from kvstore.errors import CodecError, CorruptEntryError, ProtocolError
-from kvstore.store.store import Store, blob_checksum
+from kvstore.store.entry import blob_checksum
+from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
 
 FUZZ = settings(

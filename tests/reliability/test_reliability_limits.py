@@ -21,7 +21,7 @@ import pytest
 from helpers import Proc
 
 from kvstore.errors import DaemonError, StoreError
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
 
@@ -232,7 +232,7 @@ def test_every_prefix_hashed_to_one_key_gives_no_wrong_hit(tmp_path, llama_path)
     fp = model_fingerprint(llama_path).digest
     prefixes = [[300 + i, *range(i % 7 + 3)] for i in range(n)]  # none a prefix of another
     wrong = right = lookups = 0
-    with mock.patch("kvstore.store.keys.packed_prefix_hash", return_value=b"\x00" * 16):
+    with mock.patch("kvstore.store.entry.packed_prefix_hash", return_value=b"\x00" * 16):
         keys = {entry_key(fp, p) for p in prefixes}
         assert len(keys) == 1  # the patch took: every prefix lands on one key
         (key,) = keys

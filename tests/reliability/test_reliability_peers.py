@@ -16,7 +16,8 @@ import pytest
 from helpers import Proc
 
 from kvstore.errors import ProtocolError
-from kvstore.store.store import Store, blob_checksum
+from kvstore.store.entry import blob_checksum
+from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
 from kvstore.wire.daemon_client import DaemonClient
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import battery
 from helpers import Proc, serving
 
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.wire import protocol
 from kvstore.wire.daemon_client import socket_path
 

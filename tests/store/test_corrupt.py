@@ -14,7 +14,8 @@ from mlx_lm.models.cache import LRUPromptCache
 from kvstore.cli.main import main
 from kvstore.client import hydrate
 from kvstore.pins.manifest import load_manifest
-from kvstore.store.store import Store, blob_checksum
+from kvstore.store.entry import blob_checksum
+from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 
 
@@ -111,7 +112,7 @@ def test_kv_that_does_not_cover_its_tokens_is_rejected(llama_path, kv_home):
     from mlx_lm import load
 
     from kvstore.codec import codec
-    from kvstore.store.keys import entry_key, pack_tokens
+    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.warm.prefill import prefill
 
     model, _ = load(str(llama_path))

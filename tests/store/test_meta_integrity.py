@@ -14,8 +14,7 @@ from kvstore.cli.main import main
 from kvstore.client import hydrate
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.pins.manifest import load_manifest
-from kvstore.store.entry import EntryMeta
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 

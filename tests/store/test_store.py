@@ -13,7 +13,7 @@ from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.errors import StoreError
 from kvstore.pins.manifest import load_manifest
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 
@@ -94,7 +94,7 @@ def test_reader_survives_writer_growing_the_map(kv_home):
 
 GROWER = """
 import sys
-from kvstore.store.keys import entry_key, pack_tokens
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 with Store(sys.argv[1], map_size=2**20) as store:
     for i in range(1, 10):
@@ -149,7 +149,7 @@ def test_store_refuses_use_after_fork(kv_home):
 def test_forced_collision_never_serves_wrong_kv(llama_path, kv_home, tmp_path):
     """With the prefix hash forced to a constant every pin shares one key: no wrong hit."""
     manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with mock.patch("kvstore.store.keys.packed_prefix_hash", return_value=b"\x00" * 16):
+    with mock.patch("kvstore.store.entry.packed_prefix_hash", return_value=b"\x00" * 16):
         with Store(kv_home) as store:
             warm(manifest, store, home=kv_home)
             (meta,) = store.metas()  # the second pin overwrote the first under the same key

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvstore.client.loader import check_loaded_from
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
-from kvstore.pins.manifest import check_kv_quantization
+from kvstore.identity.model import ModelIdentity
 from kvstore.settings import FILEHASH_NAME, resolve_home
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
@@ -60,26 +60,27 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
     )
 
 
-def check_arguments(
-    model_path: Any = "",
-    *,
-    home: Any = None,
-    adapter_path: Any = None,
-    kv_bits: Any = None,
-    kv_group_size: Any = 64,
-    quantized_kv_start: Any = 5000,
-    model_config: Any = None,
-) -> Path:
-    """The resolved home; KVStoreError naming the first argument of the wrong type (hydrate,
-    load and PersistentPromptCache turn it into their one warning, never an exception)."""
-    paths = dict(model_path=model_path, home=home, adapter_path=adapter_path)
+def check_arguments(identity: ModelIdentity, *, home: Any = None) -> tuple[Path, ModelIdentity]:
+    """The resolved home and the identity with its paths as str; KVStoreError naming the first
+    argument of the wrong type (hydrate, load and PersistentPromptCache build `identity` from
+    their keyword arguments as given, and turn this into their one warning, never an
+    exception)."""
+    paths = dict(model_path=identity.path, home=home, adapter_path=identity.adapter)
     for name, value in paths.items():
         if not (value is None or isinstance(value, (str, os.PathLike))) or value == "":
             raise KVStoreError(f"{name}={value!r} is not a path (a str or os.PathLike)")
-    check_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # the manifest's one rule
-    if model_config is not None and not isinstance(model_config, dict):
-        raise KVStoreError(f"model_config={model_config!r} is not a dict of config.json keys")
-    return resolve_home(home)
+    identity.check()  # the manifest's one rule for KV quantization
+    overrides = identity.model_config
+    if overrides is not None and not isinstance(overrides, dict):
+        raise KVStoreError(f"model_config={overrides!r} is not a dict of config.json keys")
+    adapter = identity.adapter
+    checked = replace(
+        identity,
+        path=str(identity.path),
+        adapter=None if adapter is None else str(adapter),
+        model_config=None if overrides is None else dict(overrides),
+    )
+    return resolve_home(home), checked
 
 
 @dataclass
@@ -94,60 +95,36 @@ class Prefetched:
 
 
 def prefetch(
-    model_path: str | Path,
-    *,
-    home: str | Path | None = None,
-    adapter_path: str | Path | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    model_config: dict | None = None,
-    model: Any = None,
+    identity: ModelIdentity, *, home: str | Path | None = None, model: Any = None
 ) -> Prefetched:
     """Fingerprint the model and decode every stored entry valid for it; never raises.
 
-    `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
-    you have it: its cache layout is then read from it instead of being rebuilt from config.json.
-    `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
-    `model_config` the overrides it loaded the model with (`mlx_lm.load(model_config=...)`); with
-    the loaded `model` its own arguments count too. Without the loaded `model`, the cache layout
-    comes from config.json (remembered in the home's hash cache). A model loaded
-    with `kvstore.client.load` is checked against the files it was loaded from: a weight file
-    changed
-    since then hydrates nothing.
+    Pass the loaded `model` if you have it: its cache layout is then read from it instead of
+    being rebuilt from config.json. `identity`'s KV quantization must be what the app generates
+    with, and its `model_config` the overrides it loaded the model with
+    (`mlx_lm.load(model_config=...)`); with the loaded `model` its own arguments count too.
+    Without the loaded `model`, the cache layout comes from config.json (remembered in the
+    home's hash cache). A model loaded with `kvstore.client.load` is checked against the files
+    it was loaded from: a weight file changed since then hydrates nothing.
     """
     t0 = time.perf_counter()
+    model_path = identity.path
     pre = Prefetched(str(model_path))
     report = pre.report
     try:
-        home = check_arguments(
-            model_path,
-            home=home,
-            adapter_path=adapter_path,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            model_config=model_config,
-        )
-        if adapter_path is None and _has_adapter(model):
+        home, identity = check_arguments(identity, home=home)
+        if identity.adapter is None and _has_adapter(model):
             raise KVStoreError(
                 "the model has LoRA layers but no adapter_path was given; pass the adapter the "
                 "model was loaded with (its weights are part of the entries' identity)"
             )
         fp = model_fingerprint(
-            model_path,
-            adapter_path=adapter_path,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            model_config=model_config,
-            model_object=model,
-            hash_cache=FileHashCache(home / FILEHASH_NAME),
+            identity, model_object=model, hash_cache=FileHashCache(home / FILEHASH_NAME)
         )
         check_loaded_from(model, fp)
         report.fingerprint = fp.hex
         pre.fingerprint = fp
-        vocab = _vocab_size(model, model_path, model_config)
+        vocab = _vocab_size(model, identity)
         with Store(home, readonly=True) as store:
             errors: list = []
             metas = store.metas(fp.digest, errors=errors)
@@ -174,14 +151,15 @@ def prefetch(
     return pre
 
 
-def _vocab_size(model: Any, model_path: str | Path, model_config: dict | None) -> int | None:
+def _vocab_size(model: Any, identity: ModelIdentity) -> int | None:
     from kvstore.identity.fingerprint import resolve_model_path
     from kvstore.identity.modelconfig import effective_config
     from kvstore.warm.prefill import config_vocab_size, model_vocab_size
 
     if model is not None:
         return model_vocab_size(model)
-    return config_vocab_size(effective_config(resolve_model_path(model_path), model_config))
+    config = effective_config(resolve_model_path(identity.path), identity.model_config)
+    return config_vocab_size(config)
 
 
 def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
@@ -258,14 +236,8 @@ def hydrate(
     type (`home=123`) is the report's one warning, logged, and nothing is inserted.
     """
     if prefetched is None:
-        prefetched = prefetch(
-            model_path,
-            home=home,
-            adapter_path=adapter_path,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            model_config=model_config,
-            model=model,
-        )
+        identity = ModelIdentity(
+            model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
+        )  # as given: prefetch checks it (a wrong type is the report's warning)
+        prefetched = prefetch(identity, home=home, model=model)
     return insert(prompt_cache, model_key, prefetched)

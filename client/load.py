@@ -26,6 +26,7 @@ from typing import Any
 from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import ModelIdentity
 
 
 def load(
@@ -55,24 +56,19 @@ def load(
 
     read: dict[str, Prefetched] = {}
     # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache
-    ident: dict[str, Any] = dict(
-        home=home,
-        adapter_path=adapter_path,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
-        model_config=model_config,
-    )
+    identity = ModelIdentity(
+        model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
+    )  # as given: checked below, and said once by the cache when wrong
     try:
-        check_arguments(model_path, **ident)
+        identity = check_arguments(identity, home=home)[1]
         usable = True
     except KVStoreError:  # said once, by the cache below
         usable = False
     # the files' identity before mlx-lm reads them
-    before = fingerprint_files(model_path, **ident) if usable else None
+    before = fingerprint_files(identity, home=home) if usable else None
 
     def prefetch_entries() -> None:
-        read["entries"] = prefetch(model_path, **ident)
+        read["entries"] = prefetch(identity, home=home)
 
     reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
     if usable:
@@ -94,6 +90,7 @@ def load(
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
     cache = PersistentPromptCache(
-        model, tokenizer, model_path, prefetched=prefetched, **ident, **cache_options
-    )
+        model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
+        **cache_options,
+    )  # fmt: skip
     return model, tokenizer, cache

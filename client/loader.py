@@ -22,6 +22,7 @@ from typing import Any
 
 from kvstore.errors import KVStoreError, ModelError
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
+from kvstore.identity.model import ModelIdentity
 from kvstore.settings import FILEHASH_NAME, resolve_home
 
 log = logging.getLogger("kvstore.client")
@@ -32,26 +33,15 @@ SAMPLE_BYTES = 4096  # compared at each of 4 places in each of them (start, thir
 
 
 def fingerprint_files(
-    path: str | Path,
-    *,
-    home: str | Path | None = None,
-    adapter_path: str | Path | None = None,
-    model_config: dict | None = None,
-    **quant: Any,
+    identity: ModelIdentity, *, home: str | Path | None = None
 ) -> Fingerprint | None:
     """The fingerprint (and so the identity of every file it hashes) taken before mlx-lm reads
     the files; None, with a warning, when the model cannot be fingerprinted."""
     home = resolve_home(home)
     try:
-        return model_fingerprint(
-            path,
-            adapter_path=adapter_path,
-            model_config=model_config,
-            hash_cache=FileHashCache(home / FILEHASH_NAME),
-            **quant,  # kv_bits, kv_group_size, quantized_kv_start: as the entries are keyed
-        )
+        return model_fingerprint(identity, hash_cache=FileHashCache(home / FILEHASH_NAME))
     except KVStoreError as e:
-        log.warning("kvstore: cannot fingerprint %s before loading it: %s", path, e)
+        log.warning("kvstore: cannot fingerprint %s before loading it: %s", identity.path, e)
         return None
 
 

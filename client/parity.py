@@ -8,7 +8,7 @@ logits of every step are compared. Any token mismatch, or a logit difference ove
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import click
 from kvstore.cli.main import home_option
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import ModelIdentity
 
 MAX_TOKENS = 16  # greedy steps per prompt
 # Default reference "split" repeats the store's arithmetic exactly (same prefill chunks), so an
@@ -120,11 +121,10 @@ def greedy(
     cache: list,
     *,
     max_tokens: int,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
+    identity: ModelIdentity | None = None,
 ) -> tuple[list[int], list]:
-    """Greedy tokens and the raw logits of every step (mlx-lm's generate_step, default sampler)."""
+    """Greedy tokens and the raw logits of every step (mlx-lm's generate_step, default sampler),
+    the KV quantized as `identity` says."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -134,6 +134,7 @@ def greedy(
         logits.append(step_logits.astype(mx.float32))
         return step_logits
 
+    quant = identity or ModelIdentity("")  # none: generate's defaults, KV not quantized
     out = []
     for token, _ in generate_step(
         mx.array(tokens),
@@ -141,9 +142,9 @@ def greedy(
         max_tokens=max_tokens,
         prompt_cache=cache,
         logits_processors=[record],
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
+        kv_bits=quant.kv_bits,
+        kv_group_size=quant.kv_group_size,
+        quantized_kv_start=quant.quantized_kv_start,
     ):
         out.append(int(token))
     return out, logits
@@ -203,7 +204,7 @@ def run_parity(
     from mlx_lm import load
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-    from kvstore.client.hydrate import hydrate
+    from kvstore.client.hydrate import insert, prefetch
     from kvstore.identity.fingerprint import resolve_model_path
     from kvstore.warm.prefill import prefill
 
@@ -216,26 +217,15 @@ def run_parity(
         by_model.setdefault(_model_for(p, models), []).append(p)
     for index, group in by_model.items():
         spec = models[index]
-        model, tokenizer = load(str(resolve_model_path(spec.path)), adapter_path=spec.adapter)
-        lru = LRUPromptCache(max_size=1 << 20)  # hold every entry: nothing may drop silently
-        hyd = hydrate(
-            lru,
-            MODEL_KEY,
-            spec.path,
-            home=home,
-            adapter_path=spec.adapter,
-            kv_bits=spec.kv_bits,
-            kv_group_size=spec.kv_group_size,
-            quantized_kv_start=spec.quantized_kv_start,
-            model=model,
+        # loaded and hydrated without the manifest's model_config overrides, as before
+        identity = replace(spec.identity, model_config=None)
+        model, tokenizer = load(
+            str(resolve_model_path(identity.path)), adapter_path=identity.adapter
         )
+        lru = LRUPromptCache(max_size=1 << 20)  # hold every entry: nothing may drop silently
+        hyd = insert(lru, MODEL_KEY, prefetch(identity, home=home, model=model))
         if hyd.warning:
             report.warnings.append(hyd.warning)
-        quant = dict(
-            kv_bits=spec.kv_bits,
-            kv_group_size=spec.kv_group_size,
-            quantized_kv_start=spec.quantized_kv_start,
-        )
         for p in group:
             tokens = prompt_tokens(tokenizer, p)
             cache, rest = lru.fetch_nearest_cache(MODEL_KEY, tokens)
@@ -251,12 +241,12 @@ def run_parity(
                 )
                 continue
             if reference == "split":
-                ref_cache = prefill(model, tokens[:served], **quant)
+                ref_cache = prefill(model, tokens[:served], identity=identity)
                 ref_prompt = rest
             else:
                 ref_cache, ref_prompt = make_prompt_cache(model), tokens
-            hydrated = greedy(model, rest, cache, max_tokens=max_tokens, **quant)
-            cold = greedy(model, ref_prompt, ref_cache, max_tokens=max_tokens, **quant)
+            hydrated = greedy(model, rest, cache, max_tokens=max_tokens, identity=identity)
+            cold = greedy(model, ref_prompt, ref_cache, max_tokens=max_tokens, identity=identity)
             result.tokens, result.reference = hydrated[0], cold[0]
             cmp = compare(hydrated, cold)
             result.divergence, result.max_logit_diff = cmp.divergence, cmp.max_logit_diff

@@ -25,6 +25,7 @@ from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, i
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import ModelIdentity
 from kvstore.pins.render import RenderedPin, pin_extra
 
 log = logging.getLogger("kvstore.client")
@@ -119,7 +120,9 @@ class PersistentPromptCache(PinnedPromptCache):
     >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
 
     `model_config` names the overrides the model was loaded with (`mlx_lm.load(model_config=)`);
-    its own arguments are read from `model` either way. Load it with `kvstore.client.load` and a
+    its own arguments are read from `model` either way. `identity` (a ModelIdentity) may be given
+    instead of `adapter_path`, `kv_bits`, `kv_group_size`, `quantized_kv_start` and
+    `model_config`. Load it with `kvstore.client.load` and a
     weight
     file changed since is caught: nothing is hydrated or persisted for that model. A model from
     plain `mlx_lm.load` is compared with its files (a sample of its weights) instead. Before each
@@ -148,28 +151,24 @@ class PersistentPromptCache(PinnedPromptCache):
         verbose: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         prefetched: Prefetched | None = None,
+        identity: ModelIdentity | None = None,
     ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.model, self.tokenizer = model, tokenizer
         self.model_path = str(model_path)
         self.model_key = self.model_path if model_key is None else model_key
-        ident = dict(
-            home=home,
-            adapter_path=adapter_path,
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
-            quantized_kv_start=quantized_kv_start,
-            model_config=model_config,
-        )
+        if identity is None:  # as given: checked below (a wrong type is the one warning)
+            identity = ModelIdentity(
+                model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
+            )
+        # the model as the entries are keyed: what every hydrate, prefill and store here uses
+        self.identity = identity
+        self.home: Path | None = None
         try:
-            self.home: Path | None = check_arguments(model_path, **ident)
+            self.home, self.identity = check_arguments(identity, home=home)
             bad_argument = None
         except KVStoreError as e:
             self.home, bad_argument = None, f"kvstore: not hydrating or persisting: {e}"
-        self.adapter_path = None if adapter_path is None else str(adapter_path)
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.quantized_kv_start = quantized_kv_start
-        self.model_config = dict(model_config) if isinstance(model_config, dict) else None
         self.persist_chains = persist_chains
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -204,7 +203,7 @@ class PersistentPromptCache(PinnedPromptCache):
             if (
                 prefetched is None
             ):  # else read already, while the weights loaded (kvstore.client.load)
-                prefetched = prefetch(model_path, **ident, model=model)
+                prefetched = prefetch(self.identity, home=home, model=model)
             self._fp = prefetched.fingerprint
             self.report: HydrateReport = insert(self, self.model_key, prefetched)
         finally:
@@ -315,13 +314,7 @@ class PersistentPromptCache(PinnedPromptCache):
             from kvstore.warm.prefill import prefill
 
             source = "prefill"
-            cache = prefill(
-                self.model,
-                ids,
-                kv_bits=self.kv_bits,
-                kv_group_size=self.kv_group_size,
-                quantized_kv_start=self.quantized_kv_start,
-            )
+            cache = prefill(self.model, ids, identity=self.identity)
         queued, persist_s = False, 0.0
         if source != "store" and ids not in self._hydrated:
             t1 = time.perf_counter()
@@ -425,11 +418,7 @@ class PersistentPromptCache(PinnedPromptCache):
             template_hash=self._template_hash,
             classes=codec.cache_classes(cache),
             extra={
-                "adapter": self.adapter_path,
-                "kv_bits": self.kv_bits,
-                "kv_group_size": self.kv_group_size,
-                "quantized_kv_start": self.quantized_kv_start,
-                "model_config": self.model_config,
+                **self.identity.state,
                 "source": "pin" if pinned else "chain",
                 "owners": ["app"],
                 "runtime": runtime_versions(),
@@ -450,12 +439,7 @@ class PersistentPromptCache(PinnedPromptCache):
 
         try:
             now = model_fingerprint(
-                self.model_path,
-                adapter_path=self.adapter_path,
-                kv_bits=self.kv_bits,
-                kv_group_size=self.kv_group_size,
-                quantized_kv_start=self.quantized_kv_start,
-                model_config=self.model_config,
+                self.identity,
                 model_object=self.model,
                 hash_cache=FileHashCache(self.home / FILEHASH_NAME),
             )

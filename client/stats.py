@@ -194,9 +194,10 @@ def stream_generate(
         model_key = getattr(prompt_cache, "model_key", None)
     if stats is None:
         stats = getattr(prompt_cache, "stats", None)
-    for name in ("kv_bits", "kv_group_size", "quantized_kv_start"):  # as the stored pins are
-        if getattr(prompt_cache, "kv_bits", None) is not None:
-            kwargs.setdefault(name, getattr(prompt_cache, name))
+    identity = getattr(prompt_cache, "identity", None)
+    if identity is not None and identity.kv_bits is not None:  # as the stored pins are
+        for name in ("kv_bits", "kv_group_size", "quantized_kv_start"):
+            kwargs.setdefault(name, getattr(identity, name))
 
     cache, rest = None, tokens
     if prompt_cache is not None:

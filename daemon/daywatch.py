@@ -51,12 +51,12 @@ class DayWatch:
         owner, so an app's pin a manifest adopted counts for that manifest as its own would."""
         out: dict[tuple, set[str]] = {}
         for m in self.upkeep.store.metas(errors=[]):
-            valid = m.extra.get("valid_date")
-            if not isinstance(valid, str):
+            valid = m.valid_date
+            if valid is None:
                 continue
             for owner in owners(m):
                 if owner.startswith("manifest:"):
-                    out.setdefault((owner, m.ident(), m.label), set()).add(valid)
+                    out.setdefault((owner, m.identity.same_model(), m.label), set()).add(valid)
         return out
 
     def due(self, now: dt.datetime) -> tuple[str, dt.datetime, bool] | None:

@@ -93,8 +93,8 @@ def watched_files(manifest_paths: list[Path]) -> list[Path]:
             out.extend(p for g in WEIGHT_GLOBS for p in sorted(model_dir.glob(g)))
             # Template files that do not exist yet are watched too: adding one changes the template.
             out.extend(model_dir / name for name in TEMPLATE_FILES)
-            if spec.adapter:
-                adir = Path(spec.adapter).expanduser()
+            if spec.identity.adapter:
+                adir = Path(spec.identity.adapter).expanduser()
                 out.extend(p for g in ADAPTER_GLOBS for p in sorted(adir.glob(g)))
     return list(dict.fromkeys(out))
 
@@ -191,7 +191,7 @@ class Upkeep:
 
         def may_load(plan) -> str | None:
             """The daemon must not double a model's memory: no load unless it fits now."""
-            need = memory_to_load(plan.model_dir, plan.spec.adapter)
+            need = memory_to_load(plan.model_dir, plan.spec.identity.adapter)
             avail = lifecycle.available_memory_bytes()  # looked up here: tests patch it
             if avail is None or avail >= need:
                 return None

@@ -1,9 +1,12 @@
 """The kvstore error hierarchy: every message names the file, key or setting at fault.
 
-`counted` words the counts those messages (and the CLI's output) carry: "1 entry", "2 entries".
+`counted` words the counts those messages (and the CLI's output) carry: "1 entry", "2 entries";
+`got` shows the wrong value a message is about.
 """
 
+import datetime as _datetime
 import errno as _errno
+from typing import Any
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
@@ -15,6 +18,22 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
         consonant_y = noun.endswith("y") and noun[-2:-1] not in ("a", "e", "i", "o", "u")
         plural = noun[:-1] + "ies" if consonant_y else noun + "s"
     return f"{n} {plural}"
+
+
+_KINDS = (  # TOML's names for what a value is (bool before int: True is an int in Python)
+    (bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+    (list, "an array"), (tuple, "an array"), (dict, "a table"),
+    (_datetime.datetime, "a date-time"), (_datetime.date, "a date"), (_datetime.time, "a time"),
+)  # fmt: skip
+
+
+def got(value: Any) -> str:
+    """A wrong value as an error shows it: its text, cut short, and its type in TOML's words."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    kind = next((k for t, k in _KINDS if isinstance(value, t)), type(value).__name__)
+    return f"{text} ({kind})"
 
 
 # OS errors that pass: a full disk or quota, an I/O error, memory or descriptors short for now.

@@ -30,7 +30,7 @@ def template_args_warning(metas: Iterable[Any], server_args: dict | None) -> str
     server = dict(server_args or {})
     differ: dict[str, dict] = {}
     for m in metas:
-        stored = m.extra.get("chat_template_kwargs")
+        stored = m.chat_template_kwargs
         if isinstance(stored, dict) and stored != server:
             differ.setdefault(m.label, stored)
     if not differ:

@@ -39,7 +39,11 @@ from kvstore.client.persistent import PinnedPromptCache
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.persist import SystemPromptPersister
 from kvstore.errors import KVStoreError, counted
-from kvstore.store.entry import DEFAULT_QUANTIZED_KV_START
+from kvstore.identity.model import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    ModelIdentity,
+)
 
 log = logging.getLogger("kvstore.serve")
 
@@ -100,6 +104,19 @@ class _Hooks:
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
 
+    def identity(self, model_path: Any, adapter: Any, args: Any) -> ModelIdentity:
+        """The served model as its entries are keyed: the server's KV quantization options
+        (mlx-lm 0.31's server has none: its KV is never quantized, so generate's defaults) and
+        the overrides `kvstore serve` loads it with."""
+        return ModelIdentity(
+            str(model_path),
+            adapter,
+            kv_bits=getattr(args, "kv_bits", None),
+            kv_group_size=getattr(args, "kv_group_size", DEFAULT_KV_GROUP_SIZE),
+            quantized_kv_start=getattr(args, "quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
+            model_config=self.model_config,
+        )
+
     def on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
@@ -118,16 +135,9 @@ class _Hooks:
             )
             return
         args = provider.cli_args
-        quant = _kv_quantization(args)
+        identity = self.identity(model_path, adapter, args)
         if prefetched is None:
-            prefetched = prefetch(
-                model_path,
-                home=self.home,
-                adapter_path=adapter,
-                model_config=self.model_config,
-                model=provider.model,
-                **quant,
-            )
+            prefetched = prefetch(identity, home=self.home, model=provider.model)
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
         report = insert(self.cache, key, prefetched)
         pins = self.cache.pins_of(key)
@@ -156,10 +166,7 @@ class _Hooks:
 
             self.targets[key] = dict(
                 fingerprint=bytes.fromhex(report.fingerprint),
-                model=str(model_path),
-                adapter=adapter,
-                **_kv_quantization(args),
-                model_config=self.model_config,
+                identity=identity,
                 template_hash=template_hash(resolve_model_path(model_path)),
             )
 
@@ -185,16 +192,6 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
-def _kv_quantization(args: Any) -> dict[str, Any]:
-    """The server's KV quantization options; mlx-lm 0.31's server has none (its KV is never
-    quantized), so mlx-lm's defaults."""
-    return dict(
-        kv_bits=getattr(args, "kv_bits", None),
-        kv_group_size=getattr(args, "kv_group_size", 64),
-        quantized_kv_start=getattr(args, "quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
-    )
-
-
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
@@ -203,25 +200,11 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
             read: dict[str, Any] = {}
             reader = before = None
             if draft_model_path is None and not getattr(self, "is_distributed", False):
-                args = self.cli_args
-                quant = _kv_quantization(args)
-                before = fingerprint_files(  # file identity before mlx-lm reads the files
-                    model_path,
-                    home=hooks.home,
-                    adapter_path=adapter_path,
-                    model_config=hooks.model_config,
-                    **quant,
-                )
+                identity = hooks.identity(model_path, adapter_path, self.cli_args)
+                # file identity before mlx-lm reads the files
+                before = fingerprint_files(identity, home=hooks.home)
                 reader = threading.Thread(
-                    target=lambda: read.update(
-                        entries=prefetch(
-                            model_path,
-                            home=hooks.home,
-                            adapter_path=adapter_path,
-                            model_config=hooks.model_config,
-                            **quant,
-                        )
-                    ),
+                    target=lambda: read.update(entries=prefetch(identity, home=hooks.home)),
                     name="kvstore-prefetch",
                     daemon=True,
                 )

@@ -62,20 +62,17 @@ class SystemPromptPersister:
             meta = store.get_meta(key)
             if meta is not None and meta.tokens == pack_tokens(tokens):
                 return  # hydrated or persisted before
-        blob = codec.encode(cache, {"model": target["model"], "tokenizer_config": "{}"})
+        identity = target["identity"]
+        blob = codec.encode(cache, {"model": identity.path, "tokenizer_config": "{}"})
         fields = dict(
             tokens=pack_tokens(tokens),
             label="system",
             pinned=False,
-            model=target["model"],
+            model=identity.path,
             template_hash=target["template_hash"],
             classes=codec.cache_classes(cache),
             extra={
-                "adapter": target["adapter"],
-                "kv_bits": target["kv_bits"],
-                "kv_group_size": target["kv_group_size"],
-                "quantized_kv_start": target["quantized_kv_start"],
-                "model_config": target["model_config"],
+                **identity.state,
                 "source": "serve",
                 "runtime": runtime_versions(),
                 **extra,
@@ -83,4 +80,4 @@ class SystemPromptPersister:
         )
         client.put(key, blob, fields)
         self.sent += 1
-        log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), target["model"])
+        log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), identity.path)

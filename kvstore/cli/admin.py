@@ -94,9 +94,9 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
                 f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
                 f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
                 # a clock-bound pin (its template prints the date) holds for one local day
-                + (f"  valid {m.extra['valid_date']}" if m.extra.get("valid_date") else "")
+                + (f"  valid {m.valid_date}" if m.valid_date else "")
                 # imported with --trust: never compared with a re-prefill
-                + ("  trusted, unchecked" if m.extra.get("trusted") is True else "")
+                + ("  trusted, unchecked" if m.trusted else "")
             )
         click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
@@ -433,7 +433,7 @@ def _rewarm(home: Path, differs: list) -> None:
 def _report_trusted(home: Path, deep: bool) -> None:
     """Entries imported with --trust: stored without a re-prefill to check them."""
     with open_store(home) as store:
-        trusted = [m for m in store.metas(errors=[]) if m.extra.get("trusted") is True]
+        trusted = [m for m in store.metas(errors=[]) if m.trusted]
     for m in trusted:
         click.echo(
             f"unchecked {m.key.hex()} {m.label!r} of {m.model}: imported with --trust, its KV "

@@ -94,11 +94,7 @@ def import_cmd(
             trust=trust,
             home=home,
         )
-    how = (
-        "trusted: not checked"
-        if meta.extra.get("trusted")
-        else f"checked: {meta.extra.get('check')} match"
-    )
+    how = "trusted: not checked" if meta.trusted else f"checked: {meta.import_check} match"
     click.echo(
         f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)}; {how})"
     )
@@ -127,27 +123,24 @@ def fingerprint(
     \b
     kvstore fingerprint ./Qwen3-0.6B --model-config '{"rope_theta": 1000000}'
     """
+    from dataclasses import replace
+
     from kvstore.errors import ManifestError
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, template_hash
-    from kvstore.pins.manifest import check_kv_quantization
+    from kvstore.identity.model import ModelIdentity
     from kvstore.settings import FILEHASH_NAME
 
+    identity = ModelIdentity(str(model_path), adapter, kv_bits=kv_bits, kv_group_size=kv_group_size)
     try:  # refused as a manifest refuses it
-        check_kv_quantization(kv_bits, kv_group_size, 0)
+        identity.check()
     except ManifestError as e:
         field, _, what = str(e).partition(": ")
         raise click.BadParameter(what, param_hint=f"--{field.replace('_', '-')}") from None
 
     t = time.perf_counter()
     cache = FileHashCache(home / FILEHASH_NAME if home.is_dir() else None)
-    fp = model_fingerprint(
-        model_path,
-        adapter_path=adapter,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        model_config=parse_json_object(model_config, "--model-config"),
-        hash_cache=cache,
-    )
+    overrides = parse_json_object(model_config, "--model-config")
+    fp = model_fingerprint(replace(identity, model_config=overrides), hash_cache=cache)
     th = template_hash(model_path)
     dt = time.perf_counter() - t
     if as_json:

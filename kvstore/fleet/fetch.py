@@ -148,7 +148,7 @@ def other_runtime(meta: EntryMeta) -> str | None:
     filed as this runtime's, and would bring back what the canary dropped after an upgrade."""
     from kvstore.identity.codehash import runtime_versions
 
-    theirs, ours = meta.extra.get("runtime"), runtime_versions()
+    theirs, ours = meta.runtime, runtime_versions()
     if not isinstance(theirs, dict) or theirs == ours:
         return None  # not recorded: nothing to judge by
     said = ", ".join(f"{k} {theirs.get(k)}" for k in sorted(ours))
@@ -170,12 +170,10 @@ def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
     pinned = meta.pinned
     if any(o.startswith("manifest:") for o in owners(meta)):  # as if its manifests let go
         pinned = bool(meta.extra.get(PINNED_BEFORE, False))
-    if extra.get("source") == "manifest":
+    if meta.source == "manifest":
         extra["source"] = "remote"  # the manifest that stored it is another box's
-    spec = plan.spec  # same fingerprint: the model as this box's manifest names it
-    extra.update(adapter=spec.adapter, kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size,
-                 quantized_kv_start=spec.quantized_kv_start, model_config=spec.model_config,
-                 owners=[APP], origin="remote")  # fmt: skip
+    # same fingerprint: the model as this box's manifest names it
+    extra.update(plan.spec.identity.state, owners=[APP], origin="remote")
     return dict(
         tokens=meta.tokens,
         label=meta.label,

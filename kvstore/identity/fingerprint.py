@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgpack
@@ -25,13 +25,13 @@ import xxhash
 from kvstore.codec.codec import CODEC_VERSION
 from kvstore.errors import ModelError
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
+from kvstore.identity.model import ModelIdentity
 from kvstore.identity.modelconfig import (
     check_overrides,
     config_identity,
     effective_config,
     model_args,
 )
-from kvstore.pins.manifest import check_kv_quantization
 
 # Files whose contents change the KV of given tokens. The model's own *.py files are not among them:
 # mlx-lm runs none, except a config's `model_file` under trust_remote_code (hashed as code).
@@ -57,9 +57,7 @@ _CHUNK = 16 * 2**20  # 16 MiB reads while hashing
 class Fingerprint:
     digest: bytes  # 16 bytes: the key prefix of every entry of this model
     layout: tuple  # per-layer cache classes and their shape-defining parameters
-    kv_bits: int | None
-    kv_group_size: int
-    model_config: dict | None = None  # the load-time overrides it was computed with
+    identity: ModelIdentity  # what it was computed for (with the overrides as checked)
     files: tuple = ()  # (path, stat identity, digest) of every file hashed, as it was hashed
 
     @property
@@ -226,29 +224,28 @@ def cache_layout(model_dir: Path, model=None, *, model_config: dict | None = Non
 
 
 def model_fingerprint(
-    model: str | Path,
+    model: ModelIdentity | str | Path,
     *,
-    adapter_path: str | Path | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    model_config: dict | None = None,
     layout: tuple | None = None,
     model_object=None,
     hash_cache: FileHashCache | None = None,
 ) -> Fingerprint:
     """Hash of everything that changes the KV of given tokens for this model as it would be run.
 
-    `model_config` are the overrides given to `mlx_lm.load(path, model_config=...)`. The model's
-    arguments and cache layout come from the loaded `model_object` when given (so overrides it
-    was loaded with count even if not named here), else from the effective config.
+    `model` is a ModelIdentity, or a path for the model with no adapter, unquantized KV and no
+    overrides. Its `model_config` are the overrides given to `mlx_lm.load(path, model_config=...)`.
+    The model's arguments and cache layout come from the loaded `model_object` when given (so
+    overrides it was loaded with count even if not named here), else from the effective config.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
+    identity = model if isinstance(model, ModelIdentity) else ModelIdentity(str(model))
     # a kv_bits of "8" would otherwise be a fingerprint no entry is filed under, silently
-    check_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    identity.check()
+    model, adapter_path = identity.path, identity.adapter
+    kv_bits = identity.kv_bits
     model_dir = resolve_model_path(model)
-    model_config = check_overrides(model_config)
+    model_config = check_overrides(identity.model_config)
     cache = hash_cache or FileHashCache(None)
     files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
     if not any(name.endswith(".safetensors") for name, _ in files):
@@ -296,10 +293,11 @@ def model_fingerprint(
         seen.append((str(path), tuple(ident), digest))
     h.update(b"config\0" + args_id)
     h.update(b"code\0" + code)
-    quant = (kv_bits, kv_group_size, quantized_kv_start) if kv_bits else None
+    quant = (kv_bits, identity.kv_group_size, identity.quantized_kv_start) if kv_bits else None
     h.update(repr((layout, quant, CODEC_VERSION)).encode())
     cache.save()
-    return Fingerprint(h.digest(), layout, kv_bits, kv_group_size, model_config, tuple(seen))
+    checked = replace(identity, model_config=model_config)
+    return Fingerprint(h.digest(), layout, checked, tuple(seen))
 
 
 def _memo_key(config: dict, adapter: bool, kv_bits: int | None) -> str:

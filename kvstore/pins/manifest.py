@@ -7,24 +7,25 @@ silently pinning nothing.
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvstore.errors import ManifestError
+from kvstore.errors import ManifestError, got
+from kvstore.identity.model import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    ModelIdentity,
+    kv_quantization_problem,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-KV_BITS = (2, 3, 4, 5, 6, 8)
-KV_GROUP_SIZES = (32, 64, 128)
-DEFAULT_KV_GROUP_SIZE = 64
-DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _TOP_KEYS = ("model",)
@@ -58,27 +59,17 @@ class PrefixSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model (with optional adapter and KV quantization) and its pins."""
+    """A model as it is run (path, adapter, KV quantization, overrides) and its pins."""
 
-    path: str
-    adapter: str | None
-    kv_bits: int | None
-    kv_group_size: int
-    quantized_kv_start: int  # as generate(quantized_kv_start=): KV is quantized from this offset
+    identity: ModelIdentity
     prefixes: tuple[PrefixSpec, ...]
     chat_template_kwargs: dict | None = None  # every prefix's default
-    model_config: dict | None = None  # load-time overrides, as mlx_lm.load(model_config=)
     line: int = 0  # where its [[model]] table starts in the manifest (1-based), for errors
 
-    def same_model(self) -> tuple:
-        """What makes two tables the same model run the same way (their pins may merge)."""
-        quant = (self.kv_group_size, self.quantized_kv_start) if self.kv_bits else ()
-        return (self.path, self.adapter, self.kv_bits, *quant, overrides_key(self.model_config))
-
-
-def overrides_key(model_config: dict | None) -> str | None:
-    """A hashable, order-free form of load-time overrides (None and {} are both none)."""
-    return json.dumps(model_config, sort_keys=True) if model_config else None
+    @property
+    def path(self) -> str:
+        """The model as the manifest names it (what messages and the entries' meta call it)."""
+        return self.identity.path
 
 
 @dataclass(frozen=True)
@@ -153,7 +144,7 @@ def _merge_models(specs: list[ModelSpec], where: _Where) -> tuple[ModelSpec, ...
     merged: dict[tuple, ModelSpec] = {}
     owner: dict[tuple, dict[str, ModelSpec]] = {}
     for spec in specs:
-        key = spec.same_model()
+        key = spec.identity.same_model()
         first = merged.get(key)
         if first is None:
             merged[key] = spec
@@ -246,38 +237,24 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
             )
         seen.add(spec.name)
         specs.append(spec)
-    return ModelSpec(
+    identity = ModelIdentity(
         path=_resolve_local(path, base),
         adapter=_resolve_local(adapter, base) if adapter is not None else None,
         kv_bits=kv_bits,
         kv_group_size=group,
         quantized_kv_start=qstart,
-        prefixes=tuple(specs),
-        chat_template_kwargs=template_kwargs,
         model_config=model_config or None,
     )
+    return ModelSpec(identity, tuple(specs), chat_template_kwargs=template_kwargs)
 
 
 def check_kv_quantization(
-    kv_bits: Any, kv_group_size: Any, quantized_kv_start: Any, where: _Where | None = None
+    kv_bits: Any, kv_group_size: Any, quantized_kv_start: Any, where: _Where
 ) -> None:
-    """KV quantization as generate() takes it: a wrong type or value is an error naming the
-    setting, what it must be and what it got (never a fingerprint no entry was made under)."""
-
-    def bad(field: str, problem: str) -> Exception:
-        if where is None:
-            return ManifestError(f"{field}: {problem}")
-        return where.error(field, problem)
-
-    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
-        raise bad("kv_bits", f"must be an integer, one of {_list(KV_BITS)}; got {got(kv_bits)}")
-    if not _is_int(kv_group_size) or kv_group_size not in KV_GROUP_SIZES:
-        raise bad(
-            "kv_group_size",
-            f"must be an integer, one of {_list(KV_GROUP_SIZES)}; got {got(kv_group_size)}",
-        )
-    if not _is_int(quantized_kv_start) or quantized_kv_start < 0:
-        raise bad("quantized_kv_start", f"must be an integer >= 0; got {got(quantized_kv_start)}")
+    """KV quantization as generate() takes it (kvstore.identity.model's one rule), as an error
+    naming the manifest, the model and the setting."""
+    if problem := kv_quantization_problem(kv_bits, kv_group_size, quantized_kv_start):
+        raise where.error(*problem)
 
 
 def check_template_kwargs(value: Any, where: _Where | None = None) -> dict | None:
@@ -403,26 +380,6 @@ def _read_tools(path: Path, where: _Where) -> tuple:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise where.error("tools", f"{path} must hold a JSON list of tool schema objects")
     return tuple(tools)
-
-
-_KINDS = (  # TOML's names for what a value is (bool before int: True is an int in Python)
-    (bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
-    (list, "an array"), (tuple, "an array"), (dict, "a table"),
-    (datetime.datetime, "a date-time"), (datetime.date, "a date"), (datetime.time, "a time"),
-)  # fmt: skip
-
-
-def got(value: Any) -> str:
-    """A wrong value as an error shows it: its text, cut short, and its type in TOML's words."""
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    kind = next((k for t, k in _KINDS if isinstance(value, t)), type(value).__name__)
-    return f"{text} ({kind})"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _list(values: tuple) -> str:

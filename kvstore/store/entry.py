@@ -25,6 +25,8 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptEntryError
+from kvstore.identity.model import DEFAULT_QUANTIZED_KV_START as DEFAULT_QUANTIZED_KV_START
+from kvstore.identity.model import ModelIdentity
 
 FINGERPRINT_BYTES = 16
 KEY_BYTES = 32
@@ -72,9 +74,6 @@ _META_FIELDS = (
 )  # fmt: skip
 
 
-DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized from this offset on
-
-
 def blob_checksum(blob) -> int:
     return xxhash.xxh3_64_intdigest(blob)
 
@@ -110,16 +109,63 @@ class EntryMeta:
             return "field 'extra' must have str keys"
         return None
 
-    def ident(self) -> tuple:
-        """The model as it was run: path, adapter and KV quantization (what a manifest names)."""
-        kv_bits = self.extra.get("kv_bits")
-        return (
-            self.model,
-            self.extra.get("adapter"),
-            kv_bits,
-            self.extra.get("kv_group_size", 64) if kv_bits else None,
-            self.extra.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START) if kv_bits else None,
-        )
+    # What `extra` holds, read here only: the stored keys are the schema-1 ones, unchanged.
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """The model as the entry was made with it (path, adapter, KV quantization, overrides)."""
+        return ModelIdentity.from_state(self.extra, self.model)
+
+    @property
+    def chat_template_kwargs(self) -> Any:
+        """The template arguments a chat pin was rendered with, as stored (a dict, or None)."""
+        return self.extra.get("chat_template_kwargs")
+
+    @property
+    def source(self) -> Any:
+        """What stored it: "manifest", "pin", "chain", "serve", "import", "remote", ..."""
+        return self.extra.get("source")
+
+    @property
+    def manifest(self) -> Any:
+        """The manifest that stored a manifest pin (entries from before owners were recorded)."""
+        return self.extra.get("manifest")
+
+    @property
+    def recorded_owners(self) -> Any:
+        """The owners list as stored (kvstore.store.ownership.owners reads it with fallbacks)."""
+        return self.extra.get("owners")
+
+    @property
+    def valid_date(self) -> str | None:
+        """The local day (ISO date) a clock-bound pin holds for; None for any other entry."""
+        valid = self.extra.get("valid_date")
+        return valid if isinstance(valid, str) else None
+
+    @property
+    def trusted(self) -> bool:
+        """Imported with --trust: its KV was never compared with a re-prefill."""
+        return self.extra.get("trusted") is True
+
+    @property
+    def import_check(self) -> Any:
+        """What an import's re-prefill compared, in words (None for other entries)."""
+        return self.extra.get("check")
+
+    @property
+    def runtime(self) -> Any:
+        """The mlx / mlx-lm versions that made it, as recorded (a dict), or None."""
+        return self.extra.get("runtime")
+
+    @property
+    def model_dir(self) -> Any:
+        """Where its model resolved on the box that stored it (Store.put)."""
+        return self.extra.get("model_dir")
+
+    @property
+    def adapter_dir(self) -> Any:
+        """Where its adapter resolved on the box that stored it."""
+        return self.extra.get("adapter_dir")
 
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)

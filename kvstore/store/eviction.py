@@ -9,12 +9,12 @@ it cannot judge here is kept and reported, never taken for stale.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import ModelIdentity
 from kvstore.store.entry import EntryMeta
 
 
@@ -56,29 +56,35 @@ def _gone(path: Path) -> Staleness | None:
 def _judge(m: EntryMeta, cache) -> Staleness:
     from kvstore.identity.fingerprint import model_fingerprint
 
-    model_dir, why = _recorded_dir(m.extra.get("model_dir"), m.model, "model")
+    model_dir, why = _recorded_dir(m.model_dir, m.model, "model")
     if model_dir is None:
         return Staleness("unknown", why)
-    adapter = m.extra.get("adapter")
+    identity = m.identity
     adapter_dir = None
-    if adapter:
-        adapter_dir, why = _recorded_dir(m.extra.get("adapter_dir"), adapter, "adapter")
+    if identity.adapter:
+        adapter_dir, why = _recorded_dir(m.adapter_dir, identity.adapter, "adapter")
         if adapter_dir is None:
             return Staleness("unknown", why)
     for d in (model_dir, adapter_dir):
         if d is not None and (verdict := _gone(d)) is not None:
             return verdict
-    _, _, kv_bits, group, qstart = m.ident()
-    quant = {"kv_group_size": group, "quantized_kv_start": qstart} if kv_bits else {}
-    # Load-time overrides the entry was made with (extra["model_config"], when recorded): the
-    # fingerprint covers them, so judging without them would call a valid pin stale.
-    overrides = m.extra.get("model_config")
-    if isinstance(overrides, dict) and overrides:
-        quant["model_config"] = overrides
+    # Load-time overrides the entry was made with (when recorded): the fingerprint covers them,
+    # so judging without them would call a valid pin stale.
+    overrides = identity.model_config
+    here = ModelIdentity(
+        str(model_dir),
+        None if adapter_dir is None else str(adapter_dir),
+        kv_bits=identity.kv_bits,
+        model_config=overrides if isinstance(overrides, dict) and overrides else None,
+    )
+    if identity.kv_bits:  # group size and start count only for quantized KV
+        here = replace(
+            here,
+            kv_group_size=identity.kv_group_size,
+            quantized_kv_start=identity.quantized_kv_start,
+        )
     try:
-        fp = model_fingerprint(
-            str(model_dir), adapter_path=adapter_dir, kv_bits=kv_bits, hash_cache=cache, **quant
-        ).digest
+        fp = model_fingerprint(here, hash_cache=cache).digest
     except (KVStoreError, OSError) as e:  # a model dir we cannot fingerprint: never a deletion
         return Staleness("unknown", f"cannot fingerprint {model_dir} here: {e}")
     if fp != m.fingerprint:
@@ -95,14 +101,7 @@ def staleness(metas: Iterable[EntryMeta], home: Path) -> dict[bytes, Staleness]:
     seen: dict[tuple, Staleness] = {}
     out = {}
     for m in metas:
-        overrides = json.dumps(m.extra.get("model_config"), sort_keys=True, default=str)
-        where = (
-            m.ident(),
-            overrides,
-            m.extra.get("model_dir"),
-            m.extra.get("adapter_dir"),
-            m.fingerprint,
-        )
+        where = (m.identity.same_model(), m.model_dir, m.adapter_dir, m.fingerprint)
         if where not in seen:
             seen[where] = _judge(m, cache)
         out[m.key] = seen[where]

@@ -25,11 +25,11 @@ def manifest_owner(path: str | Path) -> str:
 
 def owners(meta: EntryMeta) -> list[str]:
     """The entry's owners; entries stored before owners existed get theirs from their source."""
-    stored = meta.extra.get("owners")
+    stored = meta.recorded_owners
     if isinstance(stored, list) and all(isinstance(o, str) for o in stored):
         return list(stored)
-    if meta.extra.get("source") == "manifest" and meta.extra.get("manifest"):
-        return [manifest_owner(meta.extra["manifest"])]
+    if meta.source == "manifest" and meta.manifest:
+        return [manifest_owner(meta.manifest)]
     return [APP]
 
 
@@ -68,12 +68,5 @@ def released(meta: EntryMeta, owner: str) -> EntryMeta | None:
 def renamed(meta: EntryMeta, spec: ModelSpec) -> EntryMeta:
     """The meta under the model name (and adapter path, overrides) `spec` gives it: the entry's
     KV is the same (same key), only what the manifest calls its model changed."""
-    extra = dict(
-        meta.extra,
-        adapter=spec.adapter,
-        kv_bits=spec.kv_bits,
-        kv_group_size=spec.kv_group_size,
-        quantized_kv_start=spec.quantized_kv_start,
-        model_config=spec.model_config,
-    )
+    extra = {**meta.extra, **spec.identity.state}
     return replace(meta, model=spec.path, extra=extra)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -228,23 +228,17 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
 
     groups: dict[tuple, list] = {}
     for m in metas:
-        groups.setdefault((*m.ident(), json.dumps(m.extra.get("model_config"), sort_keys=True)),
-                          []).append(m)  # fmt: skip
+        groups.setdefault(m.identity.same_model(), []).append(m)
     out = []
-    for (path, adapter, kv_bits, group, qstart, _), entries in groups.items():
+    for entries in groups.values():
         results = [
             CanaryResult(m.model, m.label, m.key.hex(), m.ntokens, 0.0, 0.0) for m in entries
         ]
-        overrides = entries[0].extra.get("model_config")
+        identity = entries[0].identity
         try:
-            model_dir = resolve_model_path(path)
+            model_dir = resolve_model_path(identity.path)
             fp = model_fingerprint(
-                model_dir,
-                adapter_path=adapter,
-                kv_bits=kv_bits,
-                kv_group_size=group or 64,
-                quantized_kv_start=qstart or 5000,
-                model_config=overrides,
+                replace(identity, path=str(model_dir)),
                 hash_cache=FileHashCache(home / FILEHASH_NAME),
             )
             todo = []
@@ -256,7 +250,7 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
                 else:
                     todo.append((m, r))
             if todo:
-                with loaded_for_check(path, model_dir, adapter, overrides, fp) as model:
+                with loaded_for_check(identity, model_dir, fp) as model:
                     for m, r in todo:
                         try:
                             _, cache = store.load(m.key, m.tokens)

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
-from kvstore.pins.manifest import (  # what a manifest (and generate) may ask for
+from kvstore.identity.model import (  # what a manifest (and generate) may ask for
     KV_BITS,
     KV_GROUP_SIZES,
+    ModelIdentity,
 )
 
 _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache")
@@ -153,21 +154,23 @@ SAMPLE_WINDOW = 32  # each computed on the cache's own earlier KV and compared
 
 
 @contextmanager
-def loaded_for_check(model: str, model_dir: Path, adapter, model_config, fp) -> Iterator[Any]:
-    """The model loaded as given (adapter, overrides) for a check, its files unchanged since
-    `fp` was computed; released afterwards."""
+def loaded_for_check(identity: ModelIdentity, model_dir: Path, fp) -> Iterator[Any]:
+    """The model loaded as `identity` names it (adapter, overrides; from its resolved
+    `model_dir`) for a check, its files unchanged since `fp` was computed; released afterwards."""
     from mlx_lm import load
 
     from kvstore.warm.warm import release_model
 
     try:
         loaded, _ = load(
-            str(model_dir), adapter_path=adapter, model_config=dict(model_config or {})
+            str(model_dir),
+            adapter_path=identity.adapter,
+            model_config=dict(identity.model_config or {}),
         )
     except Exception as e:
-        raise KVStoreError(f"model {model!r}: cannot load it to check KV: {e}") from None
+        raise KVStoreError(f"model {identity.path!r}: cannot load it to check KV: {e}") from None
     try:
-        fp.check_unchanged(f"checking KV against model {model!r}")
+        fp.check_unchanged(f"checking KV against model {identity.path!r}")
         yield loaded
     finally:
         del loaded

@@ -12,6 +12,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore.errors import PrefillStopped
+from kvstore.identity.model import ModelIdentity
 
 PREFILL_STEP = 2048  # tokens per forward pass, as mlx_lm.generate's prefill_step_size
 
@@ -85,16 +86,14 @@ def prefill(
     model,
     tokens: Sequence[int],
     *,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
+    identity: ModelIdentity | None = None,
     step: int = PREFILL_STEP,
     should_stop: Callable[[], bool] | None = None,
 ) -> list:
     """Run `tokens` through `model` into a fresh prompt cache, quantizing its KV the way
-    generate(kv_bits=, kv_group_size=, quantized_kv_start=) does: after each chunk, every
-    layer whose offset reached quantized_kv_start (mlx-lm's default 5000: shorter prefixes stay
-    full precision, as they would in a cold run).
+    generate(kv_bits=, kv_group_size=, quantized_kv_start=) does with `identity`'s settings (none:
+    full precision): after each chunk, every layer whose offset reached quantized_kv_start
+    (mlx-lm's default 5000: shorter prefixes stay full precision, as they would in a cold run).
 
     `should_stop` (else the one of `stop_when`) is asked before each chunk: a long prefix stops
     within one chunk's forward pass rather than at its end."""
@@ -108,6 +107,8 @@ def prefill(
         if check is not None and check():
             raise PrefillStopped(f"prefill stopped after {start} of {len(tokens)} tokens")
         model(ids[start : start + step][None], cache=cache)
-        maybe_quantize_kv_cache(cache, quantized_kv_start, kv_group_size, kv_bits)
+        if identity is not None:
+            q = identity
+            maybe_quantize_kv_cache(cache, q.quantized_kv_start, q.kv_group_size, q.kv_bits)
         mx.eval([c.state for c in cache])
     return cache

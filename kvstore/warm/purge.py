@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.pins.manifest import Manifest, ModelSpec, overrides_key
+from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.store.ownership import manifest_owner, owners, released
 from kvstore.store.store import Store
 
@@ -23,18 +23,6 @@ class Purged:
     released: bool = False  # only this manifest's ownership went: other owners keep the entry
 
 
-def spec_ident(spec: ModelSpec) -> tuple:
-    """What entry_ident() gives for this spec's entries."""
-    quant = (spec.kv_group_size, spec.quantized_kv_start) if spec.kv_bits else (None, None)
-    return (spec.path, spec.adapter, spec.kv_bits, *quant, overrides_key(spec.model_config))
-
-
-def entry_ident(meta) -> tuple:
-    """The model an entry was made with as a manifest names it: EntryMeta.ident() and the
-    load-time overrides."""
-    return (*meta.ident(), overrides_key(meta.extra.get("model_config")))
-
-
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
     """Entries that no longer hold for this manifest: its pins whose model changed, that were
     removed or re-rendered to other tokens, whose chat template changed, or whose model left the
@@ -45,9 +33,9 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     planned = {pp.key for plan in plans.values() for pp in plan.pins}
     # A model that does not resolve (a path mid-edit, a typo) may be the new name of any model the
     # manifest no longer names: nothing of those is purged until it resolves.
-    unresolved = [s.path for s in manifest.models if spec_ident(s) not in plans]
+    unresolved = [s.path for s in manifest.models if s.identity.same_model() not in plans]
     for meta in store.metas(errors=[]):
-        plan = plans.get(entry_ident(meta))
+        plan = plans.get(meta.identity.same_model())
         ours = me in owners(meta)
         if not ours:
             if plan is not None and meta.fingerprint != plan.fingerprint.digest:
@@ -61,7 +49,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
                 )
             continue
         if plan is None:
-            if any(spec_ident(s) == entry_ident(meta) for s in manifest.models):
+            if any(s.identity.same_model() == meta.identity.same_model() for s in manifest.models):
                 continue  # its model failed to plan: keep what we have, do not guess
             if meta.key in planned:
                 continue  # the same KV under the model's new name: re-owned (moved_pins)
@@ -88,8 +76,8 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
 
 
 def _prepared_ahead(meta, plan: ModelPlan) -> bool:
-    valid = meta.extra.get("valid_date")
-    if not isinstance(valid, str) or plan.day is None:
+    valid = meta.valid_date
+    if valid is None or plan.day is None:
         return False
     return valid > plan.day.isoformat() and any(pp.pin.name == meta.label for pp in plan.pins)
 
@@ -106,7 +94,7 @@ def moved_pins(
     out = {}
     for meta in store.metas(errors=[]):
         spec = specs.get(meta.key)
-        if spec is None or entry_ident(meta) in plans:
+        if spec is None or meta.identity.same_model() in plans:
             continue
         manifests = [o for o in owners(meta) if o.startswith("manifest:")]
         if manifests == [me]:

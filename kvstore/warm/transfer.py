@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from kvstore.codec import cache_api, codec
@@ -15,6 +16,7 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
     template_hash,
 )
+from kvstore.identity.model import DEFAULT_KV_GROUP_SIZE, ModelIdentity
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
 from kvstore.store.store import Store
@@ -131,15 +133,15 @@ def import_file(
         model_config=model_config,
     )
     quantized = [c for c in cache if type(c).__name__ == "QuantizedKVCache"]
-    kv_bits = quantized[0].bits if quantized else None
-    group = quantized[0].group_size if quantized else 64
-    fp = model_fingerprint(
-        model_dir,
-        adapter_path=adapter,
-        kv_bits=kv_bits,
-        kv_group_size=group,
+    identity = ModelIdentity(
+        model,
+        adapter,
+        kv_bits=quantized[0].bits if quantized else None,
+        kv_group_size=quantized[0].group_size if quantized else DEFAULT_KV_GROUP_SIZE,
         model_config=model_config,
-        hash_cache=FileHashCache(home / FILEHASH_NAME),
+    )
+    fp = model_fingerprint(
+        replace(identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
     )
     # the file's layout, with quantized layers read back as the plain KVCache the model makes
     got = tuple(
@@ -158,12 +160,14 @@ def import_file(
         )
     checked = None
     if not trust:
-        checked = _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp)
+        checked = _check_kv(cache, tokens, file, identity, model_dir, fp)
     metadata = {
         "model": metadata.get("model", model),
         "tokenizer_config": metadata.get("tokenizer_config", "{}"),
     }
     blob = codec.encode(cache, metadata)
+    state = identity.state
+    del state["quantized_kv_start"]  # where the file's KV began to be quantized is not known
     return store.put(
         entry_key(fp.digest, tokens),
         blob,
@@ -174,10 +178,7 @@ def import_file(
         template_hash=template_hash(model_dir),
         classes=codec.cache_classes(cache),
         extra={
-            "adapter": adapter,
-            "kv_bits": kv_bits,
-            "kv_group_size": group,
-            "model_config": model_config,
+            **state,
             "source": "import",
             **(
                 {"trusted": True, "checked": False}
@@ -188,10 +189,10 @@ def import_file(
     )
 
 
-def _check_kv(cache, tokens, file, model, model_dir, adapter, model_config, fp) -> str:
+def _check_kv(cache, tokens, file, identity: ModelIdentity, model_dir, fp) -> str:
     """Re-prefill with the model as given and compare (kvstore.warm.importfit.kv_check); what was
     compared, in words. Raises ImportMismatch (nothing stored) when the KV differs."""
     from kvstore.warm.importfit import kv_check, loaded_for_check
 
-    with loaded_for_check(model, model_dir, adapter, model_config, fp) as loaded:
+    with loaded_for_check(identity, model_dir, fp) as loaded:
         return kv_check(loaded, cache, tokens, what=str(file))

@@ -12,7 +12,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvstore.codec import codec
@@ -40,7 +40,7 @@ from kvstore.settings import FILEHASH_NAME
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
-from kvstore.warm.purge import Purged, moved_pins, spec_ident, stale_pins
+from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
 log = logging.getLogger("kvstore")
 
@@ -119,13 +119,7 @@ def plan_model(
 
     model_dir = resolve_model_path(spec.path)
     fp = model_fingerprint(
-        model_dir,
-        adapter_path=spec.adapter,
-        kv_bits=spec.kv_bits,
-        kv_group_size=spec.kv_group_size,
-        quantized_kv_start=spec.quantized_kv_start,
-        model_config=spec.model_config,
-        hash_cache=FileHashCache(home / FILEHASH_NAME),
+        replace(spec.identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
     )
     tokenizer = load_tokenizer(model_dir)
     now = now or local_now()
@@ -157,11 +151,12 @@ def load_model(plan: ModelPlan):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
+    identity = plan.spec.identity
     try:
         model, _ = load(
             str(plan.model_dir),
-            adapter_path=plan.spec.adapter,
-            model_config=dict(plan.spec.model_config or {}),
+            adapter_path=identity.adapter,
+            model_config=dict(identity.model_config or {}),
         )
     except Exception as e:
         raise ModelError(f"model {plan.spec.path!r}: cannot load: {e}") from None
@@ -187,14 +182,7 @@ def prefill_pin(model, plan: ModelPlan, tokens) -> list:
     """The KV of `tokens` as this plan's model runs it (its KV quantization included)."""
     from kvstore.warm.prefill import prefill
 
-    spec = plan.spec
-    return prefill(
-        model,
-        tokens,
-        kv_bits=spec.kv_bits,
-        kv_group_size=spec.kv_group_size,
-        quantized_kv_start=spec.quantized_kv_start,
-    )
+    return prefill(model, tokens, identity=plan.spec.identity)
 
 
 def encode_pin(
@@ -218,11 +206,7 @@ def pin_fields(
         template_hash=plan.template_hash,
         classes=classes,
         extra={
-            "adapter": plan.spec.adapter,
-            "kv_bits": plan.spec.kv_bits,
-            "kv_group_size": plan.spec.kv_group_size,
-            "quantized_kv_start": plan.spec.quantized_kv_start,
-            "model_config": plan.spec.model_config,
+            **plan.spec.identity.state,
             "source": "manifest",
             "manifest": str(manifest) if manifest else None,
             "owners": [manifest_owner(manifest)] if manifest else [],
@@ -413,7 +397,7 @@ def warm(
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
-            plans[spec_ident(spec)] = plan_model(spec, store, home=home, now=now)
+            plans[spec.identity.same_model()] = plan_model(spec, store, home=home, now=now)
         except KVStoreError as e:
             for prefix in spec.prefixes:
                 report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))

@@ -66,9 +66,8 @@ def test_the_persisted_system_segment_is_one_every_request_shares(tmp_path: Path
 
 
 def test_pins_made_with_other_template_arguments_are_named():
-    def meta(label, kwargs):
-        extra = {} if kwargs is None else {"chat_template_kwargs": kwargs}
-        return types.SimpleNamespace(label=label, extra=extra)
+    def meta(label, kwargs):  # what an EntryMeta gives of a chat pin (None for a text pin)
+        return types.SimpleNamespace(label=label, chat_template_kwargs=kwargs)
 
     metas = [meta("think", {"enable_thinking": True}), meta("plain", {}), meta("text", None)]
     warning = template_args_warning(metas, {"enable_thinking": False})

@@ -16,6 +16,7 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
     template_hash,
 )
+from kvstore.identity.model import ModelIdentity
 from kvstore.store.entry import entry_key, prefix_hash
 
 
@@ -26,8 +27,9 @@ def model_copy(llama_path, tmp_path):
     return dst
 
 
-def fp(path, **kw):
-    return model_fingerprint(path, **kw).digest
+def fp(path, *, hash_cache=None, **identity):
+    """The fingerprint of `path` run as `identity` (ModelIdentity's fields) says."""
+    return model_fingerprint(ModelIdentity(str(path), **identity), hash_cache=hash_cache).digest
 
 
 def test_fingerprint_is_stable_and_sized(model_copy):
@@ -59,10 +61,10 @@ def test_config_adapter_kvbits_change_fingerprint(model_copy, tmp_path):
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"rank": 4}))
     mx.save_safetensors(str(adapter / "adapters.safetensors"), {"a": mx.zeros((2, 2))})
-    with_adapter = fp(model_copy, adapter_path=adapter)
+    with_adapter = fp(model_copy, adapter=str(adapter))
     assert with_adapter != base
     mx.save_safetensors(str(adapter / "adapters.safetensors"), {"a": mx.ones((2, 2))})
-    assert fp(model_copy, adapter_path=adapter) != with_adapter
+    assert fp(model_copy, adapter=str(adapter)) != with_adapter
 
     config = json.loads((model_copy / "config.json").read_text())
     config["rms_norm_eps"] = 1e-6

@@ -15,6 +15,7 @@ import pytest
 
 from kvstore.identity import codehash
 from kvstore.identity.fingerprint import model_fingerprint
+from kvstore.identity.model import ModelIdentity
 
 
 @pytest.fixture
@@ -47,8 +48,9 @@ def edited_module(tmp_path, monkeypatch):
     codehash.module_closure_digest.cache_clear()
 
 
-def fp(path, **kw):
-    return model_fingerprint(path, **kw).digest
+def fp(path, *, model_object=None, **identity):
+    """The fingerprint of `path` run as `identity` (ModelIdentity's fields) says."""
+    return model_fingerprint(ModelIdentity(str(path), **identity), model_object=model_object).digest
 
 
 def test_the_closure_is_read_from_the_imports(llama_path):

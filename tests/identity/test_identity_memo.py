@@ -8,6 +8,7 @@ from unittest import mock
 
 from kvstore.identity import fingerprint as identity
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
+from kvstore.identity.model import ModelIdentity
 
 
 def test_a_remembered_derivation_gives_the_same_fingerprint(llama_path, hybrid_path, tmp_path):
@@ -21,10 +22,9 @@ def test_a_remembered_derivation_gives_the_same_fingerprint(llama_path, hybrid_p
     # overrides are in the memo's key (llama reads rope_theta at the top level of its config)
     memo = tmp_path / f"{llama_path.name}.msgpack"
     override = {"rope_theta": 1234.0}
-    remembered = model_fingerprint(
-        llama_path, model_config=override, hash_cache=FileHashCache(memo)
-    )
-    assert remembered.digest == model_fingerprint(llama_path, model_config=override).digest
+    overridden = ModelIdentity(str(llama_path), model_config=override)
+    remembered = model_fingerprint(overridden, hash_cache=FileHashCache(memo))
+    assert remembered.digest == model_fingerprint(overridden).digest
     assert remembered.digest != model_fingerprint(llama_path).digest
 
 

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.client.hydrate import hydrate
 from kvstore.identity.fingerprint import model_fingerprint
+from kvstore.identity.model import ModelIdentity
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill
@@ -35,7 +36,7 @@ def test_override_changes_kv_and_the_fingerprint(llama_path):
     assert diff > 0.1  # the same tokens, other keys: RoPE rotates them by another base
 
     file_fp = model_fingerprint(llama_path).digest
-    by_config = model_fingerprint(llama_path, model_config=OVERRIDE).digest
+    by_config = model_fingerprint(ModelIdentity(str(llama_path), model_config=OVERRIDE)).digest
     by_object = model_fingerprint(llama_path, model_object=overridden).digest
     assert by_config != file_fp
     # the loaded model's own arguments count, so an override the app did not name still counts,
@@ -43,8 +44,13 @@ def test_override_changes_kv_and_the_fingerprint(llama_path):
     assert by_object == by_config
     assert model_fingerprint(llama_path, model_object=plain).digest == file_fp
     # an "override" equal to the file's value, or none at all, is the file's config
-    assert model_fingerprint(llama_path, model_config={"rope_theta": 10000.0}).digest == file_fp
-    assert model_fingerprint(llama_path, model_config={}).digest == file_fp
+    assert (
+        model_fingerprint(
+            ModelIdentity(str(llama_path), model_config={"rope_theta": 10000.0})
+        ).digest
+        == file_fp
+    )
+    assert model_fingerprint(ModelIdentity(str(llama_path), model_config={})).digest == file_fp
 
 
 def test_hydrate_does_not_serve_the_file_config_entry_to_an_overridden_model(
@@ -68,7 +74,7 @@ def test_a_manifest_model_config_warms_what_the_overridden_app_hydrates(
 ):
     path = manifest_for(tmp_path, llama_path, PIN, extra="model_config = { rope_theta = 1e6 }")
     manifest = load_manifest(path)
-    assert manifest.models[0].model_config == OVERRIDE
+    assert manifest.models[0].identity.model_config == OVERRIDE
     with Store(kv_home) as store:
         report = warm(manifest, store, home=kv_home)
         assert report.warmed == 1
@@ -97,7 +103,10 @@ def test_a_manifest_edit_of_model_config_purges_the_old_pins(llama_path, kv_home
         assert [p.cause for p in report.purged] == ["model removed from the manifest"]
         assert report.warmed == 1
         (meta,) = store.metas()
-        assert meta.fingerprint == model_fingerprint(llama_path, model_config=OVERRIDE).digest
+        assert (
+            meta.fingerprint
+            == model_fingerprint(ModelIdentity(str(llama_path), model_config=OVERRIDE)).digest
+        )
 
 
 def test_serve_gives_model_config_to_the_served_models_load_only(llama_path, kv_home):

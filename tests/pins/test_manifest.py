@@ -35,8 +35,8 @@ def test_minimal_form(tmp_path: Path) -> None:
     assert manifest.path == tmp_path / "kvstore.toml"
     (model,) = manifest.models
     assert model.path == "/models/Qwen3.5-9B-8bit"
-    assert model.adapter is None and model.kv_bits is None
-    assert model.kv_group_size == DEFAULT_KV_GROUP_SIZE
+    assert model.identity.adapter is None and model.identity.kv_bits is None
+    assert model.identity.kv_group_size == DEFAULT_KV_GROUP_SIZE
     (prefix,) = model.prefixes
     assert prefix.name == "classify"
     assert prefix.messages == ({"role": "system", "content": "You are the router..."},)
@@ -51,8 +51,13 @@ def test_text_prefix_and_model_options(tmp_path: Path) -> None:
         'adapter = "/adapters/router"\nkv_bits = 8\nkv_group_size = 32',
     )
     (model,) = load_manifest(write(tmp_path, body)).models
-    assert (model.adapter, model.kv_bits, model.kv_group_size) == ("/adapters/router", 8, 32)
-    assert model.quantized_kv_start == 5000  # mlx_lm.generate's default
+    identity = model.identity
+    assert (identity.adapter, identity.kv_bits, identity.kv_group_size) == (
+        "/adapters/router",
+        8,
+        32,
+    )
+    assert identity.quantized_kv_start == 5000  # mlx_lm.generate's default
     (prefix,) = model.prefixes
     assert prefix.text == "Answer in JSON." and prefix.messages is None
 

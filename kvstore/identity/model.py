@@ -1,0 +1,115 @@
+"""A model as it is run: the one value that says which KV a model computes for given tokens.
+
+`ModelIdentity` is the path, the LoRA adapter, the KV quantization (as `generate(kv_bits=,
+kv_group_size=, quantized_kv_start=)` takes it) and the load-time config overrides (as
+`mlx_lm.load(model_config=)` takes them). The manifest builds one per `[[model]]` table, the client
+one from its keyword arguments, and an entry's meta stores it: the path is the meta's `model`,
+the rest is `state` in its `extra` (keys unchanged since schema 1, so old stores read as before).
+`model_fingerprint` hashes what it names; `same_model()` is the key two of them compare by.
+
+Chat-template arguments are not part of it: they change which tokens a pin renders to (and so
+the entry's key), never the KV a model computes for given tokens. They stay with the prefix
+(`PrefixSpec`) and the entry (`EntryMeta.chat_template_kwargs`).
+
+No mlx here: the manifest, the CLI and the entry meta use this without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import ManifestError, got
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+DEFAULT_KV_GROUP_SIZE = 64  # mlx_lm.generate's default
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized from this offset on
+
+# What an entry's meta `extra` stores the identity under (its path is the meta's `model` field).
+STATE_KEYS = ("adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "model_config")
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """A model (a directory or hub id, as given), its adapter, KV quantization and overrides.
+
+    Not hashable when it has overrides (a dict): compare and group by `same_model()`."""
+
+    path: str
+    adapter: str | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    model_config: dict | None = None  # load-time overrides, as mlx_lm.load(model_config=)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The msgpack-able form an entry's meta `extra` holds (the path is the meta's `model`)."""
+        return {
+            "adapter": self.adapter,
+            "kv_bits": self.kv_bits,
+            "kv_group_size": self.kv_group_size,
+            "quantized_kv_start": self.quantized_kv_start,
+            "model_config": self.model_config,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], path: str) -> ModelIdentity:
+        """The identity `state` (an entry's `extra`, other keys ignored) stores for `path`;
+        keys an older entry lacks take generate's defaults. Read as stored, never validated:
+        a stored value is compared, not run."""
+        return cls(
+            path=path,
+            adapter=state.get("adapter"),
+            kv_bits=state.get("kv_bits"),
+            kv_group_size=state.get("kv_group_size", DEFAULT_KV_GROUP_SIZE),
+            quantized_kv_start=state.get("quantized_kv_start", DEFAULT_QUANTIZED_KV_START),
+            model_config=state.get("model_config"),
+        )
+
+    def same_model(self) -> tuple:
+        """What makes two identities the same model run the same way: group size and quantized
+        start count only when the KV is quantized; no overrides and {} are the same."""
+        quant = (self.kv_group_size, self.quantized_kv_start) if self.kv_bits else (None, None)
+        return (self.path, self.adapter, self.kv_bits, *quant, overrides_key(self.model_config))
+
+    def check(self) -> ModelIdentity:
+        """Itself; ManifestError naming the first KV quantization setting that generate() would
+        not take (never a fingerprint no entry was made under)."""
+        if problem := kv_quantization_problem(
+            self.kv_bits, self.kv_group_size, self.quantized_kv_start
+        ):
+            raise ManifestError(f"{problem[0]}: {problem[1]}")
+        return self
+
+
+def overrides_key(model_config: dict | None) -> str | None:
+    """A hashable, order-free form of load-time overrides (None and {} are both none)."""
+    return json.dumps(model_config, sort_keys=True, default=str) if model_config else None
+
+
+def kv_quantization_problem(
+    kv_bits: Any, kv_group_size: Any, quantized_kv_start: Any
+) -> tuple[str, str] | None:
+    """The one rule for KV quantization, as generate() takes it: (setting, what is wrong with
+    it and what it must be) for the first wrong one, or None."""
+    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in KV_BITS):
+        return "kv_bits", f"must be an integer, one of {_list(KV_BITS)}; got {got(kv_bits)}"
+    if not _is_int(kv_group_size) or kv_group_size not in KV_GROUP_SIZES:
+        return (
+            "kv_group_size",
+            f"must be an integer, one of {_list(KV_GROUP_SIZES)}; got {got(kv_group_size)}",
+        )
+    if not _is_int(quantized_kv_start) or quantized_kv_start < 0:
+        return "quantized_kv_start", f"must be an integer >= 0; got {got(quantized_kv_start)}"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _list(values: tuple) -> str:
+    return ", ".join(str(v) for v in values)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import xxhash
 
 FINGERPRINT_BYTES = 16
@@ -17,6 +16,8 @@ KEY_BYTES = 32
 
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32: compact in meta and compared in one memcmp."""
+    import numpy as np  # here, not at the top: `kvstore ls` and `stats` start without numpy
+
     try:
         return np.asarray(tokens, dtype="<u4").tobytes()
     except (OverflowError, ValueError, TypeError):
@@ -24,6 +25,8 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
 
 
 def unpack_tokens(data: bytes) -> list[int]:
+    import numpy as np
+
     return np.frombuffer(data, dtype="<u4").tolist()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvstore.codec import codec
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError
 from kvstore.store.entry import EntryMeta, blob_checksum
 
@@ -98,6 +97,8 @@ class StoreReads:
 
     @staticmethod
     def _decode(key: bytes, meta: EntryMeta, blob) -> list:
+        from kvstore.codec import codec  # mlx: only when KV bytes are decoded, not for `ls`
+
         if blob is None:
             raise CorruptEntryError(key, "meta without blob")
         if len(blob) != meta.nbytes:

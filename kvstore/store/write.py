@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvstore.codec import codec
+from kvstore.codec import CODEC_VERSION
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.store.entry import _META_FIELDS, EntryMeta, blob_checksum, tokens_match_key
 from kvstore.store.keys import FINGERPRINT_BYTES, KEY_BYTES
@@ -90,7 +90,7 @@ class StoreWrites:
             hits=0,
             nbytes=len(blob),
             checksum=checksum,
-            codec=fields.get("codec", codec.CODEC_VERSION),
+            codec=fields.get("codec", CODEC_VERSION),
             classes=list(fields.get("classes", [])),
             extra=extra,
         )

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from kvstore.tiny import make_tiny_model
-from kvstore.warm.canary import ROUNDOFFS, kv_difference
+from kvstore.warm.kvdiff import ROUNDOFFS, kv_difference
 from kvstore.warm.prefill import prefill
 
 TOKENS = list(range(3, 303))

@@ -20,7 +20,7 @@ MAX_TOKENS = 8
 
 
 def kvstore_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvstore.cli.main", *args]
+    return [sys.executable, "-m", "kvstore", *args]
 
 
 def setup() -> tuple[Path, Path, Path]:

@@ -133,7 +133,7 @@ def admin_at_10k(root: Path) -> dict:
     stats = interleave({"ls --json": ls_json, "ls": ls_table}, reps=3)
     t = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "kvstore.cli.main", "ls", "--json", "--home", str(home)],
+        [sys.executable, "-m", "kvstore", "ls", "--json", "--home", str(home)],
         check=True,
         capture_output=True,
     )

@@ -30,7 +30,7 @@ _LAZY = {
     "ParityReport": "kvstore.client.parity",
     "load_prompts": "kvstore.client.parity",
     "run_parity": "kvstore.client.parity",
-    "patched_server": "kvstore.client.serve.command",
+    "patched_server": "kvstore.client.serve.hooks",
 }
 # kvstore.client.serve.command.serve and kvstore.client.analyze.analyze are not re-exported: a
 # package attribute cannot be

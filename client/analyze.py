@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from kvstore.cli.main import home_option  # every command takes --home (analyze reads no store)
+from kvstore.cli.options import home_option  # every command takes --home (analyze reads no store)
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 

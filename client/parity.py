@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from kvstore.cli.main import home_option
+from kvstore.cli.options import home_option
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity

@@ -115,9 +115,9 @@ def restart_into_new_code(what: str) -> None:
 
 
 def reexec(argv: list[str]) -> None:
-    """Replace this process with `python -m kvstore.cli.main daemon ...` (the lock, socket and LMDB
+    """Replace this process with `python -m kvstore daemon ...` (the lock, socket and LMDB
     were released by the clean stop; the pid stays, so a service manager sees no exit)."""
     log.info("upgrade canary: re-executing %s", " ".join(argv))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "kvstore.cli.main", *argv])
+    os.execv(sys.executable, [sys.executable, "-m", "kvstore", *argv])

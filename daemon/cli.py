@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.main import home_option
+from kvstore.cli.options import home_option
 
 
 @click.command(name="daemon")

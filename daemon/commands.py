@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore.codec import codec
+from kvstore.daemon.connection import Connection
 from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.daemon.writer import Writer
@@ -28,9 +29,6 @@ from kvstore.store.eviction import select_for_eviction
 from kvstore.store.ledger import Ledger, validate
 from kvstore.store.ownership import owning_manifests
 from kvstore.store.store import Store
-
-if TYPE_CHECKING:
-    from kvstore.daemon.server import Connection
 
 log = logging.getLogger("kvstore.daemon")
 

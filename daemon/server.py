@@ -21,6 +21,7 @@ from typing import Any
 
 from kvstore.daemon import exits
 from kvstore.daemon.commands import Commands
+from kvstore.daemon.connection import Connection
 from kvstore.daemon.daywatch import DayWatch
 from kvstore.daemon.lifecycle import (
     check_peer,
@@ -41,57 +42,6 @@ log = logging.getLogger("kvstore.daemon")
 _READS = frozenset({"ping", "stats", "ls", "manifests"})  # not worth a log line each
 # How long shutdown waits for woken connection threads; well inside the 5 s service managers allow.
 CONN_JOIN_SECONDS = 2.5
-
-
-class Connection:
-    """One client socket and the timeouts that apply to it."""
-
-    def __init__(self, sock: socket.socket, settings: dict[str, Any]):
-        self.sock = sock
-        self.max_bytes = int(settings["max_frame_bytes"])
-        self.header_timeout = float(settings["header_timeout"])
-        self.idle_timeout = float(settings["idle_timeout"])
-        self.close_after_reply = False
-        self.requests = 0
-
-    def next_request(self) -> dict[str, Any] | None:
-        # The first frame must come quickly (a connection that says nothing holds a slot);
-        # later ones may wait idle_timeout. Once a frame starts, all of it within header_timeout.
-        wait = self.header_timeout if self.requests == 0 else self.idle_timeout
-        msg = protocol.recv(
-            self.sock, max_bytes=self.max_bytes, timeout=wait, frame_timeout=self.header_timeout
-        )
-        self.requests += 1
-        return msg
-
-    def receive_stream(self, nbytes: int) -> bytearray:
-        """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all, appended to
-        one buffer that grows with the bytes that arrive (never past `nbytes`, which the caller
-        caps): a client that claims 8 GiB and sends 1 MiB costs the daemon 1 MiB, not 8 GiB of
-        zeroed pages. The blob is still held once (plus CPython's ~1/8 growth slack and one
-        frame); large blocks grow in place through glibc's mremap."""
-        buf = bytearray()
-        while (got := len(buf)) < nbytes:
-            msg = protocol.recv(
-                self.sock,
-                max_bytes=self.max_bytes,
-                timeout=self.idle_timeout,
-                frame_timeout=self.header_timeout,
-            )
-            if msg is None:
-                raise ProtocolError(f"connection closed after {got} of {nbytes} streamed bytes")
-            data = msg.get("data")
-            if not isinstance(data, bytes) or not data or got + len(data) > nbytes:
-                raise ProtocolError("a streamed put frame must hold the next `data` bytes")
-            buf += data
-        return buf
-
-    def reply(self, obj: dict[str, Any]) -> None:
-        self.sock.settimeout(self.idle_timeout)  # a client that never reads cannot pin a thread
-        try:
-            protocol.send(self.sock, obj, max_bytes=self.max_bytes)
-        except ProtocolError as e:  # e.g. an `ls` too large for one frame
-            protocol.send(self.sock, protocol.error(str(e)), max_bytes=self.max_bytes)
 
 
 class Daemon(Commands):
@@ -406,10 +356,3 @@ def setup_logging(level: str = "INFO") -> None:
     from kvstore.daemon.logs import setup_logging as setup
 
     setup(level)
-
-
-def run(home: Path, *, manifest: Path | None = None) -> int:
-    """Run the daemon for `home` (daemon/boot.py); its exit status."""
-    from kvstore.daemon.boot import run as boot_run
-
-    return boot_run(home, manifest=manifest)

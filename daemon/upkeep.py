@@ -139,25 +139,18 @@ class Upkeep:
     def start_remote(self, ledger: Any) -> None:
         """Start the fleet tier's upload worker and read-through, when settings have [remote].
         Any problem is one log line and the daemon runs local-only."""
-        from kvstore.fleet.settings import remote_settings
+        from kvstore.fleet.tier import daemon_tier  # boto3 and the tier: only with [remote]
 
         try:
-            rs = remote_settings(self.settings, self.home)
-            if rs is None:
-                return
-            from kvstore.fleet.fetch import WarmFetcher
-            from kvstore.fleet.objects import Remote
-            from kvstore.fleet.queue import UploadQueue, start_uploader
-
-            remote = Remote(rs)
-            if rs.upload:
-                self.uploader = start_uploader(remote, self.store, self.home)
-            if rs.download:
-                self.fetcher = WarmFetcher(remote, UploadQueue(self.home), ledger=ledger)
+            tier = daemon_tier(self.settings, self.home, self.store, ledger)
         except KVStoreError as e:
             log.error("remote: %s; running local-only", e)
             return
-        log.info("remote: %s (upload %s, download %s)", remote.where(), rs.upload, rs.download)
+        if tier is None:
+            return
+        self.uploader, self.fetcher = tier.uploader, tier.fetcher
+        rs = tier.settings
+        log.info("remote: %s (upload %s, download %s)", tier.remote.where(), rs.upload, rs.download)
 
     def stop_remote(self) -> bool:
         """Stop the upload worker between entries; False if an upload is still in flight (its

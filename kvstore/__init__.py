@@ -1,4 +1,13 @@
-"""kvstore: a persistent on-disk store of pinned-prefix KV caches for mlx-lm."""
+"""kvstore: a persistent on-disk store of pinned-prefix KV caches for mlx-lm.
+
+`import kvstore` stays light (no mlx, mlx-lm or transformers): the names below load their module
+on first use, so the command line starts fast for commands that touch no model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from kvstore.errors import (
     CodecError,
@@ -10,29 +19,43 @@ from kvstore.errors import (
     ProtocolError,
     StoreError,
 )
-from kvstore.identity.fingerprint import Fingerprint, model_fingerprint, template_hash
-from kvstore.store.entry import EntryMeta, entry_key, prefix_hash
-from kvstore.store.store import Store
-from kvstore.wire.daemon_client import DaemonClient, connect
 
 __version__ = "0.1.0"
+
+# name -> module, imported on first access (module __getattr__, PEP 562)
+_LAZY = {
+    "Fingerprint": "kvstore.identity.fingerprint",
+    "model_fingerprint": "kvstore.identity.fingerprint",
+    "template_hash": "kvstore.identity.fingerprint",
+    "entry_key": "kvstore.store.entry",
+    "prefix_hash": "kvstore.store.entry",
+    "EntryMeta": "kvstore.store.entry",
+    "Store": "kvstore.store.store",
+    "DaemonClient": "kvstore.wire.daemon_client",
+    "connect": "kvstore.wire.daemon_client",
+}
 
 __all__ = [
     "CodecError",
     "CorruptEntryError",
-    "DaemonClient",
     "DaemonError",
-    "EntryMeta",
-    "Fingerprint",
     "KVStoreError",
     "ManifestError",
     "ModelError",
     "ProtocolError",
-    "Store",
     "StoreError",
-    "connect",
-    "entry_key",
-    "model_fingerprint",
-    "prefix_hash",
-    "template_hash",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -93,7 +93,7 @@ class Proc:
         """`code`, if given, is run with `python -c` instead of `kvstore daemon` (a daemon with
         a patched call, say); `preexec_fn` runs in the child before exec (rlimits)."""
         self.home, self.log = home, log
-        argv = ["-c", code] if code else ["-m", "kvstore.cli.main", "daemon"]
+        argv = ["-c", code] if code else ["-m", "kvstore", "daemon"]
         with log.open("ab") as f:
             self.p = subprocess.Popen(
                 [sys.executable, *argv, "--home", str(home), *args],

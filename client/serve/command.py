@@ -1,10 +1,9 @@
 """`kvstore serve`: mlx-lm's own OpenAI-compatible server, with the persistent prompt cache.
 
 The server runs in-process, unchanged, under the hooks of kvstore.client.serve.hooks (hydrate at
-model
-load, and with --persist-system-prompts the stable system segment and its persister,
+model load, and with --persist-system-prompts the stable system segment and its persister,
 kvstore.client.serve.persist). This module is the command and its argv hand-off to mlx_lm.server's
-main().
+main(); it imports the hooks (and mlx-lm with them) only when the server runs.
 """
 
 from __future__ import annotations
@@ -15,20 +14,10 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.main import home_option, parse_json_object
-from kvstore.client.serve.hooks import ServeError, check_server_shape, patched_server
-from kvstore.client.serve.persist import PERSIST_QUEUE, SystemPromptPersister
+from kvstore.cli.options import home_option, parse_json_object
 from kvstore.errors import KVStoreError
 
-__all__ = [
-    "PERSIST_QUEUE",
-    "ServeError",
-    "SystemPromptPersister",
-    "check_server_shape",
-    "patched_server",
-    "serve",
-    "serve_cmd",
-]
+__all__ = ["serve", "serve_cmd"]
 
 
 def serve(
@@ -41,6 +30,9 @@ def serve(
     server_args: Sequence[str] = (),
 ) -> None:
     """Run mlx_lm.server's main() with `--model model` and `server_args`, hydrated from `home`."""
+    # here, not at the top: `kvstore --help` loads this module, the hooks load mlx-lm
+    from kvstore.client.serve.hooks import patched_server
+
     argv = ["mlx_lm.server", "--model", model]
     if port is not None:
         argv += ["--port", str(port)]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.main import home_option
+from kvstore.cli.options import home_option
 from kvstore.daemon import exits
 from kvstore.daemon.service import launchd, systemd
 
@@ -47,13 +47,13 @@ class ServiceSpec:
 
 def kvstore_program() -> list[str]:
     """The absolute command that runs this installation's CLI: the venv's `kvstore` script next
-    to this interpreter, else the one on PATH, else `python -m kvstore.cli.main`."""
+    to this interpreter, else the one on PATH, else `python -m kvstore`."""
     sibling = Path(os.path.abspath(sys.executable)).parent / "kvstore"
     if sibling.is_file() and os.access(sibling, os.X_OK):
         return [str(sibling)]
     if found := shutil.which("kvstore"):
         return [os.path.abspath(found)]
-    return [os.path.abspath(sys.executable), "-m", "kvstore.cli.main"]
+    return [os.path.abspath(sys.executable), "-m", "kvstore"]
 
 
 def service_spec(home: Path, manifest: Path | None = None) -> ServiceSpec:

@@ -8,22 +8,19 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.main import (
-    _progress,
-    _tty,
+from kvstore.cli.options import (
     home_option,
     human_size,
-    main,
     open_store,
     parse_size,
+    progress,
     resolve_keys,
+    tty,
     user_errors,
     wait_option,
 )
 from kvstore.errors import counted
 from kvstore.pins.registry import canonical
-from kvstore.store.eviction import select_for_eviction
-from kvstore.store.ownership import owning_manifests
 from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
 
 
@@ -37,14 +34,14 @@ def _age(ts: float) -> str:
 
 def _previews(metas) -> dict[bytes, str]:
     """First tokens of each entry, decoded with its model's tokenizer when that loads."""
-    from kvstore.identity.fingerprint import resolve_model_path
-
     tokenizers: dict[str, object] = {}
     out = {}
     for m in metas:
         if m.model not in tokenizers:
             try:
                 from mlx_lm.utils import load_tokenizer
+
+                from kvstore.identity.fingerprint import resolve_model_path
 
                 tokenizers[m.model] = load_tokenizer(resolve_model_path(m.model))
             except Exception:
@@ -56,7 +53,7 @@ def _previews(metas) -> dict[bytes, str]:
     return out
 
 
-@main.command(name="ls")
+@click.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, as a list.")
 @click.option("--model", default=None, help="Only entries of this model path.")
 @click.option("--label", default=None, help="Only entries with this label.")
@@ -103,7 +100,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
         click.echo(f"warning: {e}", err=True)
 
 
-@main.command()
+@click.command()
 @click.argument("keys", nargs=-1)
 @click.option("--label", default=None, help="Entries with this label.")
 @click.option("--model", default=None, help="Entries of this model path (as stored).")
@@ -130,6 +127,9 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
         raise click.UsageError(
             "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
         )
+    from kvstore.store.eviction import select_for_eviction  # the store's own modules: not for ls
+    from kvstore.store.ownership import owning_manifests
+
     size = parse_size(to_size) if to_size else None
     client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it selects and deletes in one job
@@ -233,7 +233,7 @@ def _report_unknown(unknown: list[dict]) -> None:
         click.echo(f"  {u['key'][32:44]} {u['label'][:16]:16} {u['model']}: {u['reason']}")
 
 
-@main.command()
+@click.command()
 @click.option("--json", "as_json", is_flag=True)
 @wait_option
 @home_option
@@ -308,7 +308,7 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
         raise click.ClickException(str(silent))
 
 
-@main.command()
+@click.command()
 @click.option("--repair", is_flag=True, help="Delete the entries that fail.")
 @click.option(
     "--deep",
@@ -341,7 +341,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
         return
     client = connect_writer(home) if repair else None  # never write beside a daemon
     if client is not None:
-        _progress(f"repairing through the daemon for {home}; it checks every entry")
+        progress(f"repairing through the daemon for {home}; it checks every entry")
         with client:
             res = client.call("repair", timeout=None)
         n = res["entries"]
@@ -351,7 +351,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
             n = len(store.keys())
             bar = (
                 (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
-                if _tty()
+                if tty()
                 else None
             )
             problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
@@ -393,11 +393,11 @@ def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
         known = [r.path for r in registered(home)] + [home / MANIFEST_NAME]
         paths = [p for p in dict.fromkeys(canonical(p) for p in known) if p.is_file()]
         if not paths:
-            _progress("no manifest registered or in the home: no manifest model to check")
+            progress("no manifest registered or in the home: no manifest model to check")
     differs = []
     for path in paths:
         manifest = load_manifest(path)
-        _progress(f"re-prefilling one pin per model of {manifest.path}")
+        progress(f"re-prefilling one pin per model of {manifest.path}")
         with open_store(home) as store:
             results = check_manifest(manifest, store, home=home)
         for r in results:
@@ -426,7 +426,7 @@ def _rewarm(home: Path, differs: list) -> None:
         with open_store(home, write=True) as store:
             store.delete(keys)
             for manifest in {m.path: m for m, _ in differs}.values():
-                warm(manifest, store, home=home, progress=_progress)
+                warm(manifest, store, home=home, progress=progress)
     click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")
 
 
@@ -455,7 +455,7 @@ def _deep_entries(home: Path, *, repair: bool) -> int:
         ]
         if not metas:
             return 0
-        _progress(f"re-prefilling {counted(len(metas), 'entry')} that are no manifest's pins")
+        progress(f"re-prefilling {counted(len(metas), 'entry')} that are no manifest's pins")
         results = check_entries(store, metas, home=home)
     differs = []
     for r in results:

@@ -1,120 +1,27 @@
-"""The `kvstore` command line (click).
+"""The `kvstore` command line (click): the group, `warm`, and the commands registered on it.
 
-User errors exit non-zero with one line naming what was wrong.
+User errors exit non-zero with one line naming what was wrong. The group and the modules it
+imports stay light (no mlx, mlx-lm, transformers or numpy) so that `ls`, `stats` and `--help`
+start fast: a command imports what touches models or KV bytes when it runs.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import re
-import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 
 import click
 
 from kvstore import __version__
-from kvstore.errors import KVStoreError
-from kvstore.settings import ensure_home, resolve_home
+from kvstore.cli import admin, manifests, remote, transfer
+from kvstore.cli.options import (
+    home_option,
+    human_size,
+    open_store,
+    progress,
+    user_errors,
+    wait_option,
+)
 from kvstore.wire.daemon_client import connect_writer, warm_report
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(text)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 500M, 8G, 1048576)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
-
-
-def parse_json_object(text: str | None, option: str) -> dict | None:
-    """A JSON object given on the command line (e.g. --model-config), or None."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint=option)
-    return value
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-home_option = click.option(
-    "--home",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="KVSTORE_HOME",
-    callback=lambda _ctx, _param, value: resolve_home(value),
-    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
-)
-
-
-wait_option = click.option(
-    "--wait",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="How long to wait for a daemon that holds the store but does not answer (stopped, "
-    "busy starting); without an answer this exits 1 and writes nothing.",
-)
-
-
-def user_errors(f):
-    """Turn the project's own errors into one-line click errors (exit 1)."""
-
-    @functools.wraps(f)
-    def wrapper(*args, **kwargs):
-        try:
-            return f(*args, **kwargs)
-        except KVStoreError as e:
-            raise click.ClickException(str(e)) from None
-
-    return wrapper
-
-
-def _tty() -> bool:
-    return sys.stderr.isatty()
-
-
-def _progress(msg: str) -> None:
-    if _tty():
-        click.echo(msg, err=True)
-
-
-def open_store(home: Path, *, write: bool = False):
-    from kvstore.store.store import Store
-
-    if write:
-        ensure_home(home)
-    return Store(home, readonly=not write)
-
-
-def resolve_keys(store, texts: tuple[str, ...]) -> list[bytes]:
-    """Full keys, unique prefixes of them, or unique prefixes of the prefix-hash half (what `ls`
-    shows: the first half of every key of one model is the same fingerprint)."""
-    all_keys = [k.hex() for k in store.keys()]
-    out = []
-    for t in texts:
-        t = t.lower()
-        if not re.fullmatch(r"[0-9a-f]+", t):
-            raise click.ClickException(f"key {t!r} is not hex")
-        hits = [k for k in all_keys if k.startswith(t) or k[32:].startswith(t)]
-        if len(hits) != 1:
-            what = "no entry" if not hits else f"{len(hits)} entries"
-            raise click.ClickException(f"key {t!r} matches {what}; give more hex digits")
-        out.append(bytes.fromhex(hits[0]))
-    return out
 
 
 class _PluginGroup(click.Group):
@@ -123,6 +30,8 @@ class _PluginGroup(click.Group):
 
     @staticmethod
     def _plugins() -> dict:
+        from importlib.metadata import entry_points  # ~25 ms: only when a plugin is looked up
+
         return {ep.name: ep for ep in entry_points(group="kvstore.commands")}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -175,14 +84,17 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     m = load_manifest(manifest)
     client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
-        _progress(f"warming through the daemon for {home}; its log shows the progress")
+        progress(f"warming through the daemon for {home}; its log shows the progress")
         with client:
             report = warm_report(client.warm(m.path))
     else:
-        from kvstore.cli.remote import local_fleet
+        from kvstore.fleet.tier import warm_tier
 
-        with open_store(home, write=True) as store, local_fleet(home, store) as fetch:
-            report = do_warm(m, store, home=home, progress=_progress, fetch=fetch)
+        def warn(msg: str) -> None:
+            click.echo(f"warning: {msg}", err=True)
+
+        with open_store(home, write=True) as store, warm_tier(home, store, warn=warn) as fetch:
+            report = do_warm(m, store, home=home, progress=progress, fetch=fetch)
             if fetch is not None:
                 fetch.record(report)
     for p in report.purged:
@@ -218,11 +130,19 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
 
 
-# The commands live by responsibility; importing them registers them on `main`.
-from kvstore.cli import admin, manifests, remote, transfer  # noqa: E402, F401
+# The commands live by responsibility, each module's on the group here.
+for command in (
+    admin.ls_cmd,
+    admin.evict,
+    admin.stats,
+    admin.verify,
+    manifests.manifests,
+    remote.remote_group,
+    transfer.export_cmd,
+    transfer.import_cmd,
+    transfer.fingerprint,
+):
+    main.add_command(command)
 
-# `python -m kvstore.cli.main`: run the module's group, the one the commands registered on.
 if __name__ == "__main__":
-    from kvstore.cli.main import main as registered
-
-    registered()
+    main()

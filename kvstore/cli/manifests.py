@@ -10,13 +10,13 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.main import home_option, main, user_errors
+from kvstore.cli.options import home_option, user_errors
 from kvstore.errors import counted
 from kvstore.pins.registry import canonical, registered, unregister
 from kvstore.wire.daemon_client import connect, connect_writer
 
 
-@main.group(invoke_without_command=True)
+@click.group(invoke_without_command=True)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per manifest, as a list.")
 @home_option
 @click.pass_context

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-from kvstore.cli.main import home_option, human_size, main, open_store, user_errors
-from kvstore.errors import KVStoreError, RemoteError, counted
+from kvstore.cli.options import home_option, human_size, open_store, user_errors
+from kvstore.errors import RemoteError, counted
 from kvstore.fleet.settings import REMOTE_SAMPLE
 from kvstore.store.entry import FINGERPRINT_BYTES
 from kvstore.wire.daemon_client import connect_writer
@@ -61,36 +59,6 @@ def _remote(home: Path):
     return Remote(_settings(home))
 
 
-@contextmanager
-def local_fleet(home: Path, store) -> Iterator[object]:
-    """For a warm without a daemon: commits queued for upload, and the read-through fetcher
-    (None when there is no [remote] table, or when it is unusable: then one line says why)."""
-    from kvstore.fleet.fetch import WarmFetcher
-    from kvstore.fleet.objects import Remote
-    from kvstore.fleet.queue import UploadQueue, enqueue_on_commit
-    from kvstore.store.ledger import Ledger
-
-    try:
-        rs = _settings(home)
-        remote = Remote(rs)
-    except click.ClickException:
-        yield None
-        return
-    except KVStoreError as e:
-        click.echo(f"warning: remote: {e}; warming local-only", err=True)
-        yield None
-        return
-    queue = UploadQueue(home)
-    hooked = enqueue_on_commit(store, home) if rs.upload else None
-    try:
-        yield WarmFetcher(remote, queue, ledger=Ledger(home)) if rs.download else None
-    finally:
-        if hooked is not None:
-            store.on_commit.pop()
-            hooked.close()
-        queue.close()
-
-
 def _plans(home: Path, manifest: Path | None, model: str | None, store):
     """The manifest's model plans (fingerprint and rendered pins), only `model`'s if given."""
     from kvstore.pins.manifest import load_manifest
@@ -126,7 +94,7 @@ It needs a [remote] table (all its keys: README, Fleet), at least:
 {REMOTE_SAMPLE}"""
 
 
-@main.group(name="remote", help=_REMOTE_HELP)
+@click.group(name="remote", help=_REMOTE_HELP)
 def remote_group() -> None:
     pass
 

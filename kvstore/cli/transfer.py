@@ -8,10 +8,9 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.main import (
+from kvstore.cli.options import (
     home_option,
     human_size,
-    main,
     open_store,
     parse_json_object,
     resolve_keys,
@@ -20,7 +19,7 @@ from kvstore.cli.main import (
 from kvstore.wire.daemon_client import DaemonWriter, connect_writer
 
 
-@main.command(name="export")
+@click.command(name="export")
 @click.argument("key")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @home_option
@@ -35,7 +34,7 @@ def export_cmd(key: str, file: Path, home: Path) -> None:
     click.echo(f"wrote {file} ({meta.ntokens} tokens of {meta.model}, {human_size(meta.nbytes)})")
 
 
-@main.command(name="import")
+@click.command(name="import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--model", required=True, help="Model path the cache was made with.")
 @click.option(
@@ -100,7 +99,7 @@ def import_cmd(
     )
 
 
-@main.command()
+@click.command()
 @click.argument("model_path")
 @click.option("--adapter", default=None)
 @click.option("--kv-bits", type=int, default=None)

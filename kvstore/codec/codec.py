@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlc
 
-from kvstore.codec import cache_api, materialize
+from kvstore.codec import CODEC_VERSION, cache_api, materialize
 from kvstore.codec.cache_state import (
     ALLOWED_CLASSES,
     CacheStateDecoder,
@@ -42,7 +42,6 @@ from kvstore.errors import ChecksumError, CodecError
 
 __all__ = ["CODEC_VERSION", "MAX_HEADER_BYTES", "cache_classes", "cache_tokens", "decode", "encode"]
 
-CODEC_VERSION: int = 1
 
 _CODE_OF = {mdt: code for code, (_, mdt) in _DTYPES.items()}
 

@@ -23,7 +23,8 @@ from kvstore.store.ownership import APP, PINNED_BEFORE, owners
 if TYPE_CHECKING:
     from kvstore.store.entry import EntryMeta
     from kvstore.store.ledger import Ledger
-    from kvstore.warm.warm import ModelPlan, PlannedPin, WarmReport
+    from kvstore.warm.plan import ModelPlan, PlannedPin
+    from kvstore.warm.warm import WarmReport
 
 log = logging.getLogger("kvstore")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgpack
 import xxhash
 
-from kvstore.codec.codec import CODEC_VERSION
+from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ModelError
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
 from kvstore.identity.model import ModelIdentity

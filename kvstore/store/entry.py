@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import xxhash
 
 from kvstore.errors import CorruptEntryError
@@ -36,12 +35,16 @@ KEY_BYTES = 32
 def pack_tokens(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32: compact in meta and compared in one memcmp."""
     try:
+        import numpy as np  # here, not at the top: `kvstore ls` and `stats` start without numpy
+
         return np.asarray(tokens, dtype="<u4").tobytes()
     except (OverflowError, ValueError, TypeError):
         raise ValueError("token ids must be integers in 0 .. 2**32-1") from None
 
 
 def unpack_tokens(data: bytes) -> list[int]:
+    import numpy as np
+
     return np.frombuffer(data, dtype="<u4").tolist()
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import lmdb
 
+from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
 from kvstore.settings import DEFAULTS, STORE_DIR
 from kvstore.store.entry import (
@@ -266,7 +267,6 @@ class Store:
         `locate` records where the model resolves in this process (see model_location); the
         daemon passes False for a client's put, which DaemonClient.put located in the client's
         own cwd and environment: resolving a relative path or hub id here could find another."""
-        from kvstore.codec.codec import CODEC_VERSION  # mlx: only where an entry is stored
 
         if len(key) != KEY_BYTES:
             raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")

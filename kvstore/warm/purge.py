@@ -4,14 +4,11 @@ its ownership goes when other owners keep the entry)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.store.ownership import manifest_owner, owners, released
 from kvstore.store.store import Store
-
-if TYPE_CHECKING:
-    from kvstore.warm.warm import ModelPlan
+from kvstore.warm.plan import ModelPlan
 
 
 @dataclass

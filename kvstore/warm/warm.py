@@ -27,42 +27,22 @@ from kvstore.errors import (
 from kvstore.identity.codehash import runtime_versions
 from kvstore.identity.fingerprint import (
     FileHashCache,
-    Fingerprint,
     describe_cache,
     model_fingerprint,
     resolve_model_path,
     template_hash,
 )
 from kvstore.pins.clock import local_now
-from kvstore.pins.manifest import Manifest, ModelSpec, PrefixSpec
-from kvstore.pins.render import RenderedPin, pin_extra, render_prefix
+from kvstore.pins.manifest import Manifest, ModelSpec
+from kvstore.pins.render import pin_extra, render_prefix
 from kvstore.settings import FILEHASH_NAME
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
+from kvstore.warm.plan import ModelPlan, PlannedPin
 from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
 log = logging.getLogger("kvstore")
-
-
-@dataclass
-class PlannedPin:
-    model: ModelSpec
-    pin: RenderedPin
-    key: bytes
-    present: bool
-    prefix: PrefixSpec | None = None
-
-
-@dataclass
-class ModelPlan:
-    spec: ModelSpec
-    model_dir: Path
-    fingerprint: Fingerprint
-    template_hash: bytes
-    pins: list[PlannedPin] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (pin name, why): this pin only
-    day: dt.date | None = None  # the local date the pins were rendered for
 
 
 @dataclass

@@ -19,7 +19,7 @@ import xxhash
 
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.settings import LOCK_NAME, SOCKET_NAME, resolve_home
-from kvstore.store.entry import EntryMeta, blob_checksum, with_model_location
+from kvstore.store.entry import EntryMeta, blob_checksum
 from kvstore.wire import protocol
 
 # sun_path holds 104 bytes on macOS and the BSDs, 108 on Linux, NUL terminator included.
@@ -141,6 +141,9 @@ class DaemonClient:
         """Store an entry through the daemon; blobs over one chunk stream in CHUNK_BYTES frames.
         The model is located here, in the putting process's cwd and environment (the daemon's
         may resolve a relative path or hub id to something else, or not at all)."""
+        # the store's write path, imported by a put only: `kvstore ls`/`stats` start without it
+        from kvstore.store.store import with_model_location
+
         fields = with_model_location(fields)
         args = {"key": key, "fields": fields, "nbytes": len(blob), "checksum": blob_checksum(blob)}
         view = memoryview(blob)

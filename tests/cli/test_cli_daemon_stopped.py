@@ -49,7 +49,7 @@ def test_a_stopped_daemon_is_named_and_nothing_is_written_beside_it(llama_path, 
 
             # --wait: the command waits for the daemon, and the daemon does the write
             waiting = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.cli.main", "evict", "--all", "--wait", "60",
+                [sys.executable, "-m", "kvstore", "evict", "--all", "--wait", "60",
                  "--home", str(home)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip

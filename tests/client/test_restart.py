@@ -50,7 +50,7 @@ def test_prefill_survives_restart(hybrid_path, kv_home, tmp_path):
         [
             sys.executable,
             "-m",
-            "kvstore.cli.main",
+            "kvstore",
             "warm",
             "--manifest",
             str(manifest),

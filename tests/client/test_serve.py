@@ -257,7 +257,7 @@ def test_server_shape_check_names_what_changed(tmp_path):
 
     from mlx_lm import server
 
-    from kvstore.client.serve.command import ServeError, check_server_shape, patched_server
+    from kvstore.client.serve.hooks import ServeError, check_server_shape, patched_server
 
     check_server_shape(server)  # the installed mlx-lm is the one we hook
     with pytest.raises(ServeError, match="mlx_lm.server.run is missing"):
@@ -275,7 +275,7 @@ def test_server_cache_keeps_pins_of_the_loaded_model_only(tmp_path):
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from kvstore.client.serve.command import patched_server
+    from kvstore.client.serve.hooks import patched_server
 
     def kv(n: int) -> list:
         c = KVCache()

@@ -110,7 +110,7 @@ def test_restart_reuses_pins_without_loading_the_model(tmp_path, llama_path):
 def test_second_daemon_is_refused_and_the_first_keeps_serving(shared):
     t = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli.main", "daemon", "--home", str(shared.home)],
+        [sys.executable, "-m", "kvstore", "daemon", "--home", str(shared.home)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0  # daemon/exits.py: a supervisor must not restart it
@@ -573,7 +573,7 @@ def test_evict_to_size_zero_evicts_every_unpinned_entry(shared, make_entry):
 
 
 def test_receive_stream_fills_one_buffer():
-    from kvstore.daemon.server import Connection
+    from kvstore.daemon.connection import Connection
 
     a, b = socket.socketpair()
     try:

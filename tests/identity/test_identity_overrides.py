@@ -114,7 +114,7 @@ def test_serve_gives_model_config_to_the_served_models_load_only(llama_path, kv_
 
     from mlx_lm import server
 
-    from kvstore.client.serve.command import patched_server
+    from kvstore.client.serve.hooks import patched_server
 
     seen = []
 

@@ -21,7 +21,8 @@ from kvstore.daemon.canary import check_at_boot
 from kvstore.identity.codehash import installed_versions, runtime_versions
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.canary import RUNTIME_NAME, kv_difference, stored_versions
+from kvstore.warm.canary import RUNTIME_NAME, stored_versions
+from kvstore.warm.kvdiff import kv_difference
 from kvstore.warm.prefill import prefill
 from kvstore.warm.warm import warm
 

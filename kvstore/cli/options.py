@@ -1,0 +1,115 @@
+"""What the `kvstore` commands share: the --home and --wait options, sizes and JSON arguments,
+the store opened read-only or for writing, key prefixes resolved, project errors as one line.
+
+The daemon's and client's commands import it too, so it stays light: click and the settings only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from kvstore.errors import KVStoreError
+from kvstore.settings import ensure_home, resolve_home
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 500M, 8G, 1048576)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def parse_json_object(text: str | None, option: str) -> dict | None:
+    """A JSON object given on the command line (e.g. --model-config), or None."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint=option)
+    return value
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+home_option = click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="KVSTORE_HOME",
+    callback=lambda _ctx, _param, value: resolve_home(value),
+    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
+
+
+wait_option = click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for a daemon that holds the store but does not answer (stopped, "
+    "busy starting); without an answer this exits 1 and writes nothing.",
+)
+
+
+def user_errors(f):
+    """Turn the project's own errors into one-line click errors (exit 1)."""
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except KVStoreError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+def tty() -> bool:
+    return sys.stderr.isatty()
+
+
+def progress(msg: str) -> None:
+    if tty():
+        click.echo(msg, err=True)
+
+
+def open_store(home: Path, *, write: bool = False):
+    from kvstore.store.store import Store
+
+    if write:
+        ensure_home(home)
+    return Store(home, readonly=not write)
+
+
+def resolve_keys(store, texts: tuple[str, ...]) -> list[bytes]:
+    """Full keys, unique prefixes of them, or unique prefixes of the prefix-hash half (what `ls`
+    shows: the first half of every key of one model is the same fingerprint)."""
+    all_keys = [k.hex() for k in store.keys()]
+    out = []
+    for t in texts:
+        t = t.lower()
+        if not re.fullmatch(r"[0-9a-f]+", t):
+            raise click.ClickException(f"key {t!r} is not hex")
+        hits = [k for k in all_keys if k.startswith(t) or k[32:].startswith(t)]
+        if len(hits) != 1:
+            what = "no entry" if not hits else f"{len(hits)} entries"
+            raise click.ClickException(f"key {t!r} matches {what}; give more hex digits")
+        out.append(bytes.fromhex(hits[0]))
+    return out

@@ -74,6 +74,11 @@ class WriteBehind:
             return False
         return True
 
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished yet."""
+        return self._pending
+
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Wait until every submitted job has finished; False if `timeout` ran out first."""
         deadline = time.monotonic() + timeout

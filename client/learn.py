@@ -191,32 +191,27 @@ class ColdTier:
 
     def _from_records(self, target: LearnTarget, tokens: Sequence[int], served: int):
         from kvstore.codec.blocks import assemble
-        from kvstore.store.keys import unpack_tokens
 
-        metas = self._blocks.lookup(target.fingerprint, tokens)
-        if not metas:
-            return None
-        last = metas[-1]
-        stored = unpack_tokens(last.tokens)
-        want = tokens[last.start : last.end]
-        common = 0
-        for a, b in zip(stored, want):
-            if a != b:
-                break
-            common += 1
-        n = min(last.start + common, len(tokens) - 1)
+        chain = self._blocks.lookup(target.fingerprint, tokens)
+        n = min(self._blocks.served(chain, tokens), len(tokens) - 1)
         if n - served < RESTORE_MIN_GAIN:
             return None
-        metas = [m for m in metas if m.start < n]
-        blobs = self._blocks.read_blobs(metas)
-        cache = assemble(blobs, metas, n, target.template())
-        with_touch = getattr(self._blocks, "touch", None)
-        if with_touch is not None:
-            try:
-                with_touch([m.key for m in metas])
-            except Exception as e:  # read-only handle or a busy writer: hits are hints
-                log.debug("kvstore: not touching records: %s", e)
-        return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(metas)} records")
+        chain = [m for m in chain if m.start < n]
+        blobs = self._blocks.read_blobs(chain)
+        if len(blobs) < len(chain):  # a corrupt or vanished record: serve the ones before it
+            log.warning(
+                "kvstore: learned record at tokens %d-%d of %s is unreadable; serving the %d "
+                "before it", chain[len(blobs)].start, chain[len(blobs)].end, target.model,
+                chain[len(blobs)].start,
+            )  # fmt: skip
+            chain = chain[: len(blobs)]
+            if not chain:
+                return None
+            n = chain[-1].end
+            if n - served < RESTORE_MIN_GAIN:
+                return None
+        cache = assemble(blobs, chain, n, target.template())
+        return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records")
 
     def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
         now = time.monotonic()

@@ -417,7 +417,7 @@ class Learner:
                 extra=target.extra,
             )
             self.records_sent += int(reply.get("stored", len(batch)))
-            metrics.STORE_WRITTEN_BYTES.labels(kind="learned").inc(int(reply.get("bytes", 0)))
+            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(reply.get("bytes", 0)))
 
         for start, end in want:
             if end > len(prompt):
@@ -452,7 +452,7 @@ class Learner:
         )
         client.put(entry_key(target.fingerprint, prefix), blob, fields)
         self.snapshots_sent += 1
-        metrics.STORE_WRITTEN_BYTES.labels(kind="learned").inc(len(blob))
+        metrics.WRITTEN_BYTES.labels(kind="learned").inc(len(blob))
 
     # -- shutdown -------------------------------------------------------------------------------
 

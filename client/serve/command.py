@@ -104,9 +104,10 @@ def _drain(hooks) -> None:
             time.monotonic() - t0, pending, abandoned,
             learner.reported, learner.records_sent, learner.snapshots_sent,
         )  # fmt: skip
-        learner.close(timeout=1.0)
-    if hooks.persister is not None:
-        hooks.persister.writer.close(timeout)
+        learner.cold.close()
+    if hooks.persister is not None or learner is not None:
+        writer = hooks.persister.writer if hooks.persister is not None else learner.writer
+        writer.close(timeout)
 
 
 @click.command(

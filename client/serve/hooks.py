@@ -38,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.client.hydrate import Prefetched, insert, prefetch
-from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.persist import SystemPromptPersister
+from kvstore.client.writebehind import WriteBehind
 from kvstore.errors import KVStoreError, counted
 from kvstore.store.entry import DEFAULT_QUANTIZED_KV_START
 
@@ -108,9 +109,11 @@ class _Hooks:
         self.home = home
         self.model_config = model_config
         self.cache: Any = None
-        self.learner = Learner(home) if learn else None
+        # one queue and one connection to the daemon for learned prefixes and system prompts
+        writer = WriteBehind(home, maxsize=LEARN_QUEUE) if learn or persist else None
+        self.learner = Learner(home, writer=writer) if learn else None
         self.ready = False  # /health answers 503 until the model is loaded, hydrated and warm
-        self.persister = SystemPromptPersister(home) if persist else None
+        self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
 

@@ -173,6 +173,7 @@ class Learning:
             log.info("put_blocks %r of %s: %d records, %d bytes written", label, model,
                      len(rows), written)  # fmt: skip
             self.upkeep.enforce_budget()  # type: ignore[attr-defined]
+            self.learned_stats(self.store.metas(errors=[]))  # type: ignore[attr-defined]  # gauges
             return written
 
         written = self.write("put_blocks", job)  # type: ignore[attr-defined]

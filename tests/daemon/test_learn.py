@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import urllib.request
-from pathlib import Path
 
 import mlx.core as mx
 import pytest

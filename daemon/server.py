@@ -22,6 +22,7 @@ from typing import Any
 from kvstore.daemon import exits
 from kvstore.daemon.commands import Commands
 from kvstore.daemon.daywatch import DayWatch
+from kvstore.daemon.learn import Learning
 from kvstore.daemon.lifecycle import (
     check_peer,
     cred_layout,
@@ -94,7 +95,7 @@ class Connection:
             protocol.send(self.sock, protocol.error(str(e)), max_bytes=self.max_bytes)
 
 
-class Daemon(Commands):
+class Daemon(Commands, Learning):
     def __init__(
         self,
         home: Path,
@@ -105,8 +106,10 @@ class Daemon(Commands):
         listener: socket.socket,
         socket_path: Path,
         fixed_manifests: tuple[Path, ...] = (),
+        metrics_port: int | None = None,
     ):
         self.home = home
+        self.metrics_port = metrics_port
         self.store = store
         self.settings = settings
         self.manifests = manifests
@@ -123,6 +126,7 @@ class Daemon(Commands):
         # Clock-bound pins (a template that prints the date) are re-warmed across midnight.
         self.daywatch = DayWatch(self.upkeep, lambda: list(self.manifests), self.writer.submit)
         self.ledger = Ledger(home)
+        self.init_learning()
         self.watcher: Any = None
         self._watcher_lock = threading.Lock()
         self._layout = cred_layout()
@@ -219,6 +223,7 @@ class Daemon(Commands):
             ", ".join(map(str, self.manifests)) or "none",
             rss_bytes() / 2**20,
         )
+        self.start_metrics(self.metrics_port)
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
@@ -233,6 +238,7 @@ class Daemon(Commands):
         finally:
             self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
             acceptor.join()
+            self.stop_metrics()
             self._shutdown()
         return exits.INTERNAL if self.stop_reason == "error" else exits.OK
 
@@ -408,8 +414,8 @@ def setup_logging(level: str = "INFO") -> None:
     setup(level)
 
 
-def run(home: Path, *, manifest: Path | None = None) -> int:
+def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = None) -> int:
     """Run the daemon for `home` (daemon/boot.py); its exit status."""
     from kvstore.daemon.boot import run as boot_run
 
-    return boot_run(home, manifest=manifest)
+    return boot_run(home, manifest=manifest, metrics_port=metrics_port)

@@ -79,7 +79,9 @@ class BlockMeta:
         except CorruptEntryError:
             raise
         except Exception as e:
-            raise CorruptEntryError(key, f"unreadable record meta ({type(e).__name__}: {e})") from None
+            raise CorruptEntryError(
+                key, f"unreadable record meta ({type(e).__name__}: {e})"
+            ) from None
         if len(meta.tokens) != 4 * (meta.end - meta.start) or not 0 <= meta.start < meta.end:
             raise CorruptEntryError(key, "record meta does not match its token count")
         return meta
@@ -205,7 +207,10 @@ class BlockStore:
         """How far `tokens` is covered by a chain of whole stored records (0 if none)."""
         n = len(packed(tokens)) // 4
         chain = self.lookup(fingerprint, tokens)
-        if chain and (chain[-1].end > n or chain[-1].tokens != packed(tokens)[4 * chain[-1].start : 4 * chain[-1].end]):
+        if chain and (
+            chain[-1].end > n
+            or chain[-1].tokens != packed(tokens)[4 * chain[-1].start : 4 * chain[-1].end]
+        ):
             chain = chain[:-1]
         return chain[-1].end if chain else 0
 
@@ -334,7 +339,11 @@ class BlockStore:
             written = 0
             for start, end, blob, classes, parent, key in rows:
                 old = self._get_meta(txn, key)
-                if old is not None and old.start == start and old.tokens == data[4 * start : 4 * end]:
+                if (
+                    old is not None
+                    and old.start == start
+                    and old.tokens == data[4 * start : 4 * end]
+                ):
                     continue
                 if old is not None:  # unreadable or a collision: replaced
                     self._add(txn, LEARNED_BYTES, -old.nbytes)
@@ -446,3 +455,31 @@ class BlockStore:
             return freed
 
         return self.store._write(fn)
+
+
+def learned_summary(
+    blocks: BlockStore, metas: list, settings: dict[str, Any], paused: str | None = None
+) -> dict[str, Any]:
+    """What `kvstore stats` shows of learned data: records, bytes against the learned budget,
+    today's writes against the daily budget, whether learning is paused, and the learned
+    whole-cache entries of state layouts (snapshots: entries with extra.learned)."""
+    s = blocks.stats()
+    snaps = [m for m in metas if is_snapshot(m)]
+    return {
+        "records": s["records"],
+        "chains": s["chains"],
+        "bytes": s["bytes"],
+        "budget": int(settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"])),
+        "written_today": s["written_today"],
+        "write_budget": int(
+            settings.get("learn_write_bytes_per_day", DEFAULTS["learn_write_bytes_per_day"])
+        ),
+        "paused": paused,
+        "snapshots": len(snaps),
+        "snapshot_bytes": sum(m.nbytes for m in snaps),
+    }
+
+
+def is_snapshot(meta: Any) -> bool:
+    """A learned whole-cache entry (a state layout's boundary): unpinned, extra.learned."""
+    return not meta.pinned and meta.extra.get("learned") is True

@@ -254,6 +254,7 @@ class Learner:
         self._lock = threading.Lock()
         self._paused_said = False
         self._unsupported = False
+        self._stream: Any = None  # the worker thread's mlx stream
         self.reported = 0  # learn requests the daemon answered
         self.records_sent = 0
         self.snapshots_sent = 0
@@ -342,6 +343,11 @@ class Learner:
         target = self.targets.get(model)
         if prompt is None or target is None or len(prompt) < 2:
             return
+        import mlx.core as mx
+
+        # Normally a no-op; a lazy graph (the batched path's extracted caches) must be evaluated
+        # on this thread's stream: the worker has no access to it.
+        mx.eval([c.state for c in cache])
         job = Job(
             f"learn report ({len(prompt)} tokens)",
             lambda c: self._learn(c, model, target, prompt, cache),
@@ -419,10 +425,15 @@ class Learner:
             self.records_sent += int(reply.get("stored", len(batch)))
             metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(reply.get("bytes", 0)))
 
+        import mlx.core as mx
+
+        if self._stream is None:  # the worker's own stream (mlx streams belong to a thread)
+            self._stream = mx.new_stream(mx.default_device())
         for start, end in want:
             if end > len(prompt):
                 continue
-            blob = slice_record(cache, start, end)
+            with mx.stream(self._stream):
+                blob = slice_record(cache, start, end)
             if batch and size + len(blob) > FRAME_BYTES:
                 send()
                 batch, size = [], 0

@@ -119,7 +119,7 @@ def _answer(reply: dict) -> str:
 
 def _shared_tokens(model: Path, a: str, b: str) -> int:
     """Tokens the chat prompts of users `a` and `b` (same system prompt) share."""
-    from mlx_lm.tokenizer_utils import load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
 

@@ -18,6 +18,12 @@ of `serve()` by thin subclasses:
 With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
 re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.boundary).
 
+Unless --no-learn, the prompt cache carries a Learner (kvstore.client.learn): prompts are
+reported to the daemon, which learns the prefixes that recur, and a memory miss the store can
+serve is restored from it. `_run_http_server` gets a handler subclass that answers `GET /metrics`
+and keeps `/health` at 503 until the model is loaded, hydrated and warmed up (one throwaway
+forward pass, so the first request does not pay the fresh process's first kernels).
+
 Both generation paths then see the entries: the batched path and `_serve_single` both call
 `prompt_cache.fetch_nearest_cache(model_provider.model_key, prompt)`, and `cached_tokens` is
 `len(prompt) - len(rest)` of that call. `check_server_shape` verifies these assumptions up front.

@@ -157,3 +157,38 @@ def test_a_state_layout_splits_its_prefill_at_a_learned_boundary(hybrid, learner
     # the boundary's state is in memory now: the next request crossing it is served from it
     _, rest2 = lru.fetch_nearest_cache(KEY, tokens[:p] + [1, 2, 3])
     assert rest2 == [1, 2, 3]
+
+
+def test_persistent_prompt_cache_learns_with_a_real_daemon(llama_path, kv_home, tmp_path):
+    """PersistentPromptCache(learn=True): two calls sharing a system prompt are learned and
+    acknowledged; a new cache object (a restarted app, nothing hydrated: no pins) is served
+    the shared prefix from the store on its first call."""
+    from helpers import Proc, serving
+    from mlx_lm import load
+
+    from kvstore.client import PersistentPromptCache, generate
+
+    model, tok = load(str(llama_path))
+    system = "You are a careful assistant for a hardware shop. " * 30
+
+    def prompt(user: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True)
+
+    a, b, c = prompt("Do you sell hammers?"), prompt("When do you open?"), prompt("Any nails?")
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        with PersistentPromptCache(model, tok, llama_path, home=kv_home, learn=True) as first:
+            generate(first, model, tok, a, max_tokens=2)
+            generate(first, model, tok, b, max_tokens=2)
+            assert first.flush(10.0)
+            assert first.learner.reported == 2 and first.learner.records_sent > 0
+        assert d.request("stats")["learned"]["records"] > 0
+        with PersistentPromptCache(model, tok, llama_path, home=kv_home, learn=True) as second:
+            assert second.report.entries == 0  # nothing pinned: only learned records
+            generate(second, model, tok, c, max_tokens=2)
+            assert second.stats.calls[-1].cached_tokens >= shared
+    with PersistentPromptCache(model, tok, llama_path, home=kv_home) as off:  # learn=False
+        assert off.learner is None
+        generate(off, model, tok, c, max_tokens=2)
+        assert off.stats.calls[-1].cached_tokens == 0

@@ -117,17 +117,17 @@ def _answer(reply: dict) -> str:
     return reply["choices"][0]["message"]["content"]
 
 
-def _shared_tokens(model: Path, a: str, b: str) -> int:
-    """Tokens the chat prompts of users `a` and `b` (same system prompt) share."""
+def _shared_tokens(model: Path, a: str, b: str, system_b: str = SYSTEM) -> int:
+    """Tokens the chat prompts of users `a` (SYSTEM) and `b` (`system_b`) share."""
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(model)
 
-    def ids(user: str) -> list[int]:
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    def ids(user: str, system: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         return tok.apply_chat_template(msgs, add_generation_prompt=True)
 
-    x, y = ids(a), ids(b)
+    x, y = ids(a, SYSTEM), ids(b, system_b)
     n = 0
     while n < min(len(x), len(y)) and x[n] == y[n]:
         n += 1
@@ -200,7 +200,9 @@ def test_sigterm_drains_and_a_diverging_request_answers_as_a_cold_server(
     try:
         s.wait_ready()
         warm = s.chat("My card was charged twice.", system=changed)
-        assert 0 < _cached(warm) < shared, log.read_text()
+        divergence = _shared_tokens(llama_path, "x", "My card was charged twice.", changed)
+        assert 0 < divergence < shared
+        assert _cached(warm) == divergence, log.read_text()  # served up to it, not a token less
     finally:
         s.stop()
     cold = Serve(tmp_path / "cold-home", llama_path, tmp_path / "cold.log", "--no-learn")

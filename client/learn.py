@@ -255,6 +255,8 @@ class Learner:
         self._paused_said = False
         self._unsupported = False
         self._stream: Any = None  # the worker thread's mlx stream
+        # state layouts: recent inserts that were not a request's end (system segments)
+        self._segments: deque[tuple[Any, tuple[int, ...], list]] = deque(maxlen=PENDING_PROMPTS)
         self.reported = 0  # learn requests the daemon answered
         self.records_sent = 0
         self.snapshots_sent = 0
@@ -329,9 +331,18 @@ class Learner:
         return cache, list(tokens[p:])
 
     def inserted(self, model: Any, tokens: Sequence[int], cache: list) -> None:
-        """The end of a request (mlx-lm inserts prompt + generated): report its prompt."""
+        """The end of a request (mlx-lm inserts prompt + generated): report its prompt. Other
+        inserts of a state layout (the batched path's system segment) are kept a while: one at a
+        boundary the daemon asks for is that boundary's snapshot, with no split needed."""
         if not self._pending:
             return
+        target = self.targets.get(model)
+        if target is not None and not target.is_sliceable():
+            if not any(m == model and p == list(tokens[: len(p)]) for m, p in self._pending
+                       if len(p) <= len(tokens)):  # fmt: skip
+                with self._lock:
+                    self._segments.append((model, tuple(tokens), cache))
+                return
         prompt = None
         for i in range(len(self._pending) - 1, -1, -1):
             m, p = self._pending[i]
@@ -395,11 +406,19 @@ class Learner:
         at = [int(p) for p in reply.get("snapshot_at") or [] if 0 < int(p) <= len(prompt)]
         if at:
             with self._lock:
+                held = {(m, t): c for m, t, c in self._segments}
                 bounds = self._boundaries.setdefault(model, OrderedDict())
+                ready = []
                 for p in at:
-                    bounds[p] = tuple(prompt[:p])
+                    prefix = tuple(prompt[:p])
+                    if (model, prefix) in held:  # in memory already: send it, no split
+                        ready.append((list(prefix), held[(model, prefix)]))
+                    else:
+                        bounds[p] = prefix
                 while len(bounds) > BOUNDARIES:
                     bounds.popitem(last=False)
+            for prefix, segment in ready:
+                self._send_snapshot(client, target, prefix, segment)
         want = [(int(s), int(e)) for s, e in reply.get("want") or []]
         if want and sliceable:
             self._send_records(client, target, prompt, cache, want)
@@ -427,12 +446,10 @@ class Learner:
 
         import mlx.core as mx
 
-        if self._stream is None:  # the worker's own stream (mlx streams belong to a thread)
-            self._stream = mx.new_stream(mx.default_device())
         for start, end in want:
             if end > len(prompt):
                 continue
-            with mx.stream(self._stream):
+            with mx.stream(self._worker_stream()):
                 blob = slice_record(cache, start, end)
             if batch and size + len(blob) > FRAME_BYTES:
                 send()
@@ -442,7 +459,17 @@ class Learner:
         if batch:
             send()
 
+    def _worker_stream(self) -> Any:
+        """The worker's own mlx stream: streams belong to the thread that made them."""
+        import mlx.core as mx
+
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        return self._stream
+
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list) -> None:
+        import mlx.core as mx
+
         from kvstore.codec import codec
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
         from kvstore.store.keys import entry_key, pack_tokens
@@ -451,7 +478,8 @@ class Learner:
             return
         if target.template_hash is None:
             target.template_hash = template_hash(resolve_model_path(target.model))
-        blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
+        with mx.stream(self._worker_stream()):
+            blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
         fields = dict(
             tokens=pack_tokens(prefix),
             label="learned",

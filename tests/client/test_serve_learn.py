@@ -233,3 +233,30 @@ def test_health_waits_for_the_warm_up_and_no_learn_reports_nothing(
         s.stop()
     learned = daemon.request("stats").get("learned") or {}
     assert not learned.get("records") and not learned.get("snapshots")
+
+
+def test_a_hybrid_model_learns_a_snapshot_at_the_shared_boundary(
+    hybrid_path, kv_home, tmp_path, daemon
+):
+    """qwen3_5 (state layers): the daemon asks for a snapshot at the shared boundary; the next
+    request crossing it splits its prefill there and sends it; a restarted server is served it."""
+    log = tmp_path / "serve.log"
+    shared = _shared_tokens(hybrid_path, "My invoice was charged twice.", "Where is my parcel?")
+    s = Serve(kv_home, hybrid_path, log)
+    try:
+        s.wait_ready()
+        s.chat("My invoice was charged twice.")
+        s.chat("Where is my parcel?")
+        time.sleep(1.0)  # the daemon's reply to that report names the boundary
+        s.chat("How do I reset my password?")  # crosses the boundary: split and sent
+        learned = _wait_learned(daemon)
+        assert learned.get("snapshots"), learned
+    finally:
+        assert s.stop() == 0, log.read_text()
+    s = Serve(kv_home, hybrid_path, log)
+    try:
+        s.wait_ready()
+        first = s.chat("Is the blue shirt in stock?")
+        assert _cached(first) >= 0.99 * shared, log.read_text()
+    finally:
+        s.stop()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore import metrics
 from kvstore.errors import KVStoreError
 from kvstore.learn import LearnPolicy, worth_storing
+from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot, learned_summary, today
 from kvstore.store.chain import chain_hashes, position_hash
 from kvstore.store.entry import EntryMeta
@@ -60,9 +61,12 @@ class Learning:
         self._paused: str | None = None
         self._metrics_server: Any = None
         self.policy = LearnPolicy(
-            min_requests=int(self.settings["learn_min_requests"]),  # type: ignore[attr-defined]
+            min_requests=int(self._setting("learn_min_requests")),  # type: ignore[attr-defined]
             block=self.blocks.block,
         )
+
+    def _setting(self, name: str) -> Any:
+        return self.settings.get(name, DEFAULTS[name])  # type: ignore[attr-defined]
 
     @property
     def blocks(self) -> BlockStore:
@@ -78,10 +82,9 @@ class Learning:
 
     def learn_paused(self) -> str | None:
         """Why learning is paused now (the daily write budget), or None; logged once a day."""
-        s = self.settings  # type: ignore[attr-defined]
         msg = self.policy.paused(
             written_today=self.blocks.written_today(),
-            write_budget=int(s["learn_write_bytes_per_day"]),
+            write_budget=int(self._setting("learn_write_bytes_per_day")),
         )
         self._note_paused(msg)
         return msg
@@ -111,7 +114,6 @@ class Learning:
         if not worth_storing(bpt and bpt * end, end, self._prefill_tps(model)):
             log.debug("learn: %d tokens of %s not worth storing (prefill is faster)", end, model)
             return reply
-        s = self.settings  # type: ignore[attr-defined]
         if sliceable:
             stored = min(self.blocks.stored_end(fp, data[: 4 * end]), end)
             if stored >= end:
@@ -120,7 +122,7 @@ class Learning:
                 written_today=0,
                 write_budget=1,
                 want_bytes=int(bpt * (end - stored)) if bpt else None,
-                learned_budget=int(s["learned_max_bytes"]),
+                learned_budget=int(self._setting("learned_max_bytes")),
             )
             if why:
                 self._note_paused(why)
@@ -188,7 +190,7 @@ class Learning:
             return
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(meta.nbytes)
         self.blocks.count_written(meta.nbytes)
-        cap = max(1, int(self.settings["max_snapshots_per_prefix"]))  # type: ignore[attr-defined]
+        cap = max(1, int(self._setting("max_snapshots_per_prefix")))  # type: ignore[attr-defined]
         same_chain = [
             m
             for m in self.store.metas(meta.fingerprint, errors=[])  # type: ignore[attr-defined]

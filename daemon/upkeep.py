@@ -31,6 +31,7 @@ from kvstore.identity.fingerprint import (
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
+from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store
@@ -125,7 +126,9 @@ class Upkeep:
         clock: Callable[[], dt.datetime] = local_now,
     ):
         self.store = store
-        self.blocks = BlockStore(store, block=int(settings["block_tokens"]))  # learned records
+        self.blocks = BlockStore(
+            store, block=int(settings.get("block_tokens", DEFAULTS["block_tokens"]))
+        )  # learned records
         self.clock = clock  # the local time pins render for (clock-bound pins); tests move it
         self.home = home
         self.settings = settings
@@ -410,7 +413,7 @@ class Upkeep:
 
     def _enforce_learned(self, metas: list) -> list[str]:
         """Learned data over learned_max_bytes: leaf records go first, then snapshots (LRU)."""
-        budget = int(self.settings["learned_max_bytes"])
+        budget = int(self.settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"]))
         snaps = sorted((m for m in metas if is_snapshot(m)), key=lambda m: m.last_used)
         snap_bytes = sum(m.nbytes for m in snaps)
         evicted = self._evict_records(max(0, budget - snap_bytes), "learned_max_bytes", budget)

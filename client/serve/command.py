@@ -10,6 +10,7 @@ main().
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -176,3 +177,10 @@ def serve_cmd(
         )
     except KVStoreError as e:
         raise click.ClickException(str(e)) from None
+    # Stopped and drained. mlx's teardown with mlx-lm's generation thread still alive can abort
+    # ("terminate called without an active exception", seen with the qwen3_5 layout, with or
+    # without learning): nothing is left to do, so leave without it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

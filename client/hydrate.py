@@ -187,8 +187,11 @@ def insert(prompt_cache, model_key: Any, pre: Prefetched) -> HydrateReport:
         log.warning("%s", report.warning)
         return report
     before = len(prompt_cache)
+    note_from_store = getattr(prompt_cache, "note_from_store", None)
     for meta, cache in pre.entries:
         prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
+        if note_from_store is not None:  # kvstore_prompt_tokens_total counts it as `store`
+            note_from_store(model_key, meta.token_ids())
         report.entries += 1
         report.tokens += meta.ntokens
         report.nbytes += meta.nbytes

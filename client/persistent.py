@@ -22,6 +22,7 @@ from typing import Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
+from kvstore.client.learn import Learner, LearnTarget, Provenance
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
@@ -57,6 +58,42 @@ class PinnedPromptCache(LRUPromptCache):
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Any, Any]] = {}  # -> (pin, entry)
+        self.provenance = Provenance()  # which prefixes in memory were read from the store
+        self.learner: Learner | None = None  # learning and the cold tier (kvstore.client.learn)
+        self._restoring = False  # inserting KV read from the store: not a request's end
+
+    def note_from_store(self, model: Any, tokens: Sequence[int]) -> None:
+        """The KV just inserted for `tokens` was read from the store (hydrate calls this)."""
+        self.provenance.note_store(model, tokens)
+
+    def insert_restored(
+        self, model: Any, tokens: list[int], cache: list, *, from_store: bool = True
+    ) -> None:
+        """Put KV the learner restored (or split off) into the LRU: no report, no persist."""
+        self._restoring = True
+        try:
+            self.insert_cache(model, tokens, cache, cache_type="system")
+        finally:
+            self._restoring = False
+        if from_store:
+            self.note_from_store(model, tokens)
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        """mlx-lm's fetch; then the store when it serves more (the cold tier), a split at a
+        learned boundary (state layouts), and the request's tokens counted by source."""
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        served = len(tokens) - len(rest)
+        restored = 0
+        learner = self.learner
+        if learner is not None:
+            hit = learner.restore(self, model, tokens, served)
+            if hit is not None:
+                cache, rest, restored = hit
+        self.provenance.count(model, tokens, served, restored)
+        if learner is not None:
+            learner.fetched(model, tokens)
+            cache, rest = learner.split(self, model, tokens, cache, rest)
+        return cache, rest
 
     def __len__(self) -> int:
         return len(self._lru) + len(self._pins)
@@ -97,6 +134,8 @@ class PinnedPromptCache(LRUPromptCache):
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         for t, entry in shadowed:
             self._trie.add(model, list(t), entry)
+        if self.learner is not None and not self._restoring:
+            self.learner.inserted(model, tokens, prompt_cache)
         return True
 
     def attach_pin(self, model: Any, tokens: Sequence[int], cache: list, pin: Any) -> None:
@@ -129,6 +168,10 @@ class PersistentPromptCache(PinnedPromptCache):
     store the files are checked again: KV is filed only under the fingerprint of the weights that
     computed it. Like `hydrate`, it never raises for a store problem or a wrong argument type:
     the report holds one warning and the cache works as a plain LRUPromptCache.
+
+    With `learn=True` prompts are reported to the daemon, which learns the prefixes that recur
+    (kept in the store as block records or learned entries), and a memory miss the store can
+    serve is restored from it instead of prefilled (kvstore.client.learn).
     """
 
     def __init__(
@@ -147,6 +190,7 @@ class PersistentPromptCache(PinnedPromptCache):
         max_size: int = 10,
         max_bytes: int = 1 << 63,
         persist_chains: bool = False,
+        learn: bool = False,
         stats: bool = True,
         verbose: bool | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -210,6 +254,33 @@ class PersistentPromptCache(PinnedPromptCache):
             self._hydrating = False
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
+        if learn and self.fingerprint is not None and self._writer is not None:
+            self._attach_learner()
+
+    def _attach_learner(self) -> None:
+        """Learn this process's recurring prefixes; restore from the store on a memory miss."""
+        from kvstore.identity.codehash import runtime_versions
+
+        self.learner = Learner(self.home, writer=self._writer)
+        self.learner.add_target(
+            self.model_key,
+            LearnTarget(
+                fingerprint=self.fingerprint,
+                model=self.model_path,
+                model_obj=self.model,
+                extra={
+                    "adapter": self.adapter_path,
+                    "kv_bits": self.kv_bits,
+                    "kv_group_size": self.kv_group_size,
+                    "quantized_kv_start": self.quantized_kv_start,
+                    "model_config": self.model_config,
+                    "owners": ["app"],
+                    "runtime": runtime_versions(),
+                },
+                kv_bits=self.kv_bits,
+                files_ok=self._files_hold_these_weights,
+            ),
+        )
 
     # -- LRUPromptCache, with pins kept out of its eviction (PinnedPromptCache) -------------
 
@@ -225,11 +296,15 @@ class PersistentPromptCache(PinnedPromptCache):
         *,
         cache_type: str = "assistant",
     ) -> bool:
-        if self._hydrating and (model, tuple(tokens)) not in self._pins:
+        if (self._hydrating or self._restoring) and (model, tuple(tokens)) not in self._pins:
             self._hydrated.add(tuple(tokens))
         if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
             return False
-        if self.persist_chains and not self._hydrating and model == self.model_key:
+        if (
+            self.persist_chains
+            and not (self._hydrating or self._restoring)
+            and model == self.model_key
+        ):
             self._persist(list(tokens), prompt_cache, label="chain", pinned=False)
         return True
 
@@ -325,6 +400,8 @@ class PersistentPromptCache(PinnedPromptCache):
             extra.get("valid_date"),
         )  # fmt: skip
         self.attach_pin(self.model_key, pin.tokens, cache, pin)
+        if source == "store":
+            self.note_from_store(self.model_key, pin.tokens)
         log.info(
             "kvstore: pinned %r: %d tokens from %s in %.3f s", name, len(ids), source, pin.seconds
         )
@@ -475,6 +552,8 @@ class PersistentPromptCache(PinnedPromptCache):
             self.stats.close(timeout)
         if self._writer is not None:
             self._writer.close(timeout)
+        if self.learner is not None:
+            self.learner.close(timeout)
 
     def __enter__(self) -> PersistentPromptCache:
         return self

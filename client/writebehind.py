@@ -74,6 +74,11 @@ class WriteBehind:
             return False
         return True
 
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not finished yet."""
+        return self._pending
+
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Wait until every submitted job has finished; False if `timeout` ran out first."""
         deadline = time.monotonic() + timeout
@@ -109,10 +114,16 @@ class WriteBehind:
     # -- the worker --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        import mlx.core as mx
+
+        # This thread's own mlx stream: jobs encode and slice arrays, and mlx streams belong to
+        # the thread that made them (without one, a clean interpreter exit can abort in mlx).
+        stream = mx.new_stream(mx.default_device())
         try:
             while (job := self._queue.get()) is not None:
                 try:
-                    self._do(job)
+                    with mx.stream(stream):
+                        self._do(job)
                 finally:
                     with self._cond:
                         self._pending -= 1

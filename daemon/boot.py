@@ -23,7 +23,7 @@ from kvstore.store.store import Store
 log = logging.getLogger("kvstore.daemon")
 
 
-def run(home: Path, *, manifest: Path | None = None) -> int:
+def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = None) -> int:
     """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. The exit status
     per condition, and what the supervisor then does, is daemon/exits.py's table."""
     try:
@@ -41,6 +41,7 @@ def run(home: Path, *, manifest: Path | None = None) -> int:
     if isinstance(booted, int):
         return booted
     daemon, lock_fd = booted
+    daemon.metrics_port = metrics_port  # served from serve(); off when None
     try:
         return daemon.serve()
     except Exception:

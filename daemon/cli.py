@@ -32,7 +32,16 @@ from kvstore.cli.options import home_option
     default=None,
     help="Log to this file, rotated at 10 MiB (3 kept), instead of stderr (the LaunchAgent does).",
 )
-def daemon_cmd(manifest: Path | None, home: Path, log_level: str, log_file: Path | None) -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics (off by default).",
+)
+def daemon_cmd(
+    manifest: Path | None, home: Path, log_level: str, log_file: Path | None,
+    metrics_port: int | None,
+) -> None:  # fmt: skip
     """Run the store's writer in the foreground (what launchd and systemd run).
 
     Warms the manifest's missing pins, watches its files, serves the socket; SIGTERM stops it,
@@ -46,12 +55,14 @@ def daemon_cmd(manifest: Path | None, home: Path, log_level: str, log_file: Path
     from kvstore.daemon.logs import setup_logging
 
     setup_logging(log_level, log_file)
-    rc = run(home, manifest=manifest)
+    rc = run(home, manifest=manifest, metrics_port=metrics_port)
     if rc == 0 and canary.restart.is_set():  # mlx or mlx-lm was upgraded under it
         argv = ["daemon", "--home", str(home.expanduser().absolute()), "--log-level", log_level]
         if manifest is not None:
             argv += ["--manifest", str(manifest.expanduser().absolute())]
         if log_file is not None:
             argv += ["--log-file", str(Path(log_file).expanduser().absolute())]
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port)]
         canary.reexec(argv)
     sys.exit(rc)

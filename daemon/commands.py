@@ -117,6 +117,8 @@ class Commands:
     watch: Callable[[Path], None]
     unwatch: Callable[[Path], bool]
     fixed_manifests: frozenset[Path]
+    after_put: Callable[[Any], None]
+    learned_stats: Callable[[list], dict[str, Any]]
 
     def write(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the writer thread and wait for it (`dispatch` logs a failure)."""
@@ -142,6 +144,7 @@ class Commands:
             "deferred": dict(self.upkeep.deferred),  # warms waiting for memory to load a model
         }
         data["ledger"] = self.ledger.stats()
+        data["learned"] = self.learned_stats(self.store.metas(errors=[]))
         return data
 
     def cmd_ls(self, args: dict, conn: Connection) -> list[dict[str, Any]]:
@@ -198,6 +201,7 @@ class Commands:
             del cache
             # Located by the client (DaemonClient.put): our cwd and HF_HOME are not its own.
             meta = self.store.put(key, blob, locate=False, **fields)
+            self.after_put(meta)  # kvstore.daemon.learn: write budget, snapshot cap
             log.info(
                 "put %s %r of %s: %d tokens, %d bytes",
                 key.hex(),

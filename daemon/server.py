@@ -23,6 +23,7 @@ from kvstore.daemon import exits
 from kvstore.daemon.commands import Commands
 from kvstore.daemon.connection import Connection
 from kvstore.daemon.daywatch import DayWatch
+from kvstore.daemon.learn import Learning
 from kvstore.daemon.lifecycle import (
     check_peer,
     cred_layout,
@@ -44,7 +45,7 @@ _READS = frozenset({"ping", "stats", "ls", "manifests"})  # not worth a log line
 CONN_JOIN_SECONDS = 2.5
 
 
-class Daemon(Commands):
+class Daemon(Commands, Learning):
     def __init__(
         self,
         home: Path,
@@ -55,8 +56,10 @@ class Daemon(Commands):
         listener: socket.socket,
         socket_path: Path,
         fixed_manifests: tuple[Path, ...] = (),
+        metrics_port: int | None = None,
     ):
         self.home = home
+        self.metrics_port = metrics_port
         self.store = store
         self.settings = settings
         self.manifests = manifests
@@ -73,6 +76,7 @@ class Daemon(Commands):
         # Clock-bound pins (a template that prints the date) are re-warmed across midnight.
         self.daywatch = DayWatch(self.upkeep, lambda: list(self.manifests), self.writer.submit)
         self.ledger = Ledger(home)
+        self.init_learning()
         self.watcher: Any = None
         self._watcher_lock = threading.Lock()
         self._layout = cred_layout()
@@ -169,6 +173,7 @@ class Daemon(Commands):
             ", ".join(map(str, self.manifests)) or "none",
             rss_bytes() / 2**20,
         )
+        self.start_metrics(self.metrics_port)
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
@@ -183,6 +188,7 @@ class Daemon(Commands):
         finally:
             self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
             acceptor.join()
+            self.stop_metrics()
             self._shutdown()
         return exits.INTERNAL if self.stop_reason == "error" else exits.OK
 

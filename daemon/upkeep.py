@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvstore import metrics
 from kvstore.daemon import lifecycle
 from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
@@ -30,6 +31,8 @@ from kvstore.identity.fingerprint import (
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
+from kvstore.settings import DEFAULTS
+from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store
 from kvstore.warm.prefill import stop_when
@@ -123,6 +126,9 @@ class Upkeep:
         clock: Callable[[], dt.datetime] = local_now,
     ):
         self.store = store
+        self.blocks = BlockStore(
+            store, block=int(settings.get("block_tokens", DEFAULTS["block_tokens"]))
+        )  # learned records
         self.clock = clock  # the local time pins render for (clock-bound pins); tests move it
         self.home = home
         self.settings = settings
@@ -346,17 +352,24 @@ class Upkeep:
             self._versions.start()
 
     def enforce_budget(self) -> list[str]:
-        """Evict least recently used unpinned entries until the store is under max_bytes."""
+        """Hold the learned budget (learned_max_bytes: leaf records and learned snapshot entries,
+        least recently used first), then the store's (max_bytes: unpinned entries LRU, then
+        learned records). Pins are never evicted."""
         budget = int(self.settings["max_bytes"])
         metas = self.store.metas(errors=[])
-        total = sum(m.nbytes for m in metas)
-        evicted: list[str] = []
+        evicted = self._enforce_learned(metas)
+        if evicted:
+            gone = set(evicted)
+            metas = [m for m in metas if m.key.hex() not in gone]
+        learned = self.blocks.learned_bytes()
+        total = sum(m.nbytes for m in metas) + learned
         if total > budget:
-            victims = select_for_eviction(metas, to_size=budget, home=self.home)
+            victims = select_for_eviction(metas, to_size=max(0, budget - learned), home=self.home)
             if victims:
                 self.store.delete(m.key for m in victims)
             for m in victims:
                 evicted.append(m.key.hex())
+                metrics.EVICTIONS.labels(reason="budget").inc()
                 log.info(
                     "evicted %s %r of %s (%d bytes, last used %s): over the budget max_bytes=%d",
                     m.key.hex(),
@@ -366,6 +379,9 @@ class Upkeep:
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.last_used)),
                     budget,
                 )
+            kept = sum(m.nbytes for m in metas) - sum(m.nbytes for m in victims)
+            if kept + learned > budget:
+                evicted += self._evict_records(max(0, budget - kept), "max_bytes", budget)
         pinned = sum(m.nbytes for m in metas if m.pinned)
         over = pinned > budget
         if over and not self._pins_over_budget:
@@ -376,4 +392,36 @@ class Upkeep:
                 budget,
             )
         self._pins_over_budget = over
+        return evicted
+
+    def _evict_records(self, to_bytes: int, setting: str, budget: int) -> list[str]:
+        freed = self.blocks.evict_learned(to_bytes)
+        out = []
+        for r in self.blocks.evicted if freed else []:
+            out.append(r.key.hex())
+            metrics.EVICTIONS.labels(reason="learned_budget").inc()
+            log.info("evicted learned record %s [%d, %d) (%d bytes): over the budget %s=%d",
+                     r.key.hex(), r.start, r.end, r.nbytes, setting, budget)  # fmt: skip
+        return out
+
+    def _enforce_learned(self, metas: list) -> list[str]:
+        """Learned data over learned_max_bytes: leaf records go first, then snapshots (LRU)."""
+        budget = int(self.settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"]))
+        snaps = sorted((m for m in metas if is_snapshot(m)), key=lambda m: m.last_used)
+        snap_bytes = sum(m.nbytes for m in snaps)
+        evicted = self._evict_records(max(0, budget - snap_bytes), "learned_max_bytes", budget)
+        over = self.blocks.learned_bytes() + snap_bytes - budget
+        drop = []
+        for m in snaps:
+            if over <= 0:
+                break
+            drop.append(m)
+            over -= m.nbytes
+        if drop:
+            self.store.delete(m.key for m in drop)
+            for m in drop:
+                evicted.append(m.key.hex())
+                metrics.EVICTIONS.labels(reason="learned_budget").inc()
+                log.info("evicted learned snapshot %s (%d bytes): over the budget "
+                         "learned_max_bytes=%d", m.key.hex(), m.nbytes, budget)  # fmt: skip
         return evicted

@@ -30,6 +30,12 @@ DEFAULTS: dict[str, object] = {
     "reader_check_interval": 60.0,  # seconds between LMDB reader_check() passes in the daemon
     "version_check_interval": 30.0,  # seconds between reads of the installed mlx/mlx-lm versions
     "memory_check_interval": 15.0,  # seconds between checks whether a deferred warm now fits
+    "learn": True,  # serve learns recurring prefixes (PersistentPromptCache: learn=False)
+    "learn_min_requests": 2,  # distinct requests that must share a prefix before it is learned
+    "block_tokens": 256,  # tokens per learned block record (cut at multiples, plus exact ends)
+    "learned_max_bytes": 2 * 2**30,  # 2 GiB: learned data's own budget inside max_bytes (LRU)
+    "learn_write_bytes_per_day": 4 * 2**30,  # 4 GiB/day of learned writes, then learning pauses
+    "max_snapshots_per_prefix": 2,  # state-layer models: learned whole-cache entries per chain
 }
 
 STORE_DIR = "store"

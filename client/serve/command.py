@@ -8,7 +8,11 @@ main(); it imports the hooks (and mlx-lm with them) only when the server runs.
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +20,10 @@ import click
 
 from kvstore.cli.options import home_option, parse_json_object
 from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.serve")
+
+LEARN_DRAIN_S = 10.0  # seconds a stopping server waits for queued learn jobs (learn_drain_s)
 
 __all__ = ["serve", "serve_cmd"]
 
@@ -27,9 +35,13 @@ def serve(
     port: int | None = None,
     persist: bool = False,
     model_config: dict | None = None,
+    learn: bool = True,
     server_args: Sequence[str] = (),
 ) -> None:
-    """Run mlx_lm.server's main() with `--model model` and `server_args`, hydrated from `home`."""
+    """Run mlx_lm.server's main() with `--model model` and `server_args`, hydrated from `home`.
+
+    SIGTERM stops it as Ctrl-C does (mlx-lm shuts its server down on KeyboardInterrupt); then
+    the learn reports and records still queued are sent to the daemon (at most learn_drain_s)."""
     # here, not at the top: `kvstore --help` loads this module, the hooks load mlx-lm
     from kvstore.client.serve.hooks import patched_server
 
@@ -37,13 +49,58 @@ def serve(
     if port is not None:
         argv += ["--port", str(port)]
     argv += list(server_args)
-    with patched_server(home, persist=persist, model_config=model_config) as server:
+    hooks: list = []
+    with patched_server(
+        home, persist=persist, model_config=model_config, learn=learn, hooks_out=hooks
+    ) as server:
         saved_argv = sys.argv
         sys.argv = argv  # main() parses sys.argv: every mlx_lm.server option passes through
+        saved_term = _stop_on_sigterm()
         try:
             server.main()
+        except KeyboardInterrupt:
+            pass  # a SIGTERM before mlx-lm's own handler was in place
         finally:
             sys.argv = saved_argv
+            if saved_term is not None:
+                signal.signal(signal.SIGTERM, saved_term)
+            for h in hooks:
+                _drain(h)
+
+
+def _stop_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt in the main thread; the previous handler, or None when
+    this is not the main thread (signals cannot be set there)."""
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, stop)
+    except ValueError:
+        return None
+
+
+def _drain(hooks) -> None:
+    """Send what the learner and the persister still hold; log what made it."""
+    from kvstore.settings import DEFAULTS
+
+    timeout = float(DEFAULTS.get("learn_drain_s", LEARN_DRAIN_S))
+    learner = hooks.learner
+    if learner is not None:
+        pending = learner.writer.pending
+        t0 = time.monotonic()
+        sent, abandoned = learner.drain(timeout)
+        log.info(
+            "kvstore: learn queue drained in %.2f s: %d pending at stop, %d abandoned "
+            "(%d reports, %d records, %d snapshots sent in all)",
+            time.monotonic() - t0, pending, abandoned,
+            learner.reported, learner.records_sent, learner.snapshots_sent,
+        )  # fmt: skip
+        learner.cold.close()
+    if hooks.persister is not None or learner is not None:
+        writer = hooks.persister.writer if hooks.persister is not None else learner.writer
+        writer.close(timeout)
 
 
 @click.command(
@@ -70,6 +127,12 @@ def serve(
     help="config.json overrides for the model, as mlx_lm.load(model_config=...), e.g. "
     "'{\"rope_theta\": 1000000}'. Part of the entries' identity.",
 )
+@click.option(
+    "--no-learn",
+    is_flag=True,
+    help="Do not report prompts to the daemon or restore learned prefixes from the store "
+    "(learning recurring prefixes is on by default).",
+)
 @click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
 def serve_cmd(
     home: Path | None,
@@ -77,13 +140,16 @@ def serve_cmd(
     port: int | None,
     persist_system_prompts: bool,
     model_config: str | None,
+    no_learn: bool,
     server_args: tuple[str, ...],
 ) -> None:
     """Run mlx_lm.server with the persistent prompt cache.
 
     Stored entries of the model are hydrated into the server's prompt cache when it loads the
     model, so the first request after a start reports them in
-    usage.prompt_tokens_details.cached_tokens. Other options go to mlx_lm.server as they are.
+    usage.prompt_tokens_details.cached_tokens. Prompt prefixes that recur are learned: the
+    daemon stores their KV, and later starts (or a memory miss) are served them from the store.
+    GET /metrics answers Prometheus metrics. Other options go to mlx_lm.server as they are.
 
     \b
     kvstore serve --model ./Qwen3.5-9B-8bit --port 8080 --prompt-cache-size 20
@@ -98,7 +164,15 @@ def serve_cmd(
             port=port,
             persist=persist_system_prompts,
             model_config=overrides,
+            learn=not no_learn,
             server_args=server_args,
         )
     except KVStoreError as e:
         raise click.ClickException(str(e)) from None
+    # Stopped and drained. mlx's teardown with mlx-lm's generation thread still alive can abort
+    # ("terminate called without an active exception", seen with the qwen3_5 layout, with or
+    # without learning): nothing is left to do, so leave without it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -18,6 +18,12 @@ of `serve()` by thin subclasses:
 With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
 re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.boundary).
 
+Unless --no-learn, the prompt cache carries a Learner (kvstore.client.learn): prompts are
+reported to the daemon, which learns the prefixes that recur, and a memory miss the store can
+serve is restored from it. `_run_http_server` gets a handler subclass that answers `GET /metrics`
+and keeps `/health` at 503 until the model is loaded, hydrated and warmed up (one throwaway
+forward pass, so the first request does not pay the fresh process's first kernels).
+
 Both generation paths then see the entries: the batched path and `_serve_single` both call
 `prompt_cache.fetch_nearest_cache(model_provider.model_key, prompt)`, and `cached_tokens` is
 `len(prompt) - len(rest)` of that call. `check_server_shape` verifies these assumptions up front.
@@ -26,18 +32,24 @@ Both generation paths then see the entries: the batched path and `_serve_single`
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import inspect
+import json
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstore.client.hydrate import Prefetched, insert, prefetch
+from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.persist import SystemPromptPersister
+from kvstore.client.writebehind import WriteBehind
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.model import (
     DEFAULT_KV_GROUP_SIZE,
@@ -83,6 +95,11 @@ def check_server_shape(server: Any) -> None:
         problems.append("mlx_lm.server.run no longer builds its LRUPromptCache by that name")
     if "self.model_key =" not in load_src:
         problems.append("ModelProvider._load no longer sets model_key")
+    http = getattr(server, "_run_http_server", None)
+    if http is None or "handler_class" not in inspect.signature(http).parameters:
+        problems.append("mlx_lm.server._run_http_server has no handler_class parameter")
+    if not callable(getattr(getattr(server, "APIHandler", None), "do_GET", None)):
+        problems.append("mlx_lm.server.APIHandler.do_GET is missing")
     if problems:
         import mlx_lm
 
@@ -96,11 +113,17 @@ def check_server_shape(server: Any) -> None:
 class _Hooks:
     """What the two subclasses share: the server's one prompt cache and the persist target."""
 
-    def __init__(self, home: Path, persist: bool, model_config: dict | None = None):
+    def __init__(
+        self, home: Path, persist: bool, model_config: dict | None = None, learn: bool = True
+    ):
         self.home = home
         self.model_config = model_config
         self.cache: Any = None
-        self.persister = SystemPromptPersister(home) if persist else None
+        # one queue and one connection to the daemon for learned prefixes and system prompts
+        writer = WriteBehind(home, maxsize=LEARN_QUEUE) if learn or persist else None
+        self.learner = Learner(home, writer=writer) if learn else None
+        self.ready = False  # /health answers 503 until the model is loaded, hydrated and warm
+        self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
 
@@ -118,6 +141,42 @@ class _Hooks:
         )
 
     def on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
+        try:
+            self._on_load(provider, prefetched)
+        finally:
+            try:
+                self.warm_up(provider)
+            except Exception as e:  # a warm-up is an optimisation: never keep the server down
+                log.warning("kvstore: warm-up pass failed: %s", e)
+            if not self.ready:
+                self.ready = True
+                log.info("kvstore: ready (%s)", provider.model_key[0])
+
+    def warm_up(self, provider: Any) -> None:
+        """One 32-token prefill chunk and 2 decode steps on a throwaway copy of the longest pin
+        (or a fresh cache): a fresh process pays its first kernels here, not on a request."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = provider.model
+        if model is None:
+            return
+        t0 = time.perf_counter()
+        pins = self.cache.pins_of(provider.model_key) if self.cache is not None else {}
+        base = None
+        if pins:
+            longest = max(pins, key=len)
+            _, entry = self.cache._pins[(provider.model_key, longest)]
+            base = copy.deepcopy(entry.prompt_cache)
+        cache = base if base is not None else make_prompt_cache(model)
+        ids = mx.zeros((1, 32), dtype=mx.uint32)
+        mx.eval(model(ids, cache=cache))
+        for _ in range(2):
+            mx.eval(model(ids[:, :1], cache=cache))
+        del cache
+        log.info("kvstore: warm-up pass in %.3f s", time.perf_counter() - t0)
+
+    def _on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
         if self.cache is None:
@@ -161,6 +220,24 @@ class _Hooks:
             )
         if report.fingerprint:
             self._check_template_args(report.fingerprint, args)
+        if self.learner is not None and report.fingerprint:
+            from kvstore.identity.codehash import runtime_versions
+
+            self.learner.add_target(
+                key,
+                LearnTarget(
+                    fingerprint=bytes.fromhex(report.fingerprint),
+                    model=str(model_path),
+                    model_obj=provider.model,
+                    extra={
+                        **identity.state,
+                        "owners": ["serve"],
+                        "runtime": runtime_versions(),
+                    },
+                    kv_bits=identity.kv_bits,
+                    prefill_step=getattr(args, "prefill_step_size", 2048) or 2048,
+                ),
+            )
         if self.persister is not None and report.fingerprint:
             from kvstore.identity.fingerprint import resolve_model_path, template_hash
 
@@ -184,6 +261,8 @@ class _Hooks:
 
     def on_insert(self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str):
         target = self.targets.get(model_key)
+        if getattr(self.cache, "_restoring", False):
+            return  # read from the store (or a learned split): stored already, or on its way
         if self.persister is not None and cache_type == "system" and target is not None:
             try:
                 extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
@@ -192,7 +271,7 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
-def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
+def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
             # The store's entries are read on a second thread while the weights load (as
@@ -241,6 +320,7 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
+            self.learner = hooks.learner
             hooks.cache = self
 
         def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
@@ -283,27 +363,63 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type]:
                 log.warning("kvstore: keeping mlx-lm's system segment: %s", e)
                 return out
 
-    return PersistentModelProvider, PersistentServerCache, StableSegmentGenerator
+    class KVStoreHandler(server.APIHandler):
+        """mlx-lm's handler, plus `GET /metrics` and a `/health` that is 503 until ready."""
+
+        def do_GET(self):
+            if self.path == "/metrics":
+                from kvstore.metrics import exposition
+
+                body, content_type = exposition()
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            if self.path == "/health" and not hooks.ready:
+                body = json.dumps({"status": "starting"}).encode()
+                self.send_response(503)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            super().do_GET()
+
+    return PersistentModelProvider, PersistentServerCache, StableSegmentGenerator, KVStoreHandler
 
 
 @contextlib.contextmanager
 def patched_server(
-    home: Path, *, persist: bool = False, model_config: dict | None = None
+    home: Path,
+    *,
+    persist: bool = False,
+    model_config: dict | None = None,
+    learn: bool = True,
+    hooks_out: list | None = None,
 ) -> Iterator[Any]:
     """mlx_lm.server with the kvstore hooks installed; restored on exit. `model_config` overrides
-    are given to mlx_lm.load for the served model (mlx_lm.server has no option for them)."""
+    are given to mlx_lm.load for the served model (mlx_lm.server has no option for them);
+    `learn` reports prompts to the daemon and restores from the store on a memory miss.
+    `hooks_out`, if given, receives the hooks (their learner, for the caller's shutdown)."""
     from mlx_lm import server
 
     check_server_shape(server)
     if model_config and not callable(getattr(server, "load", None)):
         raise ServeError("mlx_lm.server no longer calls load(); --model-config cannot apply")
-    hooks = _Hooks(home, persist, model_config)
-    provider_cls, cache_cls, generator_cls = _subclasses(server, hooks)
+    hooks = _Hooks(home, persist, model_config, learn=learn)
+    if hooks_out is not None:
+        hooks_out.append(hooks)
+    provider_cls, cache_cls, generator_cls, handler_cls = _subclasses(server, hooks)
     saved = server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator
+    saved_http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
+    server._run_http_server = functools.partial(saved_http, handler_class=handler_cls)
     if persist:
         server.ResponseGenerator = generator_cls
     try:
         yield server
     finally:
         server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator = saved
+        server._run_http_server = saved_http

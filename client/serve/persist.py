@@ -24,9 +24,9 @@ class SystemPromptPersister:
     With no daemon, one warning, then prefixes are dropped and serving goes on.
     """
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, writer: WriteBehind | None = None):
         self.home = home
-        self.writer = WriteBehind(home, maxsize=PERSIST_QUEUE)
+        self.writer = writer if writer is not None else WriteBehind(home, maxsize=PERSIST_QUEUE)
         self.seen: set[tuple] = set()
         self.sent = 0
 

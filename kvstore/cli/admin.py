@@ -259,8 +259,13 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
     elif not (home / "store" / "data.mdb").is_file():
         data = {"path": str(home / "store"), "entries": 0, "bytes": 0}
     else:
+        from kvstore.store.blocks import BlockStore, learned_summary
+
         with open_store(home) as store:
             data = store.stats()
+            data["learned"] = learned_summary(
+                BlockStore(store), store.metas(errors=[]), load_settings(home)
+            )
     if "ledger" not in data:
         from kvstore.store.ledger import Ledger
 
@@ -288,6 +293,15 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
             click.echo(f"deferred       warm of {manifest}: {d['reason']}")
     else:
         click.echo("daemon         not running")
+    if learned := data.get("learned"):
+        click.echo(
+            f"learned        {learned['records']} records ({learned['chains']} chains), "
+            f"{human_size(learned['bytes'] + learned.get('snapshot_bytes', 0))} of "
+            f"{human_size(learned['budget'])}; {learned['snapshots']} snapshots; written today "
+            f"{human_size(learned['written_today'])} of {human_size(learned['write_budget'])}"
+        )
+        if learned.get("paused"):
+            click.echo(f"               {learned['paused']}")
     rows = (data.get("ledger") or {}).get("by_model_label") or []
     if rows:
         click.echo(

@@ -78,7 +78,7 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
     env = lmdb.open(
         key,
         map_size=map_size,
-        max_dbs=4,
+        max_dbs=8,  # meta, blob; bmeta, bblob, kids, bstat (learned blocks)
         readonly=readonly,
         create=not readonly,
         writemap=False,

@@ -4,6 +4,17 @@ A frame is a 4-byte big-endian payload length, then that many bytes of msgpack h
 Requests are `{"cmd": name, "args": {...}}`; replies are `{"ok": True, "result": ...}` or
 `{"ok": False, "error": message}`. Every malformed frame raises ProtocolError, the one error type
 for bad frames; a claimed length over the cap is refused before anything is allocated for it.
+
+Learned prefixes (daemon/learn.py; tokens are packed little-endian uint32, fingerprints 16 bytes):
+  learn {fingerprint, tokens (the request's prompt), sliceable: bool, model: str,
+         label: str|None, extra: map}
+    -> {want: [[start, end], ...] (records to send, cut at block_tokens; [] if none),
+        snapshot_at: [p, ...] (state layouts: boundaries to put as learned entries),
+        paused: str|None (why learning is paused; the client says it once)}
+  put_blocks {fingerprint, tokens (at least to the last record's end),
+              records: [{start, end, blob}], label, model, extra}
+    -> {stored: records accepted, bytes: bytes newly written} (sent after the commit)
+A learned snapshot is an ordinary `put` with pinned=False, label "learned", extra.learned=True.
 """
 
 from __future__ import annotations

@@ -1,0 +1,509 @@
+"""Learned prefixes, the client side: report each request's prompt to the daemon, send the KV it
+asks for, restore from the store on a memory miss, and count where served tokens came from.
+
+A `PinnedPromptCache` (the server's prompt cache in `kvstore serve`, PersistentPromptCache with
+`learn=True`) calls in here from `fetch_nearest_cache` and `insert_cache`:
+
+- `Provenance` (always on): which token prefixes in memory were read from the store, so every
+  fetch splits its prompt into `store`, `memory` and `prefill` tokens (kvstore.metrics).
+- `Learner.restore` (the cold tier): when the store serves more of the prompt than memory - a
+  chain of learned block records (BlockStore.lookup + codec.blocks.assemble), or a stored entry
+  that prefixes the request (a pin that left memory, today's clock-bound pin) - the KV is read,
+  put in the LRU (the next hit is memory) and returned instead of prefilling.
+- `Learner.inserted`: at the end of a request (mlx-lm inserts prompt + generated tokens), one
+  write-behind job: `learn` with the prompt; on `want`, the records are sliced from the cache the
+  LRU holds (mlx arrays are immutable) and sent with `put_blocks`. The request path pays a list
+  copy and a put_nowait.
+- `Learner.split` (layouts with state layers, which cannot be cut after the fact): at a boundary
+  the daemon asked for (`snapshot_at`), the request's prefill stops there, a copy of the cache at
+  the boundary is sent as a learned entry, and the prefill goes on from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore import metrics
+from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore.client")
+
+FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most (one frame each)
+PENDING_PROMPTS = 8  # prompts fetched and not yet inserted (batched requests interleave)
+STORE_PREFIXES = 256  # store-read prefixes remembered for provenance
+BOUNDARIES = 64  # snapshot boundaries remembered per model
+RESTORE_MIN_GAIN = 16  # tokens the store must serve beyond memory to be worth a read
+METAS_REFRESH_S = 5.0  # seconds between re-reads of the stored entries' list on a miss
+REOPEN_S = 5.0  # seconds between attempts to open a store that is not there yet
+LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never block a request)
+
+
+@dataclass
+class LearnTarget:
+    """What learning and restoring need about one served model (one model key of the LRU)."""
+
+    fingerprint: bytes
+    model: str  # the model path, as entries record it
+    model_obj: Any  # the loaded model: a template cache and the split's prefill
+    extra: dict  # identity fields as `put` records them (adapter, kv_bits, ..., runtime)
+    label: str = "learned"
+    kv_bits: int | None = None
+    prefill_step: int = 2048
+    files_ok: Callable[[], bool] | None = None  # False: the weights changed; store nothing
+    template_hash: bytes | None = None  # computed on the worker when first needed
+    sliceable: bool | None = None  # the layout can be cut into block records
+
+    def template(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model_obj)
+
+    def is_sliceable(self) -> bool:
+        if self.sliceable is None:
+            try:
+                from kvstore.codec.blocks import sliceable
+
+                self.sliceable = bool(sliceable(self.template()))
+            except ImportError:  # a core without block records: entries only
+                self.sliceable = False
+        return self.sliceable
+
+
+class Provenance:
+    """Token prefixes whose KV in memory was read from the store (hydrated or restored).
+
+    A later entry that extends one keeps the prefix, so a fetch served by it still counts the
+    store's part as `store` however long it stayed in memory."""
+
+    def __init__(self, cap: int = STORE_PREFIXES):
+        self._prefixes: OrderedDict[tuple[Any, tuple[int, ...]], None] = OrderedDict()
+        self._cap = cap
+        self._lock = threading.Lock()
+
+    def note_store(self, model: Any, tokens: Sequence[int]) -> None:
+        with self._lock:
+            self._prefixes[(model, tuple(tokens))] = None
+            self._prefixes.move_to_end((model, tuple(tokens)))
+            while len(self._prefixes) > self._cap:
+                self._prefixes.popitem(last=False)
+
+    def store_part(self, model: Any, tokens: Sequence[int], served: int) -> int:
+        """How many of the `served` first tokens of `tokens` came from the store."""
+        best = 0
+        if not served:
+            return 0
+        with self._lock:
+            prefixes = [t for m, t in self._prefixes if m == model]
+        for t in prefixes:
+            k = min(len(t), served)
+            if k > best and t[k - 1] == tokens[k - 1] and t[:k] == tuple(tokens[:k]):
+                best = k
+        return best
+
+    def count(self, model: Any, tokens: Sequence[int], served_mem: int, restored: int) -> None:
+        """Add one request to kvstore_prompt_tokens_total."""
+        if restored:
+            store, memory = restored, 0
+        else:
+            store = self.store_part(model, tokens, served_mem)
+            memory = served_mem - store
+        served = restored or served_mem
+        metrics.PROMPT_TOKENS.labels(source="store").inc(store)
+        metrics.PROMPT_TOKENS.labels(source="memory").inc(memory)
+        metrics.PROMPT_TOKENS.labels(source="prefill").inc(len(tokens) - served)
+
+
+@dataclass
+class _Restored:
+    cache: list
+    n: int  # tokens of the request it serves
+    nbytes: int
+    what: str  # "3 records", "entry 'classify'"
+
+
+@dataclass
+class ColdTier:
+    """The store as the second tier of an LRU: one read-only Store per process, opened lazily."""
+
+    home: Path
+    _store: Any = None
+    _blocks: Any = None
+    _tried: float = -1e9
+    _metas: dict = field(default_factory=dict)  # fingerprint -> (read at, [(tokens, meta)])
+    _warned: bool = False
+
+    def _open(self) -> bool:
+        if self._store is not None:
+            return True
+        now = time.monotonic()
+        if now - self._tried < REOPEN_S:
+            return False
+        self._tried = now
+        from kvstore.store.store import Store
+
+        try:
+            self._store = Store(self.home, readonly=True)
+        except (KVStoreError, OSError) as e:  # no store yet: the daemon has not made one
+            log.debug("kvstore: no store to restore from yet: %s", e)
+            return False
+        try:
+            from kvstore.store.blocks import BlockStore
+
+            self._blocks = BlockStore(self._store)
+        except ImportError:  # a core without block records: entries only
+            self._blocks = None
+        except Exception as e:  # an older store without the record DBs: entries only
+            log.debug("kvstore: no block records in %s: %s", self.home, e)
+            self._blocks = None
+        return True
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def restore(self, target: LearnTarget, tokens: Sequence[int], served: int) -> _Restored | None:
+        """The store's KV of the longest prefix of `tokens` it holds beyond `served` (at most
+        len(tokens) - 1: mlx-lm leaves a token to prefill), or None."""
+        if len(tokens) - 1 - served < RESTORE_MIN_GAIN or not self._open():
+            return None
+        try:
+            hit = None
+            if self._blocks is not None and target.is_sliceable():
+                hit = self._from_records(target, tokens, served)
+            best = hit.n if hit is not None else served
+            entry = self._from_entries(target, tokens, best)
+            return entry or hit
+        except (KVStoreError, OSError, ValueError) as e:  # never fail a request: prefill instead
+            if not self._warned:
+                self._warned = True
+                log.warning("kvstore: not restoring from the store (prefilling instead): %s", e)
+            return None
+
+    def _from_records(self, target: LearnTarget, tokens: Sequence[int], served: int):
+        from kvstore.codec.blocks import assemble
+
+        chain = self._blocks.lookup(target.fingerprint, tokens)
+        n = min(self._blocks.served(chain, tokens), len(tokens) - 1)
+        if n - served < RESTORE_MIN_GAIN:
+            return None
+        chain = [m for m in chain if m.start < n]
+        blobs = self._blocks.read_blobs(chain)
+        if len(blobs) < len(chain):  # a corrupt or vanished record: serve the ones before it
+            log.warning(
+                "kvstore: learned record at tokens %d-%d of %s is unreadable; serving the %d "
+                "before it", chain[len(blobs)].start, chain[len(blobs)].end, target.model,
+                chain[len(blobs)].start,
+            )  # fmt: skip
+            chain = chain[: len(blobs)]
+            if not chain:
+                return None
+            n = chain[-1].end
+            if n - served < RESTORE_MIN_GAIN:
+                return None
+        cache = assemble(blobs, chain, n, target.template())
+        return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records")
+
+    def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
+        now = time.monotonic()
+        got = self._metas.get(target.fingerprint)
+        if got is None or now - got[0] >= METAS_REFRESH_S:
+            metas = self._store.metas(target.fingerprint, errors=[])
+            got = (now, [(tuple(m.token_ids()), m) for m in metas])
+            self._metas[target.fingerprint] = got
+        best = None
+        for t, meta in got[1]:
+            if served < len(t) < len(tokens) and (best is None or len(t) > len(best[0])):
+                if t[-1] == tokens[len(t) - 1] and t == tuple(tokens[: len(t)]):
+                    best = (t, meta)
+        if best is None:
+            return None
+        t, meta = best
+        try:
+            _, cache = self._store.load(meta.key, meta.tokens)
+        except KeyError:  # evicted since the list was read
+            self._metas.pop(target.fingerprint, None)
+            return None
+        return _Restored(cache, len(t), meta.nbytes, f"entry {meta.label!r}")
+
+
+class Learner:
+    """Reports requests to the daemon and sends what it wants learned; the cold tier of its LRU.
+
+    One per prompt cache. Its jobs go through a write-behind queue (its own, or the one given);
+    `drain` waits for them (kvstore serve on SIGTERM)."""
+
+    def __init__(self, home: Path, *, writer: WriteBehind | None = None, learn: bool = True):
+        self.home = Path(home)
+        self.learn = learn
+        self.writer = writer if writer is not None else WriteBehind(home, maxsize=LEARN_QUEUE)
+        self._own_writer = writer is None
+        self.cold = ColdTier(self.home)
+        self.targets: dict[Any, LearnTarget] = {}
+        self._pending: deque[tuple[Any, list[int]]] = deque(maxlen=PENDING_PROMPTS)
+        self._boundaries: dict[Any, OrderedDict[int, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
+        self._paused_said = False
+        self._unsupported = False
+        self._stream: Any = None  # the worker thread's mlx stream
+        # state layouts: recent inserts that were not a request's end (system segments)
+        self._segments: deque[tuple[Any, tuple[int, ...], list]] = deque(maxlen=PENDING_PROMPTS)
+        self.reported = 0  # learn requests the daemon answered
+        self.records_sent = 0
+        self.snapshots_sent = 0
+        self.queued = 0  # learn jobs handed to the write-behind queue
+
+    def add_target(self, model_key: Any, target: LearnTarget) -> None:
+        self.targets[model_key] = target
+
+    # -- the request path (generation thread) -------------------------------------------------
+
+    def restore(self, lru: Any, model: Any, tokens: Sequence[int], served: int):
+        """(cache, rest, n) from the store when it serves more than memory's `served`, else None.
+        The restored KV goes into `lru` under tokens[:n] (marked as read from the store)."""
+        target = self.targets.get(model)
+        if target is None:
+            return None
+        t0 = time.perf_counter()
+        hit = self.cold.restore(target, tokens, served)
+        if hit is None:
+            return None
+        lru.insert_restored(model, list(tokens[: hit.n]), hit.cache)
+        dt = time.perf_counter() - t0
+        metrics.RESTORE_BYTES.inc(hit.nbytes)
+        metrics.RESTORE_SECONDS.inc(dt)
+        log.info(
+            "kvstore: restored %d tokens (%s, %.1f MiB) from the store in %.1f ms (memory had %d)",
+            hit.n, hit.what, hit.nbytes / 2**20, dt * 1e3, served,
+        )  # fmt: skip
+        return copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
+
+    def fetched(self, model: Any, tokens: Sequence[int]) -> None:
+        """Remember the prompt of a request about to run: its insert_cache reports it."""
+        if self.learn and not self._unsupported and model in self.targets:
+            self._pending.append((model, list(tokens)))
+
+    def split(self, lru: Any, model: Any, tokens: Sequence[int], cache: Any, rest: list):
+        """For a layout with state layers: prefill up to a boundary the daemon asked for, send a
+        copy of the cache there as a learned entry, and return (cache, rest) from it."""
+        bounds = self._boundaries.get(model)
+        target = self.targets.get(model)
+        if not bounds or target is None or target.kv_bits is not None:
+            return cache, rest
+        served, n = len(tokens) - len(rest), len(tokens)
+        with self._lock:
+            candidates = sorted((p for p in bounds if served < p < n), reverse=True)
+            p = next(
+                (p for p in candidates if bounds[p][-1] == tokens[p - 1]
+                 and bounds[p] == tuple(tokens[:p])),
+                None,
+            )  # fmt: skip
+            if p is None:
+                return cache, rest
+            del bounds[p]
+        import mlx.core as mx
+
+        if cache is None:
+            cache = target.template()
+        ids = mx.array(list(tokens[served:p]), dtype=mx.uint32)
+        for i in range(0, len(ids), target.prefill_step):
+            target.model_obj(ids[i : i + target.prefill_step][None], cache=cache)
+            mx.eval([c.state for c in cache])
+        snapshot = copy.deepcopy(cache)
+        lru.insert_restored(model, list(tokens[:p]), copy.deepcopy(snapshot), from_store=False)
+        prefix = list(tokens[:p])
+        if self.writer.submit(
+            Job(
+                f"learned snapshot ({p} tokens)",
+                lambda c: self._send_snapshot(c, target, prefix, snapshot),
+            )
+        ):
+            self.queued += 1
+        return cache, list(tokens[p:])
+
+    def inserted(self, model: Any, tokens: Sequence[int], cache: list) -> None:
+        """The end of a request (mlx-lm inserts prompt + generated): report its prompt. Other
+        inserts of a state layout (the batched path's system segment) are kept a while: one at a
+        boundary the daemon asks for is that boundary's snapshot, with no split needed."""
+        if not self._pending:
+            return
+        target = self.targets.get(model)
+        if target is not None and not target.is_sliceable():
+            if not any(m == model and p == list(tokens[: len(p)]) for m, p in self._pending
+                       if len(p) <= len(tokens)):  # fmt: skip
+                with self._lock:
+                    self._segments.append((model, tuple(tokens), cache))
+                return
+        prompt = None
+        for i in range(len(self._pending) - 1, -1, -1):
+            m, p = self._pending[i]
+            if m == model and len(p) <= len(tokens) and p[-1:] == list(tokens[len(p) - 1 : len(p)]):
+                if p == list(tokens[: len(p)]):
+                    prompt = p
+                    del self._pending[i]
+                    break
+        target = self.targets.get(model)
+        if prompt is None or target is None or len(prompt) < 2:
+            return
+        import mlx.core as mx
+
+        # Normally a no-op; a lazy graph (the batched path's extracted caches) must be evaluated
+        # on this thread's stream: the worker has no access to it.
+        mx.eval([c.state for c in cache])
+        job = Job(
+            f"learn report ({len(prompt)} tokens)",
+            lambda c: self._learn(c, model, target, prompt, cache),
+        )
+        if self.writer.submit(job):
+            self.queued += 1
+        else:
+            metrics.LEARN_DROPPED.labels(reason="queue_full").inc()
+
+    # -- the worker -----------------------------------------------------------------------------
+
+    def _learn(self, client: Any, model: Any, target: LearnTarget, prompt: list, cache: list):
+        from kvstore.store.entry import pack_tokens
+
+        if self._unsupported or (target.files_ok is not None and not target.files_ok()):
+            return
+        sliceable = target.is_sliceable()
+        try:
+            reply = client.request(
+                "learn",
+                fingerprint=target.fingerprint,
+                tokens=pack_tokens(prompt),
+                sliceable=sliceable,
+                model=target.model,
+                label=target.label,
+                extra=target.extra,
+            )
+        except KVStoreError as e:
+            if "unknown command" in str(e):
+                self._unsupported = True
+                log.warning(
+                    "kvstore: the daemon of %s does not learn prefixes (an older version); "
+                    "restart it to learn",
+                    self.home,
+                )
+                return
+            raise
+        self.reported += 1
+        metrics.LEARN_REPORTS.inc()
+        paused = reply.get("paused")
+        metrics.LEARN_PAUSED.set(1 if paused else 0)
+        if paused and not self._paused_said:
+            self._paused_said = True
+            log.warning("kvstore: %s", paused)
+        at = [int(p) for p in reply.get("snapshot_at") or [] if 0 < int(p) <= len(prompt)]
+        if at:
+            with self._lock:
+                held = {(m, t): c for m, t, c in self._segments}
+                bounds = self._boundaries.setdefault(model, OrderedDict())
+                ready = []
+                for p in at:
+                    prefix = tuple(prompt[:p])
+                    if (model, prefix) in held:  # in memory already: send it, no split
+                        ready.append((list(prefix), held[(model, prefix)]))
+                    else:
+                        bounds[p] = prefix
+                while len(bounds) > BOUNDARIES:
+                    bounds.popitem(last=False)
+            for prefix, segment in ready:
+                self._send_snapshot(client, target, prefix, segment)
+        want = [(int(s), int(e)) for s, e in reply.get("want") or []]
+        if want and sliceable:
+            self._send_records(client, target, prompt, cache, want)
+
+    def _send_records(self, client, target: LearnTarget, prompt, cache, want) -> None:
+        from kvstore.codec.blocks import slice_record
+        from kvstore.store.entry import pack_tokens
+
+        batch: list[dict] = []
+        size = 0
+
+        def send() -> None:
+            end = max(r["end"] for r in batch)
+            reply = client.request(
+                "put_blocks",
+                fingerprint=target.fingerprint,
+                tokens=pack_tokens(prompt[:end]),
+                records=batch,
+                label=target.label,
+                model=target.model,
+                extra=target.extra,
+            )
+            self.records_sent += int(reply.get("stored", len(batch)))
+            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(reply.get("bytes", 0)))
+
+        import mlx.core as mx
+
+        for start, end in want:
+            if end > len(prompt):
+                continue
+            with mx.stream(self._worker_stream()):
+                blob = slice_record(cache, start, end)
+            if batch and size + len(blob) > FRAME_BYTES:
+                send()
+                batch, size = [], 0
+            batch.append({"start": start, "end": end, "blob": blob})
+            size += len(blob)
+        if batch:
+            send()
+
+    def _worker_stream(self) -> Any:
+        """The worker's own mlx stream: streams belong to the thread that made them."""
+        import mlx.core as mx
+
+        if self._stream is None:
+            self._stream = mx.new_stream(mx.default_device())
+        return self._stream
+
+    def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list) -> None:
+        import mlx.core as mx
+
+        from kvstore.codec import codec
+        from kvstore.identity.fingerprint import resolve_model_path, template_hash
+        from kvstore.store.entry import entry_key, pack_tokens
+
+        if target.files_ok is not None and not target.files_ok():
+            return
+        if target.template_hash is None:
+            target.template_hash = template_hash(resolve_model_path(target.model))
+        with mx.stream(self._worker_stream()):
+            blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
+        fields = dict(
+            tokens=pack_tokens(prefix),
+            label="learned",
+            pinned=False,
+            model=target.model,
+            template_hash=target.template_hash,
+            classes=codec.cache_classes(cache),
+            extra={**target.extra, "source": "learned", "learned": True},
+        )
+        client.put(entry_key(target.fingerprint, prefix), blob, fields)
+        self.snapshots_sent += 1
+        metrics.WRITTEN_BYTES.labels(kind="learned").inc(len(blob))
+
+    # -- shutdown -------------------------------------------------------------------------------
+
+    def drain(self, timeout: float = CLOSE_TIMEOUT) -> tuple[int, int]:
+        """Wait for queued learn jobs (at most `timeout`); (sent, abandoned) jobs."""
+        done = self.writer.flush(timeout)
+        left = 0 if done else self.writer.pending
+        if left:
+            metrics.LEARN_DROPPED.labels(reason="abandoned").inc(left)
+        return self.writer.sent, left
+
+    def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        if self._own_writer:
+            self.writer.close(timeout)
+        self.cold.close()

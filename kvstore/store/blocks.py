@@ -1,0 +1,484 @@
+"""Learned block records: chains of KV slices keyed by the chain hash of the positions they end at.
+
+Records live in their own named DBs of the Store's environment, so entry scans (`metas`, `ls`,
+hydrate) never see them and old readers ignore them:
+  bmeta  fingerprint + H(end)            -> sealed msgpack BlockMeta (as entry metas are sealed)
+  bblob  fingerprint + H(end)            -> the record's codec blob (layers' KV of [start, end))
+  kids   fingerprint + H(start) + H(end) -> b""  (walked from H(0) to find a prompt's chain)
+  bstat  b"learned_bytes", b"day:YYYY-MM-DD" (bytes written that local day), b"block_tokens"
+H(p) is `kvstore.store.chain.position_hash`. Every write is one transaction through the Store's
+`_write`; reads go through `_read` and work on a read-only Store. No mlx at import (a blob header
+is validated by `kvstore.codec.blocks.inspect`, imported when a record is put).
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import msgpack
+import xxhash
+
+from kvstore.errors import CorruptEntryError, StoreError
+from kvstore.settings import DEFAULTS
+from kvstore.store.chain import chain_hashes, is_cut, packed, position_hash
+from kvstore.store.entry import FINGERPRINT_BYTES, SCHEMA_VERSION, seal
+
+if TYPE_CHECKING:
+    from kvstore.store.store import Store
+
+DB_NAMES = (b"bmeta", b"bblob", b"kids", b"bstat")
+LEARNED_BYTES = b"learned_bytes"
+BLOCK_TOKENS = b"block_tokens"
+_U64 = struct.Struct("<Q")
+
+
+def today() -> str:
+    """The local day the daily write budget counts in."""
+    return time.strftime("%Y-%m-%d", time.localtime())
+
+
+@dataclass
+class BlockMeta:
+    key: bytes  # fingerprint + H(end)
+    start: int
+    end: int
+    tokens: bytes  # packed uint32: this record's tokens only, [start, end)
+    nbytes: int
+    checksum: int  # xxh3-64 of the blob
+    codec: int
+    classes: list[str]
+    created: float
+    last_used: float
+    hits: int
+    label: str
+    pins: int = 0  # entries that use this record; > 0: never evicted
+    extra: dict[str, Any] = field(default_factory=dict)  # model, kv_bits ... as the put gave
+
+    def pack(self) -> bytes:
+        d = asdict(self)
+        d.pop("key")
+        return seal(msgpack.packb(d, use_bin_type=True))
+
+    @classmethod
+    def unpack(cls, key: bytes, raw: bytes) -> BlockMeta:
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            if not isinstance(d, dict) or d.get("v") != SCHEMA_VERSION:
+                raise ValueError("not a sealed record")
+            body = d.get("body")
+            if not isinstance(body, bytes) or xxhash.xxh3_64_intdigest(body) != d.get("sum"):
+                raise CorruptEntryError(key, "record meta checksum mismatch (it was altered)")
+            meta = cls(key=key, **msgpack.unpackb(body, raw=False))
+        except CorruptEntryError:
+            raise
+        except Exception as e:
+            raise CorruptEntryError(
+                key, f"unreadable record meta ({type(e).__name__}: {e})"
+            ) from None
+        if len(meta.tokens) != 4 * (meta.end - meta.start) or not 0 <= meta.start < meta.end:
+            raise CorruptEntryError(key, "record meta does not match its token count")
+        return meta
+
+    @property
+    def ntokens(self) -> int:
+        return self.end - self.start
+
+
+def common_tokens(a: bytes, b: bytes) -> int:
+    """How many leading packed uint32 token ids `a` and `b` share."""
+    n = min(len(a), len(b)) // 4
+    if a[: 4 * n] == b[: 4 * n]:
+        return n
+    lo, hi = 0, n  # a[:4*lo] == b[:4*lo], a[:4*hi] != b[:4*hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: 4 * mid] == b[: 4 * mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class BlockStore:
+    """A view over an open Store: its environment, its `_read` / `_write` helpers."""
+
+    def __init__(self, store: Store, *, block: int = int(DEFAULTS["block_tokens"])):  # type: ignore[call-overload]
+        self.store = store
+        self.block = block
+        self._dbs: dict[bytes, Any] | None = None
+        self._open()
+
+    def _open(self) -> bool:
+        """Open the DBs (a read-only Store of an older store may not have them yet: then every
+        read is empty until the daemon creates them)."""
+        if self._dbs is not None:
+            return True
+        try:
+            self._dbs = {
+                n: self.store.env.open_db(n, create=not self.store.readonly) for n in DB_NAMES
+            }
+        except lmdb.NotFoundError:
+            return False
+        except lmdb.Error as e:
+            raise StoreError(f"{self.store.path}: cannot open the learned-block DBs: {e}") from None
+        return True
+
+    def _db(self, name: bytes):
+        return self._dbs[name]  # type: ignore[index]
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def _stat_int(self, txn, key: bytes) -> int:
+        raw = txn.get(key, db=self._db(b"bstat"))
+        return _U64.unpack(bytes(raw))[0] if raw is not None and len(raw) == 8 else 0
+
+    def _get_meta(self, txn, key: bytes) -> BlockMeta | None:
+        raw = txn.get(key, db=self._db(b"bmeta"))
+        if raw is None:
+            return None
+        try:
+            return BlockMeta.unpack(key, bytes(raw))
+        except CorruptEntryError:
+            return None
+
+    def _kids(self, txn, parent: bytes) -> list[bytes]:
+        """The record keys (fingerprint + H(end)) whose start is `parent` (fingerprint + H)."""
+        cur = txn.cursor(self._db(b"kids"))
+        out = []
+        if cur.set_range(parent):
+            for k in cur.iternext(values=False):
+                k = bytes(k)
+                if not k.startswith(parent):
+                    break
+                out.append(k[:FINGERPRINT_BYTES] + k[len(parent) :])
+        return out
+
+    def lookup(self, fingerprint: bytes, tokens: Sequence[int] | bytes) -> list[BlockMeta]:
+        """The longest chain of stored records that prefixes `tokens`, from position 0. The last
+        record may match only partly (the request diverges inside it; its `end` is unchanged):
+        the caller serves p + common_tokens of it. Stops at a missing or unreadable record."""
+        if not self._open():
+            return []
+        data = packed(tokens)
+        n = len(data) // 4
+        hashes = chain_hashes(fingerprint, data, self.block)
+
+        def walk(txn) -> list[BlockMeta]:
+            chain: list[BlockMeta] = []
+            p, hp = 0, hashes[0]
+            blobs = self._db(b"bblob")
+            while p < n:
+                full, partial, best = None, None, 0
+                for key in self._kids(txn, fingerprint + hp):
+                    meta = self._get_meta(txn, key)
+                    if meta is None or meta.start != p:
+                        continue
+                    blob = txn.get(key, db=blobs)
+                    if blob is None or len(blob) != meta.nbytes:
+                        continue  # missing or truncated: never served
+                    if meta.end <= n and (full is None or meta.end > full.end):
+                        if meta.tokens == data[4 * p : 4 * meta.end] and key[
+                            FINGERPRINT_BYTES:
+                        ] == position_hash(fingerprint, data, meta.end, self.block, hashes):
+                            full = meta
+                            continue
+                    j = common_tokens(meta.tokens, data[4 * p :])
+                    if j > best:
+                        partial, best = meta, j
+                if full is not None:
+                    chain.append(full)
+                    p, hp = full.end, full.key[FINGERPRINT_BYTES:]
+                    continue
+                if partial is not None:
+                    chain.append(partial)
+                break
+            return chain
+
+        return self.store._read(walk, buffers=True)
+
+    def stored_end(self, fingerprint: bytes, tokens: Sequence[int] | bytes) -> int:
+        """How far `tokens` is covered by a chain of whole stored records (0 if none)."""
+        n = len(packed(tokens)) // 4
+        chain = self.lookup(fingerprint, tokens)
+        if chain and (
+            chain[-1].end > n
+            or chain[-1].tokens != packed(tokens)[4 * chain[-1].start : 4 * chain[-1].end]
+        ):
+            chain = chain[:-1]
+        return chain[-1].end if chain else 0
+
+    def served(self, chain: list[BlockMeta], tokens: Sequence[int] | bytes) -> int:
+        """Tokens of `tokens` a lookup's chain serves (the last record trimmed to the match)."""
+        if not chain:
+            return 0
+        last = chain[-1]
+        return last.start + common_tokens(last.tokens, packed(tokens)[4 * last.start :])
+
+    def read_blobs(self, metas: list[BlockMeta]) -> list[bytes]:
+        """Checksummed copies of the records' blobs, in one read transaction. A missing or
+        corrupt record ends the list: the caller serves the records before it."""
+        from kvstore.store.entry import blob_checksum
+
+        if not metas or not self._open():
+            return []
+
+        def fn(txn) -> list[bytes]:
+            out = []
+            for m in metas:
+                blob = txn.get(m.key, db=self._db(b"bblob"))
+                if blob is None or len(blob) != m.nbytes or blob_checksum(blob) != m.checksum:
+                    break
+                out.append(bytes(blob))
+            return out
+
+        return self.store._read(fn, buffers=True)
+
+    def learned_bytes(self) -> int:
+        if not self._open():
+            return 0
+        return self.store._read(lambda txn: self._stat_int(txn, LEARNED_BYTES))
+
+    def written_today(self, day: str | None = None) -> int:
+        if not self._open():
+            return 0
+        key = b"day:" + (day or today()).encode()
+        return self.store._read(lambda txn: self._stat_int(txn, key))
+
+    def records(self) -> list[BlockMeta]:
+        """Every readable record's meta (stats, eviction, tests)."""
+        if not self._open():
+            return []
+
+        def fn(txn):
+            out = []
+            for k, v in txn.cursor(self._db(b"bmeta")):
+                try:
+                    out.append(BlockMeta.unpack(bytes(k), bytes(v)))
+                except CorruptEntryError:
+                    continue
+            return out
+
+        return self.store._read(fn)
+
+    def stats(self) -> dict[str, Any]:
+        """records, learned bytes, bytes written today, chains (records nothing extends)."""
+        if not self._open():
+            return {"records": 0, "bytes": 0, "written_today": 0, "chains": 0}
+        day = b"day:" + today().encode()
+
+        def fn(txn):
+            keys = [bytes(k) for k in txn.cursor(self._db(b"bmeta")).iternext(values=False)]
+            parents = {
+                bytes(k[: 2 * 16]) for k in txn.cursor(self._db(b"kids")).iternext(values=False)
+            }
+            return {
+                "records": len(keys),
+                "bytes": self._stat_int(txn, LEARNED_BYTES),
+                "written_today": self._stat_int(txn, day),
+                "chains": sum(k not in parents for k in keys),
+            }
+
+        return self.store._read(fn)
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def _add(self, txn, key: bytes, delta: int) -> None:
+        value = max(0, self._stat_int(txn, key) + delta)
+        txn.put(key, _U64.pack(value), db=self._db(b"bstat"))
+
+    def put_records(
+        self,
+        fingerprint: bytes,
+        tokens: Sequence[int] | bytes,
+        records: list[tuple[int, int, bytes]],
+        *,
+        label: str,
+        extra: dict[str, Any] | None = None,
+        day: str | None = None,
+    ) -> int:
+        """Store records (start, end, blob) of `tokens` in one write transaction; returns the
+        bytes written (a record already stored is skipped: idempotent)."""
+        from kvstore.codec.blocks import inspect
+
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise StoreError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
+        data = packed(tokens)
+        n = len(data) // 4
+        hashes = chain_hashes(fingerprint, data, self.block)
+        rows = []
+        for start, end, blob in records:
+            if not (is_cut(start, end, self.block) and end <= n):
+                raise StoreError(
+                    f"record [{start}, {end}) is not a cut of the chain (block_tokens="
+                    f"{self.block}, {n} tokens given)"
+                )
+            classes = inspect(blob, end - start, name=f"record [{start}, {end})")
+            h0 = position_hash(fingerprint, data, start, self.block, hashes)
+            h1 = position_hash(fingerprint, data, end, self.block, hashes)
+            rows.append((start, end, blob, classes, fingerprint + h0, fingerprint + h1))
+        now = time.time()
+        day_key = b"day:" + (day or today()).encode()
+        from kvstore.codec.codec import CODEC_VERSION
+        from kvstore.store.entry import blob_checksum
+
+        def fn(txn) -> int:
+            stored = self._stat_int(txn, BLOCK_TOKENS)
+            if stored and stored != self.block:
+                raise StoreError(
+                    f"{self.store.path}: its records are cut at {stored} tokens, not {self.block}"
+                )
+            if not stored:
+                txn.put(BLOCK_TOKENS, _U64.pack(self.block), db=self._db(b"bstat"))
+            written = 0
+            for start, end, blob, classes, parent, key in rows:
+                old = self._get_meta(txn, key)
+                if (
+                    old is not None
+                    and old.start == start
+                    and old.tokens == data[4 * start : 4 * end]
+                ):
+                    continue
+                if old is not None:  # unreadable or a collision: replaced
+                    self._add(txn, LEARNED_BYTES, -old.nbytes)
+                meta = BlockMeta(
+                    key=key, start=start, end=end, tokens=data[4 * start : 4 * end],
+                    nbytes=len(blob), checksum=blob_checksum(blob), codec=CODEC_VERSION,
+                    classes=classes, created=now, last_used=now, hits=0, label=label,
+                    extra=dict(extra or {}),
+                )  # fmt: skip
+                txn.put(key, meta.pack(), db=self._db(b"bmeta"))
+                txn.put(key, blob, db=self._db(b"bblob"))
+                txn.put(parent + key[FINGERPRINT_BYTES:], b"", db=self._db(b"kids"))
+                written += len(blob)
+            self._add(txn, LEARNED_BYTES, written)
+            self._add(txn, day_key, written)
+            return written
+
+        return self.store._write(fn)
+
+    def count_written(self, nbytes: int, day: str | None = None) -> None:
+        """Add learned bytes written outside records (state snapshots) to the day's counter."""
+        day_key = b"day:" + (day or today()).encode()
+        self.store._write(lambda txn: self._add(txn, day_key, nbytes))
+
+    def touch(self, keys: list[bytes], *, now: float | None = None) -> None:
+        now = now or time.time()
+
+        def fn(txn):
+            for k in set(keys):
+                meta = self._get_meta(txn, k)
+                if meta is not None:
+                    txn.put(k, replace(meta, last_used=now, hits=meta.hits + 1).pack(),
+                            db=self._db(b"bmeta"))  # fmt: skip
+
+        self.store._write(fn)
+
+    def delete(self, keys: list[bytes]) -> int:
+        """Remove records (and their kids rows); returns bytes freed."""
+
+        def fn(txn):
+            freed = 0
+            for k in keys:
+                freed += self._delete(txn, k)
+            self._add(txn, LEARNED_BYTES, -freed)
+            return freed
+
+        return self.store._write(fn)
+
+    def _delete(self, txn, key: bytes, parent: bytes | None = None) -> int:
+        meta = self._get_meta(txn, key)
+        raw = txn.get(key, db=self._db(b"bblob"))
+        size = meta.nbytes if meta is not None else (len(raw) if raw is not None else 0)
+        txn.delete(key, db=self._db(b"bmeta"))
+        txn.delete(key, db=self._db(b"bblob"))
+        if parent is not None:
+            txn.delete(parent + key[FINGERPRINT_BYTES:], db=self._db(b"kids"))
+        elif meta is not None:  # the kids row needs H(start): scan this fingerprint's rows
+            fp = key[:FINGERPRINT_BYTES]
+            cur = txn.cursor(self._db(b"kids"))
+            if cur.set_range(fp):
+                for k in cur.iternext(values=False):
+                    k = bytes(k)
+                    if not k.startswith(fp):
+                        break
+                    if k[2 * 16 :] == key[FINGERPRINT_BYTES:]:
+                        txn.delete(k, db=self._db(b"kids"))
+                        break
+        return size
+
+    def evict_learned(self, max_bytes: int) -> int:
+        """Least recently used leaf records (nothing stored extends them) go first, never a
+        record with pins > 0, until learned bytes <= max_bytes; returns bytes freed."""
+        if not self._open():
+            return 0
+        self.evicted: list[BlockMeta] = []
+
+        def fn(txn):
+            self.evicted = []  # a retried transaction starts over
+            total = self._stat_int(txn, LEARNED_BYTES)
+            if total <= max_bytes:
+                return 0
+            metas: dict[bytes, BlockMeta] = {}
+            for k, v in txn.cursor(self._db(b"bmeta")):
+                try:
+                    metas[bytes(k)] = BlockMeta.unpack(bytes(k), bytes(v))
+                except CorruptEntryError:
+                    continue
+            kids: dict[bytes, int] = {}
+            parent_of: dict[bytes, bytes] = {}
+            for k in txn.cursor(self._db(b"kids")).iternext(values=False):
+                k = bytes(k)
+                parent, child = k[:32], k[:FINGERPRINT_BYTES] + k[32:]
+                kids[parent] = kids.get(parent, 0) + 1
+                parent_of[child] = parent
+            heap = [(m.last_used, k) for k, m in metas.items() if not kids.get(k) and m.pins <= 0]
+            heapq.heapify(heap)
+            freed = 0
+            while heap and total - freed > max_bytes:
+                _, k = heapq.heappop(heap)
+                m = metas[k]
+                parent = parent_of.get(k)
+                freed += self._delete(txn, k, parent)
+                self.evicted.append(m)
+                if parent is not None and parent in metas:
+                    kids[parent] -= 1
+                    if kids[parent] == 0 and metas[parent].pins <= 0:
+                        heapq.heappush(heap, (metas[parent].last_used, parent))
+            self._add(txn, LEARNED_BYTES, -freed)
+            return freed
+
+        return self.store._write(fn)
+
+
+def learned_summary(
+    blocks: BlockStore, metas: list, settings: dict[str, Any], paused: str | None = None
+) -> dict[str, Any]:
+    """What `kvstore stats` shows of learned data: records, bytes against the learned budget,
+    today's writes against the daily budget, whether learning is paused, and the learned
+    whole-cache entries of state layouts (snapshots: entries with extra.learned)."""
+    s = blocks.stats()
+    snaps = [m for m in metas if is_snapshot(m)]
+    return {
+        "records": s["records"],
+        "chains": s["chains"],
+        "bytes": s["bytes"],
+        "budget": int(settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"])),
+        "written_today": s["written_today"],
+        "write_budget": int(
+            settings.get("learn_write_bytes_per_day", DEFAULTS["learn_write_bytes_per_day"])
+        ),
+        "paused": paused,
+        "snapshots": len(snaps),
+        "snapshot_bytes": sum(m.nbytes for m in snaps),
+    }
+
+
+def is_snapshot(meta: Any) -> bool:
+    """A learned whole-cache entry (a state layout's boundary): unpinned, extra.learned."""
+    return not meta.pinned and meta.extra.get("learned") is True

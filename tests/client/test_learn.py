@@ -1,0 +1,194 @@
+"""The client side of learned prefixes, in process: the cold tier restores what left memory (a
+chain of block records, a stored entry) instead of prefilling it, the request's tokens are counted
+by source, reporting costs the request path well under a millisecond, and a state layout's
+prefill is split at a learned boundary with the state a prefill of that prefix has."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+from kvstore import metrics
+from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.persistent import PinnedPromptCache
+from kvstore.codec import codec
+from kvstore.codec.blocks import slice_record
+from kvstore.store.blocks import BlockStore
+from kvstore.store.chain import cuts
+from kvstore.store.entry import entry_key, pack_tokens
+from kvstore.store.store import Store
+from tests.helpers import assert_same_kv, live_states, mlx_lm_prefill
+
+FP = bytes(range(16))
+KEY = "tiny"
+
+
+@pytest.fixture(scope="module")
+def llama(llama_path: Path):
+    return load_model(llama_path)[0]
+
+
+@pytest.fixture(scope="module")
+def hybrid(hybrid_path: Path):
+    return load_model(hybrid_path)[0]
+
+
+def _tokens(n: int, seed: int = 3) -> list[int]:
+    return [(7 * i + seed) % 200 + 1 for i in range(n)]
+
+
+def _source(name: str) -> float:
+    return metrics.REGISTRY.get_sample_value("kvstore_prompt_tokens_total", {"source": name}) or 0
+
+
+@pytest.fixture
+def learner_for(kv_home):
+    made = []
+
+    def make(model, lru, **kw) -> Learner:
+        learner = Learner(kv_home)
+        learner.add_target(KEY, LearnTarget(fingerprint=FP, model="tiny", model_obj=model,
+                                            extra={}, **kw))  # fmt: skip
+        lru.learner = learner
+        made.append(learner)
+        return learner
+
+    yield make
+    for learner in made:
+        learner.close(timeout=2.0)
+
+
+def test_a_miss_is_restored_from_block_records_up_to_the_divergence(llama, kv_home, learner_for):
+    tokens = _tokens(600)
+    full = mlx_lm_prefill(llama, tokens)
+    with Store(kv_home) as store:
+        records = [(s, e, slice_record(full, s, e)) for s, e in cuts(0, 600)]
+        BlockStore(store).put_records(FP, tokens, records, label="learned")
+    lru = PinnedPromptCache(max_size=1)
+    learner_for(llama, lru)
+    request = tokens[:550] + [9999, 9998, 9997]
+    before = {s: _source(s) for s in ("store", "memory", "prefill")}
+    cache, rest = lru.fetch_nearest_cache(KEY, request)
+    assert rest == request[550:]  # served up to the divergence, not a token less
+    assert_same_kv(cache, mlx_lm_prefill(llama, tokens[:550]))
+    assert _source("store") - before["store"] == 550
+    assert _source("prefill") - before["prefill"] == 3
+    # the restored KV sits in the LRU now: the next request is served from memory, still
+    # counted as the store's tokens (they were read from it)
+    cache2, rest2 = lru.fetch_nearest_cache(KEY, request)
+    assert rest2 == request[550:]
+    assert _source("store") - before["store"] == 1100
+    assert _source("memory") - before["memory"] == 0
+    # greedy continuation equals a cold prefill's
+    nxt = mx.array([request[550:]])
+    ref = mlx_lm_prefill(llama, tokens[:550])
+    assert mx.allclose(llama(nxt, cache=cache2), llama(nxt, cache=ref)).item()
+
+
+def test_an_evicted_pin_is_restored_from_its_stored_entry(llama, kv_home, learner_for):
+    pin = _tokens(300, seed=5)
+    with Store(kv_home) as store:
+        cache = mlx_lm_prefill(llama, pin)
+        blob = codec.encode(cache, {"model": "tiny"})
+        store.put(entry_key(FP, pin), blob, tokens=pack_tokens(pin), label="classify",
+                  pinned=True, model="tiny", classes=codec.cache_classes(cache))  # fmt: skip
+    lru = PinnedPromptCache(max_size=1)
+    learner_for(llama, lru)
+    lru.insert_cache(KEY, pin, mlx_lm_prefill(llama, pin))
+    other = _tokens(50, seed=9)
+    lru.insert_cache(KEY, other, mlx_lm_prefill(llama, other))  # max_size=1: the pin is gone
+    assert len(lru) == 1
+    request = pin + [11, 12, 13]
+    t0 = time.perf_counter()
+    cache, rest = lru.fetch_nearest_cache(KEY, request)
+    assert rest == [11, 12, 13]  # from the store, not a prefill
+    assert_same_kv(cache, mlx_lm_prefill(llama, pin))
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_no_store_means_prefill_as_before(llama, learner_for):
+    lru = PinnedPromptCache(max_size=2)
+    learner_for(llama, lru)
+    cache, rest = lru.fetch_nearest_cache(KEY, _tokens(100))
+    assert cache is None and rest == _tokens(100)
+
+
+def test_reporting_a_request_costs_the_request_path_under_a_millisecond(llama, learner_for):
+    """The request path: remember the prompt at fetch, one write-behind job at insert."""
+    lru = PinnedPromptCache(max_size=4)
+    learner = learner_for(llama, lru)
+    learner.writer.close(timeout=1.0)  # measure the request path, not a socket
+    prompt = _tokens(8192)
+    cache = make_prompt_cache(llama)
+    best = 1.0
+    for _ in range(20):
+        t0 = time.perf_counter()
+        learner.fetched(KEY, prompt)
+        learner.inserted(KEY, prompt + [5, 6], cache)
+        best = min(best, time.perf_counter() - t0)
+    assert best < 1e-3, f"{best * 1e3:.3f} ms"
+
+
+def test_a_state_layout_splits_its_prefill_at_a_learned_boundary(hybrid, learner_for):
+    """qwen3_5 (KV + ArraysCache layers): the cache snapshot at the boundary equals a prefill of
+    tokens[:p], and the request goes on from there."""
+    from mlx_lm.models.cache import make_prompt_cache as fresh
+
+    lru = PinnedPromptCache(max_size=4)
+    learner = learner_for(hybrid, lru)
+    assert not learner.targets[KEY].is_sliceable()
+    tokens = _tokens(400)
+    p = 300
+    learner._boundaries[KEY] = {p: tuple(tokens[:p])}
+    learner.writer.close(timeout=1.0)  # no daemon here: the snapshot put is dropped
+    cache, rest = lru.fetch_nearest_cache(KEY, tokens)
+    assert rest == tokens[p:]
+    ref = fresh(hybrid)
+    hybrid(mx.array(tokens[:p])[None], cache=ref)
+    mx.eval([c.state for c in ref])
+    for a, b in zip(live_states(cache), live_states(ref), strict=True):
+        assert a.shape == b.shape
+        assert mx.allclose(a, b, atol=1e-4).item()
+    # the boundary's state is in memory now: the next request crossing it is served from it
+    _, rest2 = lru.fetch_nearest_cache(KEY, tokens[:p] + [1, 2, 3])
+    assert rest2 == [1, 2, 3]
+
+
+def test_persistent_prompt_cache_learns_with_a_real_daemon(llama_path, kv_home, tmp_path):
+    """PersistentPromptCache(learn=True): two calls sharing a system prompt are learned and
+    acknowledged; a new cache object (a restarted app, nothing hydrated: no pins) is served
+    the shared prefix from the store on its first call."""
+    from helpers import Proc, serving
+    from mlx_lm import load
+
+    from kvstore.client import PersistentPromptCache, generate
+
+    model, tok = load(str(llama_path))
+    system = "You are a careful assistant for a hardware shop. " * 30
+
+    def prompt(user: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True)
+
+    a, b, c = prompt("Do you sell hammers?"), prompt("When do you open?"), prompt("Any nails?")
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        with PersistentPromptCache(model, tok, llama_path, home=kv_home, learn=True) as first:
+            generate(first, model, tok, a, max_tokens=2)
+            generate(first, model, tok, b, max_tokens=2)
+            assert first.flush(10.0)
+            assert first.learner.reported == 2 and first.learner.records_sent > 0
+        assert d.request("stats")["learned"]["records"] > 0
+        with PersistentPromptCache(model, tok, llama_path, home=kv_home, learn=True) as second:
+            assert second.report.entries == 0  # nothing pinned: only learned records
+            generate(second, model, tok, c, max_tokens=2)
+            assert second.stats.calls[-1].cached_tokens >= shared
+    with PersistentPromptCache(model, tok, llama_path, home=kv_home) as off:  # learn=False
+        assert off.learner is None
+        generate(off, model, tok, c, max_tokens=2)
+        assert off.stats.calls[-1].cached_tokens == 0

@@ -1,0 +1,262 @@
+"""Learned prefixes through real processes: a `kvstore daemon` and `kvstore serve` subprocesses.
+
+Two requests share a system prompt; the daemon learns it and acknowledges its KV within seconds,
+so a `kill -9` of the server loses nothing: after a restart, with no manifest, the first request
+is served the shared prefix from the store. SIGTERM drains what is queued. A request diverging
+inside the stored prefix is served up to the divergence and answers as a cold server does.
+`/metrics` counts the tokens by source.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from helpers import Proc, serving
+
+START_TIMEOUT = 90.0
+REQUEST_TIMEOUT = 60.0
+ACK_TIMEOUT = 10.0  # seconds from the request that made a prefix learnable to its ack
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = (
+    "You are the support router of a small online shop. Read the customer's message and answer "
+    "with exactly one label from this list: billing, shipping, returns, account, product, other. "
+    "Billing covers invoices, double charges, refunds already approved and payment methods. "
+    "Shipping covers delivery dates, tracking numbers, lost parcels and customs. Returns covers "
+    "return labels, exchanges and the thirty day window. Account covers passwords, email changes "
+    "and deleting an account. Product covers sizes, materials, care and stock. Anything else is "
+    "other. Never explain the label, never greet, never apologise; one word, lower case. "
+) * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """One `kvstore serve` subprocess and its log."""
+
+    def __init__(self, home: Path, model: Path, log: Path, *extra: str):
+        self.port, self.log = _free_port(), log
+        self.out = log.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore.cli.main", "serve", "--home", str(home),
+             "--model", str(model), "--port", str(self.port), *extra],
+            stdout=self.out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"serve exited:\n{self.log.read_text()}"
+            try:
+                if self.get("/health")[0] == 200:
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"serve not ready in {START_TIMEOUT}s:\n{self.log.read_text()}")
+
+    def chat(self, user: str, system: str = SYSTEM) -> dict:
+        body = dict(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+            max_tokens=6,
+            temperature=0.0,
+        )
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+            return json.loads(r.read())
+
+    def metric(self, source: str) -> float:
+        _, body = self.get("/metrics")
+        for line in body.decode().splitlines():
+            if line.startswith(f'kvstore_prompt_tokens_total{{source="{source}"}}'):
+                return float(line.split()[-1])
+        raise AssertionError(f"no prompt tokens metric for {source}:\n{body.decode()}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.out.close()
+        return self.proc.returncode
+
+
+def _cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _answer(reply: dict) -> str:
+    return reply["choices"][0]["message"]["content"]
+
+
+def _shared_tokens(model: Path, a: str, b: str, system_b: str = SYSTEM) -> int:
+    """Tokens the chat prompts of users `a` (SYSTEM) and `b` (`system_b`) share."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model)
+
+    def ids(user: str, system: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True)
+
+    x, y = ids(a, SYSTEM), ids(b, system_b)
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+def _wait_learned(d: Proc) -> dict:
+    deadline = time.monotonic() + ACK_TIMEOUT
+    while True:
+        learned = d.request("stats").get("learned") or {}
+        if learned.get("records") or learned.get("snapshots"):
+            return learned
+        assert time.monotonic() < deadline, f"nothing learned in {ACK_TIMEOUT}s:\n{d.text()}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def daemon(kv_home, tmp_path):
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        yield d
+
+
+def test_a_learned_prefix_survives_kill_9_and_serves_the_first_request(
+    llama_path, kv_home, tmp_path, daemon
+):
+    log = tmp_path / "serve.log"
+    shared = _shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    assert shared >= 200
+    s = Serve(kv_home, llama_path, log)
+    try:
+        s.wait_ready()
+        assert s.get("/metrics")[0] == 200
+        s.chat("My invoice was charged twice.")
+        s.chat("Where is my parcel?")
+        _wait_learned(daemon)  # acknowledged: the KV is in the store
+        time.sleep(1.0)
+    finally:
+        s.stop(signal.SIGKILL)
+    s = Serve(kv_home, llama_path, log)
+    try:
+        s.wait_ready()
+        first = s.chat("How do I reset my password?")
+        assert _cached(first) >= 0.99 * shared, log.read_text()
+        assert s.metric("store") >= 0.99 * shared
+        before = s.metric("prefill")
+        s.chat("Is the blue shirt in stock?")
+        assert s.metric("prefill") > before  # the new user turn is prefilled
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_and_a_diverging_request_answers_as_a_cold_server(
+    llama_path, kv_home, tmp_path, daemon
+):
+    log = tmp_path / "serve.log"
+    s = Serve(kv_home, llama_path, log)
+    try:
+        s.wait_ready()
+        s.chat("My invoice was charged twice.")
+        s.chat("Where is my parcel?")
+    finally:
+        assert s.stop(signal.SIGTERM) == 0, log.read_text()
+    assert "learn queue drained" in log.read_text()
+    _wait_learned(daemon)
+    # diverge inside the stored prefix: the second copy of the system prompt changes a word
+    half = len(SYSTEM) // 2
+    changed = SYSTEM[: half + 40] + SYSTEM[half + 40 :].replace("Billing", "Payments", 1)
+    shared = _shared_tokens(llama_path, "x", "y")
+    s = Serve(kv_home, llama_path, log)
+    try:
+        s.wait_ready()
+        warm = s.chat("My card was charged twice.", system=changed)
+        divergence = _shared_tokens(llama_path, "x", "My card was charged twice.", changed)
+        assert 0 < divergence < shared
+        assert _cached(warm) == divergence, log.read_text()  # served up to it, not a token less
+    finally:
+        s.stop()
+    cold = Serve(tmp_path / "cold-home", llama_path, tmp_path / "cold.log", "--no-learn")
+    try:
+        cold.wait_ready()
+        ref = cold.chat("My card was charged twice.", system=changed)
+        assert _cached(ref) == 0
+    finally:
+        cold.stop()
+    assert _answer(warm) == _answer(ref)
+    assert warm["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+
+
+def test_health_waits_for_the_warm_up_and_no_learn_reports_nothing(
+    llama_path, kv_home, tmp_path, daemon
+):
+    log = tmp_path / "serve.log"
+    s = Serve(kv_home, llama_path, log, "--no-learn")
+    try:
+        s.wait_ready()
+        assert "kvstore: warm-up pass" in log.read_text()
+        assert "kvstore: ready" in log.read_text()
+        s.chat("My invoice was charged twice.")
+        s.chat("Where is my parcel?")
+        assert s.metric("prefill") > 0
+        time.sleep(1.0)
+    finally:
+        s.stop()
+    learned = daemon.request("stats").get("learned") or {}
+    assert not learned.get("records") and not learned.get("snapshots")
+
+
+def test_a_hybrid_model_learns_a_snapshot_at_the_shared_boundary(
+    hybrid_path, kv_home, tmp_path, daemon
+):
+    """qwen3_5 (state layers): the daemon asks for a snapshot at the shared boundary; the next
+    request crossing it splits its prefill there and sends it; a restarted server is served it."""
+    log = tmp_path / "serve.log"
+    shared = _shared_tokens(hybrid_path, "My invoice was charged twice.", "Where is my parcel?")
+    s = Serve(kv_home, hybrid_path, log)
+    try:
+        s.wait_ready()
+        s.chat("My invoice was charged twice.")
+        s.chat("Where is my parcel?")
+        time.sleep(1.0)  # the daemon's reply to that report names the boundary
+        s.chat("How do I reset my password?")  # crosses the boundary: split and sent
+        learned = _wait_learned(daemon)
+        assert learned.get("snapshots"), learned
+    finally:
+        assert s.stop() == 0, log.read_text()
+    s = Serve(kv_home, hybrid_path, log)
+    try:
+        s.wait_ready()
+        first = s.chat("Is the blue shirt in stock?")
+        assert _cached(first) >= 0.99 * shared, log.read_text()
+    finally:
+        s.stop()

@@ -1,0 +1,107 @@
+"""Learned block records in their own DBs: shared starts stored once, lookup walks and trims,
+corruption ends a chain, LRU of leaves never takes pinned records, entries never see them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvstore.codec.blocks import slice_record
+from kvstore.errors import StoreError
+from kvstore.store.blocks import BlockStore, learned_summary, today
+from kvstore.store.chain import cuts
+from kvstore.store.store import Store
+
+FP = bytes(range(16))
+
+
+def kv(n: int) -> list:
+    c = KVCache()
+    x = mx.arange(n * 8, dtype=mx.float32).reshape(1, 1, n, 8)
+    c.update_and_fetch(x, -x)
+    return [c]
+
+
+def records(cache: list, start: int, end: int) -> list[tuple[int, int, bytes]]:
+    return [(s, e, slice_record(cache, s, e)) for s, e in cuts(start, end)]
+
+
+def test_shared_start_is_stored_once_and_a_growing_prompt_adds_only_new_records(tmp_path):
+    a = list(range(1, 801))
+    b = a[:700] + [5000 + i for i in range(100)]
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        first = blocks.put_records(FP, a, records(kv(800), 0, 800), label="x")
+        assert blocks.put_records(FP, a, records(kv(800), 0, 800), label="x") == 0  # idempotent
+        assert blocks.stored_end(FP, b) == 512  # [512, 768) diverges at 700
+        chain = blocks.lookup(FP, b)
+        assert [m.end for m in chain] == [256, 512, 768] and blocks.served(chain, b) == 700
+        more = blocks.put_records(FP, b, records(kv(800), 512, 800), label="x")
+        assert blocks.learned_bytes() == first + more == blocks.written_today()
+        assert blocks.stats()["records"] == 6 and blocks.stats()["chains"] == 2
+        grown = a + [9] * 300  # a conversation's next turn: only [800, 1100) is new
+        assert blocks.stored_end(FP, grown) == 800
+        blocks.put_records(FP, grown, records(kv(1100), 800, 1100), label="x")
+        assert blocks.stats()["records"] == 8
+        assert [m.end for m in blocks.lookup(FP, grown)][-3:] == [800, 1024, 1100]
+        assert store.metas() == [] and store.stats()["entries"] == 0  # entries never see them
+    with Store(tmp_path, readonly=True) as ro:  # a client process reads without writing
+        assert BlockStore(ro).stored_end(FP, grown) == 1100
+
+
+def test_put_refuses_what_is_not_a_cut_or_a_record(tmp_path):
+    toks = list(range(600))
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        with pytest.raises(StoreError, match="not a cut"):
+            blocks.put_records(FP, toks, [(200, 300, slice_record(kv(300), 200, 300))], label="")
+        with pytest.raises(Exception, match="positions"):
+            blocks.put_records(FP, toks, [(0, 256, slice_record(kv(300), 0, 255))], label="")
+        assert blocks.stats()["records"] == 0
+
+
+def test_a_corrupt_record_ends_the_chain_before_it(tmp_path):
+    toks = list(range(1, 801))
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        blocks.put_records(FP, toks, records(kv(800), 0, 800), label="x")
+        chain = blocks.lookup(FP, toks)
+        bad = chain[2].key
+        blob = bytearray(store._read(lambda t: bytes(t.get(bad, db=blocks._db(b"bblob")))))
+        blob[-5] ^= 0xFF
+        store._write(lambda t: t.put(bad, bytes(blob), db=blocks._db(b"bblob")))
+        assert len(blocks.read_blobs(chain)) == 2  # [0,256) and [256,512): served, never garbage
+        store._write(lambda t: t.delete(bad, db=blocks._db(b"bblob")))
+        assert [m.end for m in blocks.lookup(FP, toks)] == [256, 512]  # missing: not walked
+
+
+def test_learned_lru_evicts_leaves_oldest_first_never_pinned(tmp_path):
+    a = list(range(1, 601))
+    b = a[:256] + [7000 + i for i in range(344)]
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        blocks.put_records(FP, a, records(kv(600), 0, 600), label="x")
+        blocks.put_records(FP, b, records(kv(600), 256, 600), label="x")
+        chain_b = blocks.lookup(FP, b)
+        blocks.touch([m.key for m in chain_b], now=10**10)  # b was used last
+        # pin a's leaf: it must survive
+        leaf_a = blocks.lookup(FP, a)[-1]
+        store._write(
+            lambda t: t.put(leaf_a.key, replace(leaf_a, pins=1).pack(), db=blocks._db(b"bmeta"))
+        )
+        total = blocks.learned_bytes()
+        freed = blocks.evict_learned(total - 1)
+        assert freed > 0 and blocks.learned_bytes() == total - freed
+        ends_a = [m.end for m in blocks.lookup(FP, a)]
+        assert ends_a == [256, 512, 600]  # the pinned leaf kept its chain
+        assert [m.end for m in blocks.lookup(FP, b)][-1] < 600  # b's unpinned leaf went
+        blocks.evict_learned(0)
+        assert [m.end for m in blocks.lookup(FP, a)] == [256, 512, 600]
+        left = blocks.records()
+        assert len(left) == 3 and blocks.learned_bytes() == sum(m.nbytes for m in left)
+        s = learned_summary(blocks, store.metas(), {"learned_max_bytes": 10})
+        assert s["records"] == 3 and s["budget"] == 10 and s["written_today"] > 0
+        assert blocks.written_today(today()) == s["written_today"]

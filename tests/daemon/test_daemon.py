@@ -17,10 +17,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
-from kvstore.cli.main import main
 from kvstore.errors import DaemonError, ProtocolError
 from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
@@ -403,9 +401,8 @@ def test_another_uid_is_refused_before_anything_is_read(shared):
 
 
 def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama_path):
-    runner = CliRunner()
     home = ["--home", str(shared.home)]
-    r = runner.invoke(main, ["warm", "--manifest", str(shared.manifest), *home])
+    r = cli("warm", "--manifest", shared.manifest, *home)
     assert r.exit_code == 0, r.output
     assert "0 warmed, 2 present" in r.output
     shared.wait_log("request warm")
@@ -414,21 +411,31 @@ def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama
     with Store(shared.home, readonly=True) as store:
         ids = store.get_meta(bytes.fromhex(key)).token_ids()
     out = tmp_path / "synth.safetensors"
-    assert runner.invoke(main, ["export", key, str(out), *home]).exit_code == 0
-    r = runner.invoke(main, ["evict", key[32:48], *home])  # the prefix hash part
+    assert cli("export", key, out, *home).exit_code == 0
+    r = cli("evict", key[32:48], *home)  # the prefix hash part
     assert r.exit_code == 0 and "evicted 1 entry" in r.output, r.output
     shared.wait_log("evicted " + key)
     assert key not in entries(shared.home)
 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(ids))
-    r = runner.invoke(main, ["import", str(out), "--model", str(llama_path), "--tokens",
-                             str(tokens), "--label", "synthesize", "--pin", *home])  # fmt: skip
+    r = cli(
+        "import",
+        out,
+        "--model",
+        llama_path,
+        "--tokens",
+        tokens,
+        "--label",
+        "synthesize",
+        "--pin",
+        *home,
+    )
     assert r.exit_code == 0, r.output
     shared.wait_log("request put")
     assert entries(shared.home)[key]["pinned"]
     # the daemon holds no stale state: a warm now finds the pin present again
-    r = runner.invoke(main, ["warm", "--manifest", str(shared.manifest), *home])
+    r = cli("warm", "--manifest", shared.manifest, *home)
     assert r.exit_code == 0 and "0 warmed, 2 present" in r.output, r.output
 
 
@@ -568,7 +575,7 @@ def test_evict_to_size_zero_evicts_every_unpinned_entry(shared, make_entry):
     )
     with DaemonClient(shared.home) as c:
         c.put(*make_entry("zero-cli", [650] * 40))
-    r = CliRunner().invoke(main, ["evict", "--to-size", "0", "--home", str(shared.home)])
+    r = cli("evict", "--to-size", "0", "--home", shared.home)
     assert r.exit_code == 0 and "evicted 1 entry" in r.output, r.output
 
 
@@ -599,7 +606,7 @@ def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
         with pytest.raises(DaemonError, match="is busy \\(too many connections\\); try again"):
             connect(shared.home)
         # the CLI refuses rather than writing the store beside the daemon
-        r = CliRunner().invoke(main, ["evict", "--all", "--home", str(shared.home)])
+        r = cli("evict", "--all", "--home", shared.home)
         assert r.exit_code == 1 and "busy" in r.output, r.output
     finally:
         for c in held:
@@ -618,16 +625,16 @@ def test_verify_repair_goes_through_the_daemon(shared):
     with Store(shared.home) as store:  # damage made behind the daemon's back
         store.put(key, b"\x00" * 100, tokens=pack_tokens([1, 2]), label="garbage")
     home = ["--home", str(shared.home)]
-    r = CliRunner().invoke(main, ["verify", *home])  # a plain verify reads directly
+    r = cli("verify", *home)  # a plain verify reads directly
     assert r.exit_code == 1 and f"bad entry {key.hex()}" in r.output, r.output
     assert "request repair" not in shared.text()
-    r = CliRunner().invoke(main, ["verify", "--repair", *home])
+    r = cli("verify", "--repair", *home)
     assert r.exit_code == 1 and f"bad entry {key.hex()}" in r.output, r.output
     assert "(deleted)" in r.output
     shared.wait_log("request repair")
     shared.wait_log(f"repair: deleted entry {key.hex()}")
     assert key.hex() not in entries(shared.home)
-    r = CliRunner().invoke(main, ["verify", "--repair", *home])
+    r = cli("verify", "--repair", *home)
     assert r.exit_code == 0 and "entries ok" in r.output, r.output
 
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 import sys
 import time
 
-from click.testing import CliRunner
-from helpers import CLASSIFY, Proc, serving
+from helpers import CLASSIFY, Proc, cli, serving
 
-from kvstore.cli.main import main
 from kvstore.daemon.lifecycle import available_memory_bytes, memory_to_load
 
 FAKE_MEMORY = """
@@ -57,10 +55,10 @@ def test_a_warm_short_of_memory_is_deferred_then_done_when_memory_allows(tmp_pat
         assert "not enough memory to load model" in deferred[str(manifest)]["reason"]
 
         args = ["--home", str(home)]
-        r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), *args])
+        r = cli("warm", "--manifest", manifest, *args)
         assert r.exit_code == 0, r.output
         assert r.output.count("deferred  ") == 2 and "2 deferred" in r.output, r.output
-        r = CliRunner().invoke(main, ["stats", *args])
+        r = cli("stats", *args)
         assert f"deferred       warm of {manifest}: not enough memory" in r.output, r.output
 
         time.sleep(1.0)  # several re-checks, none of which may load or say it again

@@ -8,7 +8,7 @@ import shutil
 import time
 
 import pytest
-from helpers import CLASSIFY, Proc, serving
+from helpers import CLASSIFY, Proc, cli, serving
 
 from kvstore.wire.daemon_client import DaemonClient
 
@@ -136,9 +136,6 @@ def test_weight_change_replaces_every_entry_of_the_old_fingerprint(watched):
 def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path, llama_path):
     """Warming a second manifest through the daemon adds its files to the running watcher: an
     edit made just before (not yet checked) is still reported, and the new files are watched."""
-    from click.testing import CliRunner
-
-    from kvstore.cli.main import main
 
     (tmp_path / "router.md").write_text(CLASSIFY)
     first = tmp_path / "pins.toml"
@@ -165,7 +162,7 @@ def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path
         # An edit the watcher has seen but not yet checked (inside its debounce window) ...
         (tmp_path / "router.md").write_text(CLASSIFY.replace("JSON only", "one word only"))
         # ... then a warm request names a new manifest: the running watcher must keep it.
-        r = CliRunner().invoke(main, ["warm", "--manifest", str(second), "--home", str(home)])
+        r = cli("warm", "--manifest", second, "--home", home)
         assert r.exit_code == 0 and "1 warmed" in r.output, r.output
         deadline = time.monotonic() + 30
         # The reconcile purges the old pin before it warms the new one: absent in between.

@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from click.testing import CliRunner
 
 from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, Weed
 
 __all__ = ["ACCESS_KEY", "ADMIN_KEY", "ADMIN_SECRET", "BUCKET", "SECRET_KEY", "Weed"]
-__all__ += ["big_entry", "box", "cli", "queue_counts", "remote_of", "wait_for"]
+__all__ += ["big_entry", "box", "queue_counts", "remote_of", "wait_for"]
 
 
 def box(
@@ -30,13 +29,6 @@ def box(
     lines = [f"{k} = {json.dumps(v)}" for k, v in table.items()]
     (home / "settings.toml").write_text("[remote]\n" + "\n".join(lines) + "\n")
     return home
-
-
-def cli(*args: str):
-    """`kvstore ARGS` in this process (CliRunner), as a user would type it."""
-    from kvstore.cli.main import main
-
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
 
 def remote_of(home: Path):

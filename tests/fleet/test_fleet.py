@@ -11,20 +11,17 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from click.testing import CliRunner
 from fleet_helpers import (
     BUCKET,
     big_entry,
     box,
-    cli,
     remote_of,
     wait_for,
 )
-from helpers import TWO_PINS, Proc, assert_same_kv, manifest_for, serving
+from helpers import TWO_PINS, Proc, assert_same_kv, cli, manifest_for, serving
 from mlx_lm import load
 
 from bench.weed import OTHER_BUCKET
-from kvstore.cli.main import main
 from kvstore.codec import codec
 from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher, choose
@@ -255,7 +252,7 @@ def test_without_boto3_a_warm_is_local_and_says_why(s3, llama_path, tmp_path):
     home = box(tmp_path / "a", s3)
     manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
     with mock.patch.dict(sys.modules, {"boto3": None}):  # as on a box without the fleet extra
-        r = CliRunner().invoke(main, ["warm", "--manifest", manifest, "--home", str(home)])
+        r = cli("warm", "--manifest", manifest, "--home", home)
     assert r.exit_code == 0 and "2 warmed" in r.output
     assert "needs boto3: pip install 'kvstore[fleet]'" in r.output
 

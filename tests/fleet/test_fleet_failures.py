@@ -17,12 +17,11 @@ from fleet_helpers import (
     Weed,
     big_entry,
     box,
-    cli,
     queue_counts,
     remote_of,
     wait_for,
 )
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
 from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher

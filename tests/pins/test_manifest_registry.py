@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for, serving
-
-from kvstore.cli.main import main
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
 THIRD = """
 [[model.prefix]]
@@ -21,7 +18,7 @@ messages = [{ role = "system", content = "You are the third stage: check the pla
 
 
 def _cli(home, *args: str, ok: bool = True):
-    r = CliRunner().invoke(main, [*args, "--home", str(home)])
+    r = cli(*args, "--home", home)
     assert (r.exit_code == 0) == ok, r.output
     return r
 

@@ -22,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # template_families is imported top-level
 
+from helpers import cli
 from template_families import (  # noqa: E402
     BY_NAME,
     FAMILIES,
@@ -328,22 +329,18 @@ if __name__ == "__main__":
 def test_analyze_says_single_turn_only_for_mistral_nemo(family_models, tmp_path) -> None:  # noqa: F811
     import json
 
-    from click.testing import CliRunner
-
-    from kvstore.cli.main import main
-
     capture = tmp_path / "captured.jsonl"
     system = {"role": "system", "content": SYSTEM_PROMPT}
     calls = [{"stage": "support", "messages": [system, {"role": "user", "content": u}]}
              for u in USER_TURNS]  # fmt: skip
     capture.write_text("".join(json.dumps(c) + "\n" for c in calls))
     model = family_models.path("mistral_nemo")
-    table = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(model)])
+    table = cli("analyze", capture, "--model", model)
     assert table.exit_code == 0, table.output
     assert "single-turn only" in table.output
     assert "moves it to the last user turn" in table.output
     qwen = family_models.path("qwen3")
-    res = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(qwen), "--json"])
+    res = cli("analyze", capture, "--model", qwen, "--json")
     (report,) = json.loads(res.output)
     assert report["pin_multi_turn"] is True and report["pin_warning"] is None
     assert report["pin_tokens"] >= report["stable_tokens"] - 1 > 0

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, manifest_for
+from helpers import TWO_PINS, cli, manifest_for
 from mlx_lm.models.cache import LRUPromptCache
 
-from kvstore.cli.main import main
 from kvstore.client import hydrate
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.pins.manifest import load_manifest
@@ -61,7 +59,7 @@ def _assert_refused_everywhere(home, llama_path, bad: EntryMeta, good: EntryMeta
     report = hydrate(lru, "m", llama_path, home=home)
     assert report.labels == [good.label]  # the damaged pin is never inserted
     assert any(bad.key.hex() in s for s in report.skipped)
-    result = CliRunner().invoke(main, ["verify", "--home", str(home)])
+    result = cli("verify", "--home", home)
     assert result.exit_code == 1 and f"bad entry {bad.key.hex()}" in result.output
     assert good.key.hex() not in result.output
 

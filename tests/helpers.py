@@ -162,6 +162,15 @@ class Proc:
         return wait_for(lambda: self.request("stats")["daemon"]["last_warm"], START_TIMEOUT,
                         self.text, proc=self.p)  # fmt: skip
 
+    def next_warm(self, after: float) -> dict:
+        """The first reconcile that ends after the one at `after` (its `last_warm`)."""
+
+        def newer():
+            w = self.request("stats")["daemon"]["last_warm"]
+            return w if w is not None and w["at"] != after else None
+
+        return wait_for(newer, START_TIMEOUT, self.text, proc=self.p)
+
     def wait_log(self, text: str, timeout: float = WAIT_TIMEOUT) -> None:
         wait_for(lambda: text in self.text(), timeout, lambda: f"{text!r} in:\n{self.text()}")
 

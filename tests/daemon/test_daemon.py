@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from helpers import TWO_PINS, Proc, cli, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.errors import DaemonError, ProtocolError
 from kvstore.store.store import Store
@@ -161,20 +161,9 @@ def test_a_home_too_deep_for_sun_path_serves_on_the_fallback(tmp_path):
 def test_sighup_reconciles(shared):
     before = shared.request("stats")["daemon"]["last_warm"]["at"]
     os.kill(shared.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while (w := shared.request("stats")["daemon"]["last_warm"])["at"] == before:
-        assert time.monotonic() < deadline, shared.text()
-        time.sleep(0.05)
+    w = shared.next_warm(before)
     assert w["cause"] == "SIGHUP" and w["present"] == 2 and w["warmed"] == 0
     assert "SIGHUP: re-reading" in shared.text()
-
-
-def _next_warm(d: Proc, after: float) -> dict:
-    deadline = time.monotonic() + 30
-    while (w := d.request("stats")["daemon"]["last_warm"])["at"] == after:
-        assert time.monotonic() < deadline, d.text()
-        time.sleep(0.05)
-    return w
 
 
 def test_manifest_edit_rewarms_only_the_changed_pin(shared):
@@ -183,7 +172,7 @@ def test_manifest_edit_rewarms_only_the_changed_pin(shared):
     at = shared.request("stats")["daemon"]["last_warm"]["at"]
     try:
         shared.manifest.write_text(original.replace("You are the writer.", "You are the editor."))
-        w = _next_warm(shared, at)
+        w = shared.next_warm(at)
         assert w["cause"].startswith("files changed") and (w["warmed"], w["purged"]) == (1, 1)
         after = {e["label"]: (k, e["created"]) for k, e in entries(shared.home).items()}
         assert after["classify"] == before["classify"]  # untouched pin: same key, same created
@@ -193,7 +182,7 @@ def test_manifest_edit_rewarms_only_the_changed_pin(shared):
     finally:
         at = shared.request("stats")["daemon"]["last_warm"]["at"]
         shared.manifest.write_text(original)
-        _next_warm(shared, at)
+        shared.next_warm(at)
     assert {e["label"] for e in entries(shared.home).values()} == {"classify", "synthesize"}
 
 
@@ -291,6 +280,22 @@ def _raw(home: Path) -> socket.socket:
     return s
 
 
+def _wait_not_busy(d: Proc) -> None:
+    """Until the daemon takes a connection again (not `busy`: the slots of closed ones freed)."""
+
+    def accepted() -> bool:
+        try:
+            c = connect(d.home)
+        except DaemonError as e:
+            assert "busy" in str(e), e
+            return False
+        assert c is not None, d.text()
+        c.close()
+        return True
+
+    wait_for(accepted, what=d.text)
+
+
 def _reply_or_close(s: socket.socket) -> dict | None:
     try:
         return protocol.recv(s, timeout=5)
@@ -359,7 +364,7 @@ def test_silent_connections_time_out_and_the_cap_holds(shared):
     finally:
         for c in held:
             c.close()
-    time.sleep(0.2)
+    _wait_not_busy(shared)  # the daemon frees the held connections' slots as it sees them close
     assert shared.request("ping")["pid"] == shared.pid
 
 
@@ -611,7 +616,7 @@ def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
     finally:
         for c in held:
             c.close()
-    time.sleep(0.2)
+    _wait_not_busy(shared)
     assert {"classify", "synthesize"} <= {e["label"] for e in entries(shared.home).values()}
     c = connect(shared.home)
     assert c is not None
@@ -642,7 +647,7 @@ _SLOW_LS = """
 import sys, time
 from kvstore.daemon.commands import Commands
 def slow_ls(self, args, conn):
-    self.store._read(lambda txn: time.sleep(30))  # stuck inside a read transaction
+    self.store._read(lambda txn: print("inside the read", flush=True) or time.sleep(30))
     return []
 Commands.cmd_ls = slow_ls
 from kvstore.cli.main import main
@@ -656,7 +661,7 @@ def test_shutdown_never_closes_the_store_under_a_busy_connection(tmp_path):
     s = _raw(d.home)
     try:
         protocol.send(s, {"cmd": "ls"})
-        time.sleep(0.5)  # the connection thread is inside the read now
+        d.wait_log("inside the read")  # the connection thread is stuck inside a read
         rc, seconds = d.stop(signal.SIGTERM)
     finally:
         s.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from helpers import CLASSIFY, Proc, cli, serving
+from helpers import CLASSIFY, Proc, cli, serving, wait_for
 
 from kvstore.daemon.lifecycle import available_memory_bytes, memory_to_load
 
@@ -66,10 +66,8 @@ def test_a_warm_short_of_memory_is_deferred_then_done_when_memory_allows(tmp_pat
         assert "loading" not in d.text() and d.request("ls") == []
 
         fake.write_text(str(need))  # memory is available now
-        deadline = time.monotonic() + 30
-        while (stats := d.request("stats")["daemon"])["deferred"]:
-            assert time.monotonic() < deadline, d.text()
-            time.sleep(0.05)
+        wait_for(lambda: not d.request("stats")["daemon"]["deferred"], what=d.text)
+        stats = d.request("stats")["daemon"]
         assert stats["pid"] == d.pid and len(d.request("ls")) == 2
         assert stats["last_warm"]["cause"] == "memory available"
         assert (stats["last_warm"]["warmed"], stats["last_warm"]["models_loaded"]) == (2, 1)

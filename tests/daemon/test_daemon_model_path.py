@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -49,11 +48,7 @@ def point_at(d: Proc, model: Path) -> dict:
     tmp = d.manifest.with_suffix(".tmp")
     tmp.write_text(MANIFEST.format(model=model))
     os.replace(tmp, d.manifest)
-    deadline = time.monotonic() + 30
-    while (w := d.request("stats")["daemon"]["last_warm"])["at"] == at:
-        assert time.monotonic() < deadline, d.text()
-        time.sleep(0.05)
-    return w
+    return d.next_warm(at)
 
 
 def same_entries(before: dict[str, dict], after: dict[str, dict]) -> None:

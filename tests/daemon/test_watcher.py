@@ -11,6 +11,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from helpers import wait_for
 from watchdog.events import FileModifiedEvent
 from watchdog.observers import Observer
 
@@ -218,10 +219,7 @@ def test_an_emitter_that_dies_in_its_thread_hands_over_to_polling(prompt, caplog
         w = _start(lambda: [prompt], calls, poll_interval=poll)
     try:
         assert w.mode == "watchdog"  # schedule and start raised nothing: only the thread died
-        deadline = time.monotonic() + poll * 2 + 1
-        while w.mode != "polling":
-            assert time.monotonic() < deadline, "polling did not take over"
-            time.sleep(0.05)
+        wait_for(lambda: w.mode == "polling", what="polling to take over")
         assert "file-event emitter" in caplog.text and "re-hashing" in caplog.text
         prompt.write_text("changed after the emitter died")
         assert calls.wait(timeout=poll * 3) == [{prompt}]

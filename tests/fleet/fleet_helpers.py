@@ -4,7 +4,6 @@ process, a stored KV entry of a chosen size."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,7 +11,7 @@ import mlx.core as mx
 from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, Weed
 
 __all__ = ["ACCESS_KEY", "ADMIN_KEY", "ADMIN_SECRET", "BUCKET", "SECRET_KEY", "Weed"]
-__all__ += ["big_entry", "box", "queue_counts", "remote_of", "wait_for"]
+__all__ += ["big_entry", "box", "queue_counts", "remote_of"]
 
 
 def box(
@@ -47,13 +46,6 @@ def queue_counts(home: Path) -> dict:
         return q.counts()
     finally:
         q.close()
-
-
-def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def big_entry(store, fp: bytes, tokens: int, seed: int = 0) -> bytes:

@@ -16,9 +16,8 @@ from fleet_helpers import (
     big_entry,
     box,
     remote_of,
-    wait_for,
 )
-from helpers import TWO_PINS, Proc, assert_same_kv, cli, manifest_for, serving
+from helpers import TWO_PINS, Proc, assert_same_kv, cli, manifest_for, serving, wait_for
 from mlx_lm import load
 
 from bench.weed import OTHER_BUCKET

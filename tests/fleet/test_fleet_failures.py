@@ -19,9 +19,8 @@ from fleet_helpers import (
     box,
     queue_counts,
     remote_of,
-    wait_for,
 )
-from helpers import TWO_PINS, Proc, cli, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher
@@ -165,14 +164,16 @@ def test_local_puts_never_wait_on_a_silent_remote(tmp_path):
     try:
         home = tmp_path / "a"
         home.mkdir(mode=0o700)
-        rs = RemoteSettings(f"http://127.0.0.1:{port}", BUCKET, read_timeout=1.0,
+        rs = RemoteSettings(f"http://127.0.0.1:{port}", BUCKET, read_timeout=5.0,
                             access_key_id="k", secret_access_key="s")  # fmt: skip
         with Store(home) as store:
             worker = start_uploader(Remote(rs), store, home)
+            held = []
             try:
                 big_entry(store, b"\1" * 16, 16, seed=1)
                 wait_for(lambda: worker.queue.pending() and worker.is_alive(), what="a queued key")
-                time.sleep(0.2)  # the worker is now inside its request to the silent remote
+                silent.settimeout(60)
+                held.append(silent.accept()[0])  # the worker is inside its request to it now
                 t = time.perf_counter()
                 key = big_entry(store, b"\1" * 16, 16, seed=2)
                 assert time.perf_counter() - t < 0.5  # committed and queued, not uploaded
@@ -180,6 +181,8 @@ def test_local_puts_never_wait_on_a_silent_remote(tmp_path):
                 assert not worker.stop(timeout=0.1)  # still in flight: the daemon says so
             finally:
                 silent.close()
+                for conn in held:
+                    conn.close()  # the request ends at once rather than at its read timeout
                 worker.stop(timeout=10)
             assert not worker.is_alive() and len(worker.queue.pending()) == 2  # kept
             worker.queue.close()

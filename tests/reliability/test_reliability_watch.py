@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import battery
-from helpers import Proc
+from helpers import Proc, wait_for
 
 DEBOUNCE = 0.3
 QUIET = 2.0  # seconds without a new pass before counting
@@ -35,10 +35,7 @@ def _passes(d: Proc) -> int:
 
 
 def _settle(d: Proc, at_least: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    while _passes(d) < at_least:
-        assert time.monotonic() < deadline, d.text()[-3000:]
-        time.sleep(0.05)
+    wait_for(lambda: _passes(d) >= at_least, timeout, lambda: d.text()[-3000:])
     while True:  # then wait until no new pass for QUIET seconds
         n = _passes(d)
         time.sleep(QUIET)

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvstore.cli.main import main
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
+from kvstore.tiny import make_tiny_model
 from kvstore.warm.warm import warm
 from kvstore.wire.daemon_client import DaemonClient, connect
 
@@ -30,6 +31,14 @@ def manifest_for(
     """`tmp/name`: a manifest of one [[model]] at `model` (its keys in `extra`) and `prefixes`."""
     path = tmp / name
     path.write_text(f'[[model]]\npath = "{model}"\n{extra}\n{prefixes}')
+    return path
+
+
+def tiny_model(models_dir: Path, arch: str) -> Path:
+    """`models_dir/arch`: a tiny generated model of `arch`, made on first use."""
+    path = models_dir / arch
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch)
     return path
 
 

@@ -15,14 +15,6 @@ from kvstore.store.keys import entry_key, pack_tokens
 from kvstore.store.store import Store
 
 
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path):
-    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
-    out = cli("warm", "--manifest", manifest, code=0).output
-    assert "2 warmed" in out
-    return manifest
-
-
 def ls_json(home=None):
     args = ["ls", "--json"] + (["--home", home] if home else [])
     return json.loads(cli(*args, code=0).output)

@@ -13,13 +13,6 @@ from kvstore.pins.manifest import load_manifest
 from kvstore.pins.registry import register
 
 
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path):
-    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
-    assert "2 warmed" in cli("warm", "--manifest", manifest, code=0).output
-    return manifest
-
-
 def test_export_into_a_missing_folder_names_the_folder(warmed, tmp_path):
     key = json.loads(cli("ls", "--json", code=0).output)[0]["key"]
     out = cli("export", key, tmp_path / "missing" / "f.safetensors", code=1).output

@@ -17,10 +17,8 @@ from helpers import (
     CLASSIFY,
     SYNTHESIZE,
     TWO_PINS,
-    Proc,
     assert_same_kv,
     manifest_for,
-    serving,
     wait_for,
 )
 from mlx_lm import load
@@ -35,25 +33,6 @@ from kvstore.wire.daemon_client import DaemonClient
 
 ROUTER = [{"role": "system", "content": CLASSIFY}]
 WRITER = [{"role": "system", "content": SYNTHESIZE}]
-
-
-@pytest.fixture(scope="module")
-def llama(llama_path):
-    return load(str(llama_path))
-
-
-@pytest.fixture(scope="module")
-def daemon_proc(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ppc-daemon")
-    with serving(Proc(root / "home", log=root / "daemon.log"), warm=False) as d:
-        yield d
-
-
-@pytest.fixture
-def daemon(daemon_proc):
-    """The module's daemon with an empty store for each test."""
-    daemon_proc.request("evict", all=True)
-    return daemon_proc
 
 
 def ls(home) -> list[dict]:

@@ -11,7 +11,7 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from fleet_helpers import (
+from fleet_boxes import (
     BUCKET,
     big_entry,
     box,
@@ -38,7 +38,6 @@ from kvstore.warm.prefill import prefill
 from kvstore.warm.warm import warm
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
-pytest_plugins = ["fleet_fixtures"]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 
@@ -221,7 +220,7 @@ def test_settings_refuse_readable_credentials_and_never_show_the_secret(s3, tmp_
         + cli("remote", "status", "--home", str(home)).output
     )
     assert "remote" in out and s3.endpoint in out
-    from fleet_helpers import SECRET_KEY
+    from fleet_boxes import SECRET_KEY
 
     assert SECRET_KEY not in out
     assert SECRET_KEY not in repr(remote_settings(load_settings(home), home))

@@ -10,7 +10,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from fleet_helpers import (
+from fleet_boxes import (
     ADMIN_KEY,
     ADMIN_SECRET,
     BUCKET,
@@ -33,7 +33,6 @@ from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
-pytest_plugins = ["fleet_fixtures"]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 

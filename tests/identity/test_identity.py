@@ -19,13 +19,6 @@ from kvstore.identity.fingerprint import (
 from kvstore.store.keys import entry_key, prefix_hash
 
 
-@pytest.fixture
-def model_copy(llama_path, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(llama_path, dst)
-    return dst
-
-
 def fp(path, **kw):
     return model_fingerprint(path, **kw).digest
 

@@ -8,20 +8,12 @@ directory (mlx-lm never runs one) does not.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from kvstore.identity import codehash
 from kvstore.identity.fingerprint import model_fingerprint
-
-
-@pytest.fixture
-def model_copy(llama_path, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(llama_path, dst)
-    return dst
 
 
 @pytest.fixture

@@ -37,7 +37,6 @@ from template_families import (  # noqa: E402
     messages_for,
     request_tokens,
 )
-from template_fixtures import family_models  # noqa: E402, F401
 
 from kvstore.errors import KVStoreError  # noqa: E402
 from kvstore.pins.manifest import PrefixSpec  # noqa: E402

@@ -7,22 +7,11 @@ import json
 import struct
 
 import pytest
-from helpers import TWO_PINS, cli, manifest_for
+from helpers import cli
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.client import hydrate
-from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store, blob_checksum
-from kvstore.warm.warm import warm
-
-
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path):
-    manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with Store(kv_home) as store:
-        warm(manifest, store, home=kv_home)
-        metas = {m.label: m for m in store.metas()}
-    return metas
 
 
 def _raw_put(home, key: bytes, *, meta: bytes | None = None, blob: bytes | None = None):

@@ -6,24 +6,14 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from helpers import TWO_PINS, cli, manifest_for
+from helpers import cli
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.client import hydrate
 from kvstore.errors import CorruptEntryError, StoreError
-from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import EntryMeta
 from kvstore.store.keys import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
-
-
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path) -> dict[str, EntryMeta]:
-    manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with Store(kv_home) as store:
-        warm(manifest, store, home=kv_home)
-        return {m.label: m for m in store.metas()}
 
 
 def _raw_meta(home, key: bytes) -> bytes:

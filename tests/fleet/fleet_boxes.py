@@ -1,5 +1,5 @@
-"""Helpers of the fleet tests: homes (boxes) whose settings point at a server, the CLI in this
-process, a stored KV entry of a chosen size."""
+"""The fleet tests' boxes: homes whose settings point at a server, the remote and upload queue
+a box sees, a stored KV entry of a chosen size; and the test server's keys (bench.weed)."""
 
 from __future__ import annotations
 

@@ -113,8 +113,9 @@ def test_user_errors_are_one_line(kv_home, tmp_path):
     result = cli("warm", "--manifest", tmp_path / "missing.toml")
     assert result.exit_code == 1 and "missing.toml" in result.output
     assert len(result.output.strip().splitlines()) == 1
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[[model]]\npath = "/nope"\n[[model.prefix]]\nname = "x"\ntext = "hi"\n')
+    bad = manifest_for(
+        tmp_path, "/nope", '[[model.prefix]]\nname = "x"\ntext = "hi"\n', name="bad.toml"
+    )
     result = cli("warm", "--manifest", bad)
     assert result.exit_code == 1 and "/nope" in result.output
     result = cli("fingerprint", tmp_path / "nope")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 
-from helpers import CLASSIFY, Proc, cli, serving, wait_for
+from helpers import CLASSIFY, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.daemon.lifecycle import available_memory_bytes, memory_to_load
 
@@ -32,12 +32,11 @@ def test_available_memory_is_read_on_this_platform():
 
 def test_a_warm_short_of_memory_is_deferred_then_done_when_memory_allows(tmp_path, llama_path):
     (tmp_path / "router.md").write_text(CLASSIFY)
-    manifest = tmp_path / "pins.toml"
-    manifest.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n'
+    pins = (
         '[[model.prefix]]\nname = "router"\nfile = "router.md"\n\n'
         '[[model.prefix]]\nname = "writer"\ntext = "You are the writer."\n'
     )
+    manifest = manifest_for(tmp_path, llama_path, pins, name="pins.toml")
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("memory_check_interval = 0.2\n")

@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from helpers import CLASSIFY, Proc, cli, serving, wait_for
+from helpers import CLASSIFY, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.wire.daemon_client import DaemonClient
 
@@ -18,13 +18,12 @@ def watched(tmp_path_factory, llama_path):
     model = root / "model"
     shutil.copytree(llama_path, model)
     (root / "router.md").write_text(CLASSIFY)
-    manifest = root / "pins.toml"
-    manifest.write_text(
-        f'[[model]]\npath = "{model}"\n\n'
+    pins = (
         '[[model.prefix]]\nname = "router"\nfile = "router.md"\n\n'
         '[[model.prefix]]\nname = "writer"\nmessages = [{ role = "system", content = '
         '"You are the writer. Reply in short, kind sentences with the next step first." }]\n'
     )
+    manifest = manifest_for(root, model, pins, name="pins.toml")
     home = root / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("debounce = 0.2\npoll_interval = 1.0\n")
@@ -129,19 +128,13 @@ def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path
     edit made just before (not yet checked) is still reported, and the new files are watched."""
 
     (tmp_path / "router.md").write_text(CLASSIFY)
-    first = tmp_path / "pins.toml"
-    first.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n'
-        f'[[model.prefix]]\nname = "router"\nfile = "router.md"\n'
-    )
+    router = '[[model.prefix]]\nname = "router"\nfile = "router.md"\n'
+    first = manifest_for(tmp_path, llama_path, router, name="pins.toml")
     other = tmp_path / "other"
     other.mkdir()
     (other / "writer.md").write_text("You are the writer. Reply in short, kind sentences.")
-    second = other / "more.toml"
-    second.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n'
-        f'[[model.prefix]]\nname = "writer"\nfile = "writer.md"\n'
-    )
+    writer = '[[model.prefix]]\nname = "writer"\nfile = "writer.md"\n'
+    second = manifest_for(other, llama_path, writer, name="more.toml")
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("debounce = 1.0\npoll_interval = 1.0\n")

@@ -6,7 +6,7 @@ import signal
 import time
 
 import pytest
-from helpers import Proc
+from helpers import Proc, manifest_for
 
 from kvstore.errors import PrefillStopped
 from kvstore.warm.prefill import prefill, stop_when
@@ -73,11 +73,11 @@ main(["daemon", *sys.argv[1:]])
 
 @pytest.mark.slow
 def test_sigterm_during_a_long_multi_chunk_prefill_exits_within_a_chunk(tmp_path, llama_path):
-    manifest = tmp_path / "pins.toml"
-    manifest.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n[[model.prefix]]\nname = "long"\n'
+    long = (
+        '[[model.prefix]]\nname = "long"\n'
         f'messages = [{{ role = "system", content = "{_long_prefix()}" }}]\n'
     )
+    manifest = manifest_for(tmp_path, llama_path, long, name="pins.toml")
     log = tmp_path / "d.log"
     d = Proc(tmp_path / "h", "--manifest", str(manifest), log=log, code=_SMALL_CHUNKS)
     d.wait_log("warm: loading", timeout=60)

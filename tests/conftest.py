@@ -1,15 +1,15 @@
-"""Shared fixtures: tiny generated models (never downloaded), an isolated home per test."""
+"""Fixtures every area uses: tiny generated models (never downloaded) and a copy of one to
+edit, an isolated home per test, and a check that no test leaks a thread. An area's own fixtures
+are in its folder's conftest.py."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
 import pytest
-
-from kvstore.tiny import make_tiny_model
-
-ARCHS = ("llama", "qwen3_5", "gemma3_text")
+from helpers import tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -17,31 +17,22 @@ def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-def _model(models_dir: Path, arch: str) -> Path:
-    path = models_dir / arch
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, arch)
-    return path
-
-
 @pytest.fixture(scope="session")
 def llama_path(models_dir) -> Path:
-    return _model(models_dir, "llama")
+    return tiny_model(models_dir, "llama")
 
 
 @pytest.fixture(scope="session")
 def hybrid_path(models_dir) -> Path:
-    return _model(models_dir, "qwen3_5")
+    return tiny_model(models_dir, "qwen3_5")
 
 
-@pytest.fixture(scope="session")
-def sliding_path(models_dir) -> Path:
-    return _model(models_dir, "gemma3_text")
-
-
-@pytest.fixture(scope="session", params=ARCHS)
-def any_model_path(request, models_dir) -> Path:
-    return _model(models_dir, request.param)
+@pytest.fixture
+def model_copy(llama_path, tmp_path) -> Path:
+    """The tiny llama copied into this test's folder, for a test that edits a model's files."""
+    dst = tmp_path / "model"
+    shutil.copytree(llama_path, dst)
+    return dst
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +50,3 @@ def no_leaked_threads():
     yield
     leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
     assert not leaked, f"test leaked threads: {leaked}"
-
-
-def write_manifest(path: Path, body: str) -> Path:
-    path.write_text(body)
-    return path

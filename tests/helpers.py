@@ -1,4 +1,5 @@
-"""Small test helpers shared by several test files (not fixtures)."""
+"""What several test areas share (not fixtures): the one manifest writer, the pins most tests warm,
+KV comparisons, the one CLI runner, the one wait helper, and a daemon as a real process."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
+from click.testing import CliRunner, Result
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvstore.cli.main import main
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
+from kvstore.tiny import make_tiny_model
 from kvstore.warm.warm import warm
 from kvstore.wire.daemon_client import DaemonClient, connect
 
@@ -24,8 +28,17 @@ from kvstore.wire.daemon_client import DaemonClient, connect
 def manifest_for(
     tmp: Path, model: Path, prefixes: str, *, extra: str = "", name: str = "manifest.toml"
 ) -> Path:
+    """`tmp/name`: a manifest of one [[model]] at `model` (its keys in `extra`) and `prefixes`."""
     path = tmp / name
     path.write_text(f'[[model]]\npath = "{model}"\n{extra}\n{prefixes}')
+    return path
+
+
+def tiny_model(models_dir: Path, arch: str) -> Path:
+    """`models_dir/arch`: a tiny generated model of `arch`, made on first use."""
+    path = models_dir / arch
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, arch)
     return path
 
 
@@ -81,6 +94,45 @@ def assert_same_kv(a: list, b: list) -> None:
         assert mx.array_equal(x, y).item(), "hydrated KV differs from a fresh prefill"
 
 
+# -- the CLI and waiting --------------------------------------------------------------------------
+
+WAIT_TIMEOUT = 60.0  # generous: a busy machine is slow, and a broken feature still fails
+
+
+def cli(*args, code: int | None = None, **invoke) -> Result:
+    """`kvstore ARGS` run in this process (click's CliRunner), each argument str()-ed. An exception
+    other than the exit propagates with its traceback; with `code`, the exit status is asserted."""
+    invoke = {"catch_exceptions": False, **invoke}
+    result = CliRunner().invoke(main, [str(a) for a in args], **invoke)
+    if code is not None:
+        assert result.exit_code == code, result.output
+    return result
+
+
+def wait_for(
+    cond: Callable[[], object],
+    timeout: float = WAIT_TIMEOUT,
+    what: str | Callable[[], str] = "",
+    *,
+    proc: subprocess.Popen | None = None,
+):
+    """Poll `cond` until it returns something true and return that; fail after `timeout` seconds,
+    or as soon as `proc` (a child the condition depends on) has exited. `what` (or what it returns,
+    read only on failure: a daemon's log, say) is the failure's message."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} while waiting: {_said(what)}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting: {_said(what)}")
+        time.sleep(0.05)
+    return value
+
+
+def _said(what: str | Callable[[], str]) -> str:
+    return what() if callable(what) else what
+
+
 # -- a daemon as a real process (test_daemon and the reliability battery) ----------------------
 
 START_TIMEOUT = 60.0
@@ -109,29 +161,27 @@ class Proc:
         return self.log.read_text()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while (c := connect(self.home)) is None:
-            assert self.p.poll() is None, f"daemon exited {self.p.returncode}:\n{self.text()}"
-            assert time.monotonic() < deadline, f"daemon did not answer:\n{self.text()}"
-            time.sleep(0.05)
-        c.close()
+        wait_for(lambda: connect(self.home), START_TIMEOUT, self.text, proc=self.p).close()
 
     def request(self, cmd: str, **args):
         with DaemonClient(self.home) as c:
             return c.request(cmd, **args)
 
     def wait_warm(self) -> dict:
-        deadline = time.monotonic() + START_TIMEOUT
-        while (w := self.request("stats")["daemon"]["last_warm"]) is None:
-            assert time.monotonic() < deadline, self.text()
-            time.sleep(0.05)
-        return w
+        return wait_for(lambda: self.request("stats")["daemon"]["last_warm"], START_TIMEOUT,
+                        self.text, proc=self.p)  # fmt: skip
 
-    def wait_log(self, text: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.text():
-            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.text()}"
-            time.sleep(0.05)
+    def next_warm(self, after: float) -> dict:
+        """The first reconcile that ends after the one at `after` (its `last_warm`)."""
+
+        def newer():
+            w = self.request("stats")["daemon"]["last_warm"]
+            return w if w is not None and w["at"] != after else None
+
+        return wait_for(newer, START_TIMEOUT, self.text, proc=self.p)
+
+    def wait_log(self, text: str, timeout: float = WAIT_TIMEOUT) -> None:
+        wait_for(lambda: text in self.text(), timeout, lambda: f"{text!r} in:\n{self.text()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> tuple[int, float]:
         t = time.monotonic()

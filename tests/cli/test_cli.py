@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, assert_same_kv, manifest_for
+from helpers import TWO_PINS, assert_same_kv, cli, manifest_for
 from mlx_lm.models.cache import load_prompt_cache
 
 from kvstore.cli.main import main
@@ -16,24 +15,9 @@ from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 
 
-def run(*args, ok=True):
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, result.output
-    return result
-
-
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path):
-    manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
-    out = run("warm", "--manifest", manifest).output
-    assert "2 warmed" in out
-    return manifest
-
-
 def ls_json(home=None):
     args = ["ls", "--json"] + (["--home", home] if home else [])
-    return json.loads(run(*args).output)
+    return json.loads(cli(*args, code=0).output)
 
 
 def test_warm_then_ls(warmed, llama_path, kv_home):
@@ -55,10 +39,10 @@ def test_warm_then_ls(warmed, llama_path, kv_home):
             assert field in e
         assert e["pinned"] is True and len(e["key"]) == 64 and e["key"].startswith(e["fingerprint"])
         assert e["model"] == str(llama_path)
-    human = run("ls").output
+    human = cli("ls", code=0).output
     assert "classify" in human and "You are the router" in human  # first tokens decoded
     # warming again is free: nothing re-prefilled, same created stamps
-    out = run("warm", "--manifest", warmed).output
+    out = cli("warm", "--manifest", warmed, code=0).output
     assert "0 warmed, 2 present" in out
     assert {e["created"] for e in ls_json()} == {e["created"] for e in entries}
 
@@ -71,12 +55,12 @@ def test_every_command_takes_home(warmed, kv_home, tmp_path):
 
 def test_evict_filters(warmed, kv_home):
     entries = ls_json()
-    run("evict", "--label", "classify")
+    cli("evict", "--label", "classify", code=0)
     assert [e["label"] for e in ls_json()] == ["synthesize"]
     key = ls_json()[0]["key"]
-    result = run("evict", "ffff", ok=False)
+    result = cli("evict", "ffff")
     assert result.exit_code != 0 and "matches no entry" in result.output
-    run("evict", key[:12])
+    cli("evict", key[:12], code=0)
     assert ls_json() == []
     assert len(entries) == 2
 
@@ -91,15 +75,15 @@ def test_evict_unpinned_to_size_and_all(warmed, kv_home):
                 label=f"u{i}",
             )
     assert len(ls_json()) == 5
-    result = run("evict", ok=False)
+    result = cli("evict")
     assert result.exit_code != 0 and "name what to evict" in result.output
     pinned_bytes = sum(e["nbytes"] for e in ls_json() if e["pinned"])
-    run("evict", "--to-size", str(pinned_bytes + 3000))
+    cli("evict", "--to-size", str(pinned_bytes + 3000), code=0)
     left = {e["label"] for e in ls_json()}
     assert {"classify", "synthesize"} <= left and "u0" not in left  # LRU first, pins kept
-    run("evict", "--unpinned")
+    cli("evict", "--unpinned", code=0)
     assert {e["label"] for e in ls_json()} == {"classify", "synthesize"}
-    run("evict", "--all")
+    cli("evict", "--all", code=0)
     assert ls_json() == []
 
 
@@ -110,37 +94,38 @@ def test_evict_stale_after_model_change(warmed, llama_path, kv_home, tmp_path):
     shutil.copytree(llama_path, model)
     config = model / "config.json"
     config.write_text(config.read_text().replace("1e-05", "3e-05"))  # another model now
-    run("warm", "--manifest", manifest_for(tmp_path, model, TWO_PINS, name="copy.toml"))
+    cli("warm", "--manifest", manifest_for(tmp_path, model, TWO_PINS, name="copy.toml"), code=0)
     assert len(ls_json()) == 4
     config.write_text(config.read_text().replace("3e-05", "2e-05"))
-    run("evict", "--stale")
+    cli("evict", "--stale", code=0)
     assert {e["model"] for e in ls_json()} == {str(llama_path)}
 
 
 def test_stats_and_fingerprint(warmed, llama_path, kv_home):
-    stats = json.loads(run("stats", "--json").output)
+    stats = json.loads(cli("stats", "--json", code=0).output)
     assert stats["entries"] == 2 and stats["pinned"] == 2 and stats["bytes"] > 0
     assert stats["settings"]["max_bytes"] > 0
-    fp = run("fingerprint", llama_path).output.strip()
+    fp = cli("fingerprint", llama_path, code=0).output.strip()
     assert all(e["fingerprint"] == fp for e in ls_json())
 
 
 def test_user_errors_are_one_line(kv_home, tmp_path):
-    result = run("warm", "--manifest", tmp_path / "missing.toml", ok=False)
+    result = cli("warm", "--manifest", tmp_path / "missing.toml")
     assert result.exit_code == 1 and "missing.toml" in result.output
     assert len(result.output.strip().splitlines()) == 1
-    bad = tmp_path / "bad.toml"
-    bad.write_text('[[model]]\npath = "/nope"\n[[model.prefix]]\nname = "x"\ntext = "hi"\n')
-    result = run("warm", "--manifest", bad, ok=False)
+    bad = manifest_for(
+        tmp_path, "/nope", '[[model.prefix]]\nname = "x"\ntext = "hi"\n', name="bad.toml"
+    )
+    result = cli("warm", "--manifest", bad)
     assert result.exit_code == 1 and "/nope" in result.output
-    result = run("fingerprint", tmp_path / "nope", ok=False)
+    result = cli("fingerprint", tmp_path / "nope")
     assert result.exit_code == 1 and "no such directory" in result.output
 
 
 def test_export_loads_in_mlx_lm(warmed, llama_path, kv_home, tmp_path):
     entry = ls_json()[0]
     out = tmp_path / "pin.safetensors"
-    run("export", entry["key"][32:42], out)  # the short form `ls` shows
+    cli("export", entry["key"][32:42], out, code=0)  # the short form `ls` shows
     cache, metadata = load_prompt_cache(str(out), return_metadata=True)
     assert metadata["model"] == str(llama_path) and "tokenizer_config" in metadata
     assert cache[0].offset == entry["tokens"]
@@ -188,13 +173,22 @@ def test_import_from_mlx_lm_cache_prompt(llama_path, hybrid_path, kv_home, tmp_p
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = run("import", cache_file, "--model", hybrid_path, "--prompt", prompt, ok=False)
+    result = cli("import", cache_file, "--model", hybrid_path, "--prompt", prompt)
     assert result.exit_code == 1 and "does not match model" in result.output
-    result = run(
-        "import", cache_file, "--model", llama_path, "--prompt", prompt + " more", ok=False
-    )
+    result = cli("import", cache_file, "--model", llama_path, "--prompt", prompt + " more")
     assert result.exit_code == 1 and "tokens" in result.output
-    run("import", cache_file, "--model", llama_path, "--prompt", prompt, "--label", "cp", "--pin")
+    cli(
+        "import",
+        cache_file,
+        "--model",
+        llama_path,
+        "--prompt",
+        prompt,
+        "--label",
+        "cp",
+        "--pin",
+        code=0,
+    )
     (entry,) = ls_json()
     assert entry["label"] == "cp" and entry["pinned"] is True
     with Store(kv_home) as store:
@@ -216,11 +210,11 @@ def test_stats_shows_the_prefill_ledger(kv_home):
         decode_s=1.0,
     )
     Ledger(kv_home).append(validate([rec, rec]))
-    data = json.loads(run("stats", "--json").output)
+    data = json.loads(cli("stats", "--json", code=0).output)
     (row,) = data["ledger"]["by_model_label"]
     assert row["calls"] == 2 and row["cached_tokens"] == 1800 and row["prefilled_tokens"] == 200
     assert row["saved_s"] == pytest.approx(1800 * 1.0 / 200)  # at the label's own prefill rate
-    out = run("stats").output
+    out = cli("stats", code=0).output
     assert "classify" in out and "SAVED" in out and "9.00" in out
 
 
@@ -241,13 +235,13 @@ def test_every_command_lists_home_in_its_help():
     commands = list(_commands(main, click.Context(main)))
     for expected in (("analyze",), ("service", "status"), ("service", "uninstall"), ("verify",)):
         assert expected in commands
-    missing = [" ".join(c) for c in commands if "--home" not in run(*c, "--help").output]
+    missing = [" ".join(c) for c in commands if "--home" not in cli(*c, "--help", code=0).output]
     assert not missing, f"commands without --home: {missing}"
 
 
 def test_counts_of_one_are_in_the_singular(warmed):
-    assert "evicted 1 entry," in run("evict", "--label", "classify").output
-    assert "\n1 entry, " in "\n" + run("ls").output
-    assert "1 entry ok" in run("verify").output
-    assert "evicted 1 entry," in run("evict", "--all").output
-    assert "0 entries, " in run("ls").output
+    assert "evicted 1 entry," in cli("evict", "--label", "classify", code=0).output
+    assert "\n1 entry, " in "\n" + cli("ls", code=0).output
+    assert "1 entry ok" in cli("verify", code=0).output
+    assert "evicted 1 entry," in cli("evict", "--all", code=0).output
+    assert "0 entries, " in cli("ls", code=0).output

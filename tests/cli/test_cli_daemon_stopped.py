@@ -10,10 +10,8 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
-from kvstore.cli.main import main
 from kvstore.store.store import Store
 
 pytestmark = pytest.mark.slow
@@ -27,22 +25,21 @@ def _labels(home) -> list[str]:
 def test_a_stopped_daemon_is_named_and_nothing_is_written_beside_it(llama_path, tmp_path):
     home = tmp_path / "h"
     manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
-    cli = CliRunner()
     with serving(Proc(home, "--manifest", str(manifest), log=tmp_path / "d.log")) as d:
-        r = cli.invoke(main, ["evict", "--label", "synthesize", "--home", str(home)])
+        r = cli("evict", "--label", "synthesize", "--home", home)
         assert r.exit_code == 0, r.output  # through the daemon while it answers
         said = f"the daemon (pid {d.pid}) holds this store but does not answer"
         os.kill(d.pid, signal.SIGSTOP)
         try:
             for argv in (["evict", "--all"], ["warm", "--manifest", str(manifest)]):
-                r = cli.invoke(main, [*argv, "--home", str(home)])
+                r = cli(*argv, "--home", home)
                 assert r.exit_code == 1 and said in r.output, (argv, r.output)
                 assert _labels(home) == ["classify"], argv  # nothing evicted, nothing warmed
-            r = cli.invoke(main, ["stats", "--home", str(home)])
+            r = cli("stats", "--home", home)
             assert r.exit_code == 1 and said in r.output, r.output
             assert "not running" not in r.output
             assert f"pid {d.pid}: holds this store but does not answer" in r.output
-            r = cli.invoke(main, ["stats", "--json", "--home", str(home)])
+            r = cli("stats", "--json", "--home", home)
             assert r.exit_code == 1, r.output
             data = json.loads(r.output[: r.output.rindex("}") + 1])
             assert data["daemon"] == {"pid": d.pid, "answers": False} and data["entries"] == 1

@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
-from kvstore.cli.main import main
 from kvstore.pins.registry import canonical, register
-
-
-def _run(*argv: str):
-    r = CliRunner().invoke(main, list(argv))
-    assert r.exit_code == 0, r.output
-    return r.output
 
 
 def test_evict_without_a_daemon_names_the_owning_manifest(llama_path, kv_home, tmp_path):
     manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
     path = canonical(manifest)
-    _run("warm", "--manifest", str(manifest))
-    out = _run("evict", "--label", "classify")
+    cli("warm", "--manifest", str(manifest), code=0)
+    out = cli("evict", "--label", "classify", code=0).output
     assert "evicted 1 entry" in out
     assert (
         f"pin 'classify' came from manifest {path}, which no daemon watches: it stays evicted "
@@ -28,9 +20,9 @@ def test_evict_without_a_daemon_names_the_owning_manifest(llama_path, kv_home, t
     ) in out, out
     assert "synthesize" not in out
 
-    _run("warm", "--manifest", str(manifest))
+    cli("warm", "--manifest", str(manifest), code=0)
     register(kv_home, manifest)  # what a warm through a daemon does: every start reconciles it
-    out = _run("evict", "--all")
+    out = cli("evict", "--all", code=0).output
     for name in ("classify", "synthesize"):
         assert (
             f"pin {name!r} is kept by manifest {path}: the daemon re-warms it when it starts "
@@ -45,12 +37,12 @@ def test_evict_through_the_daemon_names_the_watched_manifest(llama_path, tmp_pat
     manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
     path = canonical(manifest)
     with serving(Proc(home, "--manifest", str(manifest), log=tmp_path / "d.log")) as d:
-        out = _run("evict", "--label", "classify", "--home", str(home))
+        out = cli("evict", "--label", "classify", "--home", str(home), code=0).output
         assert (
             f"pin 'classify' is kept by manifest {path}: the daemon re-warms it at its next "
             f"reconcile (a restart, a manifest edit or `kvstore warm --manifest {path}`); "
             "remove it from the manifest to drop it for good"
         ) in out, out
         assert "evicted pin 'classify' is kept by manifest" in d.text()
-        out = _run("warm", "--manifest", str(manifest), "--home", str(home))
+        out = cli("warm", "--manifest", str(manifest), "--home", str(home), code=0).output
         assert "1 warmed, 1 present" in out, out  # as said: the reconcile brings it back

@@ -9,11 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from helpers import Proc, serving
+from helpers import Proc, cli, serving
 from mlx_lm import load
 
-from kvstore.cli.main import main
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.store.entry import entry_key, pack_tokens
@@ -95,7 +93,7 @@ def test_evict_stale_through_a_daemon_elsewhere_keeps_valid_pins(
         config.write_text(config.read_text().replace("1e-05", "3e-05"))  # another model now
         shutil.rmtree(doomed)
 
-        r = CliRunner().invoke(main, ["evict", "--stale", "--home", str(kv_home)])
+        r = cli("evict", "--stale", "--home", kv_home)
         assert r.exit_code == 0, r.output
         assert "evicted 2 entries" in r.output, r.output
         assert "kept 1 entry whose staleness is unknown" in r.output, r.output
@@ -118,7 +116,7 @@ def test_a_model_on_a_missing_volume_is_unknown_not_stale(tmp_path, llama_path, 
     with Store(kv_home) as store:
         store.put(key, blob, **fields)
     shutil.rmtree(volume)  # "unmounted": neither the model nor its parent is there
-    r = CliRunner().invoke(main, ["evict", "--stale", "--home", str(kv_home)])
+    r = cli("evict", "--stale", "--home", kv_home)
     assert r.exit_code == 0 and "evicted 0 entries" in r.output, r.output
     assert "unmounted volume" in r.output
     with Store(kv_home) as store:

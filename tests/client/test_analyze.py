@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import json
 
-from click.testing import CliRunner
+from helpers import cli
 
-from kvstore.cli.main import main
 from kvstore.client.analyze import analyze, load_capture, static_first
 
 STATIC = "".join(
@@ -43,7 +42,7 @@ def _by_stage(out: str) -> dict:
 
 
 def test_byte_mode_finds_the_early_dynamic_block(tmp_path):
-    res = CliRunner().invoke(main, ["analyze", str(_capture(tmp_path)), "--json"])
+    res = cli("analyze", str(_capture(tmp_path)), "--json")
     assert res.exit_code == 0, res.output
     r = _by_stage(res.output)["classify"]
     assert r["calls"] == 3 and r["unit"] == "bytes" and r["token_share"] is None
@@ -64,7 +63,7 @@ def test_token_mode_uses_the_chat_template(llama_path, tmp_path):
     from mlx_lm.utils import load_tokenizer
 
     capture = _capture(tmp_path)
-    res = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(llama_path), "--json"])
+    res = cli("analyze", capture, "--model", llama_path, "--json")
     assert res.exit_code == 0, res.output
     r = _by_stage(res.output)["classify"]
     assert r["unit"] == "tokens" and r["mean_tokens"] > r["stable_tokens"] > 0
@@ -83,7 +82,7 @@ def test_token_mode_uses_the_chat_template(llama_path, tmp_path):
     assert r["first_dynamic_token"] == first == r["stable_tokens"]
     assert r["context_before"].endswith("Today is 2024-05-0")
 
-    table = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(llama_path)])
+    table = cli("analyze", capture, "--model", llama_path)
     assert table.exit_code == 0
     assert "classify" in table.output and "[[1. Request id: 7f3a91.]]" in table.output
 
@@ -105,5 +104,5 @@ def test_identical_calls_and_bad_lines(tmp_path):
     (r,) = analyze(load_capture(path))
     assert r.first_dynamic_byte is None and r.byte_share == 1.0 and "no dynamic" in r.snippet
     path.write_text('{"stage": "a"}\n')
-    res = CliRunner().invoke(main, ["analyze", str(path)])
+    res = cli("analyze", path)
     assert res.exit_code == 1 and f"{path}:1: give either" in res.output

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-from click.testing import CliRunner
-from helpers import TWO_PINS, manifest_for
+from helpers import TWO_PINS, cli, manifest_for
 
-from kvstore.cli.main import main
 from kvstore.codec import codec
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -40,20 +38,17 @@ def _setup(tmp_path, home, model_path):
 
 
 def _parity(home, manifest, prompts, *extra):
-    return CliRunner().invoke(
-        main,
-        [
-            "parity",
-            "--home",
-            str(home),
-            "--manifest",
-            str(manifest),
-            "--prompts",
-            str(prompts),
-            "--max-tokens",
-            "8",
-            *extra,
-        ],
+    return cli(
+        "parity",
+        "--home",
+        home,
+        "--manifest",
+        manifest,
+        "--prompts",
+        prompts,
+        "--max-tokens",
+        "8",
+        *extra,
     )
 
 
@@ -103,7 +98,7 @@ def test_parity_whole_prompt_reference(hybrid_path, kv_home, tmp_path):
 def test_parity_fails_on_a_doctored_entry(llama_path, kv_home, tmp_path):
     manifest, prompts = _setup(tmp_path, kv_home, llama_path)
     _doctor(kv_home, "classify")
-    verify = CliRunner().invoke(main, ["verify", "--home", str(kv_home)])
+    verify = cli("verify", "--home", kv_home)
     assert verify.exit_code == 0, verify.output  # the checksum cannot see it ...
     res = _parity(kv_home, manifest, prompts)
     assert res.exit_code != 0  # ... the gate does

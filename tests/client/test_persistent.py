@@ -13,7 +13,14 @@ import time
 
 import mlx_lm
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for, serving
+from helpers import (
+    CLASSIFY,
+    SYNTHESIZE,
+    TWO_PINS,
+    assert_same_kv,
+    manifest_for,
+    wait_for,
+)
 from mlx_lm import load
 
 from kvstore.client import PersistentPromptCache, generate
@@ -26,25 +33,6 @@ from kvstore.wire.daemon_client import DaemonClient
 
 ROUTER = [{"role": "system", "content": CLASSIFY}]
 WRITER = [{"role": "system", "content": SYNTHESIZE}]
-
-
-@pytest.fixture(scope="module")
-def llama(llama_path):
-    return load(str(llama_path))
-
-
-@pytest.fixture(scope="module")
-def daemon_proc(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ppc-daemon")
-    with serving(Proc(root / "home", log=root / "daemon.log"), warm=False) as d:
-        yield d
-
-
-@pytest.fixture
-def daemon(daemon_proc):
-    """The module's daemon with an empty store for each test."""
-    daemon_proc.request("evict", all=True)
-    return daemon_proc
 
 
 def ls(home) -> list[dict]:
@@ -260,14 +248,13 @@ def test_full_queue_drops_with_a_counted_warning(kv_home, caplog):
     # the worker never reaches the daemon while it is blocked on the first job
     writer._connection = lambda: object()
     try:
-        assert writer.submit(Job("blocker", lambda c: release.wait(5)))
-        deadline = time.monotonic() + 5
-        while writer._queue.qsize() and time.monotonic() < deadline:
-            time.sleep(0.01)  # the worker took the blocker; the queue has one free slot
+        assert writer.submit(Job("blocker", lambda c: release.wait(60)))
+        # the worker took the blocker; the queue has one free slot
+        wait_for(lambda: writer._queue.qsize() == 0, what="the worker to take the blocker")
         assert writer.submit(Job("second", lambda c: None))
         t = time.perf_counter()
         assert not writer.submit(Job("third", lambda c: None))
-        assert time.perf_counter() - t < 0.05  # dropping never blocks
+        assert time.perf_counter() - t < 0.5  # dropping never blocks (a put would: 60 s)
         assert not writer.submit(Job("fourth", lambda c: None))
         assert writer.dropped == 2
         full = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]

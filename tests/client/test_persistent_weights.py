@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import mlx_lm
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, assert_same_kv, manifest_for, serving
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, assert_same_kv, manifest_for
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import client
@@ -29,30 +28,10 @@ WRITER = [{"role": "system", "content": SYNTHESIZE}]
 
 
 @pytest.fixture(scope="module")
-def daemon_proc(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weights-daemon")
-    with serving(Proc(root / "home", log=root / "daemon.log"), warm=False) as d:
-        yield d
-
-
-@pytest.fixture
-def daemon(daemon_proc):
-    daemon_proc.request("evict", all=True)
-    return daemon_proc
-
-
-@pytest.fixture(scope="module")
 def new_weights(tmp_path_factory) -> bytes:
     """Another weight set of the same architecture (an update of the model's files)."""
     path = make_tiny_model(tmp_path_factory.mktemp("other") / "llama", "llama", seed=1)
     return (path / "model.safetensors").read_bytes()
-
-
-@pytest.fixture
-def model_copy(llama_path, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(llama_path, dst)
-    return dst
 
 
 def rewrite_in_place(model_dir, data: bytes) -> None:

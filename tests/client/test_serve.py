@@ -8,13 +8,12 @@ import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, manifest_for
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, manifest_for, wait_for
 
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -58,18 +57,14 @@ class Server:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"server not ready in {START_TIMEOUT}s:\n{self.log.read_text()}")
+        wait_for(self._healthy, START_TIMEOUT, self.log.read_text, proc=self.proc)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
     def chat(self, messages: list[dict], **extra) -> dict:
         body = dict(messages=messages, max_tokens=4, temperature=0.0, **extra)
@@ -103,6 +98,13 @@ def _serve_once(home: Path, model: Path, log: Path, messages: list[dict], **extr
         return server.chat(messages, **extra)
     finally:
         server.stop()
+
+
+def _stored(home: Path, label: str) -> list:
+    """The metadata of the entries labelled `label`; none while the store is not there yet."""
+    with contextlib.suppress(Exception), Store(home, readonly=True) as store:
+        return [m for m in store.metas() if m.label == label]
+    return []
 
 
 def test_first_request_after_start_is_served_from_the_store(llama_path, kv_home, tmp_path):
@@ -221,24 +223,13 @@ def test_persisted_system_prompt_is_cached_after_a_restart(llama_path, tmp_path)
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while (client := connect(home)) is None:
-            assert daemon.poll() is None and time.monotonic() < deadline, "daemon did not start"
-            time.sleep(0.2)
-        client.close()
+        wait_for(lambda: connect(home), START_TIMEOUT, "the daemon to answer", proc=daemon).close()
         messages = _system_messages(7)
         server = Server(home, llama_path, log, "--persist-system-prompts")
         try:
             server.wait_ready()
             assert _cached(server.chat(messages)) == 0
-            deadline = time.monotonic() + REQUEST_TIMEOUT
-            while True:  # persisting is write-behind: wait for the entry to land
-                with contextlib.suppress(Exception), Store(home, readonly=True) as store:
-                    stored = [m for m in store.metas() if m.label == "system"]
-                    if stored:
-                        break
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.2)
+            stored = wait_for(lambda: _stored(home, "system"), REQUEST_TIMEOUT, log.read_text)
         finally:
             server.stop()
         again = _serve_once(home, llama_path, log, messages)

@@ -7,18 +7,12 @@ import logging
 
 import pytest
 from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, manifest_for
-from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.client import PersistentPromptCache, StatsRecorder, generate, stream_generate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.warm import warm
-
-
-@pytest.fixture(scope="module")
-def llama(llama_path):
-    return load(str(llama_path))
 
 
 def chat(tokenizer, system: str, user: str) -> list[int]:

@@ -14,12 +14,10 @@ import textwrap
 
 import mlx.core as mx
 import pytest
-from click.testing import CliRunner
-from helpers import manifest_for
+from helpers import cli, manifest_for
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, save_prompt_cache
 
-from kvstore.cli.main import main
 from kvstore.client.hydrate import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
@@ -99,7 +97,7 @@ def test_import_refuses_token_ids_outside_the_vocabulary(llama_path, kv_home, tm
         "--tokens",
         str(tmp_path / "tokens.json"),
     ]
-    result = CliRunner().invoke(main, [*args, "--home", str(kv_home)])
+    result = cli(*args, "--home", kv_home)
     assert result.exit_code == 1, result.output
     assert "token id 99999" in result.output and "512 ids" in result.output
     assert "Traceback" not in result.output

@@ -9,6 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import states
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -24,7 +25,7 @@ from mlx_lm.models.cache import (
     save_prompt_cache,
 )
 
-from kvstore.codec import cache_api
+from kvstore.codec import cache_api, materialize
 from kvstore.codec.codec import ALLOWED_CLASSES, cache_classes, decode, encode, normalize
 from kvstore.errors import CodecError
 from kvstore.warm.transfer import write_file
@@ -413,7 +414,27 @@ def test_allowed_classes_are_mlx_lm_classes():
 
 
 _VALID = small_blob()
-_NO_CHECKS = list(HealthCheck)
+_VALID_SUM = materialize.checksum(_VALID)
+
+
+def _contents(cache: list) -> list[tuple[str, tuple, str, bytes]]:
+    """Each array of a decoded cache, in order: its layer's class, shape, dtype and bytes."""
+    return [
+        (type(c).__name__, tuple(a.shape), str(a.dtype), np.array(a.astype(mx.float32)).tobytes())
+        for c in _layers(cache)
+        for a in states([c])
+    ]
+
+
+def _layers(cache: list) -> list:
+    return [x for c in cache for x in (_layers(c.caches) if isinstance(c, CacheList) else [c])]
+
+
+_ORIGINAL = _contents(decode(_VALID)[0])
+
+
+def _structure(contents: list) -> list:
+    return [item[:3] for item in contents]
 
 
 @settings(
@@ -425,6 +446,10 @@ _NO_CHECKS = list(HealthCheck)
     insert=st.none() | st.tuples(st.integers(0, len(_VALID)), st.binary(min_size=1, max_size=8)),
 )
 def test_byte_mutations_decode_or_raise_codec_error(cut, edits, insert):
+    """A mutated blob raises CodecError or decodes to the original's structure (classes, shapes,
+    dtypes: what validation guards; the values are the checksum's). With the checksum the store
+    records, it raises CodecError unless the bytes are the original's, and then decodes to exactly
+    the original."""
     blob = bytearray(_VALID)
     for pos, value in edits:
         blob[pos] = value
@@ -432,10 +457,18 @@ def test_byte_mutations_decode_or_raise_codec_error(cut, edits, insert):
         blob[insert[0] : insert[0]] = insert[1]
     if cut is not None:
         del blob[cut:]
+    blob = bytes(blob)
     try:
-        decode(bytes(blob))
+        contents = _contents(decode(blob)[0])
     except CodecError:
         pass
+    else:
+        assert _structure(contents) == _structure(_ORIGINAL)
+    if blob == _VALID:
+        assert _contents(decode(blob, checksum=_VALID_SUM)[0]) == _ORIGINAL
+    else:
+        with pytest.raises(CodecError):
+            decode(blob, checksum=_VALID_SUM)
 
 
 _JSON = st.recursive(
@@ -456,6 +489,8 @@ _JSON = st.recursive(
     value=_JSON,
 )
 def test_header_mutations_decode_or_raise_codec_error(which, field, value):
+    """A header edited to any JSON value raises CodecError, or decodes to exactly the original
+    arrays (the edit left the field as it was, or changed free-text user metadata)."""
     header, data = split(_VALID)
     keys = sorted(header)
     key = keys[which % len(keys)]
@@ -468,6 +503,7 @@ def test_header_mutations_decode_or_raise_codec_error(which, field, value):
     else:
         header[key][field] = value
     try:
-        decode(join(header, data))
+        cache, _ = decode(join(header, data))
     except CodecError:
-        pass
+        return
+    assert _contents(cache) == _ORIGINAL

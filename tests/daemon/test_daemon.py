@@ -17,10 +17,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
-from kvstore.cli.main import main
 from kvstore.errors import DaemonError, ProtocolError
 from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
@@ -163,20 +161,9 @@ def test_a_home_too_deep_for_sun_path_serves_on_the_fallback(tmp_path):
 def test_sighup_reconciles(shared):
     before = shared.request("stats")["daemon"]["last_warm"]["at"]
     os.kill(shared.pid, signal.SIGHUP)
-    deadline = time.monotonic() + 20
-    while (w := shared.request("stats")["daemon"]["last_warm"])["at"] == before:
-        assert time.monotonic() < deadline, shared.text()
-        time.sleep(0.05)
+    w = shared.next_warm(before)
     assert w["cause"] == "SIGHUP" and w["present"] == 2 and w["warmed"] == 0
     assert "SIGHUP: re-reading" in shared.text()
-
-
-def _next_warm(d: Proc, after: float) -> dict:
-    deadline = time.monotonic() + 30
-    while (w := d.request("stats")["daemon"]["last_warm"])["at"] == after:
-        assert time.monotonic() < deadline, d.text()
-        time.sleep(0.05)
-    return w
 
 
 def test_manifest_edit_rewarms_only_the_changed_pin(shared):
@@ -185,7 +172,7 @@ def test_manifest_edit_rewarms_only_the_changed_pin(shared):
     at = shared.request("stats")["daemon"]["last_warm"]["at"]
     try:
         shared.manifest.write_text(original.replace("You are the writer.", "You are the editor."))
-        w = _next_warm(shared, at)
+        w = shared.next_warm(at)
         assert w["cause"].startswith("files changed") and (w["warmed"], w["purged"]) == (1, 1)
         after = {e["label"]: (k, e["created"]) for k, e in entries(shared.home).items()}
         assert after["classify"] == before["classify"]  # untouched pin: same key, same created
@@ -195,7 +182,7 @@ def test_manifest_edit_rewarms_only_the_changed_pin(shared):
     finally:
         at = shared.request("stats")["daemon"]["last_warm"]["at"]
         shared.manifest.write_text(original)
-        _next_warm(shared, at)
+        shared.next_warm(at)
     assert {e["label"] for e in entries(shared.home).values()} == {"classify", "synthesize"}
 
 
@@ -293,6 +280,22 @@ def _raw(home: Path) -> socket.socket:
     return s
 
 
+def _wait_not_busy(d: Proc) -> None:
+    """Until the daemon takes a connection again (not `busy`: the slots of closed ones freed)."""
+
+    def accepted() -> bool:
+        try:
+            c = connect(d.home)
+        except DaemonError as e:
+            assert "busy" in str(e), e
+            return False
+        assert c is not None, d.text()
+        c.close()
+        return True
+
+    wait_for(accepted, what=d.text)
+
+
 def _reply_or_close(s: socket.socket) -> dict | None:
     try:
         return protocol.recv(s, timeout=5)
@@ -361,7 +364,7 @@ def test_silent_connections_time_out_and_the_cap_holds(shared):
     finally:
         for c in held:
             c.close()
-    time.sleep(0.2)
+    _wait_not_busy(shared)  # the daemon frees the held connections' slots as it sees them close
     assert shared.request("ping")["pid"] == shared.pid
 
 
@@ -403,9 +406,8 @@ def test_another_uid_is_refused_before_anything_is_read(shared):
 
 
 def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama_path):
-    runner = CliRunner()
     home = ["--home", str(shared.home)]
-    r = runner.invoke(main, ["warm", "--manifest", str(shared.manifest), *home])
+    r = cli("warm", "--manifest", shared.manifest, *home)
     assert r.exit_code == 0, r.output
     assert "0 warmed, 2 present" in r.output
     shared.wait_log("request warm")
@@ -414,21 +416,31 @@ def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama
     with Store(shared.home, readonly=True) as store:
         ids = store.get_meta(bytes.fromhex(key)).token_ids()
     out = tmp_path / "synth.safetensors"
-    assert runner.invoke(main, ["export", key, str(out), *home]).exit_code == 0
-    r = runner.invoke(main, ["evict", key[32:48], *home])  # the prefix hash part
+    assert cli("export", key, out, *home).exit_code == 0
+    r = cli("evict", key[32:48], *home)  # the prefix hash part
     assert r.exit_code == 0 and "evicted 1 entry" in r.output, r.output
     shared.wait_log("evicted " + key)
     assert key not in entries(shared.home)
 
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps(ids))
-    r = runner.invoke(main, ["import", str(out), "--model", str(llama_path), "--tokens",
-                             str(tokens), "--label", "synthesize", "--pin", *home])  # fmt: skip
+    r = cli(
+        "import",
+        out,
+        "--model",
+        llama_path,
+        "--tokens",
+        tokens,
+        "--label",
+        "synthesize",
+        "--pin",
+        *home,
+    )
     assert r.exit_code == 0, r.output
     shared.wait_log("request put")
     assert entries(shared.home)[key]["pinned"]
     # the daemon holds no stale state: a warm now finds the pin present again
-    r = runner.invoke(main, ["warm", "--manifest", str(shared.manifest), *home])
+    r = cli("warm", "--manifest", shared.manifest, *home)
     assert r.exit_code == 0 and "0 warmed, 2 present" in r.output, r.output
 
 
@@ -568,7 +580,7 @@ def test_evict_to_size_zero_evicts_every_unpinned_entry(shared, make_entry):
     )
     with DaemonClient(shared.home) as c:
         c.put(*make_entry("zero-cli", [650] * 40))
-    r = CliRunner().invoke(main, ["evict", "--to-size", "0", "--home", str(shared.home)])
+    r = cli("evict", "--to-size", "0", "--home", shared.home)
     assert r.exit_code == 0 and "evicted 1 entry" in r.output, r.output
 
 
@@ -599,12 +611,12 @@ def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
         with pytest.raises(DaemonError, match="is busy \\(too many connections\\); try again"):
             connect(shared.home)
         # the CLI refuses rather than writing the store beside the daemon
-        r = CliRunner().invoke(main, ["evict", "--all", "--home", str(shared.home)])
+        r = cli("evict", "--all", "--home", shared.home)
         assert r.exit_code == 1 and "busy" in r.output, r.output
     finally:
         for c in held:
             c.close()
-    time.sleep(0.2)
+    _wait_not_busy(shared)
     assert {"classify", "synthesize"} <= {e["label"] for e in entries(shared.home).values()}
     c = connect(shared.home)
     assert c is not None
@@ -618,16 +630,16 @@ def test_verify_repair_goes_through_the_daemon(shared):
     with Store(shared.home) as store:  # damage made behind the daemon's back
         store.put(key, b"\x00" * 100, tokens=pack_tokens([1, 2]), label="garbage")
     home = ["--home", str(shared.home)]
-    r = CliRunner().invoke(main, ["verify", *home])  # a plain verify reads directly
+    r = cli("verify", *home)  # a plain verify reads directly
     assert r.exit_code == 1 and f"bad entry {key.hex()}" in r.output, r.output
     assert "request repair" not in shared.text()
-    r = CliRunner().invoke(main, ["verify", "--repair", *home])
+    r = cli("verify", "--repair", *home)
     assert r.exit_code == 1 and f"bad entry {key.hex()}" in r.output, r.output
     assert "(deleted)" in r.output
     shared.wait_log("request repair")
     shared.wait_log(f"repair: deleted entry {key.hex()}")
     assert key.hex() not in entries(shared.home)
-    r = CliRunner().invoke(main, ["verify", "--repair", *home])
+    r = cli("verify", "--repair", *home)
     assert r.exit_code == 0 and "entries ok" in r.output, r.output
 
 
@@ -635,7 +647,7 @@ _SLOW_LS = """
 import sys, time
 from kvstore.daemon.commands import Commands
 def slow_ls(self, args, conn):
-    self.store._read(lambda txn: time.sleep(30))  # stuck inside a read transaction
+    self.store._read(lambda txn: print("inside the read", flush=True) or time.sleep(30))
     return []
 Commands.cmd_ls = slow_ls
 from kvstore.cli.main import main
@@ -649,7 +661,7 @@ def test_shutdown_never_closes_the_store_under_a_busy_connection(tmp_path):
     s = _raw(d.home)
     try:
         protocol.send(s, {"cmd": "ls"})
-        time.sleep(0.5)  # the connection thread is inside the read now
+        d.wait_log("inside the read")  # the connection thread is stuck inside a read
         rc, seconds = d.stop(signal.SIGTERM)
     finally:
         s.close()

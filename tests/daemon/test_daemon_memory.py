@@ -8,10 +8,8 @@ from __future__ import annotations
 import sys
 import time
 
-from click.testing import CliRunner
-from helpers import CLASSIFY, Proc, serving
+from helpers import CLASSIFY, Proc, cli, manifest_for, serving, wait_for
 
-from kvstore.cli.main import main
 from kvstore.daemon.lifecycle import available_memory_bytes, memory_to_load
 
 FAKE_MEMORY = """
@@ -34,12 +32,11 @@ def test_available_memory_is_read_on_this_platform():
 
 def test_a_warm_short_of_memory_is_deferred_then_done_when_memory_allows(tmp_path, llama_path):
     (tmp_path / "router.md").write_text(CLASSIFY)
-    manifest = tmp_path / "pins.toml"
-    manifest.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n'
+    pins = (
         '[[model.prefix]]\nname = "router"\nfile = "router.md"\n\n'
         '[[model.prefix]]\nname = "writer"\ntext = "You are the writer."\n'
     )
+    manifest = manifest_for(tmp_path, llama_path, pins, name="pins.toml")
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("memory_check_interval = 0.2\n")
@@ -57,10 +54,10 @@ def test_a_warm_short_of_memory_is_deferred_then_done_when_memory_allows(tmp_pat
         assert "not enough memory to load model" in deferred[str(manifest)]["reason"]
 
         args = ["--home", str(home)]
-        r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), *args])
+        r = cli("warm", "--manifest", manifest, *args)
         assert r.exit_code == 0, r.output
         assert r.output.count("deferred  ") == 2 and "2 deferred" in r.output, r.output
-        r = CliRunner().invoke(main, ["stats", *args])
+        r = cli("stats", *args)
         assert f"deferred       warm of {manifest}: not enough memory" in r.output, r.output
 
         time.sleep(1.0)  # several re-checks, none of which may load or say it again
@@ -68,10 +65,8 @@ def test_a_warm_short_of_memory_is_deferred_then_done_when_memory_allows(tmp_pat
         assert "loading" not in d.text() and d.request("ls") == []
 
         fake.write_text(str(need))  # memory is available now
-        deadline = time.monotonic() + 30
-        while (stats := d.request("stats")["daemon"])["deferred"]:
-            assert time.monotonic() < deadline, d.text()
-            time.sleep(0.05)
+        wait_for(lambda: not d.request("stats")["daemon"]["deferred"], what=d.text)
+        stats = d.request("stats")["daemon"]
         assert stats["pid"] == d.pid and len(d.request("ls")) == 2
         assert stats["last_warm"]["cause"] == "memory available"
         assert (stats["last_warm"]["warmed"], stats["last_warm"]["models_loaded"]) == (2, 1)

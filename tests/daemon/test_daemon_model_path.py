@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFY, Proc, serving
+from helpers import CLASSIFY, Proc, manifest_for, serving
 
 from kvstore.wire.daemon_client import DaemonClient
 
-MANIFEST = (
-    '[[model]]\npath = "{model}"\n\n'
+PINS = (
     '[[model.prefix]]\nname = "router"\nfile = "router.md"\n\n'
-    '[[model.prefix]]\nname = "writer"\nmessages = [{{ role = "system", content = '
-    '"You are the writer. Reply in short, kind sentences with the next step first." }}]\n'
+    '[[model.prefix]]\nname = "writer"\nmessages = [{ role = "system", content = '
+    '"You are the writer. Reply in short, kind sentences with the next step first." }]\n'
 )
 
 
@@ -27,8 +25,7 @@ def watched(tmp_path, llama_path):
     model = tmp_path / "model"
     shutil.copytree(llama_path, model)
     (tmp_path / "router.md").write_text(CLASSIFY)
-    manifest = tmp_path / "pins.toml"
-    manifest.write_text(MANIFEST.format(model=model))
+    manifest = manifest_for(tmp_path, model, PINS, name="pins.toml")
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("debounce = 0.2\npoll_interval = 1.0\n")
@@ -46,14 +43,9 @@ def entries(d: Proc) -> dict[str, dict]:
 def point_at(d: Proc, model: Path) -> dict:
     """Save the manifest with `model` as its path (an editor's atomic save); the warm it causes."""
     at = d.request("stats")["daemon"]["last_warm"]["at"]
-    tmp = d.manifest.with_suffix(".tmp")
-    tmp.write_text(MANIFEST.format(model=model))
+    tmp = manifest_for(d.root, model, PINS, name="pins.tmp")
     os.replace(tmp, d.manifest)
-    deadline = time.monotonic() + 30
-    while (w := d.request("stats")["daemon"]["last_warm"])["at"] == at:
-        assert time.monotonic() < deadline, d.text()
-        time.sleep(0.05)
-    return w
+    return d.next_warm(at)
 
 
 def same_entries(before: dict[str, dict], after: dict[str, dict]) -> None:

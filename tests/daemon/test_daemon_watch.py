@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 
 import pytest
-from helpers import CLASSIFY, Proc, serving
+from helpers import CLASSIFY, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.wire.daemon_client import DaemonClient
 
@@ -19,13 +18,12 @@ def watched(tmp_path_factory, llama_path):
     model = root / "model"
     shutil.copytree(llama_path, model)
     (root / "router.md").write_text(CLASSIFY)
-    manifest = root / "pins.toml"
-    manifest.write_text(
-        f'[[model]]\npath = "{model}"\n\n'
+    pins = (
         '[[model.prefix]]\nname = "router"\nfile = "router.md"\n\n'
         '[[model.prefix]]\nname = "writer"\nmessages = [{ role = "system", content = '
         '"You are the writer. Reply in short, kind sentences with the next step first." }]\n'
     )
+    manifest = manifest_for(root, model, pins, name="pins.toml")
     home = root / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("debounce = 0.2\npoll_interval = 1.0\n")
@@ -40,14 +38,6 @@ def entries(d: Proc) -> dict[str, dict]:
         return {e["label"]: e for e in c.request("ls")}
 
 
-def next_warm(d: Proc, after: float) -> dict:
-    deadline = time.monotonic() + 30
-    while (w := d.request("stats")["daemon"]["last_warm"])["at"] == after:
-        assert time.monotonic() < deadline, d.text()
-        time.sleep(0.05)
-    return w
-
-
 def last_at(d: Proc) -> float:
     return d.request("stats")["daemon"]["last_warm"]["at"]
 
@@ -58,7 +48,7 @@ def test_prompt_file_edit_rewarms_only_its_pin(watched):
     tmp = path.with_suffix(".tmp")
     tmp.write_text(CLASSIFY.replace("JSON only", "one word only"))
     os.replace(tmp, path)  # an editor's atomic save
-    w = next_warm(watched, at)
+    w = watched.next_warm(at)
     after = entries(watched)
     assert (w["warmed"], w["purged"]) == (1, 1)
     assert after["router"]["key"] != before["router"]["key"]
@@ -80,7 +70,7 @@ def test_template_edit_rewarms_every_pin_of_the_model(watched):
     )  # noqa: E501
     assert edited != text
     target.write_text(edited)
-    w = next_warm(watched, at)
+    w = watched.next_warm(at)
     after = entries(watched)
     assert (w["warmed"], w["purged"]) == (2, 2)
     for label in ("router", "writer"):  # same tokens, so the same keys, but warmed anew
@@ -124,7 +114,7 @@ def test_weight_change_replaces_every_entry_of_the_old_fingerprint(watched):
     tmp = weights.with_suffix(".tmp")
     tmp.write_bytes(bytes(data))
     os.replace(tmp, weights)
-    w = next_warm(watched, at)
+    w = watched.next_warm(at)
     after = entries(watched)
     assert (w["warmed"], w["purged"]) == (2, 3)
     assert set(after) == {"router", "writer"}  # the chain of the old weights is gone too
@@ -136,24 +126,15 @@ def test_weight_change_replaces_every_entry_of_the_old_fingerprint(watched):
 def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path, llama_path):
     """Warming a second manifest through the daemon adds its files to the running watcher: an
     edit made just before (not yet checked) is still reported, and the new files are watched."""
-    from click.testing import CliRunner
-
-    from kvstore.cli.main import main
 
     (tmp_path / "router.md").write_text(CLASSIFY)
-    first = tmp_path / "pins.toml"
-    first.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n'
-        f'[[model.prefix]]\nname = "router"\nfile = "router.md"\n'
-    )
+    router = '[[model.prefix]]\nname = "router"\nfile = "router.md"\n'
+    first = manifest_for(tmp_path, llama_path, router, name="pins.toml")
     other = tmp_path / "other"
     other.mkdir()
     (other / "writer.md").write_text("You are the writer. Reply in short, kind sentences.")
-    second = other / "more.toml"
-    second.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n'
-        f'[[model.prefix]]\nname = "writer"\nfile = "writer.md"\n'
-    )
+    writer = '[[model.prefix]]\nname = "writer"\nfile = "writer.md"\n'
+    second = manifest_for(other, llama_path, writer, name="more.toml")
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text("debounce = 1.0\npoll_interval = 1.0\n")
@@ -165,25 +146,23 @@ def test_a_manifest_warmed_later_is_watched_and_no_pending_edit_is_lost(tmp_path
         # An edit the watcher has seen but not yet checked (inside its debounce window) ...
         (tmp_path / "router.md").write_text(CLASSIFY.replace("JSON only", "one word only"))
         # ... then a warm request names a new manifest: the running watcher must keep it.
-        r = CliRunner().invoke(main, ["warm", "--manifest", str(second), "--home", str(home)])
+        r = cli("warm", "--manifest", second, "--home", home)
         assert r.exit_code == 0 and "1 warmed" in r.output, r.output
-        deadline = time.monotonic() + 30
         # The reconcile purges the old pin before it warms the new one: absent in between.
-        while entries(d).get("router", {}).get("key") in (None, router_key):
-            assert time.monotonic() < deadline, d.text()
-            time.sleep(0.05)
+        wait_for(lambda: entries(d).get("router", {}).get("key") not in (None, router_key),
+                 what=d.text)  # fmt: skip
         d.wait_log("router.md): reconciling")
         log = d.text()  # the premise: the edit was still unchecked when the warm request came
         assert log.index("now watching manifest") < log.index("router.md): reconciling"), log
         w = d.request("stats")["daemon"]["last_warm"]
         while not ("router.md" in w["cause"] and w["manifest"] == str(second)):
-            w = next_warm(d, w["at"])  # that reconcile ends with the second manifest's warm
+            w = d.next_warm(w["at"])  # that reconcile ends with the second manifest's warm
         # the newly warmed manifest's own prompt file is watched too
         writer_key, at = entries(d)["writer"]["key"], w["at"]
         (other / "writer.md").write_text("You are the editor. Reply in short, kind sentences.")
-        w = next_warm(d, at)
+        w = d.next_warm(at)
         while w["warmed"] == 0:  # a reconcile warms the first manifest (nothing) then this one
-            w = next_warm(d, w["at"])
+            w = d.next_warm(w["at"])
         assert "writer.md" in w["cause"] and w["manifest"] == str(second)
         assert entries(d)["writer"]["key"] != writer_key
         assert "now watching manifest" in d.text()

@@ -11,11 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from helpers import manifest_for
+from helpers import cli, manifest_for
 from mlx_lm.utils import load_tokenizer
 
-from kvstore.cli.main import main
 from kvstore.daemon.daywatch import DayWatch
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.pins.clock import clock_at
@@ -104,7 +102,7 @@ def test_a_clock_bound_pin_is_rewarmed_across_midnight_with_no_request_missing_i
         assert meta.extra["valid_date"] == "2026-03-15"
         assert watch.tick() is None
     # `kvstore ls` shows the date the pin holds for.
-    out = CliRunner().invoke(main, ["ls"]).output
+    out = cli("ls").output
     assert "valid 2026-03-15" in out
 
 
@@ -145,19 +143,19 @@ name = "bad"
 messages = [{{ role = "system", content = "{BAD} {SYSTEM}" }}]
 """
     manifest = manifest_for(tmp_path, model, pins)
-    result = CliRunner().invoke(main, ["warm", "--manifest", str(manifest)])
+    result = cli("warm", "--manifest", manifest)
     assert result.exit_code != 0
     assert "bad: " in result.output and "this system prompt is not supported" in result.output
     assert "good:" not in result.output.split("Error:")[-1]
-    entries = json.loads(CliRunner().invoke(main, ["ls", "--json"]).output)
+    entries = json.loads(cli("ls", "--json").output)
     assert [e["label"] for e in entries] == ["good"]
     # A pin that fails later keeps what it had stored (a template error is no reason to drop it).
     manifest.write_text(manifest.read_text().replace(f"{BAD} ", "Fine. "))
-    assert CliRunner().invoke(main, ["warm", "--manifest", str(manifest)]).exit_code == 0
+    assert cli("warm", "--manifest", manifest).exit_code == 0
     manifest.write_text(manifest.read_text().replace("Fine. ", f"{BAD} "))
-    result = CliRunner().invoke(main, ["warm", "--manifest", str(manifest)])
+    result = cli("warm", "--manifest", manifest)
     assert result.exit_code != 0 and "purged" not in result.output
-    entries = json.loads(CliRunner().invoke(main, ["ls", "--json"]).output)
+    entries = json.loads(cli("ls", "--json").output)
     assert sorted(e["label"] for e in entries) == ["bad", "good"]
 
 
@@ -182,7 +180,7 @@ chat_template_kwargs = {{ terse = false }}
 messages = [{{ role = "system", content = "{SYSTEM}" }}]
 """
     manifest = manifest_for(tmp_path, model, pins, extra="chat_template_kwargs = { terse = true }")
-    CliRunner().invoke(main, ["warm", "--manifest", str(manifest)], catch_exceptions=False)
+    cli("warm", "--manifest", manifest, catch_exceptions=False)
     tok = load_tokenizer(model)
     with Store(kv_home, readonly=True) as store:
         metas = {m.label: m for m in store.metas()}

@@ -6,7 +6,7 @@ import signal
 import time
 
 import pytest
-from helpers import TWO_PINS, Proc, manifest_for
+from helpers import TWO_PINS, Proc, manifest_for, wait_for
 
 from kvstore.daemon import exits
 
@@ -77,10 +77,7 @@ def test_internal_failure_of_the_accept_loop_exits_non_zero(tmp_path):
     from kvstore.wire.daemon_client import connect
 
     d = Proc(tmp_path / "h", log=tmp_path / "d.log", code=_PATCHED.format(patch=_ACCEPT_FAILS))
-    deadline = time.monotonic() + 60
-    while "serving" not in d.text():
-        assert d.p.poll() is None and time.monotonic() < deadline, d.text()
-        time.sleep(0.05)
+    wait_for(lambda: "serving" in d.text(), what=d.text, proc=d.p)
     connect(d.home, timeout=2)  # accepting it raises inside the accept loop
     code = _exit_code(d)
     assert code == exits.INTERNAL, d.text()
@@ -101,7 +98,7 @@ def test_socket_refused_under_launchd_waits_instead_of_being_restarted(tmp_path,
     # launchd restarts every non-zero exit, every ThrottleInterval: the daemon parks instead.
     monkeypatch.setenv(exits.SUPERVISOR_ENV, "launchd")
     d = Proc(tmp_path / "h", log=tmp_path / "d.log", code=_PATCHED.format(patch=_BIND_REFUSED))
-    d.wait_log("waits here until stopped", timeout=60)
+    d.wait_log("waits here until stopped")
     time.sleep(1.0)
     assert d.p.poll() is None, d.text()
     assert d.text().count("waits here until stopped") == 1

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
+from helpers import cli
 
-from kvstore.cli.main import main
 from kvstore.daemon import exits
 from kvstore.daemon.service import command as service
 from kvstore.daemon.service import launchd
@@ -159,7 +158,7 @@ def test_systemd_itself_reads_the_program_path_as_one_word(tmp_path):
 
 @pytest.mark.parametrize("kind", ["launchd", "systemd"])
 def test_print_through_the_cli(kind, kv_home):
-    result = CliRunner().invoke(main, ["service", "print", f"--{kind}"])
+    result = cli("service", "print", f"--{kind}")
     assert result.exit_code == 0, result.output
     if kind == "launchd":
         job = plistlib.loads(result.output.encode())
@@ -171,7 +170,7 @@ def test_print_through_the_cli(kind, kv_home):
 def test_install_dry_run_systemd(monkeypatch, tmp_path, kv_home):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setattr(service, "host_kind", lambda: "systemd")
-    result = CliRunner().invoke(main, ["service", "install", "--dry-run"])
+    result = cli("service", "install", "--dry-run")
     assert result.exit_code == 0, result.output
     unit = tmp_path / "config" / "systemd" / "user" / UNIT_NAME
     assert f"would write {unit} (mode 644)" in result.output
@@ -182,7 +181,7 @@ def test_install_dry_run_systemd(monkeypatch, tmp_path, kv_home):
 
 def test_install_dry_run_launchd(monkeypatch, user_home):
     monkeypatch.setattr(service, "host_kind", lambda: "launchd")
-    result = CliRunner().invoke(main, ["service", "install", "--dry-run"])
+    result = cli("service", "install", "--dry-run")
     assert result.exit_code == 0, result.output
     plist = user_home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
     lines = result.output.splitlines()
@@ -212,7 +211,7 @@ def test_install_without_systemctl_is_one_clear_line(monkeypatch, tmp_path):
     monkeypatch.setattr(service, "host_kind", lambda: "systemd")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    result = CliRunner().invoke(main, ["service", "install"])
+    result = cli("service", "install")
     assert result.exit_code == 1
     message = result.output.strip()
     assert len(message.splitlines()) == 1
@@ -225,7 +224,7 @@ def test_install_without_a_user_manager_is_one_clear_line(monkeypatch, tmp_path)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     _fake_systemctl(tmp_path / "bin", works=False)
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    result = CliRunner().invoke(main, ["service", "install"])
+    result = cli("service", "install")
     assert result.exit_code == 1
     assert len(result.output.strip().splitlines()) == 1
     assert "no systemd user manager" in result.output and "No medium found" in result.output
@@ -238,7 +237,7 @@ def test_install_then_uninstall_runs_systemctl_in_order(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     unit = tmp_path / "config" / "systemd" / "user" / UNIT_NAME
 
-    result = CliRunner().invoke(main, ["service", "install"])
+    result = cli("service", "install")
     assert result.exit_code == 0, result.output
     assert _unit(unit.read_text())["Service"]["Restart"] == "on-failure"
     calls = log.read_text().splitlines()
@@ -248,7 +247,7 @@ def test_install_then_uninstall_runs_systemctl_in_order(monkeypatch, tmp_path):
         f"--user enable --now {UNIT_NAME}",
     ]
 
-    result = CliRunner().invoke(main, ["service", "uninstall"])
+    result = cli("service", "uninstall")
     assert result.exit_code == 0, result.output
     assert f"--user disable --now {UNIT_NAME}" in log.read_text()
     assert not unit.exists()
@@ -302,7 +301,7 @@ def fake_launchd(tmp_path, monkeypatch) -> FakeLaunchd:
 
 
 def _install(*args: str):
-    return CliRunner().invoke(main, ["service", "install", *args])
+    return cli("service", "install", *args)
 
 
 def test_reinstall_waits_for_the_old_job_then_bootstraps(fake_launchd, user_home):
@@ -355,7 +354,7 @@ def test_plist_is_0644_under_umask_002(fake_launchd, user_home):
 
 def test_uninstall_waits_until_launchd_forgot_the_job(fake_launchd, user_home):
     assert _install().exit_code == 0
-    result = CliRunner().invoke(main, ["service", "uninstall"])
+    result = cli("service", "uninstall")
     assert result.exit_code == 0, result.output
     assert LABEL not in fake_launchd.state()["jobs"]  # gone, not just asked to go
     assert not launchd.plist_path().exists()
@@ -368,7 +367,7 @@ def test_status_shows_what_a_user_debugging_the_agent_needs(fake_launchd, user_h
     state = fake_launchd.state()
     state["jobs"][LABEL].update(pid=None, last_exit=exits.CONFIG)
     fake_launchd.set_state(**state)
-    result = CliRunner().invoke(main, ["service", "status"])
+    result = cli("service", "status")
     out = result.output
     assert result.exit_code == 3, out  # not answering
     assert "loaded:    yes (not running)" in out
@@ -383,13 +382,13 @@ def test_status_shows_what_a_user_debugging_the_agent_needs(fake_launchd, user_h
 def test_status_of_a_running_job_with_its_pid(fake_launchd, user_home):
     assert _install().exit_code == 0
     pid = fake_launchd.state()["jobs"][LABEL]["pid"]
-    out = CliRunner().invoke(main, ["service", "status"]).output
+    out = cli("service", "status").output
     assert "loaded:    yes (running)" in out and f"pid:       {pid}" in out
     assert "last exit: none yet" in out
 
 
 def test_status_when_not_loaded(fake_launchd, user_home):
-    out = CliRunner().invoke(main, ["service", "status"]).output
+    out = cli("service", "status").output
     assert "loaded:    no" in out and "(not installed)" in out
 
 
@@ -426,7 +425,7 @@ def test_install_warns_about_tcc_protected_paths(where, fake_launchd, user_home)
     folder.mkdir(parents=True)
     manifest = folder / "pins.toml"
     manifest.write_text("")
-    result = CliRunner().invoke(main, ["service", "install", "--dry-run", "-m", str(manifest)])
+    result = cli("service", "install", "--dry-run", "-m", manifest)
     assert result.exit_code == 0, result.output
     top = "~/" + where.split("/com~")[0]
     assert f"the manifest {manifest} is under {top}" in result.output
@@ -445,7 +444,7 @@ def test_tcc_match_ignores_case_and_normalization(user_home):
 def test_install_outside_protected_paths_warns_nothing(fake_launchd, tmp_path):
     manifest = tmp_path / "pins.toml"
     manifest.write_text("")
-    result = CliRunner().invoke(main, ["service", "install", "--dry-run", "-m", str(manifest)])
+    result = cli("service", "install", "--dry-run", "-m", manifest)
     assert "warning" not in result.output
 
 
@@ -464,7 +463,7 @@ def test_systemd_status_reads_systemctl_show(monkeypatch, tmp_path):
         f'MainPID=0\\nExecMainStatus={exits.CONFIG}\\n";; esac\n'
     )
     monkeypatch.setenv("PATH", str(bin_dir))
-    result = CliRunner().invoke(main, ["service", "status"])
+    result = cli("service", "status")
     out = result.output
     assert result.exit_code == 3, out
     assert "loaded:    yes (failed (failed))" in out
@@ -480,7 +479,7 @@ def test_status_says_the_socket_answers_when_the_daemon_runs(fake_launchd, user_
     d = Proc(kv_home, log=kv_home.parent / "d.log")
     try:
         d.wait_ready()
-        result = CliRunner().invoke(main, ["service", "status"])
+        result = cli("service", "status")
     finally:
         assert d.stop()[0] == 0
     assert result.exit_code == 0, result.output

@@ -11,6 +11,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from helpers import wait_for
 from watchdog.events import FileModifiedEvent
 from watchdog.observers import Observer
 
@@ -32,7 +33,9 @@ class Calls:
             self.calls.append(changed)
             self._cond.notify_all()
 
-    def wait(self, n: int = 1, timeout: float = 5.0) -> list[set[Path]]:
+    def wait(self, n: int = 1, timeout: float = 30.0) -> list[set[Path]]:
+        """The calls once there are `n` (or after `timeout`: a short one checks that none come),
+        and QUIET seconds more, so a call too many would be seen."""
         with self._cond:
             self._cond.wait_for(lambda: len(self.calls) >= n, timeout)
         time.sleep(QUIET)
@@ -218,13 +221,10 @@ def test_an_emitter_that_dies_in_its_thread_hands_over_to_polling(prompt, caplog
         w = _start(lambda: [prompt], calls, poll_interval=poll)
     try:
         assert w.mode == "watchdog"  # schedule and start raised nothing: only the thread died
-        deadline = time.monotonic() + poll * 2 + 1
-        while w.mode != "polling":
-            assert time.monotonic() < deadline, "polling did not take over"
-            time.sleep(0.05)
+        wait_for(lambda: w.mode == "polling", what="polling to take over")
         assert "file-event emitter" in caplog.text and "re-hashing" in caplog.text
         prompt.write_text("changed after the emitter died")
-        assert calls.wait(timeout=poll * 3) == [{prompt}]
+        assert calls.wait() == [{prompt}]
     finally:
         w.stop()
 
@@ -241,11 +241,11 @@ def test_an_emitter_stopped_by_a_renamed_root_is_watched_afresh(prompt, caplog):
         emitter.stop()
         folder.mkdir()
         prompt.write_text("You are the router, in a new folder.")
-        got = calls.wait(timeout=poll * 3 + 2)
+        got = calls.wait()
         assert {prompt} in got, caplog.text
         assert w.mode == "watchdog" and folder in w.directories
         prompt.write_text("and edited again")  # the fresh emitter delivers events
-        assert calls.wait(len(got) + 1, timeout=poll)[-1] == {prompt}
+        assert calls.wait(len(got) + 1)[-1] == {prompt}
     finally:
         w.stop()
 
@@ -284,9 +284,9 @@ def test_the_store_is_outside_every_watched_tree(tmp_path, monkeypatch):
             (store / "data.mdb").write_bytes(b"x" * i)
         assert calls.wait(timeout=poll * 2) == []
         _save_by_rename(manifest, "v2")  # polled: seen within the poll interval
-        assert calls.wait(timeout=poll * 3) == [{manifest}]
+        assert calls.wait() == [{manifest}]
         prompt.write_text("p2")  # events
-        assert calls.wait(2, timeout=DEBOUNCE * 5)[-1] == {prompt}
+        assert calls.wait(2)[-1] == {prompt}
     finally:
         w.stop()
 

@@ -11,20 +11,16 @@ from unittest import mock
 
 import mlx.core as mx
 import pytest
-from click.testing import CliRunner
-from fleet_helpers import (
+from fleet_boxes import (
     BUCKET,
     big_entry,
     box,
-    cli,
     remote_of,
-    wait_for,
 )
-from helpers import TWO_PINS, Proc, assert_same_kv, manifest_for, serving
+from helpers import TWO_PINS, Proc, assert_same_kv, cli, manifest_for, serving, wait_for
 from mlx_lm import load
 
 from bench.weed import OTHER_BUCKET
-from kvstore.cli.main import main
 from kvstore.codec import codec
 from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher, choose
@@ -42,7 +38,6 @@ from kvstore.warm.prefill import prefill
 from kvstore.warm.warm import warm
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
-pytest_plugins = ["fleet_fixtures"]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 
@@ -225,7 +220,7 @@ def test_settings_refuse_readable_credentials_and_never_show_the_secret(s3, tmp_
         + cli("remote", "status", "--home", str(home)).output
     )
     assert "remote" in out and s3.endpoint in out
-    from fleet_helpers import SECRET_KEY
+    from fleet_boxes import SECRET_KEY
 
     assert SECRET_KEY not in out
     assert SECRET_KEY not in repr(remote_settings(load_settings(home), home))
@@ -255,7 +250,7 @@ def test_without_boto3_a_warm_is_local_and_says_why(s3, llama_path, tmp_path):
     home = box(tmp_path / "a", s3)
     manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
     with mock.patch.dict(sys.modules, {"boto3": None}):  # as on a box without the fleet extra
-        r = CliRunner().invoke(main, ["warm", "--manifest", manifest, "--home", str(home)])
+        r = cli("warm", "--manifest", manifest, "--home", home)
     assert r.exit_code == 0 and "2 warmed" in r.output
     assert "needs boto3: pip install 'kvstore[fleet]'" in r.output
 

@@ -10,19 +10,17 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from fleet_helpers import (
+from fleet_boxes import (
     ADMIN_KEY,
     ADMIN_SECRET,
     BUCKET,
     Weed,
     big_entry,
     box,
-    cli,
     queue_counts,
     remote_of,
-    wait_for,
 )
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher
@@ -35,7 +33,6 @@ from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
-pytest_plugins = ["fleet_fixtures"]
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 
@@ -166,21 +163,25 @@ def test_local_puts_never_wait_on_a_silent_remote(tmp_path):
     try:
         home = tmp_path / "a"
         home.mkdir(mode=0o700)
-        rs = RemoteSettings(f"http://127.0.0.1:{port}", BUCKET, read_timeout=1.0,
+        rs = RemoteSettings(f"http://127.0.0.1:{port}", BUCKET, read_timeout=5.0,
                             access_key_id="k", secret_access_key="s")  # fmt: skip
         with Store(home) as store:
             worker = start_uploader(Remote(rs), store, home)
+            held = []
             try:
                 big_entry(store, b"\1" * 16, 16, seed=1)
                 wait_for(lambda: worker.queue.pending() and worker.is_alive(), what="a queued key")
-                time.sleep(0.2)  # the worker is now inside its request to the silent remote
+                silent.settimeout(60)
+                held.append(silent.accept()[0])  # the worker is inside its request to it now
                 t = time.perf_counter()
                 key = big_entry(store, b"\1" * 16, 16, seed=2)
-                assert time.perf_counter() - t < 0.5  # committed and queued, not uploaded
+                assert time.perf_counter() - t < 2.0  # committed and queued, not uploaded (5 s)
                 assert key in worker.queue.pending() and store.get_meta(key) is not None
                 assert not worker.stop(timeout=0.1)  # still in flight: the daemon says so
             finally:
                 silent.close()
+                for conn in held:
+                    conn.close()  # the request ends at once rather than at its read timeout
                 worker.stop(timeout=10)
             assert not worker.is_alive() and len(worker.queue.pending()) == 2  # kept
             worker.queue.close()

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-from click.testing import CliRunner
+from helpers import cli
 
-from kvstore.cli.main import main
 from kvstore.fleet.settings import REMOTE_SAMPLE, parse_remote
 
 if sys.version_info >= (3, 11):
@@ -21,7 +20,7 @@ else:  # pragma: no cover
 def test_no_remote_table_says_where_it_goes_and_where_a_sample_is(kv_home, command):
     kv_home.mkdir()
     (kv_home / "settings.toml").write_text("max_bytes = 1073741824\n")
-    result = CliRunner().invoke(main, ["remote", *command, "--home", str(kv_home)])
+    result = cli("remote", *command, "--home", kv_home)
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
     (line,) = result.output.strip().splitlines()
     assert f"{kv_home / 'settings.toml'}: no [remote] table" in line
@@ -29,7 +28,7 @@ def test_no_remote_table_says_where_it_goes_and_where_a_sample_is(kv_home, comma
 
 
 def test_the_sample_in_remote_help_is_a_valid_table(kv_home):
-    result = CliRunner().invoke(main, ["remote", "--help"])
+    result = cli("remote", "--help")
     shown = [line.strip() for line in result.output.splitlines()]
     sample = [line.strip() for line in REMOTE_SAMPLE.splitlines()]
     start = shown.index(sample[0])

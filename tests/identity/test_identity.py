@@ -20,13 +20,6 @@ from kvstore.identity.model import ModelIdentity
 from kvstore.store.entry import entry_key, prefix_hash
 
 
-@pytest.fixture
-def model_copy(llama_path, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(llama_path, dst)
-    return dst
-
-
 def fp(path, *, hash_cache=None, **identity):
     """The fingerprint of `path` run as `identity` (ModelIdentity's fields) says."""
     return model_fingerprint(ModelIdentity(str(path), **identity), hash_cache=hash_cache).digest

@@ -8,7 +8,6 @@ directory (mlx-lm never runs one) does not.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,13 +15,6 @@ import pytest
 from kvstore.identity import codehash
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.identity.model import ModelIdentity
-
-
-@pytest.fixture
-def model_copy(llama_path, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(llama_path, dst)
-    return dst
 
 
 @pytest.fixture

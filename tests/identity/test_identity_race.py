@@ -7,11 +7,9 @@ between is simulated by wrapping the real mlx_lm.load.
 from __future__ import annotations
 
 import logging
-import shutil
 from unittest import mock
 
 import mlx_lm
-import pytest
 from helpers import TWO_PINS, manifest_for
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -22,13 +20,6 @@ from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 
 REAL_LOAD = mlx_lm.load
-
-
-@pytest.fixture
-def model_copy(llama_path, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(llama_path, dst)
-    return dst
 
 
 def rewrite_weights(model_dir) -> None:

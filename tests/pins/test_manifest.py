@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import cli
 
 from kvstore.errors import ManifestError
 from kvstore.pins.manifest import DEFAULT_KV_GROUP_SIZE, load_manifest, manifest_files
@@ -290,12 +291,9 @@ def test_a_wrong_type_is_one_line_naming_the_file_key_and_type(tmp_path: Path, c
 
 
 def test_kv_bits_as_a_string_names_the_type_and_the_allowed_values(tmp_path: Path) -> None:
-    from click.testing import CliRunner
-
-    from kvstore.cli.main import main
 
     path = write(tmp_path, '[[model]]\npath = "/m"\nkv_bits = "8"\n')
-    result = CliRunner().invoke(main, ["warm", "--manifest", str(path)])
+    result = cli("warm", "--manifest", path)
     assert result.exit_code == 1, result.output
     (line,) = result.output.strip().splitlines()
     assert str(path) in line and "kv_bits" in line

@@ -6,12 +6,8 @@ fatal."""
 from __future__ import annotations
 
 import json
-import time
 
-from click.testing import CliRunner
-from helpers import TWO_PINS, Proc, manifest_for, serving
-
-from kvstore.cli.main import main
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
 THIRD = """
 [[model.prefix]]
@@ -21,7 +17,7 @@ messages = [{ role = "system", content = "You are the third stage: check the pla
 
 
 def _cli(home, *args: str, ok: bool = True):
-    r = CliRunner().invoke(main, [*args, "--home", str(home)])
+    r = cli(*args, "--home", home)
     assert (r.exit_code == 0) == ok, r.output
     return r
 
@@ -31,10 +27,8 @@ def _listed(home) -> list[dict]:
 
 
 def _wait_label(d: Proc, label: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while label not in {e["label"] for e in d.request("ls")}:
-        assert time.monotonic() < deadline, f"pin {label!r} never warmed:\n{d.text()}"
-        time.sleep(0.1)
+    wait_for(lambda: label in {e["label"] for e in d.request("ls")}, timeout,
+             lambda: f"pin {label!r} to warm:\n{d.text()}")  # fmt: skip
 
 
 def test_a_manifest_warmed_through_the_daemon_is_kept_true_after_a_restart(

@@ -6,12 +6,11 @@ import logging
 from pathlib import Path
 
 import pytest
-from mlx_lm.utils import load_tokenizer
+from toy_templates import TIMED_TEMPLATE, USER_FIRST_TEMPLATE, tokenizer_with
 
 from kvstore.pins import render
 from kvstore.pins.manifest import PrefixSpec
 from kvstore.pins.render import render_prefix
-from kvstore.tiny import write_tokenizer
 
 SYSTEM = "You are a careful assistant. Classify the request and return JSON with the fields."
 TOOLS = (
@@ -24,34 +23,6 @@ TOOLS = (
         },
     },
 )
-
-# Per-request content before the system text: the user turn, or a date.
-USER_FIRST_TEMPLATE = (
-    "{% for m in messages if m['role'] == 'user' %}"
-    "<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% for m in messages if m['role'] != 'user' %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# A date the template hard-codes (Llama 3.1/3.3's "26 Jul 2024"): real requests never change it.
-DATED_TEMPLATE = (
-    "<|im_start|>system\nThe date is {{ date_string | default('26 Jul 2024') }}. "
-    "{{ messages[0]['content'] }}<|im_end|>\n"
-    "{% for m in messages[1:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# The time of day from transformers' strftime_now: it changes faster than daily.
-TIMED_TEMPLATE = DATED_TEMPLATE.replace(
-    "{{ date_string | default('26 Jul 2024') }}", "{{ strftime_now('%d %b %Y %H:%M') }}"
-)
-
-
-def tokenizer_with(path: Path, template: str | None = None):
-    if template is None:
-        write_tokenizer(path)
-    else:
-        write_tokenizer(path, chat_template=template)
-    return load_tokenizer(path)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ import logging
 from pathlib import Path
 
 import pytest
-from mlx_lm.utils import load_tokenizer
+from toy_templates import DATED_TEMPLATE, TIMED_TEMPLATE, USER_FIRST_TEMPLATE, tokenizer_with
 
 from kvstore.errors import ManifestError
 from kvstore.pins.clock import clock_at
 from kvstore.pins.manifest import PrefixSpec
 from kvstore.pins.render import render_prefix
-from kvstore.tiny import write_tokenizer
 
 SYSTEM = "You are a careful assistant. Classify the request and return JSON with the fields."
 TOOLS = (
@@ -71,11 +70,6 @@ KWARG_TEMPLATE = (
 )
 
 
-def tokenizer_with(path: Path, template: str):
-    write_tokenizer(path, chat_template=template)
-    return load_tokenizer(path)
-
-
 def chat_pin(name: str, messages: list[dict], tools=None, kwargs=None) -> PrefixSpec:
     return PrefixSpec(name, tuple(messages), None, None, None, tools, kwargs)
 
@@ -117,8 +111,6 @@ def test_a_date_by_the_day_is_todays_full_pin_marked_with_its_date(tmp_path: Pat
 
 def test_a_hard_coded_default_date_is_not_a_cut(tmp_path: Path):
     # Llama 3.3: "26 Jul 2024" unless the app passes date_string; kvstore never invents one.
-    from tests.test_render import DATED_TEMPLATE
-
     tok = tokenizer_with(tmp_path / "tok", DATED_TEMPLATE)
     pin = render_prefix(tok, chat_pin("llama33", SYS), now=NOON)
     assert pin.warning is None and pin.valid_date is None
@@ -130,8 +122,6 @@ def test_a_hard_coded_default_date_is_not_a_cut(tmp_path: Path):
 
 
 def test_the_time_of_day_is_cut_and_named(tmp_path: Path):
-    from tests.test_render import TIMED_TEMPLATE
-
     tok = tokenizer_with(tmp_path / "tok", TIMED_TEMPLATE)
     pin = render_prefix(tok, chat_pin("timed", SYS), now=NOON)
     # The date before the time is still today's: the pin up to the time holds for this day.
@@ -192,8 +182,6 @@ def test_system_text_moved_to_the_last_user_turn_is_lost_on_later_chat_turns_onl
 
 
 def test_system_text_after_the_user_message_is_named_with_what_to_do(tmp_path: Path):
-    from tests.test_render import USER_FIRST_TEMPLATE
-
     tok = tokenizer_with(tmp_path / "tok", USER_FIRST_TEMPLATE)
     pin = render_prefix(tok, chat_pin("late", SYS))
     assert pin.parts[0].name == "system text" and pin.parts[0].reason == "after_user"

@@ -26,7 +26,6 @@ from template_families import (
     server_system_end,
     text_end_token,
 )
-from template_fixtures import family_models  # noqa: F401
 
 from kvstore.tiny import ARCHITECTURES
 

@@ -6,7 +6,8 @@ real requests of the same day, rendered as mlx_lm.server renders them, must both
 pin, and the pin must cover everything they share up to the end of the pinned content, or carry
 the exact warning listed in EXPECTED. Tomorrow's request is served by the pin rendered for
 tomorrow (what the daemon re-warms). `coverage_figure` is the README's and the note's number:
-`python -m tests.test_templates` prints it for this code and for the render rule before issue 9.
+`python -m tests.pins.test_templates` prints it for this code and for the render rule before
+issue 9.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # template_families is imported top-level
 
+from helpers import cli
 from template_families import (  # noqa: E402
     BY_NAME,
     FAMILIES,
@@ -36,7 +38,6 @@ from template_families import (  # noqa: E402
     messages_for,
     request_tokens,
 )
-from template_fixtures import family_models  # noqa: E402, F401
 
 from kvstore.errors import KVStoreError  # noqa: E402
 from kvstore.pins.manifest import PrefixSpec  # noqa: E402
@@ -328,22 +329,18 @@ if __name__ == "__main__":
 def test_analyze_says_single_turn_only_for_mistral_nemo(family_models, tmp_path) -> None:  # noqa: F811
     import json
 
-    from click.testing import CliRunner
-
-    from kvstore.cli.main import main
-
     capture = tmp_path / "captured.jsonl"
     system = {"role": "system", "content": SYSTEM_PROMPT}
     calls = [{"stage": "support", "messages": [system, {"role": "user", "content": u}]}
              for u in USER_TURNS]  # fmt: skip
     capture.write_text("".join(json.dumps(c) + "\n" for c in calls))
     model = family_models.path("mistral_nemo")
-    table = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(model)])
+    table = cli("analyze", capture, "--model", model)
     assert table.exit_code == 0, table.output
     assert "single-turn only" in table.output
     assert "moves it to the last user turn" in table.output
     qwen = family_models.path("qwen3")
-    res = CliRunner().invoke(main, ["analyze", str(capture), "--model", str(qwen), "--json"])
+    res = cli("analyze", capture, "--model", qwen, "--json")
     (report,) = json.loads(res.output)
     assert report["pin_multi_turn"] is True and report["pin_warning"] is None
     assert report["pin_tokens"] >= report["stable_tokens"] - 1 > 0

@@ -324,6 +324,17 @@ class _Watch:
         self.arrays = arrays
 
 
+def _noisy(blob: bytes, mutation) -> bytes:
+    """`blob` with NOISE's bits flipped, or truncated."""
+    out = bytearray(blob)
+    if mutation[0] == "bitflip":
+        for pos, bit in mutation[1]:
+            out[pos % len(out)] ^= 1 << bit
+    else:
+        out = out[: mutation[1] % len(out)]
+    return bytes(out)
+
+
 def _decode(blob: bytes, watch: _Watch) -> str:
     watch.calls = 0
     try:
@@ -332,9 +343,6 @@ def _decode(blob: bytes, watch: _Watch) -> str:
         assert watch.calls == 0, "mlx read bytes of a blob that was then rejected"
         return "rejected"
     return "accepted"
-
-
-CORPUS: list[tuple[str, bytes, str]] = []  # (kind, blob, our outcome), for the mx.load child
 
 
 def test_malformed_blobs_are_rejected_before_mlx_reads_them(base_blobs):
@@ -348,20 +356,12 @@ def test_malformed_blobs_are_rejected_before_mlx_reads_them(base_blobs):
         outcome = _decode(blob, watch)
         _count("structural", outcome)
         assert outcome == "rejected", mutation
-        CORPUS.append((mutation[0], blob, outcome))
 
     @settings(FUZZ, max_examples=BLOBS // 2)
     @given(st.integers(0, 2), NOISE)
     def noise(which, mutation):
-        blob = bytearray(base_blobs[which])
-        if mutation[0] == "bitflip":
-            for pos, bit in mutation[1]:
-                blob[pos % len(blob)] ^= 1 << bit
-        else:
-            blob = blob[: mutation[1] % len(blob)]
-        outcome = _decode(bytes(blob), watch)  # a flipped data bit may decode: that is fine,
-        _count(mutation[0], outcome)  # the store's checksum is what catches it
-        CORPUS.append((mutation[0], bytes(blob), outcome))
+        outcome = _decode(_noisy(base_blobs[which], mutation), watch)  # a flipped data bit may
+        _count(mutation[0], outcome)  # decode: that is fine, the store's checksum catches it
 
     with mock.patch.object(materialize, "arrays", watch.arrays):
         structural()
@@ -460,12 +460,35 @@ def _limit_memory() -> None:  # the child may try huge allocations: keep the box
     resource.setrlimit(resource.RLIMIT_AS, (12 * 2**30, 12 * 2**30))
 
 
-def test_the_same_blobs_with_mx_load(tmp_path):
-    """What the validation prevents: mx.load on the inputs codec.decode rejected."""
-    if not CORPUS:
-        pytest.skip("run with the blob fuzzing test")
+def _rejected_corpus(base_blobs: list[bytes], n: int) -> list[tuple[str, bytes]]:
+    """(kind, blob) for blobs the fuzzing above makes (each mutation kind, `n` of each family)
+    that codec.decode rejects before mlx reads them."""
+    watch, out = _Watch(), []
+
+    @settings(FUZZ, max_examples=n)
+    @given(st.integers(0, 2), STRUCTURAL)
+    def structural(which, mutation):
+        out.append((mutation[0], _structural(base_blobs[which], *mutation)))
+
+    @settings(FUZZ, max_examples=n)
+    @given(st.integers(0, 2), NOISE)
+    def noise(which, mutation):
+        out.append((mutation[0], _noisy(base_blobs[which], mutation)))
+
+    structural()
+    noise()
+    with mock.patch.object(materialize, "arrays", watch.arrays):
+        return [(kind, blob) for kind, blob in out if _decode(blob, watch) == "rejected"]
+
+
+def test_the_same_blobs_with_mx_load(tmp_path, base_blobs):
+    """What the validation prevents: mx.load (and load_prompt_cache) in a child, on inputs
+    codec.decode rejected. Whatever mlx does with each (a clean exception, garbage that loads, a
+    crash or a hang), every input gets an outcome and the counts add up."""
     limit = battery.scale(300, 1500)
-    rejected = [(k, b) for k, b, o in CORPUS if o == "rejected"]
+    rejected = _rejected_corpus(base_blobs, limit)
+    assert len(rejected) >= limit  # every structural mutation is rejected, some noise too
+    assert {kind for kind, _ in rejected} >= {"hdrlen", "overlap", "shape", "dtype", "class"}
     picked = rejected[:: max(1, len(rejected) // limit)][:limit]
     files = []
     for i, (kind, blob) in enumerate(picked):
@@ -502,6 +525,11 @@ def test_the_same_blobs_with_mx_load(tmp_path):
             (hangs if timed_out else crashes).append((Path(started).name, p.returncode))
             results[started] = ("crash", "crash")
         todo = [f for f in files if f not in results]
+    assert set(results) == set(files)  # every input has an outcome, none lost with a crash
+    assert {r[0] for r in results.values()} <= {"loaded", "exception", "crash"}, results
+    assert {r[1] for r in results.values()} <= {"cache", "foreign-class", "exception", "crash"}
+    crashed = [Path(f).name for f, r in results.items() if r == ("crash", "crash")]
+    assert sorted(crashed) == sorted(name for name, _ in crashes + hangs)
     loaded = sum(r[0] == "loaded" for r in results.values())
     foreign = sum(r[1] == "foreign-class" for r in results.values())
     built = sum(r[1] in ("cache", "foreign-class") for r in results.values())

@@ -230,7 +230,8 @@ def test_every_prefix_hashed_to_one_key_gives_no_wrong_hit(tmp_path, llama_path)
     n = 100
     home = tmp_path / "collide"
     fp = model_fingerprint(llama_path).digest
-    prefixes = [[300 + i, *range(i % 7 + 3)] for i in range(n)]  # none a prefix of another
+    # none a prefix of another, every id inside the tiny model's vocabulary (512): hydrate checks
+    prefixes = [[400 + i, *range(i % 7 + 3)] for i in range(n)]
     wrong = right = lookups = 0
     with mock.patch("kvstore.store.entry.packed_prefix_hash", return_value=b"\x00" * 16):
         keys = {entry_key(fp, p) for p in prefixes}

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import battery
-from helpers import Proc
+from helpers import Proc, wait_for
 
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
@@ -38,10 +38,8 @@ def test_readers_and_socket_clients_against_overwrites(tmp_path):
     readers = [
         _spawn("reader", str(home), str(stop), str(tmp_path / f"r{i}.json")) for i in range(4)
     ]
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"r{i}.json.ready").exists() for i in range(4)):
-        assert time.monotonic() < deadline and all(r.poll() is None for r in readers)
-        time.sleep(0.05)
+    for i, r in enumerate(readers):
+        wait_for((tmp_path / f"r{i}.json.ready").exists, what=f"reader {i}", proc=r)
     latest: dict[bytes, int] = {}  # key -> last acknowledged version
     errors: list[str] = []
     ls_calls = [0]
@@ -140,12 +138,8 @@ def _kill_holders(home: Path, tmp: Path, n: int) -> None:
     for i in range(n):
         ready = tmp / f"hold-{home.name}-{i}"
         procs.append((_spawn("hold", str(home), str(ready)), ready))
-    deadline = time.monotonic() + 60
     for p, ready in procs:
-        while not ready.exists():
-            assert p.poll() is None, p.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(ready.exists, what=lambda p=p: p.stderr.read().decode()[-2000:], proc=p)
     for p, _ in procs:
         p.send_signal(signal.SIGKILL)
         p.wait()

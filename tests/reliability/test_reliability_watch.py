@@ -14,19 +14,12 @@ import time
 from pathlib import Path
 
 import battery
-from helpers import Proc
+from helpers import Proc, manifest_for, wait_for
 
 DEBOUNCE = 0.3
 QUIET = 2.0  # seconds without a new pass before counting
 
-MANIFEST = """
-[[model]]
-path = "{model}"
-
-[[model.prefix]]
-name = "classify"
-file = "prompt.md"
-"""
+PIN = '[[model.prefix]]\nname = "classify"\nfile = "prompt.md"\n'
 
 
 def _passes(d: Proc) -> int:
@@ -35,10 +28,7 @@ def _passes(d: Proc) -> int:
 
 
 def _settle(d: Proc, at_least: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    while _passes(d) < at_least:
-        assert time.monotonic() < deadline, d.text()[-3000:]
-        time.sleep(0.05)
+    wait_for(lambda: _passes(d) >= at_least, timeout, lambda: d.text()[-3000:])
     while True:  # then wait until no new pass for QUIET seconds
         n = _passes(d)
         time.sleep(QUIET)
@@ -51,8 +41,7 @@ def _setup(tmp: Path, llama_path: Path, settings: str) -> tuple[Path, Path, Path
     shutil.copytree(llama_path, model)
     prompt = tmp / "prompt.md"
     prompt.write_text("You are the router. Classify the request.")
-    manifest = tmp / "manifest.toml"
-    manifest.write_text(MANIFEST.format(model=model))
+    manifest = manifest_for(tmp, model, PIN)
     home = tmp / "home"
     home.mkdir(mode=0o700)
     (home / "settings.toml").write_text(settings)

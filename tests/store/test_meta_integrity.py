@@ -6,25 +6,13 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, manifest_for
+from helpers import cli
 from mlx_lm.models.cache import LRUPromptCache
 
-from kvstore.cli.main import main
 from kvstore.client import hydrate
 from kvstore.errors import CorruptEntryError, StoreError
-from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
-
-
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path) -> dict[str, EntryMeta]:
-    manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with Store(kv_home) as store:
-        warm(manifest, store, home=kv_home)
-        return {m.label: m for m in store.metas()}
 
 
 def _raw_meta(home, key: bytes) -> bytes:
@@ -60,7 +48,7 @@ def _assert_refused_everywhere(home, llama_path, bad: EntryMeta, good: EntryMeta
     report = hydrate(lru, "m", llama_path, home=home)
     assert report.labels == [good.label]  # the damaged pin is never inserted
     assert any(bad.key.hex() in s for s in report.skipped)
-    result = CliRunner().invoke(main, ["verify", "--home", str(home)])
+    result = cli("verify", "--home", home)
     assert result.exit_code == 1 and f"bad entry {bad.key.hex()}" in result.output
     assert good.key.hex() not in result.output
 

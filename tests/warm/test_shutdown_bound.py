@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
-from helpers import Proc
+from helpers import Proc, manifest_for, wait_for
 
 from kvstore.errors import PrefillStopped
 from kvstore.warm.prefill import prefill, stop_when
@@ -66,6 +65,11 @@ _SMALL_CHUNKS = f"""
 import sys
 import kvstore.warm.prefill
 kvstore.warm.prefill.prefill.__kwdefaults__["step"] = {STEP}
+_quantize = kvstore.warm.prefill.maybe_quantize_kv_cache
+def _chunk_done(*args):  # called once per chunk: says so in the log
+    _quantize(*args)
+    print("prefill: chunk done", flush=True)
+kvstore.warm.prefill.maybe_quantize_kv_cache = _chunk_done
 from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])
 """
@@ -73,15 +77,14 @@ main(["daemon", *sys.argv[1:]])
 
 @pytest.mark.slow
 def test_sigterm_during_a_long_multi_chunk_prefill_exits_within_a_chunk(tmp_path, llama_path):
-    manifest = tmp_path / "pins.toml"
-    manifest.write_text(
-        f'[[model]]\npath = "{llama_path}"\n\n[[model.prefix]]\nname = "long"\n'
+    long = (
+        '[[model.prefix]]\nname = "long"\n'
         f'messages = [{{ role = "system", content = "{_long_prefix()}" }}]\n'
     )
+    manifest = manifest_for(tmp_path, llama_path, long, name="pins.toml")
     log = tmp_path / "d.log"
     d = Proc(tmp_path / "h", "--manifest", str(manifest), log=log, code=_SMALL_CHUNKS)
-    d.wait_log("warm: loading", timeout=60)
-    time.sleep(1.5)  # a few chunks in; the whole prefill takes ~11 s here
+    wait_for(lambda: d.text().count("prefill: chunk done") >= 2, what=d.text)  # of ~15 chunks
     rc, seconds = d.stop(signal.SIGTERM)  # Proc.stop SIGKILLs after 10 s
     assert rc == 0, d.text()
     assert seconds < 5, f"{seconds:.1f}s:\n{d.text()}"

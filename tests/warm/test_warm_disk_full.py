@@ -7,13 +7,11 @@ import shutil
 import subprocess
 
 import pytest
-from click.testing import CliRunner
 from full_disk import DAEMON_CODE, full_open_env
-from helpers import TWO_PINS, Proc, manifest_for, serving
+from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
 import kvstore.store.store
 import kvstore.warm.warm
-from kvstore.cli.main import main
 from kvstore.store.store import Store
 
 
@@ -37,7 +35,7 @@ def test_warm_stops_at_the_first_enospc_without_a_daemon(
     monkeypatch.setattr(
         kvstore.warm.warm, "prefill_pin", lambda *a, **kw: prefills.append(1) or real(*a, **kw)
     )
-    r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), "--home", str(kv_home)])
+    r = cli("warm", "--manifest", manifest, "--home", kv_home)
     _assert_stopped(r)
     assert "No space left on device" in r.output
     assert len(prefills) == 1
@@ -74,7 +72,7 @@ def test_warm_stops_on_a_really_full_disk(llama_path, tmp_path, small_tmpfs, mon
     monkeypatch.setattr(
         kvstore.warm.warm, "prefill_pin", lambda *a, **kw: prefills.append(1) or real(*a, **kw)
     )
-    r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), "--home", str(home)])
+    r = cli("warm", "--manifest", manifest, "--home", home)
     _assert_stopped(r, why="the disk is full" if "No space" in r.output else "full or failing")
     assert len(prefills) == 1
     with Store(home, readonly=True) as store:
@@ -86,7 +84,7 @@ def test_warm_through_the_daemon_stops_at_the_first_enospc(llama_path, tmp_path)
     home = tmp_path / "h"
     manifest = manifest_for(tmp_path, llama_path, TWO_PINS)
     with serving(Proc(home, log=tmp_path / "d.log", code=DAEMON_CODE), warm=False) as d:
-        r = CliRunner().invoke(main, ["warm", "--manifest", str(manifest), "--home", str(home)])
+        r = cli("warm", "--manifest", manifest, "--home", home)
         _assert_stopped(r)
         assert d.text().count("INJECTED: prefill") == 1, d.text()
         assert "warming stopped at pin 'classify'" in d.text()

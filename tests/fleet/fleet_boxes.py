@@ -1,19 +1,17 @@
-"""Helpers of the fleet tests: homes (boxes) whose settings point at a server, the CLI in this
-process, a stored KV entry of a chosen size."""
+"""The fleet tests' boxes: homes whose settings point at a server, the remote and upload queue
+a box sees, a stored KV entry of a chosen size; and the test server's keys (bench.weed)."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import mlx.core as mx
-from click.testing import CliRunner
 
 from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, Weed
 
 __all__ = ["ACCESS_KEY", "ADMIN_KEY", "ADMIN_SECRET", "BUCKET", "SECRET_KEY", "Weed"]
-__all__ += ["big_entry", "box", "cli", "queue_counts", "remote_of", "wait_for"]
+__all__ += ["big_entry", "box", "queue_counts", "remote_of"]
 
 
 def box(
@@ -32,13 +30,6 @@ def box(
     return home
 
 
-def cli(*args: str):
-    """`kvstore ARGS` in this process (CliRunner), as a user would type it."""
-    from kvstore.cli.main import main
-
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
 def remote_of(home: Path):
     from kvstore.fleet.objects import Remote
     from kvstore.fleet.settings import remote_settings
@@ -55,13 +46,6 @@ def queue_counts(home: Path) -> dict:
         return q.counts()
     finally:
         q.close()
-
-
-def wait_for(cond, timeout: float = 20.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def big_entry(store, fp: bytes, tokens: int, seed: int = 0) -> bytes:

@@ -56,9 +56,8 @@ def inspect(blob: bytes, ntokens: int, *, name: str = "record") -> list[str]:
     """Validate a record blob's header without building arrays: every layer a KVCache or
     QuantizedKVCache holding `ntokens` positions. Returns its classes; raises CodecError."""
     from kvstore.codec import codec
-    from kvstore.codec.cache_state import CacheStateDecoder
 
-    _, _, classes, states, _ = codec._validate(CacheStateDecoder(blob, name))
+    classes, states = codec.validate(blob, name=name)
     for i, (cls, st) in enumerate(zip(classes, states, strict=True)):
         if cls not in RECORD_CLASSES:
             raise CodecError(f"{name}: layer {i} is {cls}; records hold {RECORD_CLASSES}")

@@ -207,6 +207,27 @@ class _Headers:
 _HEADERS = _Headers()
 
 
+def _checked(d: CacheStateDecoder, either_layout: bool) -> tuple[Header, list]:
+    """Steps (a) and (b) of a decode: the header (remembered per distinct header) and the states
+    with their scalar values, every class's state checked; no mlx array is built."""
+    header = _HEADERS.get(d.mv, either_layout)
+    if header is None:
+        # (a) the byte layout: header length, JSON, dtypes, shapes, offsets, exact coverage
+        layout = parse_layout(d.mv, d.fail)
+        # (b) the cache structure it names: metadata, allowed classes, the state tree
+        header = d.header(layout, either_layout)
+        _HEADERS.put(d.mv, either_layout, header)
+    # (b) continued: the scalar values (data section) and every class's state
+    return header, d.states(header)
+
+
+def validate(blob: bytes | memoryview, *, name: str = "blob") -> tuple[list[str], list]:
+    """Check a stored blob as `decode` does, without building arrays (no mlx work): its classes
+    and states (scalars read, tensors left as layout entries). Raises CodecError."""
+    header, states = _checked(CacheStateDecoder(blob, name), False)
+    return list(header.classes), states
+
+
 def decode(
     blob: bytes | memoryview,
     *,
@@ -224,15 +245,7 @@ def decode(
     """
     d = CacheStateDecoder(blob, name)
     try:
-        header = _HEADERS.get(d.mv, either_layout)
-        if header is None:
-            # (a) the byte layout: header length, JSON, dtypes, shapes, offsets, exact coverage
-            layout = parse_layout(d.mv, d.fail)
-            # (b) the cache structure it names: metadata, allowed classes, the state tree
-            header = d.header(layout, either_layout)
-            _HEADERS.put(d.mv, either_layout, header)
-        # (b) continued: the scalar values (data section) and every class's state
-        states = d.states(header)
+        header, states = _checked(d, either_layout)
     except CodecError:
         if checksum is not None and materialize.checksum(d.mv) != checksum:
             raise ChecksumError(f"{name}: blob checksum mismatch") from None  # the root cause

@@ -55,10 +55,12 @@ def slice_record(cache: list, start: int, end: int) -> bytes:
 def inspect(blob: bytes, ntokens: int, *, name: str = "record") -> list[str]:
     """Validate a record blob's header without building arrays: every layer a KVCache or
     QuantizedKVCache holding `ntokens` positions. Returns its classes; raises CodecError."""
-    from kvstore.codec import codec
     from kvstore.codec.cache_state import CacheStateDecoder
+    from kvstore.codec.safetensors import parse_layout
 
-    _, _, classes, states, _ = codec._validate(CacheStateDecoder(blob, name))
+    d = CacheStateDecoder(blob, name)
+    header = d.header(parse_layout(d.mv, d.fail))
+    classes, states = header.classes, d.states(header)
     for i, (cls, st) in enumerate(zip(classes, states, strict=True)):
         if cls not in RECORD_CLASSES:
             raise CodecError(f"{name}: layer {i} is {cls}; records hold {RECORD_CLASSES}")

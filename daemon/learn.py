@@ -7,6 +7,8 @@ learn {fingerprint: bytes16, tokens: packed u32 prompt, sliceable: bool, model: 
   -> {want: [[start, end], ...], snapshot_at: [p, ...], paused: str|None}
 put_blocks {fingerprint, tokens, records: [{start, end, blob}], label, model, extra}
   -> {stored: int (records accepted), bytes: int (bytes newly written)}
+touch_blocks {fingerprint, keys: [fingerprint + H(end), ...]}
+  -> {touched: int (records still stored)}: restores count as use in the learned LRU
 """
 
 from __future__ import annotations
@@ -179,6 +181,19 @@ class Learning:
 
         written = self.write("put_blocks", job)  # type: ignore[attr-defined]
         return {"stored": len(rows), "bytes": written}
+
+    def cmd_touch_blocks(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """Records a client restored from the store: used now (the learned LRU evicts the
+        least recently used leaves, so a prefix restored every day stays)."""
+        fp = _arg(args, "fingerprint", bytes, required=True)
+        keys = _arg(args, "keys", list, required=True)
+        if len(fp) != FINGERPRINT_BYTES or len(keys) > MAX_RECORDS:
+            raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, at most "
+                             f"{MAX_RECORDS} keys")  # fmt: skip
+        if not all(isinstance(k, bytes) and len(k) == 2 * FINGERPRINT_BYTES and k.startswith(fp)
+                   for k in keys):  # fmt: skip
+            raise ValueError("argument 'keys' must be record keys (fingerprint + position hash)")
+        return {"touched": self.write("touch_blocks", lambda: self.blocks.touch(keys))}  # type: ignore[attr-defined]
 
     def after_put(self, meta: EntryMeta) -> None:
         """On the writer thread after an entry was stored: a learned snapshot counts in the

@@ -367,17 +367,21 @@ class BlockStore:
         day_key = b"day:" + (day or today()).encode()
         self.store._write(lambda txn: self._add(txn, day_key, nbytes))
 
-    def touch(self, keys: list[bytes], *, now: float | None = None) -> None:
+    def touch(self, keys: list[bytes], *, now: float | None = None) -> int:
+        """Mark records used now (last_used, hits + 1); returns how many are still stored."""
         now = now or time.time()
 
-        def fn(txn):
+        def fn(txn) -> int:
+            n = 0
             for k in set(keys):
                 meta = self._get_meta(txn, k)
                 if meta is not None:
                     txn.put(k, replace(meta, last_used=now, hits=meta.hits + 1).pack(),
                             db=self._db(b"bmeta"))  # fmt: skip
+                    n += 1
+            return n
 
-        self.store._write(fn)
+        return self.store._write(fn)
 
     def delete(self, keys: list[bytes]) -> int:
         """Remove records (and their kids rows); returns bytes freed."""

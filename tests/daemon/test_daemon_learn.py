@@ -197,3 +197,23 @@ def test_budgets_evict_learned_never_pins_and_pause_said_once(tmp_path):
         assert [m["label"] for m in d.request("ls")] == ["pin"]  # the pin was never evicted
         assert "evicted learned record" in d.text()
     assert d.text().count("learning paused") == 1, d.text()
+
+
+def test_touch_blocks_marks_restored_records_used(daemon):
+    fp = fp_of("touch")
+    learn(daemon, fp, prompt(300, 10, 1))
+    want = learn(daemon, fp, prompt(300, 20, 2))["want"]
+    assert want == [[0, 256], [256, 300]]
+    send(daemon, fp, prompt(300, 20, 2), want)
+    with Store(daemon.home, readonly=True) as ro:
+        chain = BlockStore(ro).lookup(fp, prompt(300, 5, 3))
+    assert [m.hits for m in chain] == [0, 0]
+    keys = [m.key for m in chain]
+    reply = daemon.request("touch_blocks", fingerprint=fp, keys=keys + [fp + b"\0" * 16])
+    assert reply == {"touched": 2}  # a key nothing holds is not an error (evicted meanwhile)
+    with Store(daemon.home, readonly=True) as ro:
+        after = BlockStore(ro).lookup(fp, prompt(300, 5, 3))
+    assert [m.hits for m in after] == [1, 1]
+    assert all(a.last_used > b.last_used for a, b in zip(after, chain, strict=True))
+    with pytest.raises(Exception, match="record keys"):  # another model's keys are refused
+        daemon.request("touch_blocks", fingerprint=fp_of("other"), keys=keys)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import metrics
 from kvstore.errors import KVStoreError
-from kvstore.learn import LearnPolicy, worth_storing
+from kvstore.learn import MIN_LCP, LearnPolicy, worth_storing
 from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot, learned_summary, today
 from kvstore.store.chain import chain_hashes, position_hash
@@ -81,6 +81,15 @@ class Learning:
         )
         return tokens / seconds if tokens and seconds > 0 else None
 
+    def _pinned_end(self, fp: bytes, data: bytes) -> int:
+        """Tokens of the longest pin of this model that prefixes `data` (packed), or 0."""
+        best = 0
+        for m in self.store.metas(fp, errors=[]):  # type: ignore[attr-defined]
+            if m.pinned and not is_snapshot(m) and len(m.tokens) > 4 * best:
+                if data.startswith(m.tokens):
+                    best = len(m.tokens) // 4
+        return best
+
     def learn_paused(self) -> str | None:
         """Why learning is paused now (the daily write budget), or None; logged once a day."""
         msg = self.policy.paused(
@@ -117,8 +126,8 @@ class Learning:
             return reply
         if sliceable:
             stored = min(self.blocks.stored_end(fp, data[: 4 * end]), end)
-            if stored >= end:
-                return reply
+            if stored >= end or end - self._pinned_end(fp, data[: 4 * end]) < MIN_LCP:
+                return reply  # stored: as records, or in a pin (one copy)
             why = policy.paused(
                 written_today=0,
                 write_budget=1,
@@ -201,6 +210,7 @@ class Learning:
         go)."""
         if not is_snapshot(meta):
             metrics.WRITTEN_BYTES.labels(kind="pin").inc(meta.nbytes)
+            self.upkeep.drop_learned_under(meta)  # type: ignore[attr-defined]
             return
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(meta.nbytes)
         self.blocks.count_written(meta.nbytes)

@@ -416,6 +416,43 @@ class BlockStore:
                         break
         return size
 
+    def drop_covered(
+        self, fingerprint: bytes, tokens: Sequence[int] | bytes, *, slack: int = 0
+    ) -> list[BlockMeta]:
+        """A pin of `tokens` was stored: drop the learned records it makes redundant, so the
+        prefix is stored once. Those are the records of its chain that end within len(tokens) +
+        `slack` (a learned prefix usually runs a few tokens past the pin: the next turn's header),
+        leaf first; a record something else extends stays, and so does every record before it,
+        and never one with pins > 0. One write transaction; returns the records dropped."""
+        data = packed(tokens)
+        n = len(data) // 4
+        chain = self.lookup(fingerprint, data)
+        covered = []
+        for m in chain:
+            if m.end <= n and m.tokens == data[4 * m.start : 4 * m.end]:
+                covered.append(m)
+            elif m.end <= n + slack and common_tokens(m.tokens, data[4 * m.start :]) == n - m.start:
+                covered.append(m)  # runs at most `slack` tokens past the pin
+            else:
+                break
+        if not covered:
+            return []
+        hashes = chain_hashes(fingerprint, data, self.block)
+
+        def fn(txn) -> list[BlockMeta]:
+            dropped, freed = [], 0
+            for m in reversed(covered):
+                meta = self._get_meta(txn, m.key)
+                if meta is None or meta.pins > 0 or self._kids(txn, m.key):
+                    break
+                parent = fingerprint + position_hash(fingerprint, data, m.start, self.block, hashes)
+                freed += self._delete(txn, m.key, parent)
+                dropped.append(m)
+            self._add(txn, LEARNED_BYTES, -freed)
+            return dropped
+
+        return self.store._write(fn)
+
     def evict_learned(self, max_bytes: int) -> int:
         """Least recently used leaf records (nothing stored extends them) go first, never a
         record with pins > 0, until learned bytes <= max_bytes; returns bytes freed."""

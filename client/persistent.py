@@ -268,16 +268,8 @@ class PersistentPromptCache(PinnedPromptCache):
                 fingerprint=self.fingerprint,
                 model=self.model_path,
                 model_obj=self.model,
-                extra={
-                    "adapter": self.adapter_path,
-                    "kv_bits": self.kv_bits,
-                    "kv_group_size": self.kv_group_size,
-                    "quantized_kv_start": self.quantized_kv_start,
-                    "model_config": self.model_config,
-                    "owners": ["app"],
-                    "runtime": runtime_versions(),
-                },
-                kv_bits=self.kv_bits,
+                extra={**self.identity.state, "owners": ["app"], "runtime": runtime_versions()},
+                kv_bits=self.identity.kv_bits,
                 files_ok=self._files_hold_these_weights,
             ),
         )

@@ -261,7 +261,7 @@ def learned_targets(le: dict) -> list[dict]:
     )
     pe = le.get("peer") or {}
     if "skipped" in pe or not pe:
-        add("vllm-mlx 0.6.0 side by side", None, "", None, pe.get("skipped", "not run"))
+        add("vllm-mlx 0.6.0 side by side", "skipped", "", None, pe.get("skipped", "not run"))
     else:
         k = le["restart"].get("llama")
         for setting, row in pe.items():

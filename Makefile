@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test imports test-lowest lint format docs stress bench bench-quick clean
+.PHONY: demo test imports test-lowest lint format docs stress bench bench-quick bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,13 @@ bench: $(STAMP)
 # under three minutes on a 2-core box; `make bench-quick REFERENCE=1` refreshes bench/results/reference
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick $(if $(REFERENCE),--reference)
+
+# learned prefixes side by side with vllm-mlx 0.6.0, in a venv of its own (6.5 GB with torch: never
+# installed implicitly): python3 -m venv V && V/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]'
+PEER_VENV ?= $(KVSTORE_PEER_VENV)
+bench-peer: $(STAMP)
+	@test -x "$(PEER_VENV)/bin/vllm-mlx" || { echo "bench-peer: set PEER_VENV=/path/to/venv with vllm-mlx 0.6.0"; exit 2; }
+	KVSTORE_PEER_VENV=$(PEER_VENV) $(PY) -m bench.run --quick --only learned --out peer
 
 clean:
 	rm -rf $(VENV) $(LOW_VENV) .demo .pytest_cache build

@@ -4,6 +4,7 @@
     python -m bench.run --full                  # the full sizes (up to 1 GiB), ~15 minutes
     python -m bench.run --quick --only hydrate,persist
     python -m bench.run --quick --reference     # also refresh bench/results/reference/
+    KVSTORE_PEER_VENV=V python -m bench.run --quick --only learned --out peer  # vllm-mlx too
 
 Every comparison inside a module runs its alternatives interleaved in this one process (the
 pipeline replay alternates fresh subprocesses); `summary.json` lists each target and its measure.
@@ -24,7 +25,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
-    "startup",
+    "startup", "learned",
 )  # fmt: skip
 
 
@@ -157,6 +158,145 @@ def targets(res: dict) -> list[dict]:
         x = st["ratios"]["kvstore --help"]
         add("`kvstore --help` vs `import lmdb, click` (fresh processes)", round(x, 2), "x", None,
             "loads every command, the daemon's and client's too")  # fmt: skip
+    if le := res.get("learned"):
+        out.extend(learned_targets(le))
+    return out
+
+
+def learned_targets(le: dict) -> list[dict]:
+    """Issue 18's targets from bench.learned's figures."""
+    out = []
+
+    def add(name, value, unit, ok, note=""):
+        out.append({"target": name, "measured": value, "unit": unit, "ok": ok, "note": note})
+
+    for r in le["restart"].values():
+        m = r["model"]
+        x = r["stages_min_served_fraction"]
+        add(
+            f"after a restart (kill -9, no manifest), first request of each of 3 stages served "
+            f">= 99% of its shared prefix: {m}, kvstore serve",
+            round(x, 4),
+            "fraction",
+            x >= 0.99,
+            "cached/shared tokens per stage: "
+            + ", ".join(
+                f"{k} {v['cached_tokens']}/{v['shared_tokens']}" for k, v in r["stages"].items()
+            ),
+        )
+        c = r["chat_next_turn"]
+        x = c["served_over_prev_prompt"]
+        add(
+            f"chat interrupted by a restart: turn {c['turn']} served >= turn {c['turn'] - 1}'s "
+            f"whole prompt: {m}",
+            round(x, 4),
+            "x",
+            x >= 1,
+            f"{c['cached_tokens']} cached of {c['prev_prompt_tokens']}",
+        )
+        b = r["bytes"]
+        trimmable = b["kind"] == "block records"
+        x = b["stored_over_final_kv"]
+        add(
+            f"{r['turns']}-turn chat stores <= 1.1x its final prompt's KV: {m} ({b['kind']})",
+            round(x, 3),
+            "x",
+            x <= 1.1 if trimmable else None,
+            "" if trimmable else "state layouts: snapshots cost the full state (reported only)",
+        )
+        x = b["written_per_learned_token_over_kv"]
+        if x is not None:
+            add(
+                f"bytes written per learned token <= 1.1x KV per token: {m} ({b['kind']})",
+                round(x, 3),
+                "x",
+                x <= 1.1 if trimmable else None,
+            )
+        add(
+            f"learned KV acknowledged after the last request: {m}",
+            r["ack_after_last_request_s"],
+            "s",
+            None,
+            "issue: within a few seconds",
+        )
+    rs = le["restore"]
+    tag = f"{rs['model']}, {rs['prefix_tokens']} tokens"
+    x = rs["restore_over_memory_copy"]
+    add(
+        f"restore from the store <= 1.5x LRUPromptCache's in-memory copy (literal): {tag}",
+        round(x, 2),
+        "x",
+        x <= 1.5,
+        f"{rs['restore_s'] * 1e3:.2f} ms vs {rs['memory_copy_s'] * 1e3:.3f} ms: mlx-lm's copy is "
+        "a deepcopy sharing immutable buffers; the restore reads and builds the arrays",
+    )
+    x = rs["ttft_store_over_memory"]
+    add(
+        f"time to first token served from the store <= 1.5x from memory: {tag}",
+        round(x, 3),
+        "x",
+        x <= 1.5,
+        f"{rs['ttft_store_s'] * 1e3:.1f} vs {rs['ttft_memory_s'] * 1e3:.1f} ms, "
+        f"{rs['turn_tokens']}-token new turn",
+    )
+    x = rs["prefill_over_restore"]
+    add(
+        f"restore >= 10x faster than prefilling the prefix: {tag}",
+        round(x, 1),
+        "x",
+        x >= 10,
+        f"time to first token: prefill {rs['ttft_prefill_s'] * 1e3:.0f} ms, store "
+        f"{rs['ttft_store_s'] * 1e3:.1f} ms",
+    )
+    rp = le["report"]
+    x = rp["request_path_ms"]
+    add(
+        f"reporting a request's chain adds <= 1 ms to a {rp['tokens']}-token request: "
+        f"{rp['model']}",
+        round(x, 4),
+        "ms",
+        x <= 1 if rp["tokens"] >= 8192 else None,
+        f"request path (fetched + inserted); the daemon's chain hash "
+        f"{rp['daemon_chain_hash_ms']:.3f} ms, off the path",
+    )
+    pe = le.get("peer") or {}
+    if "skipped" in pe or not pe:
+        add("vllm-mlx 0.6.0 side by side", "skipped", "", None, pe.get("skipped", "not run"))
+    else:
+        k = le["restart"].get("llama")
+        for setting, row in pe.items():
+            if not isinstance(row, dict):
+                continue
+            if "error" in row:
+                add(
+                    f"vllm-mlx 0.6.0 ({setting}) side by side: {pe['model']}",
+                    None,
+                    "",
+                    None,
+                    row["error"],
+                )
+                continue
+            after = row.get("after") or {}
+            if k and after:
+                x = k["stages_total_ttft_s"] / after["total_ttft_s"]
+                add(
+                    f"3-stage TTFT after a restart, kvstore serve / vllm-mlx ({setting}) <= 1: "
+                    f"{pe['model']}",
+                    round(x, 3),
+                    "x",
+                    x <= 1,
+                    f"{k['stages_total_ttft_s'] * 1e3:.0f} vs {after['total_ttft_s'] * 1e3:.0f} ms",
+                )
+                x = after["spawn_to_first_answer_s"] / k["spawn_to_first_answer_s"]
+                add(
+                    f"spawn to first answer, vllm-mlx ({setting}) / kvstore serve >= 3: "
+                    f"{pe['model']}",
+                    round(x, 2),
+                    "x",
+                    x >= 3,
+                    f"{after['spawn_to_first_answer_s']:.2f} vs "
+                    f"{k['spawn_to_first_answer_s']:.2f} s",
+                )
     return out
 
 
@@ -167,12 +307,13 @@ def main() -> int:
     mode.add_argument("--full", action="store_true")
     ap.add_argument("--only", default=",".join(MODULES), help="comma-separated modules")
     ap.add_argument("--reference", action="store_true", help="copy summary + plots to reference/")
+    ap.add_argument("--out", help="folder under bench/results (default: quick or full)")
     args = ap.parse_args()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from bench import plots
 
     tag = "quick" if args.quick else "full"
-    out_dir = RESULTS / tag
+    out_dir = RESULTS / (args.out or tag)
     out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {}
     meta = {

@@ -9,7 +9,8 @@ A `PinnedPromptCache` (the server's prompt cache in `kvstore serve`, PersistentP
 - `Learner.restore` (the cold tier): when the store serves more of the prompt than memory - a
   chain of learned block records (BlockStore.lookup + codec.blocks.assemble), or a stored entry
   that prefixes the request (a pin that left memory, today's clock-bound pin) - the KV is read,
-  put in the LRU (the next hit is memory) and returned instead of prefilling.
+  put in the LRU (the next hit is memory) and returned instead of prefilling. The records read
+  are sent in batches with `touch_blocks` (write-behind), so the learned LRU keeps them.
 - `Learner.inserted`: at the end of a request (mlx-lm inserts prompt + generated tokens), one
   write-behind job: `learn` with the prompt; on `want`, the records are sliced from the cache the
   LRU holds (mlx arrays are immutable) and sent with `put_blocks`. The request path pays a list
@@ -45,6 +46,7 @@ RESTORE_MIN_GAIN = 16  # tokens the store must serve beyond memory to be worth a
 METAS_REFRESH_S = 5.0  # seconds between re-reads of the stored entries' list on a miss
 REOPEN_S = 5.0  # seconds between attempts to open a store that is not there yet
 LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never block a request)
+TOUCH_BATCH_S = 5.0  # seconds between batches of restored records' keys sent (touch_blocks)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class _Restored:
     n: int  # tokens of the request it serves
     nbytes: int
     what: str  # "3 records", "entry 'classify'"
+    keys: list[bytes] = field(default_factory=list)  # the records read: used now (touch_blocks)
 
 
 @dataclass
@@ -211,7 +214,8 @@ class ColdTier:
             if n - served < RESTORE_MIN_GAIN:
                 return None
         cache = assemble(blobs, chain, n, target.template())
-        return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records")
+        return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records",
+                         [m.key for m in chain])  # fmt: skip
 
     def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
         now = time.monotonic()
@@ -261,6 +265,9 @@ class Learner:
         self.records_sent = 0
         self.snapshots_sent = 0
         self.queued = 0  # learn jobs handed to the write-behind queue
+        self._touched: dict[bytes, list[bytes]] = {}  # fingerprint -> restored records' keys
+        self._touched_sent = time.monotonic()
+        self._no_touch = False  # an older daemon without touch_blocks
 
     def add_target(self, model_key: Any, target: LearnTarget) -> None:
         self.targets[model_key] = target
@@ -278,6 +285,11 @@ class Learner:
         if hit is None:
             return None
         lru.insert_restored(model, list(tokens[: hit.n]), hit.cache)
+        if hit.keys and not self._no_touch:
+            with self._lock:
+                self._touched.setdefault(target.fingerprint, []).extend(hit.keys)
+            if time.monotonic() - self._touched_sent >= TOUCH_BATCH_S:
+                self.send_touched()
         dt = time.perf_counter() - t0
         metrics.RESTORE_BYTES.inc(hit.nbytes)
         metrics.RESTORE_SECONDS.inc(dt)
@@ -367,6 +379,31 @@ class Learner:
             self.queued += 1
         else:
             metrics.LEARN_DROPPED.labels(reason="queue_full").inc()
+
+    def send_touched(self) -> None:
+        """Hand the restored records' keys to the write-behind (one touch_blocks per model), so
+        the learned LRU keeps what this process restores."""
+        with self._lock:
+            batches, self._touched = self._touched, {}
+            self._touched_sent = time.monotonic()
+        for fp, keys in batches.items():
+            keys = list(dict.fromkeys(keys))
+            self.writer.submit(
+                Job(
+                    f"{len(keys)} learned record hits",
+                    lambda c, fp=fp, k=keys: self._touch(c, fp, k),
+                )
+            )
+
+    def _touch(self, client: Any, fingerprint: bytes, keys: list[bytes]) -> None:
+        if self._no_touch:
+            return
+        try:
+            client.request("touch_blocks", fingerprint=fingerprint, keys=keys)
+        except KVStoreError as e:
+            if "unknown command" not in str(e):
+                raise
+            self._no_touch = True  # an older daemon: its LRU orders by writes only
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -497,6 +534,7 @@ class Learner:
 
     def drain(self, timeout: float = CLOSE_TIMEOUT) -> tuple[int, int]:
         """Wait for queued learn jobs (at most `timeout`); (sent, abandoned) jobs."""
+        self.send_touched()
         done = self.writer.flush(timeout)
         left = 0 if done else self.writer.pending
         if left:
@@ -504,6 +542,7 @@ class Learner:
         return self.writer.sent, left
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        self.send_touched()
         if self._own_writer:
             self.writer.close(timeout)
         self.cold.close()

@@ -330,11 +330,14 @@ class PersistentPromptCache(PinnedPromptCache):
             self._send_hits()
 
     def _send_hits(self) -> None:
+        """Hits on stored entries (touch) and on restored learned records (touch_blocks)."""
         keys, self._hits, self._hits_sent = self._hits, [], time.monotonic()
         if keys and self._writer is not None:
             self._writer.submit(
                 Job(f"{len(keys)} hits", lambda client: client.request("touch", keys=keys))
             )
+        if self.learner is not None:
+            self.learner.send_touched()
 
     # -- pins --------------------------------------------------------------------------------
 

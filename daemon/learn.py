@@ -7,6 +7,8 @@ learn {fingerprint: bytes16, tokens: packed u32 prompt, sliceable: bool, model: 
   -> {want: [[start, end], ...], snapshot_at: [p, ...], paused: str|None}
 put_blocks {fingerprint, tokens, records: [{start, end, blob}], label, model, extra}
   -> {stored: int (records accepted), bytes: int (bytes newly written)}
+touch_blocks {fingerprint, keys: [fingerprint + H(end), ...]}
+  -> {touched: int (records still stored)}: restores count as use in the learned LRU
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import metrics
 from kvstore.errors import KVStoreError
-from kvstore.learn import LearnPolicy, worth_storing
+from kvstore.learn import MIN_LCP, LearnPolicy, worth_storing
 from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot, learned_summary, today
 from kvstore.store.chain import chain_hashes, position_hash
@@ -79,6 +81,15 @@ class Learning:
         )
         return tokens / seconds if tokens and seconds > 0 else None
 
+    def _pinned_end(self, fp: bytes, data: bytes) -> int:
+        """Tokens of the longest pin of this model that prefixes `data` (packed), or 0."""
+        best = 0
+        for m in self.store.metas(fp, errors=[]):  # type: ignore[attr-defined]
+            if m.pinned and not is_snapshot(m) and len(m.tokens) > 4 * best:
+                if data.startswith(m.tokens):
+                    best = len(m.tokens) // 4
+        return best
+
     def learn_paused(self) -> str | None:
         """Why learning is paused now (the daily write budget), or None; logged once a day."""
         msg = self.policy.paused(
@@ -115,8 +126,8 @@ class Learning:
             return reply
         if sliceable:
             stored = min(self.blocks.stored_end(fp, data[: 4 * end]), end)
-            if stored >= end:
-                return reply
+            if stored >= end or end - self._pinned_end(fp, data[: 4 * end]) < MIN_LCP:
+                return reply  # stored: as records, or in a pin (one copy)
             why = policy.paused(
                 written_today=0,
                 write_budget=1,
@@ -180,12 +191,26 @@ class Learning:
         written = self.write("put_blocks", job)  # type: ignore[attr-defined]
         return {"stored": len(rows), "bytes": written}
 
+    def cmd_touch_blocks(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """Records a client restored from the store: used now (the learned LRU evicts the
+        least recently used leaves, so a prefix restored every day stays)."""
+        fp = _arg(args, "fingerprint", bytes, required=True)
+        keys = _arg(args, "keys", list, required=True)
+        if len(fp) != FINGERPRINT_BYTES or len(keys) > MAX_RECORDS:
+            raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, at most "
+                             f"{MAX_RECORDS} keys")  # fmt: skip
+        if not all(isinstance(k, bytes) and len(k) == 2 * FINGERPRINT_BYTES and k.startswith(fp)
+                   for k in keys):  # fmt: skip
+            raise ValueError("argument 'keys' must be record keys (fingerprint + position hash)")
+        return {"touched": self.write("touch_blocks", lambda: self.blocks.touch(keys))}  # type: ignore[attr-defined]
+
     def after_put(self, meta: EntryMeta) -> None:
         """On the writer thread after an entry was stored: a learned snapshot counts in the
         daily write budget and keeps at most max_snapshots_per_prefix per chain (the shallowest
         go)."""
         if not is_snapshot(meta):
             metrics.WRITTEN_BYTES.labels(kind="pin").inc(meta.nbytes)
+            self.upkeep.drop_learned_under(meta)  # type: ignore[attr-defined]
             return
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(meta.nbytes)
         self.blocks.count_written(meta.nbytes)

@@ -28,6 +28,7 @@ from kvstore.identity.fingerprint import (
     WEIGHT_GLOBS,
     resolve_model_path,
 )
+from kvstore.learn import MIN_LCP
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
@@ -174,6 +175,21 @@ class Upkeep:
         if not msg.startswith("purged pin"):  # kvstore.warm.warm logs purges itself
             log.info("warm: %s", msg)
 
+    def drop_learned_under(self, meta: Any) -> int:
+        """A pin (entry `meta`) holds a prefix learned records hold too: drop those records (the
+        pin serves them), so it is stored once. Returns the records dropped."""
+        if not meta.pinned or is_snapshot(meta):
+            return 0
+        dropped = self.blocks.drop_covered(meta.fingerprint, meta.tokens, slack=MIN_LCP)
+        if dropped:
+            metrics.EVICTIONS.labels(reason="pinned").inc(len(dropped))
+            log.info(
+                "dropped %d learned records (%d bytes) of tokens 0-%d of %s: pin %r holds them",
+                len(dropped), sum(m.nbytes for m in dropped), max(m.end for m in dropped),
+                meta.model, meta.label,
+            )  # fmt: skip
+        return len(dropped)
+
     def warm(
         self,
         manifest: Manifest,
@@ -228,6 +244,11 @@ class Upkeep:
                 log.info("warm: pin %r of %s: %s%s", p.name, p.model, source, why)
         if self.fetcher is not None:
             self.fetcher.record(report)
+        for p in report.pins:  # a pin stores its prefix: learned records of it are dropped
+            if p.status in ("present", "warmed", "fetched") and p.key:
+                meta = self.store.get_meta(bytes.fromhex(p.key))
+                if meta is not None:
+                    self.drop_learned_under(meta)
         log.info(
             "warm %s done in %.2fs: %d warmed, %d fetched, %d present, %d failed, %d purged, "
             "%s loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",

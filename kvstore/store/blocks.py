@@ -367,17 +367,21 @@ class BlockStore:
         day_key = b"day:" + (day or today()).encode()
         self.store._write(lambda txn: self._add(txn, day_key, nbytes))
 
-    def touch(self, keys: list[bytes], *, now: float | None = None) -> None:
+    def touch(self, keys: list[bytes], *, now: float | None = None) -> int:
+        """Mark records used now (last_used, hits + 1); returns how many are still stored."""
         now = now or time.time()
 
-        def fn(txn):
+        def fn(txn) -> int:
+            n = 0
             for k in set(keys):
                 meta = self._get_meta(txn, k)
                 if meta is not None:
                     txn.put(k, replace(meta, last_used=now, hits=meta.hits + 1).pack(),
                             db=self._db(b"bmeta"))  # fmt: skip
+                    n += 1
+            return n
 
-        self.store._write(fn)
+        return self.store._write(fn)
 
     def delete(self, keys: list[bytes]) -> int:
         """Remove records (and their kids rows); returns bytes freed."""
@@ -411,6 +415,43 @@ class BlockStore:
                         txn.delete(k, db=self._db(b"kids"))
                         break
         return size
+
+    def drop_covered(
+        self, fingerprint: bytes, tokens: Sequence[int] | bytes, *, slack: int = 0
+    ) -> list[BlockMeta]:
+        """A pin of `tokens` was stored: drop the learned records it makes redundant, so the
+        prefix is stored once. Those are the records of its chain that end within len(tokens) +
+        `slack` (a learned prefix usually runs a few tokens past the pin: the next turn's header),
+        leaf first; a record something else extends stays, and so does every record before it,
+        and never one with pins > 0. One write transaction; returns the records dropped."""
+        data = packed(tokens)
+        n = len(data) // 4
+        chain = self.lookup(fingerprint, data)
+        covered = []
+        for m in chain:
+            if m.end <= n and m.tokens == data[4 * m.start : 4 * m.end]:
+                covered.append(m)
+            elif m.end <= n + slack and common_tokens(m.tokens, data[4 * m.start :]) == n - m.start:
+                covered.append(m)  # runs at most `slack` tokens past the pin
+            else:
+                break
+        if not covered:
+            return []
+        hashes = chain_hashes(fingerprint, data, self.block)
+
+        def fn(txn) -> list[BlockMeta]:
+            dropped, freed = [], 0
+            for m in reversed(covered):
+                meta = self._get_meta(txn, m.key)
+                if meta is None or meta.pins > 0 or self._kids(txn, m.key):
+                    break
+                parent = fingerprint + position_hash(fingerprint, data, m.start, self.block, hashes)
+                freed += self._delete(txn, m.key, parent)
+                dropped.append(m)
+            self._add(txn, LEARNED_BYTES, -freed)
+            return dropped
+
+        return self.store._write(fn)
 
     def evict_learned(self, max_bytes: int) -> int:
         """Least recently used leaf records (nothing stored extends them) go first, never a

@@ -14,6 +14,8 @@ Learned prefixes (daemon/learn.py; tokens are packed little-endian uint32, finge
   put_blocks {fingerprint, tokens (at least to the last record's end),
               records: [{start, end, blob}], label, model, extra}
     -> {stored: records accepted, bytes: bytes newly written} (sent after the commit)
+  touch_blocks {fingerprint, keys: [fingerprint + H(end), ...] (records a client restored)}
+    -> {touched: records still stored} (their last_used and hits: the learned LRU's order)
 A learned snapshot is an ordinary `put` with pinned=False, label "learned", extra.learned=True.
 """
 

@@ -192,3 +192,31 @@ def test_persistent_prompt_cache_learns_with_a_real_daemon(llama_path, kv_home, 
         assert off.learner is None
         generate(off, model, tok, c, max_tokens=2)
         assert off.stats.calls[-1].cached_tokens == 0
+
+
+def test_restored_records_are_touched_through_the_write_behind(llama, kv_home, tmp_path):
+    """A restore marks its records used (touch_blocks, batched with the write-behind): the
+    learned LRU keeps what processes restore, not only what they wrote last."""
+    from helpers import Proc, serving
+
+    tokens = _tokens(400, seed=11)
+    full = mlx_lm_prefill(llama, tokens)
+    with Store(kv_home) as store:
+        records = [(s, e, slice_record(full, s, e)) for s, e in cuts(0, 400)]
+        BlockStore(store).put_records(FP, tokens, records, label="learned")
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=2)
+        learner = Learner(kv_home, learn=False)
+        learner.add_target(KEY, LearnTarget(fingerprint=FP, model="tiny", model_obj=llama,
+                                            extra={}))  # fmt: skip
+        lru.learner = learner
+        try:
+            _, rest = lru.fetch_nearest_cache(KEY, tokens + [7, 8])
+            assert rest == [7, 8]  # restored, not prefilled
+            assert learner.drain(10.0) == (1, 0)  # one touch_blocks job, sent
+        finally:
+            learner.close(timeout=2.0)
+        with Store(kv_home, readonly=True) as ro:
+            chain = BlockStore(ro).lookup(FP, tokens)
+        assert [m.hits for m in chain] == [1, 1]
+        assert all(m.last_used > m.created for m in chain)

@@ -197,3 +197,49 @@ def test_budgets_evict_learned_never_pins_and_pause_said_once(tmp_path):
         assert [m["label"] for m in d.request("ls")] == ["pin"]  # the pin was never evicted
         assert "evicted learned record" in d.text()
     assert d.text().count("learning paused") == 1, d.text()
+
+
+def test_touch_blocks_marks_restored_records_used(daemon):
+    fp = fp_of("touch")
+    learn(daemon, fp, prompt(300, 10, 1))
+    want = learn(daemon, fp, prompt(300, 20, 2))["want"]
+    assert want == [[0, 256], [256, 300]]
+    send(daemon, fp, prompt(300, 20, 2), want)
+    with Store(daemon.home, readonly=True) as ro:
+        chain = BlockStore(ro).lookup(fp, prompt(300, 5, 3))
+    assert [m.hits for m in chain] == [0, 0]
+    keys = [m.key for m in chain]
+    reply = daemon.request("touch_blocks", fingerprint=fp, keys=keys + [fp + b"\0" * 16])
+    assert reply == {"touched": 2}  # a key nothing holds is not an error (evicted meanwhile)
+    with Store(daemon.home, readonly=True) as ro:
+        after = BlockStore(ro).lookup(fp, prompt(300, 5, 3))
+    assert [m.hits for m in after] == [1, 1]
+    assert all(a.last_used > b.last_used for a, b in zip(after, chain, strict=True))
+    with pytest.raises(Exception, match="record keys"):  # another model's keys are refused
+        daemon.request("touch_blocks", fingerprint=fp_of("other"), keys=keys)
+
+
+def test_a_pin_of_a_learned_prefix_drops_its_records_once_stored(daemon):
+    """One copy: a pin put covering learned records drops them (leaf first; a record another
+    chain extends stays), and the prefix is not learned again while the pin holds it."""
+    fp = fp_of("adopt")
+    a, b = prompt(800, 40, 1), prompt(800, 60, 2)
+    learn(daemon, fp, a)
+    send(daemon, fp, b, learn(daemon, fp, b)["want"])  # [0, 800) in 4 records
+    other = prompt(600, 300, 3)  # shares [0, 600): branches inside [512, 800)
+    learn(daemon, fp, other)
+    send(daemon, fp, other, learn(daemon, fp, other)["want"])  # [512, 600)... of its own
+    with Store(daemon.home, readonly=True) as ro:
+        before = {m.key for m in BlockStore(ro).records() if m.key.startswith(fp)}
+        chain = BlockStore(ro).lookup(fp, a)
+    assert [(m.start, m.end) for m in chain] == [(0, 256), (256, 512), (512, 768), (768, 800)]
+    pin = a[:780]  # the pinned system prompt; the learned prefix runs 20 tokens past it
+    with DaemonClient(daemon.home) as c:
+        c.put(entry_key(fp, pin), codec.encode(kv(780)), {"tokens": pack_tokens(pin),
+              "label": "system", "pinned": True})  # fmt: skip
+    with Store(daemon.home, readonly=True) as ro:
+        blocks = BlockStore(ro)
+        after = {m.key for m in blocks.records() if m.key.startswith(fp)}
+        assert after == before - {chain[2].key, chain[3].key}  # [0, 512) is the other's too
+        assert blocks.stored_end(fp, other) == len(other)  # the other chain still serves
+    assert learn(daemon, fp, prompt(800, 70, 4))["want"] == []  # the pin holds it: no 2nd copy

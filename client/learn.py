@@ -34,6 +34,7 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
+from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.client")
@@ -329,7 +330,7 @@ class Learner:
         ids = mx.array(list(tokens[served:p]), dtype=mx.uint32)
         for i in range(0, len(ids), target.prefill_step):
             target.model_obj(ids[i : i + target.prefill_step][None], cache=cache)
-            mx.eval([c.state for c in cache])
+            mx.eval([cache_api.state(c) for c in cache])
         snapshot = copy.deepcopy(cache)
         lru.insert_restored(model, list(tokens[:p]), copy.deepcopy(snapshot), from_store=False)
         prefix = list(tokens[:p])
@@ -370,7 +371,7 @@ class Learner:
 
         # Normally a no-op; a lazy graph (the batched path's extracted caches) must be evaluated
         # on this thread's stream: the worker has no access to it.
-        mx.eval([c.state for c in cache])
+        mx.eval([cache_api.state(c) for c in cache])
         job = Job(
             f"learn report ({len(prompt)} tokens)",
             lambda c: self._learn(c, model, target, prompt, cache),

@@ -184,8 +184,8 @@ def _trimmed(cache: list, n: int) -> list:
 
     out = []
     for c in cache:
-        k = KVCache()
-        k.state = (c.keys[..., :n, :], c.values[..., :n, :], n)
+        k = KVCache()  # attributes, not `state`: its setter differs between mlx-lm 0.31 and 0.32
+        k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
         out.append(k)
     return out
 
@@ -248,5 +248,6 @@ def _slice(c, start: int, end: int):
     from mlx_lm.models.cache import KVCache
 
     k = KVCache()
-    k.state = (c.keys[..., start:end, :], c.values[..., start:end, :], end - start)
+    k.keys, k.values = c.keys[..., start:end, :], c.values[..., start:end, :]
+    k.offset = end - start
     return k

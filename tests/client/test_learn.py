@@ -71,7 +71,7 @@ def test_a_miss_is_restored_from_block_records_up_to_the_divergence(llama, kv_ho
         BlockStore(store).put_records(FP, tokens, records, label="learned")
     lru = PinnedPromptCache(max_size=1)
     learner_for(llama, lru)
-    request = tokens[:550] + [9999, 9998, 9997]
+    request = tokens[:550] + [t ^ 1 for t in tokens[550:553]]  # diverges, inside the vocabulary
     before = {s: _source(s) for s in ("store", "memory", "prefill")}
     cache, rest = lru.fetch_nearest_cache(KEY, request)
     assert rest == request[550:]  # served up to the divergence, not a token less

@@ -17,7 +17,12 @@ A `PinnedPromptCache` (the server's prompt cache in `kvstore serve`, PersistentP
   copy and a put_nowait.
 - `Learner.split` (layouts with state layers, which cannot be cut after the fact): at a boundary
   the daemon asked for (`snapshot_at`), the request's prefill stops there, a copy of the cache at
-  the boundary is sent as a learned entry, and the prefill goes on from it.
+  the boundary is sent as a learned entry, and the prefill goes on from it. And a request whose
+  prompt extends an earlier request's whole prompt (a conversation's next turn: the turn after
+  it extends it again) is split at its own last token: a copy of the state there is kept, and
+  after the response the worker forwards that token on the copy and sends the exact state at
+  the prompt's end. A restart before the next turn then loses no turn (same compute; the
+  request path pays the copy).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most (one fr
 PENDING_PROMPTS = 8  # prompts fetched and not yet inserted (batched requests interleave)
 STORE_PREFIXES = 256  # store-read prefixes remembered for provenance
 BOUNDARIES = 64  # snapshot boundaries remembered per model
+PROMPT_ENDS = 32  # recent whole prompts remembered per model (state layouts: turn-end snapshots)
 RESTORE_MIN_GAIN = 16  # tokens the store must serve beyond memory to be worth a read
 METAS_REFRESH_S = 5.0  # seconds between re-reads of the stored entries' list on a miss
 REOPEN_S = 5.0  # seconds between attempts to open a store that is not there yet
@@ -256,6 +262,10 @@ class Learner:
         self.targets: dict[Any, LearnTarget] = {}
         self._pending: deque[tuple[Any, list[int]]] = deque(maxlen=PENDING_PROMPTS)
         self._boundaries: dict[Any, OrderedDict[int, tuple[int, ...]]] = {}
+        # state layouts: recent whole prompts of requests (and ends the daemon named), and the
+        # state one token short of the end of prompts that extend one, until their insert
+        self._ends: dict[Any, OrderedDict[tuple[int, ...], None]] = {}
+        self._tails: OrderedDict[tuple[Any, tuple[int, ...]], tuple[list, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._paused_said = False
         self._unsupported = False
@@ -307,11 +317,32 @@ class Learner:
 
     def split(self, lru: Any, model: Any, tokens: Sequence[int], cache: Any, rest: list):
         """For a layout with state layers: prefill up to a boundary the daemon asked for, send a
-        copy of the cache there as a learned entry, and return (cache, rest) from it."""
-        bounds = self._boundaries.get(model)
+        copy of the cache there as a learned entry, and go on from it; then, when the prompt
+        extends a recent request's whole prompt, prefill up to its last token and keep a copy
+        there (`inserted` sends the state at the prompt's end). Returns (cache, rest)."""
         target = self.targets.get(model)
-        if not bounds or target is None or target.kv_bits is not None:
+        if target is None or target.kv_bits is not None:
             return cache, rest
+        bounds = self._boundaries.get(model)
+        if bounds:
+            cache, rest = self._split_at_boundary(lru, model, target, tokens, cache, rest)
+        if self.learn and not self._unsupported and rest and self._extends_an_end(model, tokens):
+            cache, rest = self._split_at_end(model, target, tokens, cache, rest)
+        return cache, rest
+
+    def _prefill(self, target: LearnTarget, cache: Any, ids: Sequence[int]) -> list:
+        import mlx.core as mx
+
+        if cache is None:
+            cache = target.template()
+        ids = mx.array(list(ids), dtype=mx.uint32)
+        for i in range(0, len(ids), target.prefill_step):
+            target.model_obj(ids[i : i + target.prefill_step][None], cache=cache)
+            mx.eval([cache_api.state(c) for c in cache])
+        return cache
+
+    def _split_at_boundary(self, lru, model, target: LearnTarget, tokens, cache, rest):
+        bounds = self._boundaries[model]
         served, n = len(tokens) - len(rest), len(tokens)
         with self._lock:
             candidates = sorted((p for p in bounds if served < p < n), reverse=True)
@@ -323,14 +354,7 @@ class Learner:
             if p is None:
                 return cache, rest
             del bounds[p]
-        import mlx.core as mx
-
-        if cache is None:
-            cache = target.template()
-        ids = mx.array(list(tokens[served:p]), dtype=mx.uint32)
-        for i in range(0, len(ids), target.prefill_step):
-            target.model_obj(ids[i : i + target.prefill_step][None], cache=cache)
-            mx.eval([cache_api.state(c) for c in cache])
+        cache = self._prefill(target, cache, tokens[served:p])
         snapshot = copy.deepcopy(cache)
         lru.insert_restored(model, list(tokens[:p]), copy.deepcopy(snapshot), from_store=False)
         prefix = list(tokens[:p])
@@ -342,6 +366,37 @@ class Learner:
         ):
             self.queued += 1
         return cache, list(tokens[p:])
+
+    def _extends_an_end(self, model: Any, tokens: Sequence[int]) -> bool:
+        """The prompt extends the whole prompt of a recent request (or an end the daemon named)."""
+        target = self.targets.get(model)
+        if target is None or target.is_sliceable():
+            return False
+        with self._lock:
+            ends = list(self._ends.get(model) or ())
+        n = len(tokens)
+        return any(
+            len(e) < n and e[-1] == tokens[len(e) - 1] and e == tuple(tokens[: len(e)])
+            for e in ends
+        )
+
+    def _split_at_end(self, model, target: LearnTarget, tokens, cache, rest):
+        """Prefill all but the prompt's last token, keep a copy of the state there."""
+        served, n = len(tokens) - len(rest), len(tokens)
+        cache = self._prefill(target, cache, tokens[served : n - 1])
+        with self._lock:
+            self._tails[(model, tuple(tokens))] = (copy.deepcopy(cache), int(tokens[-1]))
+            while len(self._tails) > PENDING_PROMPTS:
+                self._tails.popitem(last=False)
+        return cache, list(tokens[n - 1 :])
+
+    def _note_end(self, model: Any, prompt: Sequence[int]) -> None:
+        with self._lock:
+            ends = self._ends.setdefault(model, OrderedDict())
+            ends[tuple(prompt)] = None
+            ends.move_to_end(tuple(prompt))
+            while len(ends) > PROMPT_ENDS:
+                ends.popitem(last=False)
 
     def inserted(self, model: Any, tokens: Sequence[int], cache: list) -> None:
         """The end of a request (mlx-lm inserts prompt + generated): report its prompt. Other
@@ -372,6 +427,20 @@ class Learner:
         # Normally a no-op; a lazy graph (the batched path's extracted caches) must be evaluated
         # on this thread's stream: the worker has no access to it.
         mx.eval([cache_api.state(c) for c in cache])
+        if not target.is_sliceable():
+            self._note_end(model, prompt)
+            with self._lock:
+                tail = self._tails.pop((model, tuple(prompt)), None)
+            if tail is not None:  # before the report: the daemon then holds the snapshot
+                state, last = tail
+                job = Job(
+                    f"learned snapshot ({len(prompt)} tokens, a prompt's end)",
+                    lambda c: self._send_end_snapshot(c, target, prompt, state, last),
+                )
+                if self.writer.submit(job):
+                    self.queued += 1
+                else:
+                    metrics.LEARN_DROPPED.labels(reason="queue_full").inc()
         job = Job(
             f"learn report ({len(prompt)} tokens)",
             lambda c: self._learn(c, model, target, prompt, cache),
@@ -447,6 +516,11 @@ class Learner:
                 held = {(m, t): c for m, t, c in self._segments}
                 bounds = self._boundaries.setdefault(model, OrderedDict())
                 ready = []
+                if len(prompt) in at:  # a learnable end: the next turn extending it splits
+                    ends = self._ends.setdefault(model, OrderedDict())
+                    ends[tuple(prompt)] = None
+                    while len(ends) > PROMPT_ENDS:
+                        ends.popitem(last=False)
                 for p in at:
                     prefix = tuple(prompt[:p])
                     if (model, prefix) in held:  # in memory already: send it, no split
@@ -504,6 +578,19 @@ class Learner:
         if self._stream is None:
             self._stream = mx.new_stream(mx.default_device())
         return self._stream
+
+    def _send_end_snapshot(self, client, target: LearnTarget, prompt: list, state: list,
+                           last: int) -> None:  # fmt: skip
+        """Forward a prompt's last token on the copy of its state one short of the end (the
+        exact state at the end: what a prefill of the prompt leaves) and send it."""
+        import mlx.core as mx
+
+        if target.files_ok is not None and not target.files_ok():
+            return
+        with mx.stream(self._worker_stream()):
+            target.model_obj(mx.array([[last]], dtype=mx.uint32), cache=state)
+            mx.eval([cache_api.state(c) for c in state])
+        self._send_snapshot(client, target, prompt, state)
 
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list) -> None:
         import mlx.core as mx

@@ -1,7 +1,8 @@
 """The client side of learned prefixes, in process: the cold tier restores what left memory (a
 chain of block records, a stored entry) instead of prefilling it, the request's tokens are counted
 by source, reporting costs the request path well under a millisecond, and a state layout's
-prefill is split at a learned boundary with the state a prefill of that prefix has."""
+prefill is split at a learned boundary with the state a prefill of that prefix has - and at a
+chat turn's prompt end, so a restart before the next turn loses no turn."""
 
 from __future__ import annotations
 
@@ -220,3 +221,70 @@ def test_restored_records_are_touched_through_the_write_behind(llama, kv_home, t
             chain = BlockStore(ro).lookup(FP, tokens)
         assert [m.hits for m in chain] == [1, 1]
         assert all(m.last_used > m.created for m in chain)
+
+
+def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
+    hybrid, hybrid_path, kv_home, tmp_path
+):
+    """qwen3_5 chat of 3 turns, a real daemon: turn 2 extends turn 1's whole prompt, so its
+    prefill stops one token short, and after the response the worker forwards that token on a
+    copy: the store holds the state at turn 2's prompt end, equal to a prefill of it. A fresh
+    cache (a restarted app) is served turn 3 at least turn 2's whole prompt from the store."""
+    from helpers import Proc, serving
+
+    def learner_of(lru) -> Learner:
+        learner = Learner(kv_home)
+        learner.add_target(KEY, LearnTarget(fingerprint=FP, model=str(hybrid_path),
+                                            model_obj=hybrid, extra={}))  # fmt: skip
+        lru.learner = learner
+        return learner
+
+    def turn(lru, prompt: list[int]) -> list[int]:
+        """One request as mlx-lm serves it: fetch, prefill the rest, 2 tokens, insert."""
+        cache, rest = lru.fetch_nearest_cache(KEY, prompt)
+        cache = cache if cache is not None else make_prompt_cache(hybrid)
+        served = len(prompt) - len(rest)
+        logits = hybrid(mx.array(rest)[None], cache=cache)
+        out = []
+        for _ in range(2):
+            out.append(int(mx.argmax(logits[0, -1]).item()) % 200 + 1)
+            logits = hybrid(mx.array([[out[-1]]]), cache=cache)
+        lru.insert_cache(KEY, prompt + out, cache)
+        return served, out
+
+    t1 = _tokens(300, seed=4)
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=4)
+        learner = learner_of(lru)
+        try:
+            _, out1 = turn(lru, t1)
+            t2 = t1 + out1 + _tokens(40, seed=6)
+            cache, rest = lru.fetch_nearest_cache(KEY, t2)
+            assert rest == t2[-1:]  # split one short of the end: the rest is the last token
+            logits = hybrid(mx.array(rest)[None], cache=cache)
+            out2 = [int(mx.argmax(logits[0, -1]).item()) % 200 + 1]
+            hybrid(mx.array([out2]), cache=cache)
+            lru.insert_cache(KEY, t2 + out2, cache)
+            assert learner.drain(20.0)[1] == 0
+            assert learner.snapshots_sent == 1
+        finally:
+            learner.close(timeout=5.0)
+        with Store(kv_home, readonly=True) as ro:
+            meta = ro.get_meta(entry_key(FP, t2))
+            assert meta is not None, "no snapshot at turn 2's prompt end"
+            _, stored = ro.load(meta.key, meta.tokens)
+        ref = make_prompt_cache(hybrid)
+        hybrid(mx.array(t2)[None], cache=ref)
+        mx.eval([c.state for c in ref])
+        for a, b in zip(live_states(stored), live_states(ref), strict=True):
+            assert a.shape == b.shape
+            assert mx.allclose(a, b, atol=1e-4).item()
+        # a restarted app: nothing in memory, the store is its cold tier
+        fresh = PinnedPromptCache(max_size=4)
+        learner = learner_of(fresh)
+        try:
+            t3 = t2 + out2 + _tokens(30, seed=8)
+            served, _ = turn(fresh, t3)
+            assert served >= len(t2)
+        finally:
+            learner.close(timeout=5.0)

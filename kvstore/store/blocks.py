@@ -288,6 +288,12 @@ class BlockStore:
                 raise StoreError(f"learned record {m.key.hex()}: its tokens do not hash to its key")
         return chain
 
+    def cut_at(self) -> int:
+        """The block size this store's records are cut at (this view's before any is stored)."""
+        if not self._open():
+            return self.block
+        return self.store._read(lambda txn: self._stat_int(txn, BLOCK_TOKENS)) or self.block
+
     def learned_bytes(self) -> int:
         if not self._open():
             return 0

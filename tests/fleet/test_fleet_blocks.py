@@ -8,7 +8,7 @@ import json
 
 import pytest
 from fleet_boxes import box, remote_of
-from helpers import TWO_PINS, assert_same_kv, cli, manifest_for, mlx_lm_prefill
+from helpers import TWO_PINS, Proc, assert_same_kv, cli, manifest_for, mlx_lm_prefill, serving
 from mlx_lm import load
 from mlx_lm.models.cache import load_prompt_cache
 
@@ -77,3 +77,12 @@ def test_learned_records_push_and_pull_verified(s3, llama_path, tmp_path):
     cli("export", end["key"], out, "--home", b, code=0)
     cache = load_prompt_cache(str(out))
     assert_same_kv(cache, mlx_lm_prefill(model, tokens))
+
+    # with a daemon running, pull's records go through it (put_blocks: the one writer)
+    c = box(tmp_path / "c", s3)
+    with serving(Proc(c, log=tmp_path / "c.log"), warm=False) as d:
+        r = cli("remote", "pull", "--manifest", manifest, "--home", c, code=0)
+        assert "0 fetched and 4 learned records" in r.output, r.output
+        assert "put_blocks 'learned'" in d.text()
+    with Store(c, readonly=True) as sc:
+        assert BlockStore(sc).stored_end(fp, tokens) == 600

@@ -317,9 +317,9 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
 @home_option
 @user_errors
 def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
-    """The janitor, the only thing that deletes from the remote: objects older than a duration,
-    a retired model's objects, then the oldest until the bucket is within its [remote] max_bytes;
-    and multipart uploads a crash left behind.
+    """The janitor, the only thing that deletes from the remote: objects (entries and learned
+    records) older than a duration, a retired model's objects, then the oldest until the bucket
+    is within its [remote] max_bytes; and multipart uploads a crash left behind.
 
     \b
     kvstore remote gc --older-than 30d
@@ -330,7 +330,7 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
     remote = _remote(home)
     age = parse_duration(older_than) if older_than else None
     fps = set(_model_fingerprints(home, model, manifest)) if model else set()
-    objs = sorted(remote.objects(), key=lambda o: o.modified)
+    objs = sorted([*remote.objects(), *remote.records()], key=lambda o: o.modified)
     now = time.time()
     victims = [o for o in objs if (age is not None and now - o.modified > age)
                or o.key[:FINGERPRINT_BYTES] in fps]  # fmt: skip

@@ -86,3 +86,6 @@ def test_learned_records_push_and_pull_verified(s3, llama_path, tmp_path):
         assert "put_blocks 'learned'" in d.text()
     with Store(c, readonly=True) as sc:
         assert BlockStore(sc).stored_end(fp, tokens) == 600
+    # the janitor deletes records too: a retired model's go with its entries
+    r = cli("remote", "gc", "--model", fp.hex(), "--home", a, code=0)
+    assert "4 objects deleted" in r.output and list(remote.records()) == []

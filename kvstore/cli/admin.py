@@ -57,15 +57,24 @@ def _previews(metas) -> dict[bytes, str]:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, as a list.")
 @click.option("--model", default=None, help="Only entries of this model path.")
 @click.option("--label", default=None, help="Only entries with this label.")
+@click.option(
+    "--learned",
+    is_flag=True,
+    help="List learned block records instead (their keys are what `kvstore export` takes).",
+)
 @home_option
 @user_errors
-def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> None:
-    """List stored entries.
+def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, home: Path) -> None:
+    """List stored entries (or, with --learned, learned block records).
 
     \b
     kvstore ls
     kvstore ls --json | jq '.[] | select(.pinned)'
+    kvstore ls --learned
     """
+    if learned:
+        _ls_learned(as_json, model, label, home)
+        return
     if not (home / "store" / "data.mdb").is_file():
         metas, errors = [], []
     else:
@@ -98,6 +107,65 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, home: Path) -> N
         click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
         click.echo(f"warning: {e}", err=True)
+
+
+def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path) -> None:
+    """`ls --learned`: one row per record, by model and position; a chain's last record (one
+    nothing extends) is marked `end`: exporting it writes the whole chain."""
+    records, extended = [], set()
+    if (home / "store" / "data.mdb").is_file():
+        from kvstore.store.blocks import BlockStore
+
+        with open_store(home) as store:
+            blocks = BlockStore(store)
+            records, extended = blocks.records(), blocks.extended()
+    records = [
+        r
+        for r in records
+        if (model is None or r.extra.get("model") == model) and (label is None or r.label == label)
+    ]
+    if as_json:
+        click.echo(
+            json.dumps(
+                [
+                    {
+                        **r.extra,  # first: it can never shadow the fields below
+                        "kind": "learned",
+                        "key": r.key.hex(),
+                        "model": r.extra.get("model", ""),
+                        "fingerprint": r.key[:16].hex(),
+                        "label": r.label,
+                        "start": r.start,
+                        "end": r.end,
+                        "tokens": r.ntokens,
+                        "nbytes": r.nbytes,
+                        "pins": r.pins,
+                        "created": r.created,
+                        "last_used": r.last_used,
+                        "hits": r.hits,
+                        "classes": r.classes,
+                        "codec": r.codec,
+                        "chain_end": r.key not in extended,
+                    }
+                    for r in records
+                ],
+                indent=1,
+            )
+        )
+        return
+    click.echo(
+        f"{'KEY':14} {'LABEL':16} {'START':>6} {'END':>6} {'SIZE':>10} {'HITS':>4} "
+        f"{'LAST USED':>10}  MODEL"
+    )
+    for r in sorted(records, key=lambda r: (r.extra.get("model", ""), r.key[:16], r.end)):
+        click.echo(
+            f"{r.key.hex()[32:44]:14} {r.label[:16]:16} {r.start:6d} {r.end:6d} "
+            f"{human_size(r.nbytes):>10} {r.hits:4d} {_age(r.last_used):>10}  "
+            f"{Path(r.extra.get('model', '?')).name}" + ("" if r.key in extended else "  end")
+        )
+    click.echo(
+        f"{counted(len(records), 'learned record')}, {human_size(sum(r.nbytes for r in records))}"
+    )
 
 
 @click.command()

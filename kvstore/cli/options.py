@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, counted
 from kvstore.settings import ensure_home, resolve_home
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
@@ -98,10 +98,13 @@ def open_store(home: Path, *, write: bool = False):
     return Store(home, readonly=not write)
 
 
-def resolve_keys(store, texts: tuple[str, ...]) -> list[bytes]:
+def resolve_keys(
+    store, texts: tuple[str, ...], *, keys: list[bytes] | None = None, what: str = "entry"
+) -> list[bytes]:
     """Full keys, unique prefixes of them, or unique prefixes of the prefix-hash half (what `ls`
-    shows: the first half of every key of one model is the same fingerprint)."""
-    all_keys = [k.hex() for k in store.keys()]
+    shows: the first half of every key of one model is the same fingerprint). Among the store's
+    entries, or among `keys` (learned records: `what` names them in errors)."""
+    all_keys = [k.hex() for k in (store.keys() if keys is None else keys)]
     out = []
     for t in texts:
         t = t.lower()
@@ -109,7 +112,7 @@ def resolve_keys(store, texts: tuple[str, ...]) -> list[bytes]:
             raise click.ClickException(f"key {t!r} is not hex")
         hits = [k for k in all_keys if k.startswith(t) or k[32:].startswith(t)]
         if len(hits) != 1:
-            what = "no entry" if not hits else f"{len(hits)} entries"
-            raise click.ClickException(f"key {t!r} matches {what}; give more hex digits")
+            found = f"no {what}" if not hits else counted(len(hits), what)
+            raise click.ClickException(f"key {t!r} matches {found}; give more hex digits")
         out.append(bytes.fromhex(hits[0]))
     return out

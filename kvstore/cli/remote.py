@@ -178,7 +178,9 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
 @home_option
 @user_errors
 def push_cmd(model: str | None, home: Path) -> None:
-    """Upload every local entry the remote lacks; returns once all are up (or one failed)."""
+    """Upload every local entry and learned block record the remote lacks; returns once all are
+    up (or one failed)."""
+    from kvstore.fleet.blocks import push_records
     from kvstore.fleet.queue import UploadQueue, upload_one
 
     remote = _remote(home)
@@ -198,8 +200,18 @@ def push_cmd(model: str | None, home: Path) -> None:
             raise click.ClickException(f"{e} (the rest stays queued for the daemon)") from None
         finally:
             queue.close()
+        try:
+            learned = push_records(
+                remote, store, model=model, say=lambda t: click.echo(t, err=True)
+            )
+        except RemoteError as e:
+            raise click.ClickException(f"{e} (learned records: push again)") from None
     gone = f", {counts['gone']} gone or corrupt locally" if counts["gone"] else ""
     click.echo(f"{counts['uploaded']} uploaded, {counts['exists']} already there{gone}")
+    if any(learned.values()):
+        gone = f", {learned['gone']} gone or corrupt locally" if learned["gone"] else ""
+        click.echo(f"learned records: {learned['uploaded']} uploaded, {learned['exists']} "
+                   f"already there{gone}")  # fmt: skip
 
 
 @remote_group.command(name="pull")
@@ -208,19 +220,21 @@ def push_cmd(model: str | None, home: Path) -> None:
 @home_option
 @user_errors
 def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
-    """Fetch every entry of the manifest's models that this box lacks (pins and the rest),
-    verified in full before it is stored. Nothing is prefilled."""
+    """Fetch every entry and learned block record of the manifest's models that this box lacks
+    (pins and the rest), verified in full before it is stored. Nothing is prefilled."""
+    from kvstore.fleet.blocks import pull_records
     from kvstore.fleet.fetch import WarmFetcher, foreign_fields, other_runtime
     from kvstore.fleet.objects import verify_object
     from kvstore.fleet.queue import UploadQueue
-    from kvstore.settings import MANIFEST_NAME
+    from kvstore.settings import MANIFEST_NAME, load_settings
+    from kvstore.store.blocks import BlockStore
     from kvstore.warm.warm import pin_fields
 
     remote = _remote(home)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
     client = connect_writer(home)
     queue = UploadQueue(home)
-    fetched = failed = absent = 0
+    fetched = failed = absent = learned = 0
     try:
         with open_store(home, write=client is None) as store:
 
@@ -229,6 +243,19 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                     client.put(key, blob, fields)
                 else:
                     store.put(key, blob, **fields)
+
+            def put_records(fp, tokens, rows, label, extra):
+                if client is not None:
+                    client.request(
+                        "put_blocks", fingerprint=fp, tokens=tokens, label=label,
+                        records=[{"start": s, "end": e, "blob": b} for s, e, b in rows],
+                        model=extra["model"], extra=extra,
+                    )  # fmt: skip
+                else:
+                    block = int(load_settings(home)["block_tokens"])
+                    BlockStore(store, block=block).put_records(
+                        fp, tokens, rows, label=label, extra=extra
+                    )
 
             fetcher = WarmFetcher(remote, queue, always=True)
             for plan in _plans(home, manifest, model, store):
@@ -266,11 +293,18 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                     queue.done(o.key, "fetched")
                     fetched += 1
                     click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")
+                got, bad = pull_records(
+                    remote, store, plan.fingerprint.digest, model=plan.spec.path,
+                    extra=plan.spec.identity.state, put=put_records, say=click.echo,
+                )  # fmt: skip
+                learned += got
+                failed += bad
     finally:
         queue.close()
         if client is not None:
             client.close()
-    click.echo(f"{fetched} fetched, {absent} not on the remote, {failed} failed")
+    more = f" and {counted(learned, 'learned record')}" if learned else ""
+    click.echo(f"{fetched} fetched{more}, {absent} not on the remote, {failed} failed")
     if failed:
         raise click.ClickException(f"{failed} entr(ies) could not be fetched (see above)")
 
@@ -283,9 +317,9 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
 @home_option
 @user_errors
 def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
-    """The janitor, the only thing that deletes from the remote: objects older than a duration,
-    a retired model's objects, then the oldest until the bucket is within its [remote] max_bytes;
-    and multipart uploads a crash left behind.
+    """The janitor, the only thing that deletes from the remote: objects (entries and learned
+    records) older than a duration, a retired model's objects, then the oldest until the bucket
+    is within its [remote] max_bytes; and multipart uploads a crash left behind.
 
     \b
     kvstore remote gc --older-than 30d
@@ -296,7 +330,7 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
     remote = _remote(home)
     age = parse_duration(older_than) if older_than else None
     fps = set(_model_fingerprints(home, model, manifest)) if model else set()
-    objs = sorted(remote.objects(), key=lambda o: o.modified)
+    objs = sorted([*remote.objects(), *remote.records()], key=lambda o: o.modified)
     now = time.time()
     victims = [o for o in objs if (age is not None and now - o.modified > age)
                or o.key[:FINGERPRINT_BYTES] in fps]  # fmt: skip

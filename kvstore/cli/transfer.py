@@ -22,16 +22,53 @@ from kvstore.wire.daemon_client import DaemonWriter, connect_writer
 @click.command(name="export")
 @click.argument("key")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--model",
+    default=None,
+    help="For a learned record: the model path whose cache layout it is assembled in "
+    "(default: the model the record was learned with).",
+)
 @home_option
 @user_errors
-def export_cmd(key: str, file: Path, home: Path) -> None:
-    """Write an entry as a file that `mlx_lm.generate --prompt-cache-file FILE` loads."""
-    from kvstore.warm.transfer import export_entry
+def export_cmd(key: str, file: Path, model: str | None, home: Path) -> None:
+    """Write an entry, or a learned chain, as a file `mlx_lm.generate --prompt-cache-file FILE`
+    loads.
+
+    KEY is an entry's key (as `kvstore ls` shows it) or a learned record's (`kvstore ls
+    --learned`): the chain from the first token up to the end of that record is assembled from
+    its blocks into one cache.
+    """
+    from kvstore.store.blocks import BlockStore
+    from kvstore.warm.transfer import export_entry, export_record
 
     with open_store(home) as store:
+        records = [m.key for m in BlockStore(store).records()]
+        entry_hits = _matches(store.keys(), key)
+        record_hits = _matches(records, key)
+        if record_hits and not entry_hits:
+            (k,) = resolve_keys(store, (key,), keys=records, what="learned record")
+            chain, path = export_record(store, k, file, model=model)
+            nbytes = file.stat().st_size
+            click.echo(
+                f"wrote {file} ({chain[-1].end} tokens of {path}, from {len(chain)} learned "
+                f"records, {human_size(nbytes)})"
+            )
+            return
+        if record_hits:
+            raise click.ClickException(
+                f"key {key!r} matches an entry and a learned record; give more hex digits"
+            )
         (k,) = resolve_keys(store, (key,))
+        if model is not None:
+            raise click.UsageError("--model is for a learned record; an entry knows its model")
         meta = export_entry(store, k, file)
     click.echo(f"wrote {file} ({meta.ntokens} tokens of {meta.model}, {human_size(meta.nbytes)})")
+
+
+def _matches(keys: list[bytes], text: str) -> list[bytes]:
+    """The keys `text` names as resolve_keys reads it (a prefix of the key or of its hash half)."""
+    t = text.lower()
+    return [k for k in keys if k.hex().startswith(t) or k.hex()[32:].startswith(t)]
 
 
 @click.command(name="import")

@@ -5,6 +5,11 @@ listing prefix (retiring it is one `gc --model`) and another format version neve
 An object is a header (magic, format version, meta length), the entry's msgpack meta, then the
 blob. Everything fetched is verified before a caller may store it: format, key, fingerprint,
 tokens, length, checksum and a full decode (`verify_object`).
+
+Learned block records are objects too, one per record, under `.../<fingerprint hex>/blocks/<H(end)
+hex>` (entry listings skip them: that name is not an entry key). Their meta is the record's
+sealed BlockMeta plus the tokens before its start and the block size it was cut at, so one object
+verifies alone as an entry does: its tokens hash to its key (`verify_record`).
 """
 
 from __future__ import annotations
@@ -14,13 +19,18 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import msgpack
 import xxhash
 
 from kvstore.codec import codec
 from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
 from kvstore.fleet.settings import RemoteSettings
 from kvstore.store.entry import FINGERPRINT_BYTES, KEY_BYTES, EntryMeta
+
+if TYPE_CHECKING:
+    from kvstore.store.blocks import BlockMeta
 
 log = logging.getLogger("kvstore")
 
@@ -63,6 +73,92 @@ def parse_object_name(rs: RemoteSettings, name: str) -> bytes | None:
     except ValueError:
         return None
     return key if rest != name and len(key) == KEY_BYTES else None
+
+
+RECORD_MAGIC = b"KVSB"
+RECORDS_DIR = "blocks"
+
+
+def record_name(rs: RemoteSettings, key: bytes) -> str:
+    """The object name of a learned record (key = fingerprint + H(end))."""
+    fp, h = key[:FINGERPRINT_BYTES].hex(), key[FINGERPRINT_BYTES:].hex()
+    return f"{version_prefix(rs)}{fp}/{RECORDS_DIR}/{h}"
+
+
+def parse_record_name(rs: RemoteSettings, name: str) -> bytes | None:
+    """The record key a learned record's object name stands for, or None."""
+    rest = name.removeprefix(version_prefix(rs))
+    parts = rest.split("/")
+    if rest == name or len(parts) != 3 or parts[1] != RECORDS_DIR:
+        return None
+    try:
+        key = bytes.fromhex(parts[0]) + bytes.fromhex(parts[2])
+    except ValueError:
+        return None
+    return key if len(key) == KEY_BYTES else None
+
+
+def record_header(meta: BlockMeta, prefix: bytes, block: int) -> bytes:
+    """Header of a record's object: its sealed meta, the packed tokens before its start and the
+    block size the chain was cut at (the key's hash depends on both)."""
+    packed = msgpack.packb(
+        {"record": meta.pack(), "prefix": prefix, "block": block}, use_bin_type=True
+    )
+    return HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, len(packed)) + packed
+
+
+def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes, int, memoryview]:
+    """A fetched record object verified in full: format, meta seal, its tokens (the prefix and
+    its own) hashing to its key under its fingerprint, blob length and checksum, and a full
+    decode holding its token count in record classes. Returns (meta, the chain's packed tokens
+    up to its end, the block size, blob); raises RemoteError ("corrupt" or "version")."""
+    from kvstore.codec.blocks import inspect
+    from kvstore.store.blocks import BlockMeta
+    from kvstore.store.chain import position_hash
+
+    where = f"remote object for learned record {key.hex()}"
+    if len(data) < HEADER.size:
+        raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
+    data = memoryview(data)
+    magic, version, meta_len = HEADER.unpack_from(data)
+    if magic != RECORD_MAGIC:
+        raise RemoteError("corrupt", f"{where}: not a kvstore record object (bad magic)")
+    if version != FORMAT_VERSION:
+        raise RemoteError(
+            "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
+        )
+    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
+        raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
+    try:
+        head = msgpack.unpackb(bytes(data[HEADER.size : HEADER.size + meta_len]), raw=False)
+        prefix, block = bytes(head["prefix"]), int(head["block"])
+        meta = BlockMeta.unpack(key, bytes(head["record"]))
+    except CorruptEntryError as e:
+        raise RemoteError("corrupt", f"{where}: {e.reason}") from None
+    except Exception as e:
+        raise RemoteError("corrupt", f"{where}: unreadable meta ({type(e).__name__})") from None
+    if len(prefix) != 4 * meta.start or block <= 0:
+        raise RemoteError("corrupt", f"{where}: {len(prefix) // 4} tokens before a record at "
+                                     f"{meta.start}")  # fmt: skip
+    tokens = prefix + meta.tokens
+    fp = key[:FINGERPRINT_BYTES]
+    if position_hash(fp, tokens, meta.end, block) != key[FINGERPRINT_BYTES:]:
+        raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
+    blob = data[HEADER.size + meta_len :]
+    if len(blob) != meta.nbytes:
+        raise RemoteError("corrupt", f"{where}: blob is {len(blob)} bytes, meta says {meta.nbytes}")
+    if xxhash.xxh3_64_intdigest(blob) != meta.checksum:
+        raise RemoteError("corrupt", f"{where}: blob checksum mismatch")
+    try:
+        inspect(bytes(blob), meta.ntokens, name=where)
+        cache, _ = codec.decode(blob, name=where)
+    except CodecError as e:
+        raise RemoteError("corrupt", f"{where}: {e}") from None
+    held = codec.cache_tokens(cache)
+    if held != meta.ntokens:
+        raise RemoteError("corrupt", f"{where}: its KV holds {held} tokens, not {meta.ntokens}")
+    del cache
+    return meta, tokens, block, blob
 
 
 def object_header(meta: EntryMeta) -> bytes:
@@ -192,24 +288,30 @@ class Remote:
                 raise RemoteError("bucket", f"{self.where()}: no such bucket") from None
             raise self._error(e, "checking the bucket") from None
 
-    def head(self, key: bytes) -> int | None:
-        """The object's size in bytes, or None when the remote does not have it."""
+    def head(self, key: bytes, *, name: str | None = None) -> int | None:
+        """The object's size in bytes, or None when the remote does not have it (`name`: another
+        object than the entry's, a learned record's)."""
         try:
             return int(
-                self.client.head_object(Bucket=self.bucket, Key=object_name(self.settings, key))[
-                    "ContentLength"
-                ]
+                self.client.head_object(
+                    Bucket=self.bucket, Key=name or object_name(self.settings, key)
+                )["ContentLength"]
             )
         except Exception as e:
             if self._status(e) == 404:
                 return None
-            raise self._error(e, f"looking up entry {key.hex()}") from None
+            raise self._error(
+                e, f"looking up {'record' if name else 'entry'} {key.hex()}"
+            ) from None
 
-    def fetch(self, key: bytes, *, deadline: float | None = None) -> tuple[bytearray, float]:
+    def fetch(
+        self, key: bytes, *, deadline: float | None = None, name: str | None = None
+    ) -> tuple[bytearray, float]:
         """The object's bytes (read into one buffer of its length) and the seconds the transfer
-        took; over `deadline` seconds it is dropped with cause "slow"."""
+        took; over `deadline` seconds it is dropped with cause "slow". `name`: another object
+        than the entry's (a learned record's)."""
         deadline = self.settings.fetch_deadline if deadline is None else deadline
-        name = object_name(self.settings, key)
+        name = name or object_name(self.settings, key)
         t0 = time.monotonic()
         try:
             res = self.client.get_object(Bucket=self.bucket, Key=name)
@@ -250,6 +352,23 @@ class Remote:
         except Exception as e:
             raise self._error(e, "listing objects") from None
 
+    def records(self, fingerprint: bytes = b"") -> Iterator[RemoteObject]:
+        """Every learned record's object of this format version (of one model's fingerprint)."""
+        prefix = version_prefix(self.settings) + (f"{fingerprint.hex()}/" if fingerprint else "")
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            )
+            for page in pages:
+                for o in page.get("Contents", []):
+                    key = parse_record_name(self.settings, o["Key"])
+                    if key is not None:
+                        yield RemoteObject(
+                            key, o["Key"], int(o["Size"]), o["LastModified"].timestamp()
+                        )
+        except Exception as e:
+            raise self._error(e, "listing learned records") from None
+
     def other_versions(self) -> list[str]:
         """Format-version prefixes in the bucket other than ours (another kvstore's objects)."""
         root = object_root(self.settings)
@@ -267,20 +386,40 @@ class Remote:
         already or another box created it first (If-None-Match: * makes the create conditional,
         so two racing uploads end with one object). `read_blob(offset, size)` gives blob bytes;
         large blobs go up in parts, each read on its own."""
-        name = object_name(self.settings, meta.key)
-        what = f"uploading entry {meta.key.hex()}"
-        if self.head(meta.key) is not None:
+        return self._create(
+            object_name(self.settings, meta.key), object_header(meta), meta.nbytes, read_blob,
+            what=f"uploading entry {meta.key.hex()}",
+        )  # fmt: skip
+
+    def upload_record(self, meta: BlockMeta, prefix: bytes, block: int, blob: bytes) -> str:
+        """Create a learned record's object unless it exists ("uploaded" or "exists", as
+        `upload`). `prefix`: the packed tokens before its start; `block`: its chain's cut."""
+        return self._create(
+            record_name(self.settings, meta.key), record_header(meta, prefix, block), meta.nbytes,
+            lambda offset, size: blob[offset : offset + size],
+            what=f"uploading learned record {meta.key.hex()}",
+        )  # fmt: skip
+
+    def _create(
+        self,
+        name: str,
+        header: bytes,
+        nbytes: int,
+        read_blob: Callable[[int, int], bytes],
+        *,
+        what: str,
+    ) -> str:
+        if self.head(b"", name=name) is not None:
             return "exists"
-        header = object_header(meta)
-        total = len(header) + meta.nbytes
+        total = len(header) + nbytes
         try:
             if total <= self.settings.multipart_threshold:
                 self.client.put_object(
-                    Bucket=self.bucket, Key=name, Body=header + read_blob(0, meta.nbytes),
+                    Bucket=self.bucket, Key=name, Body=header + read_blob(0, nbytes),
                     IfNoneMatch="*",
                 )  # fmt: skip
                 return "uploaded"
-            return self._upload_parts(name, header, meta.nbytes, read_blob)
+            return self._upload_parts(name, header, nbytes, read_blob)
         except Exception as e:
             if self._status(e) == 412:  # someone created it between our HEAD and our create
                 return "exists"

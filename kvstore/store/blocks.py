@@ -239,6 +239,61 @@ class BlockStore:
 
         return self.store._read(fn, buffers=True)
 
+    def chain_to(self, key: bytes) -> list[BlockMeta]:
+        """The chain of records from position 0 up to and including the record `key`, found by
+        walking its parents (the `kids` rows that end where each record starts). Raises
+        StoreError when a record on the way is missing or unreadable, or the chain's tokens do
+        not hash to its keys (nothing partial: an export is all of it or nothing)."""
+        if not self._open():
+            raise StoreError(f"no learned record {key.hex()}")
+        fp = key[:FINGERPRINT_BYTES]
+
+        def walk(txn) -> tuple[list[BlockMeta], int]:
+            parents: dict[bytes, list[bytes]] = {}  # H(end) -> [H(start)] of this model's rows
+            cur = txn.cursor(self._db(b"kids"))
+            if cur.set_range(fp):
+                for k in cur.iternext(values=False):
+                    k = bytes(k)
+                    if not k.startswith(fp):
+                        break
+                    h0, h1 = k[FINGERPRINT_BYTES:-16], k[-16:]
+                    parents.setdefault(h1, []).append(h0)
+            chain: list[BlockMeta] = []
+            at = key
+            while True:
+                meta = self._get_meta(txn, at)
+                if meta is None:
+                    raise StoreError(f"learned record {at.hex()} is missing or unreadable")
+                chain.append(meta)
+                if meta.start == 0:
+                    break
+                ups = [
+                    m
+                    for h in parents.get(at[FINGERPRINT_BYTES:], [])
+                    if (m := self._get_meta(txn, fp + h)) is not None and m.end == meta.start
+                ]
+                if not ups:
+                    raise StoreError(
+                        f"learned record {at.hex()} starts at {meta.start}, and the record "
+                        "before it is missing"
+                    )
+                at = ups[0].key
+            return chain[::-1], self._stat_int(txn, BLOCK_TOKENS) or self.block
+
+        chain, block = self.store._read(walk)  # hashed as the records were cut
+        data = b"".join(m.tokens for m in chain)
+        hashes = chain_hashes(fp, data, block)
+        for m in chain:
+            if m.key[FINGERPRINT_BYTES:] != position_hash(fp, data, m.end, block, hashes):
+                raise StoreError(f"learned record {m.key.hex()}: its tokens do not hash to its key")
+        return chain
+
+    def cut_at(self) -> int:
+        """The block size this store's records are cut at (this view's before any is stored)."""
+        if not self._open():
+            return self.block
+        return self.store._read(lambda txn: self._stat_int(txn, BLOCK_TOKENS)) or self.block
+
     def learned_bytes(self) -> int:
         if not self._open():
             return 0
@@ -265,6 +320,16 @@ class BlockStore:
             return out
 
         return self.store._read(fn)
+
+    def extended(self) -> set[bytes]:
+        """Keys of the records another record starts at (the rest are the ends of chains)."""
+        if not self._open():
+            return set()
+        return self.store._read(
+            lambda txn: {
+                bytes(k[: 2 * 16]) for k in txn.cursor(self._db(b"kids")).iternext(values=False)
+            }
+        )
 
     def stats(self) -> dict[str, Any]:
         """records, learned bytes, bytes written today, chains (records nothing extends)."""

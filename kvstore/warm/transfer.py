@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvstore.codec import cache_api, codec
-from kvstore.errors import CodecError, KVStoreError
+from kvstore.errors import CodecError, KVStoreError, StoreError
 from kvstore.identity.fingerprint import (
     FileHashCache,
     describe_cache,
@@ -59,6 +59,72 @@ def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
     except OSError as e:
         raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return meta
+
+
+def record_template(model: str, model_config: dict | None = None) -> list:
+    """The cache objects `make_prompt_cache` gives the model at `model`, built from its config
+    alone (no weights are read): the classes a learned chain is assembled in (a sliding-window
+    layer must come back as a RotatingKVCache, which the records, plain KV, do not say)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore.identity.fingerprint import build_architecture
+    from kvstore.identity.modelconfig import effective_config
+
+    model_dir = resolve_model_path(model)
+    config = effective_config(model_dir, model_config)
+    return make_prompt_cache(build_architecture(config, model_dir))
+
+
+def export_record(store: Store, key: bytes, file: Path, *, model: str | None = None):
+    """Write the learned chain from position 0 up to and including the record `key` as one
+    prompt-cache file (`write_file`), with `model` and `tokenizer_config` metadata as entry
+    exports have. The cache is assembled in the classes of the model the records were learned
+    with (their `model`; `model` overrides it, e.g. when the model moved). Returns the chain's
+    BlockMeta list and the model path written."""
+    from kvstore.codec.blocks import assemble
+    from kvstore.store.blocks import BlockStore
+
+    blocks = BlockStore(store)
+    try:
+        chain = blocks.chain_to(key)
+    except StoreError as e:
+        raise KVStoreError(f"cannot export learned record {key.hex()}: {e}") from None
+    blobs = blocks.read_blobs(chain)
+    if len(blobs) != len(chain):
+        bad = chain[len(blobs)]
+        raise KVStoreError(
+            f"learned record {bad.key.hex()} [{bad.start}, {bad.end}) is missing or corrupt "
+            "(checksum); nothing written"
+        )
+    last = chain[-1]
+    path = model or last.extra.get("model")
+    if not path:
+        raise KVStoreError(
+            f"learned record {key.hex()} does not say which model made it; pass --model PATH"
+        )
+    config = None if model else last.extra.get("model_config")
+    try:
+        template = record_template(path, config)
+    except (KVStoreError, OSError) as e:
+        raise KVStoreError(
+            f"cannot build the cache layout of model {path!r} for learned record {key.hex()}: "
+            f"{e}; pass --model PATH"
+        ) from None
+    try:
+        cache = assemble(blobs, chain, last.end, template)
+    except CodecError as e:
+        raise KVStoreError(f"cannot assemble learned record {key.hex()}: {e}") from None
+    folder = file.parent
+    if not folder.is_dir():
+        raise KVStoreError(
+            f"{folder}: no such folder to write {file.name} in; create it or choose another path"
+        )
+    blob = codec.encode(cache, {"model": path, "tokenizer_config": "{}"})
+    try:
+        write_file(blob, file, name=key.hex())
+    except OSError as e:
+        raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
+    return chain, path
 
 
 def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:

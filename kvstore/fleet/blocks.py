@@ -1,0 +1,90 @@
+"""Learned block records on the fleet tier: `remote push` uploads each local record the remote
+lacks as its own object, `remote pull` fetches a model's records this box lacks, each verified
+in full (`kvstore.fleet.objects.verify_record`) before it is stored with `BlockStore.put_records`
+(through the daemon's `put_blocks` when one runs: it is the one writer). No write-behind queue:
+records move when the commands run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvstore.errors import KVStoreError, RemoteError
+from kvstore.fleet.objects import Remote, verify_record
+from kvstore.store.blocks import BlockStore
+from kvstore.store.entry import FINGERPRINT_BYTES
+
+if TYPE_CHECKING:
+    from kvstore.store.store import Store
+
+# what another box recorded about its own model path; this box's is put instead
+_THAT_BOX = ("model", "model_dir", "adapter_dir")
+
+
+def push_records(
+    remote: Remote, store: Store, *, model: str | None = None, say: Callable[[str], None]
+) -> dict[str, int]:
+    """Upload every readable local record (of `model`, as its records name it) the remote
+    lacks. Counts: uploaded, exists, gone (missing, corrupt or cut off from its chain here)."""
+    blocks = BlockStore(store)
+    block = blocks.cut_at()
+    counts = {"uploaded": 0, "exists": 0, "gone": 0}
+    for meta in blocks.records():
+        if model is not None and meta.extra.get("model") != model:
+            continue
+        try:
+            chain = blocks.chain_to(meta.key)
+        except KVStoreError as e:
+            say(f"warning: {e}; not uploaded")
+            counts["gone"] += 1
+            continue
+        blobs = blocks.read_blobs(chain[-1:])
+        if not blobs:
+            say(f"warning: learned record {meta.key.hex()} is corrupt locally; not uploaded")
+            counts["gone"] += 1
+            continue
+        prefix = b"".join(m.tokens for m in chain[:-1])
+        counts[remote.upload_record(chain[-1], prefix, block, blobs[0])] += 1
+    return counts
+
+
+def pull_records(
+    remote: Remote,
+    store: Store,
+    fingerprint: bytes,
+    *,
+    model: str,
+    extra: dict,
+    put: Callable[[bytes, bytes, list[tuple[int, int, bytes]], str, dict], None],
+    say: Callable[[str], None],
+) -> tuple[int, int]:
+    """Fetch the records of `fingerprint` this box lacks, verified in full, and store them with
+    `put(fingerprint, chain tokens, [(start, end, blob)], label, extra)`; `model` and `extra` are
+    this box's identity of the model (as its manifest names it). Returns (fetched, failed)."""
+    blocks = BlockStore(store)
+    have = {m.key for m in blocks.records()}
+    block = blocks.cut_at()
+    fetched = failed = 0
+    for o in remote.records(fingerprint):
+        if o.key in have or o.key[:FINGERPRINT_BYTES] != fingerprint:
+            continue
+        try:
+            data, _ = remote.fetch(o.key, name=o.name)
+            meta, tokens, cut, blob = verify_record(o.key, data)
+        except RemoteError as e:
+            say(f"warning: {e}; not stored")
+            failed += 1
+            continue
+        if cut != block:
+            say(f"warning: learned record {o.key.hex()} was cut at {cut} tokens, this store at "
+                f"{block}; not stored")  # fmt: skip
+            failed += 1
+            continue
+        theirs = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
+        put(fingerprint, tokens, [(meta.start, meta.end, bytes(blob))], meta.label,
+            {**theirs, **extra, "model": model, "origin": "remote"})  # fmt: skip
+        have.add(o.key)
+        fetched += 1
+        say(f"fetched  learned [{meta.start}, {meta.end}) {meta.label:11} {len(blob)} bytes")
+    return fetched, failed

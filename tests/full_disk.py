@@ -1,14 +1,19 @@
 """A full disk, injected on the real call: the store's LMDB environment, wrapped so that writing
 a blob raises what py-lmdb raises for ENOSPC (lmdb.DiskError). Everything else is the real env.
 
-Used in-process (`install()` under a monkeypatch) and in a daemon child (`DAEMON_CODE`).
+Used in-process (`install()` under a monkeypatch) and in a daemon child (`DAEMON_CODE`); and a
+real small tmpfs that fills up (`mounted_tmpfs`).
 """
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
+import pytest
 
 HERE = Path(__file__).parent
 
@@ -73,3 +78,21 @@ kvstore.warm.warm.prefill_pin = counted
 from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])
 """
+
+
+@contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (e.g. "8m") mounted at `mnt`: a disk that really fills up. Skips
+    the test where this box cannot mount one."""
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -336,24 +336,15 @@ class Remote:
         return buf, time.monotonic() - t0
 
     def objects(self, fingerprint: bytes = b"") -> Iterator[RemoteObject]:
-        """Every object of this format version (of one model with `fingerprint`)."""
-        prefix = version_prefix(self.settings) + (f"{fingerprint.hex()}/" if fingerprint else "")
-        try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix
-            )
-            for page in pages:
-                for o in page.get("Contents", []):
-                    key = parse_object_name(self.settings, o["Key"])
-                    if key is not None:
-                        yield RemoteObject(
-                            key, o["Key"], int(o["Size"]), o["LastModified"].timestamp()
-                        )
-        except Exception as e:
-            raise self._error(e, "listing objects") from None
+        """Every entry's object of this format version (of one model with `fingerprint`)."""
+        return self._listed(fingerprint, parse_object_name, "listing objects")
 
     def records(self, fingerprint: bytes = b"") -> Iterator[RemoteObject]:
         """Every learned record's object of this format version (of one model's fingerprint)."""
+        return self._listed(fingerprint, parse_record_name, "listing learned records")
+
+    def _listed(self, fingerprint: bytes, parse, what: str) -> Iterator[RemoteObject]:
+        """The objects under this version's (and model's) prefix whose names `parse` takes."""
         prefix = version_prefix(self.settings) + (f"{fingerprint.hex()}/" if fingerprint else "")
         try:
             pages = self.client.get_paginator("list_objects_v2").paginate(
@@ -361,13 +352,13 @@ class Remote:
             )
             for page in pages:
                 for o in page.get("Contents", []):
-                    key = parse_record_name(self.settings, o["Key"])
+                    key = parse(self.settings, o["Key"])
                     if key is not None:
                         yield RemoteObject(
                             key, o["Key"], int(o["Size"]), o["LastModified"].timestamp()
                         )
         except Exception as e:
-            raise self._error(e, "listing learned records") from None
+            raise self._error(e, what) from None
 
     def other_versions(self) -> list[str]:
         """Format-version prefixes in the bucket other than ours (another kvstore's objects)."""

@@ -18,6 +18,7 @@ from unittest import mock
 
 import battery
 import pytest
+from full_disk import mounted_tmpfs
 from helpers import Proc
 
 from kvstore.errors import DaemonError, StoreError
@@ -186,19 +187,8 @@ def test_disk_full_by_file_size_limit(tmp_path):
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_disk_full_on_a_small_tmpfs(tmp_path, tmpfs):

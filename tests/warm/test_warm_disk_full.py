@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import pytest
-from full_disk import DAEMON_CODE, full_open_env
+from full_disk import DAEMON_CODE, full_open_env, mounted_tmpfs
 from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
 import kvstore.store.store
@@ -43,19 +42,8 @@ def test_warm_stops_at_the_first_enospc_without_a_daemon(
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", "4m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_warm_stops_on_a_really_full_disk(llama_path, tmp_path, small_tmpfs, monkeypatch):

@@ -52,7 +52,7 @@ def _kv(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvstore", *args]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -241,7 +241,7 @@ def restart(arch: str, root: Path, turns: int) -> dict:
         return list(tok.apply_chat_template(msgs, add_generation_prompt=True))
 
     def serve() -> Server:
-        port = _free_port()
+        port = free_port()
         argv = _kv("serve", "--home", str(home), "--model", str(model), "--port", str(port))
         return Server(argv, port, root / f"serve-{arch}.log", env)
 
@@ -557,7 +557,7 @@ def peer(root: Path) -> dict:
         ssd = root / f"peer-ssd-{len(extra)}"  # each setting its own SSD tier
         try:
             for phase in ("before", "after"):
-                port = _free_port()
+                port = free_port()
                 argv = [str(exe), "serve", str(model), "--port", str(port),
                         "--continuous-batching", "--ssd-cache-dir", str(ssd), *extra]  # fmt: skip
                 s = Server(argv, port, root / "peer.log")

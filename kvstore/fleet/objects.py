@@ -19,7 +19,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import xxhash
@@ -98,6 +98,44 @@ def parse_record_name(rs: RemoteSettings, name: str) -> bytes | None:
     return key if len(key) == KEY_BYTES else None
 
 
+def _framed(data: bytes | bytearray, magic: bytes, where: str) -> tuple[memoryview, memoryview]:
+    """An object's meta bytes and blob, after its header (magic, format version, meta length) is
+    checked; views, so a 1 GB object is not copied again."""
+    if len(data) < HEADER.size:
+        raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
+    data = memoryview(data)
+    got, version, meta_len = HEADER.unpack_from(data)
+    if got != magic:
+        raise RemoteError("corrupt", f"{where}: not a kvstore object of this kind (bad magic)")
+    if version != FORMAT_VERSION:
+        raise RemoteError(
+            "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
+        )
+    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
+        raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
+    return data[HEADER.size : HEADER.size + meta_len], data[HEADER.size + meta_len :]
+
+
+def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False) -> None:
+    """Length and checksum as the meta says, then a full decode holding its token count (and, for
+    a learned record, only record classes)."""
+    from kvstore.codec.blocks import inspect
+
+    if len(blob) != meta.nbytes:
+        raise RemoteError("corrupt", f"{where}: blob is {len(blob)} bytes, meta says {meta.nbytes}")
+    if xxhash.xxh3_64_intdigest(blob) != meta.checksum:
+        raise RemoteError("corrupt", f"{where}: blob checksum mismatch")
+    try:
+        if record:
+            inspect(bytes(blob), meta.ntokens, name=where)
+        cache, _ = codec.decode(blob, name=where)
+    except CodecError as e:
+        raise RemoteError("corrupt", f"{where}: {e}") from None
+    held = codec.cache_tokens(cache)
+    if held != meta.ntokens and (record or not (held is None and codec.keeps_no_offset(cache))):
+        raise RemoteError("corrupt", f"{where}: its KV holds {held} tokens, not {meta.ntokens}")
+
+
 def record_header(meta: BlockMeta, prefix: bytes, block: int) -> bytes:
     """Header of a record's object: its sealed meta, the packed tokens before its start and the
     block size the chain was cut at (the key's hash depends on both)."""
@@ -112,25 +150,13 @@ def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes
     its own) hashing to its key under its fingerprint, blob length and checksum, and a full
     decode holding its token count in record classes. Returns (meta, the chain's packed tokens
     up to its end, the block size, blob); raises RemoteError ("corrupt" or "version")."""
-    from kvstore.codec.blocks import inspect
     from kvstore.store.blocks import BlockMeta
     from kvstore.store.chain import position_hash
 
     where = f"remote object for learned record {key.hex()}"
-    if len(data) < HEADER.size:
-        raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
-    data = memoryview(data)
-    magic, version, meta_len = HEADER.unpack_from(data)
-    if magic != RECORD_MAGIC:
-        raise RemoteError("corrupt", f"{where}: not a kvstore record object (bad magic)")
-    if version != FORMAT_VERSION:
-        raise RemoteError(
-            "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
-        )
-    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
-        raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
+    head_bytes, blob = _framed(data, RECORD_MAGIC, where)
     try:
-        head = msgpack.unpackb(bytes(data[HEADER.size : HEADER.size + meta_len]), raw=False)
+        head = msgpack.unpackb(bytes(head_bytes), raw=False)
         prefix, block = bytes(head["prefix"]), int(head["block"])
         meta = BlockMeta.unpack(key, bytes(head["record"]))
     except CorruptEntryError as e:
@@ -144,20 +170,7 @@ def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes
     fp = key[:FINGERPRINT_BYTES]
     if position_hash(fp, tokens, meta.end, block) != key[FINGERPRINT_BYTES:]:
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
-    blob = data[HEADER.size + meta_len :]
-    if len(blob) != meta.nbytes:
-        raise RemoteError("corrupt", f"{where}: blob is {len(blob)} bytes, meta says {meta.nbytes}")
-    if xxhash.xxh3_64_intdigest(blob) != meta.checksum:
-        raise RemoteError("corrupt", f"{where}: blob checksum mismatch")
-    try:
-        inspect(bytes(blob), meta.ntokens, name=where)
-        cache, _ = codec.decode(blob, name=where)
-    except CodecError as e:
-        raise RemoteError("corrupt", f"{where}: {e}") from None
-    held = codec.cache_tokens(cache)
-    if held != meta.ntokens:
-        raise RemoteError("corrupt", f"{where}: its KV holds {held} tokens, not {meta.ntokens}")
-    del cache
+    _check_blob(blob, meta, where, record=True)
     return meta, tokens, block, blob
 
 
@@ -172,39 +185,16 @@ def verify_object(
     """Meta and blob of a fetched object, verified in full (the decode too); raises RemoteError
     with cause "corrupt" or "version" naming what is wrong. Nothing is stored here."""
     where = f"remote object for entry {key.hex()}"
-    if len(data) < HEADER.size:
-        raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
-    data = memoryview(data)  # slices below are views: a 1 GB object is not copied again
-    magic, version, meta_len = HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise RemoteError("corrupt", f"{where}: not a kvstore object (bad magic)")
-    if version != FORMAT_VERSION:
-        raise RemoteError(
-            "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
-        )
-    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
-        raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
+    meta_bytes, blob = _framed(data, MAGIC, where)
     try:
-        meta = EntryMeta.unpack(key, bytes(data[HEADER.size : HEADER.size + meta_len]))
+        meta = EntryMeta.unpack(key, bytes(meta_bytes))
     except CorruptEntryError as e:
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
     if xxhash.xxh3_128(meta.tokens).digest() != key[FINGERPRINT_BYTES:]:
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
     if tokens is not None and meta.tokens != tokens:
         raise RemoteError("corrupt", f"{where}: its tokens are not the pin's")
-    blob = data[HEADER.size + meta_len :]
-    if len(blob) != meta.nbytes:
-        raise RemoteError("corrupt", f"{where}: blob is {len(blob)} bytes, meta says {meta.nbytes}")
-    if xxhash.xxh3_64_intdigest(blob) != meta.checksum:
-        raise RemoteError("corrupt", f"{where}: blob checksum mismatch")
-    try:
-        cache, _ = codec.decode(blob, name=where)
-    except CodecError as e:
-        raise RemoteError("corrupt", f"{where}: {e}") from None
-    held = codec.cache_tokens(cache)
-    if held != meta.ntokens and not (held is None and codec.keeps_no_offset(cache)):
-        raise RemoteError("corrupt", f"{where}: its KV holds {held} tokens, not {meta.ntokens}")
-    del cache
+    _check_blob(blob, meta, where)
     return meta, blob
 
 

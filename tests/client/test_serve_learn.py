@@ -9,21 +9,16 @@ inside the stored prefix is served up to the divergence and answers as a cold se
 
 from __future__ import annotations
 
-import json
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 from helpers import Proc, serving
 
-START_TIMEOUT = 90.0
-REQUEST_TIMEOUT = 60.0
+from bench.learned import Server, free_port
+
 ACK_TIMEOUT = 10.0  # seconds from the request that made a prefix learnable to its ack
 
 pytestmark = pytest.mark.slow
@@ -39,56 +34,27 @@ SYSTEM = (
 ) * 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    """One `kvstore serve` subprocess and its log."""
+class Serve(Server):
+    """One `kvstore serve` subprocess and its log (the benchmark's server wrapper, test-shaped)."""
 
     def __init__(self, home: Path, model: Path, log: Path, *extra: str):
-        self.port, self.log = _free_port(), log
-        self.out = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli.main", "serve", "--home", str(home),
-             "--model", str(model), "--port", str(self.port), *extra],
-            stdout=self.out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        port = free_port()
+        argv = [sys.executable, "-m", "kvstore", "serve", "--home", str(home), "--model",
+                str(model), "--port", str(port), *extra]  # fmt: skip
+        super().__init__(argv, port, log)
 
     def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return self._get(path)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"serve exited:\n{self.log.read_text()}"
-            try:
-                if self.get("/health")[0] == 200:
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"serve not ready in {START_TIMEOUT}s:\n{self.log.read_text()}")
+        try:
+            super().wait_ready()
+        except RuntimeError as e:
+            pytest.fail(str(e))
 
     def chat(self, user: str, system: str = SYSTEM) -> dict:
-        body = dict(
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
-            max_tokens=6,
-            temperature=0.0,
-        )
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
-            return json.loads(r.read())
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return super().chat(messages, max_tokens=6)
 
     def metric(self, source: str) -> float:
         _, body = self.get("/metrics")
@@ -96,17 +62,6 @@ class Serve:
             if line.startswith(f'kvstore_prompt_tokens_total{{source="{source}"}}'):
                 return float(line.split()[-1])
         raise AssertionError(f"no prompt tokens metric for {source}:\n{body.decode()}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.out.close()
-        return self.proc.returncode
 
 
 def _cached(reply: dict) -> int:

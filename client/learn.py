@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
+from kvstore.client import modelthread
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
@@ -587,9 +588,12 @@ class Learner:
 
         if target.files_ok is not None and not target.files_ok():
             return
-        with mx.stream(self._worker_stream()):
+
+        def forward() -> None:
             target.model_obj(mx.array([[last]], dtype=mx.uint32), cache=state)
             mx.eval([cache_api.state(c) for c in state])
+
+        modelthread.call(forward)  # not on this worker: it exits (client/modelthread.py says why)
         self._send_snapshot(client, target, prompt, state)
 
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list) -> None:

@@ -6,6 +6,7 @@ chat turn's prompt end, so a restart before the next turn loses no turn."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from kvstore import metrics
+from kvstore.client import modelthread
 from kvstore.client.learn import Learner, LearnTarget
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.codec import codec
@@ -223,52 +225,79 @@ def test_restored_records_are_touched_through_the_write_behind(llama, kv_home, t
         assert all(m.last_used > m.created for m in chain)
 
 
+def _learner_of(lru, home: Path, model, model_path: Path) -> Learner:
+    learner = Learner(home)
+    learner.add_target(KEY, LearnTarget(fingerprint=FP, model=str(model_path), model_obj=model,
+                                        extra={}))  # fmt: skip
+    lru.learner = learner
+    return learner
+
+
+def _turn(model, lru, prompt: list[int]) -> tuple[int, list[int]]:
+    """One request as mlx-lm serves it: fetch, prefill the rest, 2 tokens, insert."""
+    cache, rest = lru.fetch_nearest_cache(KEY, prompt)
+    cache = cache if cache is not None else make_prompt_cache(model)
+    served = len(prompt) - len(rest)
+    logits = model(mx.array(rest)[None], cache=cache)
+    out = []
+    for _ in range(2):
+        out.append(int(mx.argmax(logits[0, -1]).item()) % 200 + 1)
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    lru.insert_cache(KEY, prompt + out, cache)
+    return served, out
+
+
+def _two_turns(model, lru, learner: Learner, seed: int = 4) -> tuple[list[int], list[int]]:
+    """Turn 1, then turn 2 extending its whole prompt: its prefill stops one token short and the
+    end snapshot is sent after the response. Returns turn 2's prompt and output."""
+    _, out1 = _turn(model, lru, _tokens(300, seed=seed))
+    t2 = _tokens(300, seed=seed) + out1 + _tokens(40, seed=seed + 2)
+    cache, rest = lru.fetch_nearest_cache(KEY, t2)
+    assert rest == t2[-1:]  # split one short of the end: the rest is the last token
+    logits = model(mx.array(rest)[None], cache=cache)
+    out2 = [int(mx.argmax(logits[0, -1]).item()) % 200 + 1]
+    model(mx.array([out2]), cache=cache)
+    lru.insert_cache(KEY, t2 + out2, cache)
+    assert learner.drain(20.0)[1] == 0
+    assert learner.snapshots_sent == 1
+    return t2, out2
+
+
+class _Spy:
+    """A model that records the threads it runs on."""
+
+    def __init__(self, model):
+        self.model, self.threads = model, []
+
+    def __call__(self, *a, **kw):
+        self.threads.append(threading.current_thread())
+        return self.model(*a, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
 def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
     hybrid, hybrid_path, kv_home, tmp_path
 ):
     """qwen3_5 chat of 3 turns, a real daemon: turn 2 extends turn 1's whole prompt, so its
     prefill stops one token short, and after the response the worker forwards that token on a
     copy: the store holds the state at turn 2's prompt end, equal to a prefill of it. A fresh
-    cache (a restarted app) is served turn 3 at least turn 2's whole prompt from the store."""
+    cache (a restarted app) is served turn 3 at least turn 2's whole prompt from the store. The
+    forward off the request path ran on a thread that outlives the learner (modelthread)."""
     from helpers import Proc, serving
 
-    def learner_of(lru) -> Learner:
-        learner = Learner(kv_home)
-        learner.add_target(KEY, LearnTarget(fingerprint=FP, model=str(hybrid_path),
-                                            model_obj=hybrid, extra={}))  # fmt: skip
-        lru.learner = learner
-        return learner
-
-    def turn(lru, prompt: list[int]) -> list[int]:
-        """One request as mlx-lm serves it: fetch, prefill the rest, 2 tokens, insert."""
-        cache, rest = lru.fetch_nearest_cache(KEY, prompt)
-        cache = cache if cache is not None else make_prompt_cache(hybrid)
-        served = len(prompt) - len(rest)
-        logits = hybrid(mx.array(rest)[None], cache=cache)
-        out = []
-        for _ in range(2):
-            out.append(int(mx.argmax(logits[0, -1]).item()) % 200 + 1)
-            logits = hybrid(mx.array([[out[-1]]]), cache=cache)
-        lru.insert_cache(KEY, prompt + out, cache)
-        return served, out
-
-    t1 = _tokens(300, seed=4)
+    spy = _Spy(hybrid)
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
         lru = PinnedPromptCache(max_size=4)
-        learner = learner_of(lru)
+        learner = _learner_of(lru, kv_home, spy, hybrid_path)
         try:
-            _, out1 = turn(lru, t1)
-            t2 = t1 + out1 + _tokens(40, seed=6)
-            cache, rest = lru.fetch_nearest_cache(KEY, t2)
-            assert rest == t2[-1:]  # split one short of the end: the rest is the last token
-            logits = hybrid(mx.array(rest)[None], cache=cache)
-            out2 = [int(mx.argmax(logits[0, -1]).item()) % 200 + 1]
-            hybrid(mx.array([out2]), cache=cache)
-            lru.insert_cache(KEY, t2 + out2, cache)
-            assert learner.drain(20.0)[1] == 0
-            assert learner.snapshots_sent == 1
+            t2, out2 = _two_turns(hybrid, lru, learner)
         finally:
             learner.close(timeout=5.0)
+        off_path = [t for t in spy.threads if t is not threading.main_thread()]
+        assert off_path and all(t.name == modelthread.NAME for t in off_path)
+        assert all(t.is_alive() for t in off_path)  # a closed learner ended no forward's thread
         with Store(kv_home, readonly=True) as ro:
             meta = ro.get_meta(entry_key(FP, t2))
             assert meta is not None, "no snapshot at turn 2's prompt end"
@@ -281,10 +310,54 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
             assert mx.allclose(a, b, atol=1e-4).item()
         # a restarted app: nothing in memory, the store is its cold tier
         fresh = PinnedPromptCache(max_size=4)
-        learner = learner_of(fresh)
+        learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
         try:
             t3 = t2 + out2 + _tokens(30, seed=8)
-            served, _ = turn(fresh, t3)
+            served, _ = _turn(hybrid, fresh, t3)
             assert served >= len(t2)
         finally:
             learner.close(timeout=5.0)
+
+
+CHATS_THEN_EXIT = """
+import sys
+from pathlib import Path
+from mlx_lm.utils import load_model
+from kvstore.client.persistent import PinnedPromptCache
+from tests.client.test_learn import _learner_of, _two_turns
+
+home, path = Path(sys.argv[1]), Path(sys.argv[2])
+model = load_model(path)[0]
+for i in range(3):
+    lru = PinnedPromptCache(max_size=4)
+    learner = _learner_of(lru, home, model, path)
+    _two_turns(model, lru, learner, seed=10 + 3 * i)
+    learner.close(timeout=5.0)
+    print("closed", i, flush=True)
+lru = PinnedPromptCache(max_size=4)
+learner = _learner_of(lru, home, model, path)
+_two_turns(model, lru, learner, seed=40)
+print("exiting", flush=True)  # the last learner is closed at exit (atexit), as an app's is
+"""
+
+
+def test_an_app_that_closes_learners_of_a_compiled_model_lives_and_exits_cleanly(
+    hybrid_path, kv_home, tmp_path
+):
+    """A real app's lifetime on the qwen3_5 layout (module-level mx.compile functions): learners
+    closed mid-process, the last one at interpreter exit. On mlx 0.31 a forward on the
+    write-behind's thread aborted the process when that thread exited (SIGABRT or SIGSEGV in
+    about half the closes: modelthread's docstring has the mlx issue)."""
+    import subprocess
+    import sys
+
+    from helpers import Proc, serving
+
+    repo = Path(__file__).resolve().parents[2]
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        p = subprocess.run(
+            [sys.executable, "-c", CHATS_THEN_EXIT, str(kv_home), str(hybrid_path)],
+            cwd=repo, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr[-3000:])
+    assert p.stdout.split() == ["closed", "0", "closed", "1", "closed", "2", "exiting"]

@@ -178,6 +178,9 @@ class Learning:
             keys = [fp + position_hash(fp, data, e, self.blocks.block, hashes) for _, e, _ in rows]
             with self._learn_lock:
                 self.policy.landed(keys)
+            uploader = self.upkeep.uploader  # type: ignore[attr-defined]  # fleet tier, or None
+            if uploader is not None and extra.get("origin") != "remote":  # pulled: there already
+                uploader.notify_records(keys)
             ntok = sum(e - s for s, e, _ in rows)
             if ntok:
                 self._bytes_per_token[fp] = sum(len(b) for *_, b in rows) / ntok

@@ -116,6 +116,8 @@ def status_cmd(as_json: bool, home: Path) -> None:
         objs = list(remote.objects())
         data.update(reachable=True, objects=len(objs), bytes=sum(o.size for o in objs))
         data["models"] = len({o.key[:FINGERPRINT_BYTES] for o in objs})
+        recs = list(remote.records())
+        data.update(records=len(recs), records_bytes=sum(o.size for o in recs))
         data["other_format_versions"] = remote.other_versions()
     except RemoteError as e:
         data["error"] = str(e)
@@ -133,10 +135,15 @@ def status_cmd(as_json: bool, home: Path) -> None:
     if data["reachable"]:
         click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
                    f"{counted(data['models'], 'model')}")  # fmt: skip
+        click.echo(f"learned        {counted(data['records'], 'record')} "
+                   f"({human_size(data['records_bytes'])})")  # fmt: skip
         for v in data["other_format_versions"]:
             click.echo(f"warning: objects of another format version ({v}) are ignored", err=True)
     q = data["queue"]
-    click.echo(f"queue          {q['queued']} waiting, {q['uploaded']} known uploaded")
+    click.echo(
+        f"queue          {q['queued']} waiting, {q['uploaded']} known uploaded; learned "
+        f"records {q['records_queued']} waiting, {q['records_uploaded']} known uploaded"
+    )
     for k, v in data["settings"].items():
         click.echo(f"  {k:22} {v}")
 

@@ -1,8 +1,9 @@
 """Learned block records on the fleet tier: `remote push` uploads each local record the remote
 lacks as its own object, `remote pull` fetches a model's records this box lacks, each verified
 in full (`kvstore.fleet.objects.verify_record`) before it is stored with `BlockStore.put_records`
-(through the daemon's `put_blocks` when one runs: it is the one writer). No write-behind queue:
-records move when the commands run.
+(through the daemon's `put_blocks` when one runs: it is the one writer). A daemon with [remote]
+uploading also sends each record its put_blocks stored, write-behind, through the upload queue
+(`kvstore.fleet.queue.upload_one_record`), as it does entries; pulls stay explicit.
 """
 
 from __future__ import annotations
@@ -31,22 +32,27 @@ def push_records(
     block = blocks.cut_at()
     counts = {"uploaded": 0, "exists": 0, "gone": 0}
     for meta in blocks.records():
-        if model is not None and meta.extra.get("model") != model:
-            continue
-        try:
-            chain = blocks.chain_to(meta.key)
-        except KVStoreError as e:
-            say(f"warning: {e}; not uploaded")
-            counts["gone"] += 1
-            continue
-        blobs = blocks.read_blobs(chain[-1:])
-        if not blobs:
-            say(f"warning: learned record {meta.key.hex()} is corrupt locally; not uploaded")
-            counts["gone"] += 1
-            continue
-        prefix = b"".join(m.tokens for m in chain[:-1])
-        counts[remote.upload_record(chain[-1], prefix, block, blobs[0])] += 1
+        if model is None or meta.extra.get("model") == model:
+            counts[upload_record(remote, blocks, meta.key, block, say)] += 1
     return counts
+
+
+def upload_record(
+    remote: Remote, blocks: BlockStore, key: bytes, block: int, say: Callable[[str], None]
+) -> str:
+    """Upload the record `key` with the tokens before it: "uploaded", "exists", or "gone" (missing,
+    corrupt or cut off from its chain here: `say` says which). `block`: the store's cut."""
+    try:
+        chain = blocks.chain_to(key)
+    except KVStoreError as e:
+        say(f"warning: {e}; not uploaded")
+        return "gone"
+    blobs = blocks.read_blobs(chain[-1:])
+    if not blobs:
+        say(f"warning: learned record {key.hex()} is corrupt locally; not uploaded")
+        return "gone"
+    prefix = b"".join(m.tokens for m in chain[:-1])
+    return remote.upload_record(chain[-1], prefix, block, blobs[0])
 
 
 def pull_records(

@@ -2,10 +2,12 @@
 (HOME/remote-queue, beside the store, so the store's format is untouched) and the worker thread
 that drains it.
 
-A local commit adds its key (Store.on_commit); the worker uploads it later, so a put never waits
-on the remote. The queue survives restarts; entries the store holds but the queue never saw (a
-CLI warm without a daemon, an import) are found by `sweep`. The same environment keeps the
-measured transfer rates the warm's cost rule reads.
+A local commit adds its key (Store.on_commit; the daemon's put_blocks for learned block records);
+the worker uploads it later, so a put never waits on the remote. Entries and records queue in
+tables of their own (`kind`). The queue survives restarts; what the store holds but the queue
+never saw (a CLI warm without a daemon, an import, records stored before [remote] was set) is
+found by `sweep`. The same environment keeps the measured transfer rates the warm's cost rule
+reads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import lmdb
 import msgpack
 
 from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
+from kvstore.fleet.blocks import upload_record
 from kvstore.fleet.objects import Remote
+from kvstore.store.blocks import BlockStore
 from kvstore.store.lmdbenv import ENVS, close_env, open_env
 from kvstore.store.store import Store
 
@@ -29,10 +33,12 @@ log = logging.getLogger("kvstore")
 QUEUE_DIR = "remote-queue"
 IDLE_SECONDS = 5.0  # how often an idle worker re-checks the queue without being woken
 RATE_WEIGHT = 0.5  # weight of the newest measurement in a rate's moving average
+KINDS = ("entry", "record")  # stored entries; learned block records (kvstore.fleet.blocks)
 
 
 class UploadQueue:
-    """Keys waiting for upload (`queue`), keys the remote has (`done`), measured rates (`rates`)."""
+    """Keys waiting for upload (`queue`), keys the remote has (`done`), measured rates (`rates`);
+    learned records' keys in `rqueue` and `rdone`."""
 
     def __init__(self, home: Path):
         self.path = Path(home) / QUEUE_DIR
@@ -42,9 +48,11 @@ class UploadQueue:
         except lmdb.Error as e:
             raise StoreError(f"{self.path}: cannot open the upload queue: {e}") from None
         self._gate = ENVS[str(self.path.resolve())][3]
-        self._queue = self.env.open_db(b"queue")
-        self._done = self.env.open_db(b"done")
         self._rates = self.env.open_db(b"rates")
+        self._tables = {
+            "entry": (self.env.open_db(b"queue"), self.env.open_db(b"done")),
+            "record": (self.env.open_db(b"rqueue"), self.env.open_db(b"rdone")),
+        }
 
     def close(self) -> None:
         if self.env is not None:
@@ -74,62 +82,77 @@ class UploadQueue:
 
     # -- the queue ----------------------------------------------------------------------------
 
-    def add(self, keys: list[bytes]) -> int:
+    def add(self, keys: list[bytes], kind: str = "entry") -> int:
         """Queue keys the remote is not known to have; returns how many were queued."""
         record = msgpack.packb({"queued": time.time(), "tries": 0, "error": None})
+        queue, done = self._tables[kind]
 
         def fn(txn):
             n = 0
             for k in keys:
-                if txn.get(k, db=self._done) is None:
-                    n += txn.put(k, record, db=self._queue, overwrite=False)
+                if txn.get(k, db=done) is None:
+                    n += txn.put(k, record, db=queue, overwrite=False)
             return n
 
         return self._write(fn)
 
-    def pending(self) -> list[bytes]:
-        return self._read(
-            lambda txn: [bytes(k) for k in txn.cursor(self._queue).iternext(values=False)]
-        )
+    def pending(self, kind: str = "entry") -> list[bytes]:
+        queue = self._tables[kind][0]
+        return self._read(lambda txn: [bytes(k) for k in txn.cursor(queue).iternext(values=False)])
 
-    def done(self, key: bytes, outcome: str) -> None:
+    def done(self, key: bytes, outcome: str, kind: str = "entry") -> None:
+        queue, done = self._tables[kind]
+
         def fn(txn):
-            txn.delete(key, db=self._queue)
-            txn.put(key, msgpack.packb({"at": time.time(), "outcome": outcome}), db=self._done)
+            txn.delete(key, db=queue)
+            txn.put(key, msgpack.packb({"at": time.time(), "outcome": outcome}), db=done)
 
         self._write(fn)
 
-    def drop(self, key: bytes) -> None:
+    def drop(self, key: bytes, kind: str = "entry") -> None:
         """A queued key the store no longer holds (evicted before it went up)."""
-        self._write(lambda txn: txn.delete(key, db=self._queue))
+        self._write(lambda txn: txn.delete(key, db=self._tables[kind][0]))
 
-    def failed(self, key: bytes, error: str) -> None:
+    def failed(self, key: bytes, error: str, kind: str = "entry") -> None:
+        queue = self._tables[kind][0]
+
         def fn(txn):
-            raw = txn.get(key, db=self._queue)
+            raw = txn.get(key, db=queue)
             rec = msgpack.unpackb(raw) if raw is not None else {"queued": time.time(), "tries": 0}
             rec.update(tries=rec.get("tries", 0) + 1, error=error)
-            txn.put(key, msgpack.packb(rec), db=self._queue)
+            txn.put(key, msgpack.packb(rec), db=queue)
 
         self._write(fn)
 
     def forget(self, keys: list[bytes]) -> None:
         """The remote no longer has these (gc deleted them): a box holding one uploads it again."""
-        self._write(lambda txn: [txn.delete(k, db=self._done) for k in keys])
+        dones = [done for _, done in self._tables.values()]
+        self._write(lambda txn: [txn.delete(k, db=d) for k in keys for d in dones])
 
-    def sweep(self, store: Store) -> int:
-        """Queue every stored entry neither queued nor known uploaded."""
-        known = set(self.pending()) | set(
-            self._read(
-                lambda txn: [bytes(k) for k in txn.cursor(self._done).iternext(values=False)]
-            )
-        )
-        return self.add([k for k in store.keys() if k not in known])
+    def sweep(self, store: Store, blocks: BlockStore | None = None) -> int:
+        """Queue every stored entry and learned record neither queued nor known uploaded.
+        `blocks`: the store's records, opened on the thread that writes it (opening their tables
+        from another thread takes LMDB's write lock outside the store's gate)."""
+        blocks = blocks if blocks is not None else BlockStore(store)
+        n = 0
+        for kind, keys in (("entry", store.keys()),
+                           ("record", [m.key for m in blocks.records()])):  # fmt: skip
+            known = set(self.pending(kind)) | set(self._done_keys(kind))
+            n += self.add([k for k in keys if k not in known], kind)
+        return n
+
+    def _done_keys(self, kind: str) -> list[bytes]:
+        done = self._tables[kind][1]
+        return self._read(lambda txn: [bytes(k) for k in txn.cursor(done).iternext(values=False)])
 
     def counts(self) -> dict[str, int]:
         def fn(txn):
+            (q, d), (rq, rd) = self._tables["entry"], self._tables["record"]
             return {
-                "queued": txn.stat(self._queue)["entries"],
-                "uploaded": txn.stat(self._done)["entries"],
+                "queued": txn.stat(q)["entries"],
+                "uploaded": txn.stat(d)["entries"],
+                "records_queued": txn.stat(rq)["entries"],
+                "records_uploaded": txn.stat(rd)["entries"],
             }
 
         return self._read(fn)
@@ -168,12 +191,26 @@ def upload_one(remote: Remote, store: Store, queue: UploadQueue, key: bytes) -> 
     return outcome
 
 
+def upload_one_record(remote: Remote, blocks: BlockStore, queue: UploadQueue, key: bytes) -> str:
+    """Upload one queued learned record, as `upload_one` an entry: "uploaded", "exists" or
+    "gone" (evicted, corrupt or cut off from its chain here: dropped from the queue). A
+    RemoteError leaves it queued."""
+    say = lambda text: log.warning("remote: %s", text)  # noqa: E731
+    outcome = upload_record(remote, blocks, key, blocks.cut_at(), say)
+    if outcome == "gone":
+        queue.drop(key, "record")
+    else:
+        queue.done(key, outcome, "record")
+    return outcome
+
+
 class Uploader(threading.Thread):
     """Drains the queue on a side thread (boto3 only: no mlx work here); stops between entries."""
 
     def __init__(self, remote: Remote, store: Store, queue: UploadQueue):
         super().__init__(name="kvstore-upload", daemon=True)
         self.remote, self.store, self.queue = remote, store, queue
+        self.blocks = BlockStore(store)  # its tables opened here, on the store's writing thread
         self.retry_interval = remote.settings.retry_interval
         self._stop_event = threading.Event()
         self._wake = threading.Event()
@@ -182,8 +219,12 @@ class Uploader(threading.Thread):
 
     def notify(self, meta: object = None) -> None:
         """Store.on_commit hook: queue the key (one small local write) and wake the worker."""
+        self.notify_records([meta.key] if meta is not None else [], kind="entry")
+
+    def notify_records(self, keys: list[bytes], kind: str = "record") -> None:
+        """Learned records committed (the daemon's put_blocks): queue them and wake the worker."""
         try:
-            self.queue.add([meta.key] if meta is not None else [])
+            self.queue.add(keys, kind)
         except KVStoreError as e:  # the local put committed; the sweep at next start catches up
             log.error("remote: %s", e)
         self._wake.set()
@@ -197,8 +238,9 @@ class Uploader(threading.Thread):
 
     def run(self) -> None:
         try:
-            if n := self.queue.sweep(self.store):
-                log.info("remote: queued %s not yet uploaded", counted(n, "stored entry"))
+            if n := self.queue.sweep(self.store, self.blocks):
+                log.info("remote: queued %s not yet uploaded",
+                         counted(n, "stored entry or learned record"))  # fmt: skip
         except KVStoreError as e:
             log.error("remote: sweep failed: %s", e)
         while not self._stop_event.is_set():
@@ -221,20 +263,23 @@ class Uploader(threading.Thread):
             self._wake.wait(IDLE_SECONDS)
 
     def _drain(self) -> None:
-        for key in self.queue.pending():
-            if self._stop_event.is_set():
-                return
-            try:
-                outcome = upload_one(self.remote, self.store, self.queue, key)
-            except RemoteError as e:
-                self.queue.failed(key, str(e))
-                raise
-            if self._cause is not None:
-                log.info("remote: reachable again; uploading the queue")
-                self._cause = None
-            if outcome != "gone":
-                self.uploaded += outcome == "uploaded"
-                log.info("remote: entry %s %s", key.hex(), outcome)
+        for kind, upload, where in (("entry", upload_one, self.store),
+                                    ("record", upload_one_record, self.blocks)):  # fmt: skip
+            for key in self.queue.pending(kind):
+                if self._stop_event.is_set():
+                    return
+                try:
+                    outcome = upload(self.remote, where, self.queue, key)
+                except RemoteError as e:
+                    self.queue.failed(key, str(e), kind)
+                    raise
+                if self._cause is not None:
+                    log.info("remote: reachable again; uploading the queue")
+                    self._cause = None
+                if outcome != "gone":
+                    self.uploaded += outcome == "uploaded"
+                    what = "entry" if kind == "entry" else "learned record"
+                    log.info("remote: %s %s %s", what, key.hex(), outcome)
 
 
 def start_uploader(remote: Remote, store: Store, home: Path) -> Uploader:

@@ -69,7 +69,12 @@ def test_server_killed_mid_upload_then_restarted(tmp_path, llama_path):
             worker.start()
             wait_for(lambda: not queue.pending(), what="the queue to drain")
             assert worker.stop()
-            assert queue.counts() == {"queued": 0, "uploaded": 2}
+            assert queue.counts() == {
+                "queued": 0,
+                "uploaded": 2,
+                "records_queued": 0,
+                "records_uploaded": 0,
+            }
             names = [o["Key"] for o in server.client().list_objects_v2(Bucket=BUCKET)["Contents"]]
             assert sorted(names) == sorted(object_name(rs, k) for k in keys)  # once each
             for k in keys:
@@ -238,11 +243,21 @@ def test_a_daemon_keeps_its_queue_while_the_remote_is_down_and_resumes_after_res
             d.wait_log("remote: upload paused")
         text = (tmp_path / "d1.log").read_text()
         assert text.count("upload paused") == 1  # one line per cause, not one per retry
-        assert queue_counts(home) == {"queued": 2, "uploaded": 0}
+        assert queue_counts(home) == {
+            "queued": 2,
+            "uploaded": 0,
+            "records_queued": 0,
+            "records_uploaded": 0,
+        }
         server.start()
         with serving(Proc(home, "--manifest", manifest, log=tmp_path / "d2.log")) as d:
             assert d.wait_warm()["present"] == 2
             wait_for(lambda: len(list(remote_of(home).objects())) == 2, what="the queue")
-        assert queue_counts(home) == {"queued": 0, "uploaded": 2}
+        assert queue_counts(home) == {
+            "queued": 0,
+            "uploaded": 2,
+            "records_queued": 0,
+            "records_uploaded": 0,
+        }
     finally:
         server.stop(signal.SIGKILL)

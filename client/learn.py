@@ -139,6 +139,7 @@ class _Restored:
     nbytes: int
     what: str  # "3 records", "entry 'classify'"
     keys: list[bytes] = field(default_factory=list)  # the records read: used now (touch_blocks)
+    prompt_end: bool = False  # a snapshot of a request's whole prompt (a chat turn's end)
 
 
 @dataclass
@@ -245,7 +246,8 @@ class ColdTier:
         except KeyError:  # evicted since the list was read
             self._metas.pop(target.fingerprint, None)
             return None
-        return _Restored(cache, len(t), meta.nbytes, f"entry {meta.label!r}")
+        return _Restored(cache, len(t), meta.nbytes, f"entry {meta.label!r}",
+                         prompt_end=meta.extra.get("prompt_end") is True)  # fmt: skip
 
 
 class Learner:
@@ -297,6 +299,8 @@ class Learner:
         if hit is None:
             return None
         lru.insert_restored(model, list(tokens[: hit.n]), hit.cache)
+        if hit.prompt_end:  # a turn's end before a restart: this turn's end is snapshotted too
+            self._note_end(model, tokens[: hit.n])
         if hit.keys and not self._no_touch:
             with self._lock:
                 self._touched.setdefault(target.fingerprint, []).extend(hit.keys)
@@ -594,9 +598,10 @@ class Learner:
             mx.eval([cache_api.state(c) for c in state])
 
         modelthread.call(forward)  # not on this worker: it exits (client/modelthread.py says why)
-        self._send_snapshot(client, target, prompt, state)
+        self._send_snapshot(client, target, prompt, state, prompt_end=True)
 
-    def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list) -> None:
+    def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list, *,
+                       prompt_end: bool = False) -> None:  # fmt: skip
         import mlx.core as mx
 
         from kvstore.codec import codec
@@ -616,7 +621,7 @@ class Learner:
             model=target.model,
             template_hash=target.template_hash,
             classes=codec.cache_classes(cache),
-            extra={**target.extra, "source": "learned", "learned": True},
+            extra={**target.extra, "source": "learned", "learned": True, "prompt_end": prompt_end},
         )
         client.put(entry_key(target.fingerprint, prefix), blob, fields)
         self.snapshots_sent += 1

@@ -283,7 +283,8 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
     """qwen3_5 chat of 3 turns, a real daemon: turn 2 extends turn 1's whole prompt, so its
     prefill stops one token short, and after the response the worker forwards that token on a
     copy: the store holds the state at turn 2's prompt end, equal to a prefill of it. A fresh
-    cache (a restarted app) is served turn 3 at least turn 2's whole prompt from the store. The
+    cache (a restarted app) is served turn 3 at least turn 2's whole prompt from the store, and
+    snapshots turn 3's end in turn (restored from a prompt end, it knows turn 3 extends one). The
     forward off the request path ran on a thread that outlives the learner (modelthread)."""
     from helpers import Proc, serving
 
@@ -315,8 +316,14 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
             t3 = t2 + out2 + _tokens(30, seed=8)
             served, _ = _turn(hybrid, fresh, t3)
             assert served >= len(t2)
+            # served from turn 2's end snapshot, so turn 3 extends a known end: its own end is
+            # snapshotted too, and a second restart loses no turn either
+            assert learner.drain(20.0)[1] == 0
+            assert learner.snapshots_sent == 1
         finally:
             learner.close(timeout=5.0)
+        with Store(kv_home, readonly=True) as ro:
+            assert ro.get_meta(entry_key(FP, t3)).extra["prompt_end"] is True
 
 
 CHATS_THEN_EXIT = """

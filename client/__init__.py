@@ -2,19 +2,17 @@
 model with its cache hydrated alongside), pin stage prefixes at runtime, and record every call's
 prefill cost.
 
-`from client import hydrate` stays light: the modules that pull in mlx_lm.server and friends
+`from kvstore.client import hydrate` stays light: the modules that pull in mlx_lm.server and friends
 (serve, parity, analyze) load on first use of one of their names.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from kvstore.client.hydrate import HydrateReport, hydrate
 
 # Imported eagerly: the function then shadows its submodule's name on the package for good.
 from kvstore.client.load import load  # noqa: E402  (light: mlx_lm is imported on the first call)
+from kvstore.lazy import lazy_exports
 
 # name -> module, imported on first access (module __getattr__, PEP 562)
 _LAZY = {
@@ -33,20 +31,8 @@ _LAZY = {
     "patched_server": "kvstore.client.serve.hooks",
 }
 # kvstore.client.serve.command.serve and kvstore.client.analyze.analyze are not re-exported: a
-# package attribute cannot be
-# both the submodule and the function of the same name.
+# package attribute cannot be both the submodule and the function of the same name.
 
 __all__ = ["HydrateReport", "hydrate", "load", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

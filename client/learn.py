@@ -272,7 +272,6 @@ class Learner:
         self._lock = threading.Lock()
         self._paused_said = False
         self._unsupported = False
-        self._stream: Any = None  # the worker thread's mlx stream
         # state layouts: recent inserts that were not a request's end (system segments)
         self._segments: deque[tuple[Any, tuple[int, ...], list]] = deque(maxlen=PENDING_PROMPTS)
         self.reported = 0  # learn requests the daemon answered
@@ -561,13 +560,10 @@ class Learner:
             self.records_sent += int(reply.get("stored", len(batch)))
             metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(reply.get("bytes", 0)))
 
-        import mlx.core as mx
-
-        for start, end in want:
+        for start, end in want:  # on the write-behind's thread and mlx stream
             if end > len(prompt):
                 continue
-            with mx.stream(self._worker_stream()):
-                blob = slice_record(cache, start, end)
+            blob = slice_record(cache, start, end)
             if batch and size + len(blob) > FRAME_BYTES:
                 send()
                 batch, size = [], 0
@@ -575,14 +571,6 @@ class Learner:
             size += len(blob)
         if batch:
             send()
-
-    def _worker_stream(self) -> Any:
-        """The worker's own mlx stream: streams belong to the thread that made them."""
-        import mlx.core as mx
-
-        if self._stream is None:
-            self._stream = mx.new_stream(mx.default_device())
-        return self._stream
 
     def _send_end_snapshot(self, client, target: LearnTarget, prompt: list, state: list,
                            last: int) -> None:  # fmt: skip
@@ -602,8 +590,6 @@ class Learner:
 
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list, *,
                        prompt_end: bool = False) -> None:  # fmt: skip
-        import mlx.core as mx
-
         from kvstore.codec import codec
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
         from kvstore.store.entry import entry_key, pack_tokens
@@ -612,8 +598,7 @@ class Learner:
             return
         if target.template_hash is None:
             target.template_hash = template_hash(resolve_model_path(target.model))
-        with mx.stream(self._worker_stream()):
-            blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
+        blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
         fields = dict(
             tokens=pack_tokens(prefix),
             label="learned",

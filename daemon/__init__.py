@@ -6,22 +6,10 @@ loads on first use of `Daemon` or `run`.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from kvstore.lazy import lazy_exports
 
 _LAZY = {"Daemon": "kvstore.daemon.server", "run": "kvstore.daemon.boot"}
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore.daemon' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

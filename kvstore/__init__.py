@@ -6,9 +6,6 @@ on first use, so the command line starts fast for commands that touch no model.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from kvstore.errors import (
     CodecError,
     CorruptEntryError,
@@ -19,6 +16,7 @@ from kvstore.errors import (
     ProtocolError,
     StoreError,
 )
+from kvstore.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -47,15 +45,4 @@ __all__ = [
     *_LAZY,
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

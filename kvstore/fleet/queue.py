@@ -33,7 +33,6 @@ log = logging.getLogger("kvstore")
 QUEUE_DIR = "remote-queue"
 IDLE_SECONDS = 5.0  # how often an idle worker re-checks the queue without being woken
 RATE_WEIGHT = 0.5  # weight of the newest measurement in a rate's moving average
-KINDS = ("entry", "record")  # stored entries; learned block records (kvstore.fleet.blocks)
 
 
 class UploadQueue:
@@ -219,10 +218,13 @@ class Uploader(threading.Thread):
 
     def notify(self, meta: object = None) -> None:
         """Store.on_commit hook: queue the key (one small local write) and wake the worker."""
-        self.notify_records([meta.key] if meta is not None else [], kind="entry")
+        self._queue_keys([meta.key] if meta is not None else [], "entry")
 
-    def notify_records(self, keys: list[bytes], kind: str = "record") -> None:
+    def notify_records(self, keys: list[bytes]) -> None:
         """Learned records committed (the daemon's put_blocks): queue them and wake the worker."""
+        self._queue_keys(keys, "record")
+
+    def _queue_keys(self, keys: list[bytes], kind: str) -> None:
         try:
             self.queue.add(keys, kind)
         except KVStoreError as e:  # the local put committed; the sweep at next start catches up

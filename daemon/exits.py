@@ -52,6 +52,14 @@ EXITS: dict[str, ExitRule] = {
         False,
         "fix what the one log line names, then `kvstore service install` again",
     ),
+    "store_damaged": ExitRule(
+        78,  # EX_CONFIG, as "config": a restart finds the same file
+        "the store file is damaged: shorter than its LMDB header says (a copy or restore cut "
+        "short) or no LMDB file; it is kept as it is, not replaced",
+        False,
+        "restore data.mdb from a backup, or move it aside as the one log line says: the next "
+        "start makes a fresh store and warms the manifests' pins; apps prefill as usual meanwhile",
+    ),
     "manifest_missing": ExitRule(
         None,
         "the --manifest file is missing (moved, on an unmounted volume, mid-checkout)",

@@ -7,10 +7,12 @@ import errno
 import os
 import resource
 import shutil
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import lmdb
 
@@ -67,6 +69,83 @@ ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly, gate]
 os.register_at_fork(after_in_child=ENVS.clear)
 
 
+# LMDB's file header (mdb.c): each of the first two pages is a 16-byte page header (flags at
+# byte 10, P_META) and an MDB_meta: magic, version, address, map size, the free and main MDB_db
+# (48 bytes each on 64-bit; the free one's md_pad holds the page size), last page, txnid.
+_PAGE_HEADER = struct.Struct("=8xHHHH")  # mp_pgno, mp_pad, mp_flags, mp_lower, mp_upper
+_META = struct.Struct("=IIQQIHH40s48sQQ")
+_P_META = 0x08
+_MDB_MAGIC = 0xBEEFC0DE
+_MDB_DATA_VERSION = 1
+
+
+class MetaPage(NamedTuple):
+    page_size: int
+    last_pg: int
+    txnid: int
+
+
+def read_meta_page(f, offset: int) -> MetaPage | None:
+    """One LMDB meta page read with a plain read (never mapped), or None where the bytes are no
+    valid meta page (LMDB's own open then says what is wrong)."""
+    f.seek(offset)
+    raw = f.read(_PAGE_HEADER.size + _META.size)
+    if len(raw) < _PAGE_HEADER.size + _META.size:
+        return None
+    _, flags, _, _ = _PAGE_HEADER.unpack_from(raw)
+    magic, version, _, _, psize, _, _, _, _, last_pg, txnid = _META.unpack_from(
+        raw, _PAGE_HEADER.size
+    )
+    if not flags & _P_META or magic != _MDB_MAGIC or version != _MDB_DATA_VERSION:
+        return None
+    if psize < 512 or psize & (psize - 1):  # LMDB's pages are powers of two
+        return None
+    return MetaPage(psize, last_pg, txnid)
+
+
+def damaged_hint(data: Path) -> str:
+    """What to do about a damaged store file: said by every refusal of one."""
+    return (
+        f"restore it from a backup, or move it aside (`mv {data} {data}.damaged`) and the next "
+        "`kvstore warm` or daemon start makes a fresh store"
+    )
+
+
+def check_file_length(path: Path) -> None:
+    """Refuse a data.mdb shorter than the pages its newer meta page says it has: mapped, the
+    first read past its end is a SIGBUS that kills the process (a copy or restore cut short, a
+    sync tool, a disk full during a backup). Bytes that are no LMDB file are left to LMDB's open,
+    which refuses them with MDB_INVALID. Plain reads of two meta pages: a few hundred bytes."""
+    data = path / "data.mdb"
+    try:
+        with open(data, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:  # a new file: LMDB initialises it (read-only, it refuses it)
+                return
+            first = read_meta_page(f, 0)
+            second = read_meta_page(f, first.page_size) if first else None
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return  # nothing to map yet, or no file: LMDB's open says so
+    except OSError as e:
+        raise StoreError(
+            f"{data}: cannot read the store file: {e.strerror or e}", errno=e.errno
+        ) from None
+    if first is None:
+        return
+    if second is None:
+        if size >= 2 * first.page_size:
+            return  # the second page is no meta page: LMDB refuses the file as invalid
+        meta = first._replace(last_pg=max(first.last_pg, 1))
+    else:
+        meta = max(first, second, key=lambda m: m.txnid)  # the one LMDB opens
+    need = (meta.last_pg + 1) * meta.page_size
+    if size < need:
+        raise StoreError(
+            f"{data}: the store file is damaged (truncated): {size} bytes where its LMDB header "
+            f"says {need} ({meta.last_pg + 1} pages of {meta.page_size}); {damaged_hint(data)}"
+        )
+
+
 def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> lmdb.Environment:
     key = str(path.resolve())
     held = ENVS.get(key)
@@ -75,6 +154,7 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
             raise StoreError(f"{path}: already open read-only in this process; close it first")
         held[1] += 1
         return held[0]
+    check_file_length(path)  # before the map: a short file would be a SIGBUS, not an error
     env = lmdb.open(
         key,
         map_size=map_size,

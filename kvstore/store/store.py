@@ -33,7 +33,14 @@ from kvstore.store.entry import (
     tokens_match_key,
     with_model_location,
 )
-from kvstore.store.lmdbenv import ENVS, close_env, lmdb_errno, open_env, space_hint
+from kvstore.store.lmdbenv import (
+    ENVS,
+    close_env,
+    damaged_hint,
+    lmdb_errno,
+    open_env,
+    space_hint,
+)
 
 
 class Store:
@@ -70,6 +77,12 @@ class Store:
             self._gate = ENVS[str(self.path.resolve())][3]
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
+        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError) as e:
+            raise StoreError(  # bytes that are no LMDB store of this version: a damaged file
+                f"{self.path}: cannot open the LMDB store: {e}; "
+                f"{damaged_hint(self.path / 'data.mdb')}",
+                errno=lmdb_errno(e),
+            ) from None
         except lmdb.Error as e:
             raise StoreError(
                 f"{self.path}: cannot open the LMDB store: {e}", errno=lmdb_errno(e)

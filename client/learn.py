@@ -142,6 +142,9 @@ class _Restored:
     prompt_end: bool = False  # a snapshot of a request's whole prompt (a chat turn's end)
 
 
+SAID_CORRUPT: set[bytes] = set()  # learned records this process said are corrupt (once each)
+
+
 @dataclass
 class ColdTier:
     """The store as the second tier of an LRU: one read-only Store per process, opened lazily."""
@@ -204,18 +207,16 @@ class ColdTier:
     def _from_records(self, target: LearnTarget, tokens: Sequence[int], served: int):
         from kvstore.codec.blocks import assemble
 
-        chain = self._blocks.lookup(target.fingerprint, tokens)
+        corrupt: list = []  # CorruptEntryError of records the lookup or the read passed over
+        chain = self._blocks.lookup(target.fingerprint, tokens, corrupt=corrupt)
         n = min(self._blocks.served(chain, tokens), len(tokens) - 1)
         if n - served < RESTORE_MIN_GAIN:
+            self._say_corrupt(corrupt, target, chain)
             return None
         chain = [m for m in chain if m.start < n]
-        blobs = self._blocks.read_blobs(chain)
+        blobs = self._blocks.read_blobs(chain, corrupt=corrupt)
+        self._say_corrupt(corrupt, target, chain)
         if len(blobs) < len(chain):  # a corrupt or vanished record: serve the ones before it
-            log.warning(
-                "kvstore: learned record at tokens %d-%d of %s is unreadable; serving the %d "
-                "before it", chain[len(blobs)].start, chain[len(blobs)].end, target.model,
-                chain[len(blobs)].start,
-            )  # fmt: skip
             chain = chain[: len(blobs)]
             if not chain:
                 return None
@@ -225,6 +226,21 @@ class ColdTier:
         cache = assemble(blobs, chain, n, target.template())
         return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records",
                          [m.key for m in chain])  # fmt: skip
+
+    def _say_corrupt(self, corrupt: list, target: LearnTarget, chain: list) -> None:
+        """Once per record per process: a corrupt learned record ends a chain (the tokens after
+        it are prefilled); `kvstore verify --repair` drops it."""
+        for e in corrupt:
+            if e.key in SAID_CORRUPT:
+                continue
+            SAID_CORRUPT.add(e.key)
+            at = next((m for m in chain if m.key == e.key), None)
+            log.warning(
+                "kvstore: learned record %s%s of %s is corrupt (%s); its chain is served up to "
+                "it and the rest prefilled (`kvstore verify --repair` drops it)", e.key.hex(),
+                f" at tokens {at.start}-{at.end}" if at is not None else "", target.model,
+                e.reason,
+            )  # fmt: skip
 
     def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
         now = time.monotonic()

@@ -284,17 +284,22 @@ class Commands:
         return self.write("evict", job)
 
     def cmd_repair(self, args: dict, conn: Connection) -> dict[str, Any]:
-        """`kvstore verify --repair`: check every entry and delete the bad ones, as one writer
-        job (it decodes, so it runs on the main thread too)."""
+        """`kvstore verify --repair`: check every entry and learned record and delete the bad
+        ones, as one writer job (it decodes, so it runs on the main thread too)."""
 
         def job():
             entries = len(self.store.keys())
             problems = self.store.check(repair=True)
             for p in problems:
                 log.warning("repair: deleted entry %s: %s", p.key.hex(), p.reason)
+            records, bad = self.upkeep.blocks.check(repair=True)
+            for p in bad:
+                log.warning("repair: deleted learned record %s: %s", p.key.hex(), p.reason)
             return {
                 "entries": entries,
                 "problems": [{"key": p.key, "reason": p.reason} for p in problems],
+                "records": records,
+                "record_problems": [{"key": p.key, "reason": p.reason} for p in bad],
             }
 
         return self.write("repair", job)

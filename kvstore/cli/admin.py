@@ -391,7 +391,7 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
 
 
 @click.command()
-@click.option("--repair", is_flag=True, help="Delete the entries that fail.")
+@click.option("--repair", is_flag=True, help="Delete the entries and learned records that fail.")
 @click.option(
     "--deep",
     is_flag=True,
@@ -410,7 +410,8 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
 @home_option
 @user_errors
 def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) -> None:
-    """Check every entry: meta, checksum, and a full decode. Exits 1 naming each bad entry.
+    """Check every entry (meta, checksum, a full decode) and learned record (meta, checksum,
+    header, chain links). Exits 1 naming each bad one.
 
     Checking reads the store directly. With --repair the deletions are writes: with a daemon
     running it does the repair (it is the one writer), else this process does.
@@ -428,7 +429,11 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
             res = client.call("repair", timeout=None)
         n = res["entries"]
         problems = [(bytes(p["key"]).hex(), p["reason"]) for p in res["problems"]]
+        records = res.get("records", 0)  # an older daemon checks entries only
+        bad_records = [(bytes(p["key"]).hex(), p["reason"]) for p in res.get("record_problems", [])]
     else:
+        from kvstore.store.blocks import BlockStore
+
         with open_store(home, write=repair) as store:
             n = len(store.keys())
             bar = (
@@ -437,16 +442,25 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
                 else None
             )
             problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
+            records, found = BlockStore(store).check(repair=repair)
+            bad_records = [(p.key.hex(), p.reason) for p in found]
     for key, reason in problems:
         click.echo(f"bad entry {key}: {reason}")
+    for key, reason in bad_records:
+        click.echo(f"bad learned record {key}: {reason}")
     _report_trusted(home, deep)
     differs = _deep(home, manifests, repair=repair) if deep else 0
     entries_differ = _deep_entries(home, repair=repair) if deep else 0
-    if problems or differs or entries_differ:
+    if problems or bad_records or differs or entries_differ:
         what = []
         if problems:
             failed = f"{counted(len(problems), 'entry')} of {n} failed"
             what.append(failed + (" (deleted)" * repair))
+        if bad_records:
+            failed = f"{counted(len(bad_records), 'learned record')} of {records} failed"
+            what.append(
+                failed + (" (deleted)" if repair else "; `kvstore verify --repair` drops them")
+            )
         if differs:
             what.append(
                 f"{counted(differs, 'model')} computed other KV than stored"
@@ -458,7 +472,9 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
                 + (" (deleted)" * repair)
             )
         raise click.ClickException("; ".join(what))
-    click.echo(f"{counted(n, 'entry')} ok")
+    click.echo(
+        f"{counted(n, 'entry')} ok" + (f", {counted(records, 'learned record')} ok" * bool(records))
+    )
 
 
 def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:

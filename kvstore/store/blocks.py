@@ -138,12 +138,14 @@ class BlockStore:
         raw = txn.get(key, db=self._db(b"bstat"))
         return _U64.unpack(bytes(raw))[0] if raw is not None and len(raw) == 8 else 0
 
-    def _get_meta(self, txn, key: bytes) -> BlockMeta | None:
+    def _unpack_meta(self, txn, key: bytes) -> BlockMeta | None:
+        """The record's meta, None if there is none; CorruptEntryError if it is unreadable."""
         raw = txn.get(key, db=self._db(b"bmeta"))
-        if raw is None:
-            return None
+        return None if raw is None else BlockMeta.unpack(key, bytes(raw))
+
+    def _get_meta(self, txn, key: bytes) -> BlockMeta | None:
         try:
-            return BlockMeta.unpack(key, bytes(raw))
+            return self._unpack_meta(txn, key)
         except CorruptEntryError:
             return None
 
@@ -159,10 +161,17 @@ class BlockStore:
                 out.append(k[:FINGERPRINT_BYTES] + k[len(parent) :])
         return out
 
-    def lookup(self, fingerprint: bytes, tokens: Sequence[int] | bytes) -> list[BlockMeta]:
+    def lookup(
+        self,
+        fingerprint: bytes,
+        tokens: Sequence[int] | bytes,
+        *,
+        corrupt: list[CorruptEntryError] | None = None,
+    ) -> list[BlockMeta]:
         """The longest chain of stored records that prefixes `tokens`, from position 0. The last
         record may match only partly (the request diverges inside it; its `end` is unchanged):
-        the caller serves p + common_tokens of it. Stops at a missing or unreadable record."""
+        the caller serves p + common_tokens of it. Stops at a missing or unreadable record; the
+        unreadable ones passed on the way are appended to `corrupt`, if given."""
         if not self._open():
             return []
         data = packed(tokens)
@@ -176,11 +185,18 @@ class BlockStore:
             while p < n:
                 full, partial, best = None, None, 0
                 for key in self._kids(txn, fingerprint + hp):
-                    meta = self._get_meta(txn, key)
+                    try:
+                        meta = self._unpack_meta(txn, key)
+                    except CorruptEntryError as e:
+                        if corrupt is not None:
+                            corrupt.append(e)
+                        continue
                     if meta is None or meta.start != p:
                         continue
                     blob = txn.get(key, db=blobs)
                     if blob is None or len(blob) != meta.nbytes:
+                        if blob is not None and corrupt is not None:
+                            corrupt.append(CorruptEntryError(key, _truncated(meta, len(blob))))
                         continue  # missing or truncated: never served
                     if meta.end <= n and (full is None or meta.end > full.end):
                         if meta.tokens == data[4 * p : 4 * meta.end] and key[
@@ -220,11 +236,12 @@ class BlockStore:
         last = chain[-1]
         return last.start + common_tokens(last.tokens, packed(tokens)[4 * last.start :])
 
-    def read_blobs(self, metas: list[BlockMeta]) -> list[bytes]:
+    def read_blobs(
+        self, metas: list[BlockMeta], *, corrupt: list[CorruptEntryError] | None = None
+    ) -> list[bytes]:
         """Checksummed copies of the records' blobs, in one read transaction. A missing or
-        corrupt record ends the list: the caller serves the records before it."""
-        from kvstore.store.entry import blob_checksum
-
+        corrupt record ends the list: the caller serves the records before it. A corrupt one
+        (not one evicted since the lookup) is appended to `corrupt`, if given."""
         if not metas or not self._open():
             return []
 
@@ -232,7 +249,12 @@ class BlockStore:
             out = []
             for m in metas:
                 blob = txn.get(m.key, db=self._db(b"bblob"))
-                if blob is None or len(blob) != m.nbytes or blob_checksum(blob) != m.checksum:
+                if blob is None:
+                    break
+                why = _blob_problem(m, blob)
+                if why is not None:
+                    if corrupt is not None:
+                        corrupt.append(CorruptEntryError(m.key, why))
                     break
                 out.append(bytes(blob))
             return out
@@ -350,6 +372,103 @@ class BlockStore:
             }
 
         return self.store._read(fn)
+
+    def check(self, *, repair: bool = False) -> tuple[int, list[CorruptEntryError]]:
+        """Verify every learned record: its meta (seal, token count), its blob (length, checksum,
+        header) and its chain links (a `kids` row from the record it follows, its tokens hashing
+        to its key from position 0). A record no chain from position 0 reaches through good
+        records can never be served: it is named too. Returns (records, problems); `repair`
+        deletes the bad records and the links to them, in one write transaction."""
+        if not self._open():
+            return 0, []
+        from kvstore.codec.blocks import inspect
+        from kvstore.errors import CodecError
+
+        problems: dict[bytes, str] = {}
+
+        def scan(txn):
+            problems.clear()  # a read retried after a map resize starts over
+            metas: dict[bytes, BlockMeta] = {}
+            rows = 0
+            for k, v in txn.cursor(self._db(b"bmeta")):
+                rows += 1
+                k = bytes(k)
+                try:
+                    metas[k] = BlockMeta.unpack(k, bytes(v))
+                except CorruptEntryError as e:
+                    problems[k] = e.reason
+            blob_keys = set()
+            for k, blob in txn.cursor(self._db(b"bblob")):
+                k = bytes(k)
+                blob_keys.add(k)
+                m = metas.get(k)
+                if m is None:
+                    if k not in problems:
+                        problems[k] = "record blob without meta"
+                    continue
+                why = _blob_problem(m, blob)
+                if why is None:
+                    try:
+                        inspect(bytes(blob), m.ntokens, name="record blob")
+                    except CodecError as e:
+                        why = str(e)
+                if why is not None:
+                    problems[k] = why
+            for k in metas.keys() - blob_keys:
+                problems[k] = "record meta without blob"
+            links = [bytes(k) for k in txn.cursor(self._db(b"kids")).iternext(values=False)]
+            return metas, rows, links, self._stat_int(txn, BLOCK_TOKENS) or self.block
+
+        metas, rows, links, block = self.store._read(scan, buffers=True)
+        children: dict[bytes, list[bytes]] = {}  # fingerprint + H(start) -> record keys
+        for link in links:
+            child = link[:FINGERPRINT_BYTES] + link[2 * 16 :]
+            children.setdefault(link[: 2 * 16], []).append(child)
+            if child not in metas and child not in problems:
+                problems[child] = "a chain link to a record that is not stored"
+        reached: set[bytes] = set()
+        for fp in {k[:FINGERPRINT_BYTES] for k in metas}:
+            todo = [(fp + chain_hashes(fp, b"", block)[0], 0, b"")]
+            while todo:  # depth first from position 0, through good records only
+                parent, at, data = todo.pop()
+                for child in children.get(parent, []):
+                    m = metas.get(child)
+                    if m is None or child in problems or child in reached:
+                        continue
+                    if m.start != at:
+                        problems[child] = (
+                            f"record [{m.start}, {m.end}) is linked after position {at}"
+                        )
+                        continue
+                    grown = data + m.tokens
+                    if child[FINGERPRINT_BYTES:] != position_hash(fp, grown, m.end, block):
+                        problems[child] = "its tokens do not hash to its key"
+                        continue
+                    reached.add(child)
+                    todo.append((child, m.end, grown))
+        for k, m in metas.items():
+            if k not in problems and k not in reached:
+                problems[k] = (
+                    f"record [{m.start}, {m.end}) cannot be served: no chain of good records "
+                    "from position 0 reaches it"
+                )
+        out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
+        if repair and out:
+
+            def fn(txn) -> None:
+                freed = 0
+                for k in problems:
+                    meta, raw = self._get_meta(txn, k), txn.get(k, db=self._db(b"bblob"))
+                    freed += meta.nbytes if meta is not None else len(raw or b"")
+                    txn.delete(k, db=self._db(b"bmeta"))
+                    txn.delete(k, db=self._db(b"bblob"))
+                for link in links:  # the links to a dropped record (those from it go with it)
+                    if link[:FINGERPRINT_BYTES] + link[2 * 16 :] in problems:
+                        txn.delete(link, db=self._db(b"kids"))
+                self._add(txn, LEARNED_BYTES, -freed)
+
+            self.store._write(fn)
+        return rows, out
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -588,3 +707,18 @@ def learned_summary(
 def is_snapshot(meta: Any) -> bool:
     """A learned whole-cache entry (a state layout's boundary): unpinned, extra.learned."""
     return not meta.pinned and meta.extra.get("learned") is True
+
+
+def _truncated(meta: BlockMeta, got: int) -> str:
+    return f"record blob is {got} bytes, its meta says {meta.nbytes}"
+
+
+def _blob_problem(meta: BlockMeta, blob) -> str | None:
+    """Why a record's blob is not what its meta says (None: it is)."""
+    from kvstore.store.entry import blob_checksum
+
+    if len(blob) != meta.nbytes:
+        return _truncated(meta, len(blob))
+    if blob_checksum(blob) != meta.checksum:
+        return "record blob checksum mismatch (it was altered)"
+    return None

@@ -93,6 +93,34 @@ def test_a_miss_is_restored_from_block_records_up_to_the_divergence(llama, kv_ho
     assert mx.allclose(llama(nxt, cache=cache2), llama(nxt, cache=ref)).item()
 
 
+def test_a_corrupt_record_ends_the_chain_with_one_warning_per_process(
+    llama, kv_home, learner_for, caplog
+):
+    """A learned record whose bytes were flipped is never served: the chain stops before it, the
+    rest is prefilled, and the process says so once (naming the record), not on every request."""
+    tokens = _tokens(600, seed=11)
+    full = mlx_lm_prefill(llama, tokens)
+    with Store(kv_home) as store:
+        blocks = BlockStore(store)
+        blocks.put_records(FP, tokens, [(s, e, slice_record(full, s, e)) for s, e in cuts(0, 600)],
+                           label="learned")  # fmt: skip
+        bad = blocks.lookup(FP, tokens)[1].key  # [256, 512)
+        blob = bytearray(store._read(lambda t: bytes(t.get(bad, db=blocks._db(b"bblob")))))
+        blob[len(blob) // 2] ^= 0x40
+        store._write(lambda t: t.put(bad, bytes(blob), db=blocks._db(b"bblob")))
+    request = tokens + [3, 4]
+    with caplog.at_level("WARNING", logger="kvstore.client"):
+        for _ in range(2):  # two apps' caches in one process: a new cold tier each
+            lru = PinnedPromptCache(max_size=1)
+            learner_for(llama, lru)
+            cache, rest = lru.fetch_nearest_cache(KEY, request)
+            assert rest == request[256:]
+            assert_same_kv(cache, mlx_lm_prefill(llama, tokens[:256]))
+    said = [r.getMessage() for r in caplog.records if "is corrupt" in r.getMessage()]
+    assert len(said) == 1, said
+    assert bad.hex() in said[0] and "tokens 256-512" in said[0] and "verify --repair" in said[0]
+
+
 def test_an_evicted_pin_is_restored_from_its_stored_entry(llama, kv_home, learner_for):
     pin = _tokens(300, seed=5)
     with Store(kv_home) as store:

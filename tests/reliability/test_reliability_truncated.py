@@ -146,6 +146,7 @@ def _one_line(name: str, out: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_every_entry_point_says_one_line_on_a_truncated_store(tmp_path, stored, llama_path):
     """The app's three ways in warn once and prefill; ls, stats, verify and evict exit 1 with one
     line; the daemon refuses with the config status and keeps the file; serve comes up and

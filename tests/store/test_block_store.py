@@ -105,3 +105,48 @@ def test_learned_lru_evicts_leaves_oldest_first_never_pinned(tmp_path):
         s = learned_summary(blocks, store.metas(), {"learned_max_bytes": 10})
         assert s["records"] == 3 and s["budget"] == 10 and s["written_today"] > 0
         assert blocks.written_today(today()) == s["written_today"]
+
+
+def _flip(store, blocks, key: bytes, db: bytes, at: int = -5) -> None:
+    raw = bytearray(store._read(lambda t: bytes(t.get(key, db=blocks._db(db)))))
+    raw[at] ^= 0xFF
+    store._write(lambda t: t.put(key, bytes(raw), db=blocks._db(db)))
+
+
+def test_check_names_bad_records_and_what_they_cut_off_and_repair_drops_them(tmp_path):
+    """A flipped blob (checksum), a flipped meta (its seal), a truncated blob, a lost chain link:
+    each is named, with the records that follow it (no chain from position 0 reaches them); a
+    healthy chain is not; repair drops exactly those and their bytes leave the learned count."""
+    a, b = list(range(1, 801)), [9000 + i for i in range(600)]
+    c, d = [7000 + i for i in range(300)], [5000 + i for i in range(100)]
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        for toks in (a, b, c, d):
+            blocks.put_records(FP, toks, records(kv(len(toks)), 0, len(toks)), label="x")
+        ca, cb, cc, cd = (blocks.lookup(FP, t) for t in (a, b, c, d))
+        assert [len(ca), len(cb), len(cc), len(cd)] == [4, 3, 2, 1]
+        assert blocks.check() == (10, [])
+        _flip(store, blocks, ca[1].key, b"bblob")  # a's [256, 512): a bit flip in its KV
+        _flip(store, blocks, cb[0].key, b"bmeta", at=20)  # b's first record's meta
+        blob = store._read(lambda t: bytes(t.get(cb[2].key, db=blocks._db(b"bblob"))))
+        store._write(lambda t: t.put(cb[2].key, blob[:-8], db=blocks._db(b"bblob")))
+        link = cc[0].key + cc[1].key[16:]  # c: the link from its first record to its second
+        store._write(lambda t: t.delete(link, db=blocks._db(b"kids")))
+        total, problems = blocks.check()
+        assert total == 10
+        reasons = {p.key: p.reason for p in problems}
+        assert "checksum mismatch" in reasons[ca[1].key]
+        assert "cannot be served" in reasons[ca[2].key] and "cannot be served" in reasons[ca[3].key]
+        assert "record meta" in reasons[cb[0].key]
+        assert "cannot be served" in reasons[cb[1].key]
+        assert f"{len(blob) - 8} bytes" in reasons[cb[2].key]
+        assert "cannot be served" in reasons[cc[1].key]
+        assert set(reasons) == {*[m.key for m in ca[1:]], *[m.key for m in cb], cc[1].key}
+        kept = {ca[0].key, cc[0].key, cd[0].key}  # before the bad ones, and the healthy chain
+        total, again = blocks.check(repair=True)
+        assert total == 10 and {p.key: p.reason for p in again} == reasons
+        assert blocks.check() == (3, [])
+        assert {m.key for m in blocks.records()} == kept
+        assert blocks.learned_bytes() == sum(m.nbytes for m in blocks.records())
+        assert [m.end for m in blocks.lookup(FP, a)] == [256]
+        assert blocks.stats()["chains"] == 3

@@ -1,0 +1,73 @@
+"""`kvstore verify` checks learned block records too: with their bytes flipped it names each one
+and exits 1; `--repair` drops them (through the daemon when one holds the home) and what is left
+verifies clean."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from helpers import Proc, cli, serving
+from mlx_lm.models.cache import KVCache
+
+from kvstore.codec.blocks import slice_record
+from kvstore.store.blocks import BlockStore
+from kvstore.store.chain import cuts
+from kvstore.store.store import Store
+
+FP = bytes(range(16))
+
+
+def _learned(home, chains: int = 3) -> list[bytes]:
+    """`chains` chains of 300 tokens (two records each) with every record's blob flipped;
+    returns the records' keys."""
+    keys = []
+    with Store(home) as store:
+        blocks = BlockStore(store)
+        for i in range(chains):
+            tokens = [1000 * (i + 1) + t for t in range(300)]
+            c = KVCache()
+            x = mx.arange(300 * 8, dtype=mx.float32).reshape(1, 1, 300, 8)
+            c.update_and_fetch(x, -x)
+            records = [(s, e, slice_record([c], s, e)) for s, e in cuts(0, 300)]
+            blocks.put_records(FP, tokens, records, label=f"chain{i}")
+        for m in blocks.records():
+            raw = bytearray(
+                store._read(lambda t, k=m.key: bytes(t.get(k, db=blocks._db(b"bblob"))))
+            )
+            raw[len(raw) // 2] ^= 0x01
+            store._write(lambda t, k=m.key, v=bytes(raw): t.put(k, v, db=blocks._db(b"bblob")))
+            keys.append(m.key)
+    return keys
+
+
+def _left(home) -> int:
+    with Store(home, readonly=True) as store:
+        blocks = BlockStore(store)
+        return len(blocks.records()) + blocks.learned_bytes()
+
+
+def test_verify_names_flipped_learned_records_and_repair_drops_them(kv_home):
+    keys = _learned(kv_home)
+    result = cli("verify", "--home", kv_home)
+    assert result.exit_code == 1, result.output
+    for k in keys:
+        assert f"bad learned record {k.hex()}: record blob checksum mismatch" in result.output
+    assert "6 learned records of 6 failed; `kvstore verify --repair` drops them" in result.output
+    assert _left(kv_home) > 0  # checking alone changes nothing
+    result = cli("verify", "--repair", "--home", kv_home)
+    assert result.exit_code == 1 and "6 learned records of 6 failed (deleted)" in result.output
+    assert _left(kv_home) == 0  # gone, and out of the learned budget's count
+    assert cli("verify", "--home", kv_home, code=0).output.strip() == "0 entries ok"
+
+
+@pytest.mark.slow
+def test_verify_repair_drops_learned_records_through_the_daemon(kv_home, tmp_path):
+    keys = _learned(kv_home, chains=2)
+    with serving(Proc(kv_home, log=tmp_path / "d.log"), warm=False) as d:
+        result = cli("verify", "--repair", "--home", kv_home)
+        assert result.exit_code == 1 and "4 learned records of 4 failed (deleted)" in result.output
+        for k in keys:
+            assert f"bad learned record {k.hex()}" in result.output
+            assert f"repair: deleted learned record {k.hex()}" in d.text()
+        assert d.request("stats")["learned"]["records"] == 0
+    assert _left(kv_home) == 0

@@ -215,3 +215,50 @@ def test_a_hybrid_model_learns_a_snapshot_at_the_shared_boundary(
         assert _cached(first) >= 0.99 * shared, log.read_text()
     finally:
         s.stop()
+
+
+def test_serve_says_once_that_a_corrupt_learned_record_ends_its_chain(
+    llama_path, kv_home, tmp_path, daemon
+):
+    """Every learned record's bytes flipped behind the daemon's back: a restarted server serves
+    none of them, prefills and says so once per record; `verify` names them and `verify --repair`
+    drops them through the daemon, so they leave the learned budget's count."""
+    from helpers import cli
+
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.store import Store
+
+    log = tmp_path / "serve.log"
+    s = Serve(kv_home, llama_path, log)
+    try:
+        s.wait_ready()
+        s.chat("My invoice was charged twice.")
+        s.chat("Where is my parcel?")
+        _wait_learned(daemon)
+    finally:
+        assert s.stop() == 0, log.read_text()
+    with Store(kv_home) as store:  # another process writing: LMDB's own lock orders it
+        blocks = BlockStore(store)
+        keys = [m.key for m in blocks.records()]
+        for k in keys:
+            raw = bytearray(store._read(lambda t, k=k: bytes(t.get(k, db=blocks._db(b"bblob")))))
+            raw[len(raw) // 2] ^= 0x01
+            store._write(lambda t, k=k, v=bytes(raw): t.put(k, v, db=blocks._db(b"bblob")))
+    assert keys
+    log = tmp_path / "serve2.log"
+    s = Serve(kv_home, llama_path, log)
+    try:
+        s.wait_ready()
+        assert _cached(s.chat("How do I reset my password?")) == 0, log.read_text()
+        s.chat("Is the blue shirt in stock?")
+    finally:
+        assert s.stop() == 0, log.read_text()
+    said = [ln for ln in log.read_text().splitlines() if "is corrupt" in ln]
+    assert len(said) == 1 and any(k.hex() in said[0] for k in keys), log.read_text()
+    result = cli("verify", "--home", kv_home)
+    assert result.exit_code == 1
+    assert all(f"bad learned record {k.hex()}" in result.output for k in keys), result.output
+    result = cli("verify", "--repair", "--home", kv_home)
+    assert f"{len(keys)} learned records of {len(keys)} failed (deleted)" in result.output
+    learned = daemon.request("stats")["learned"]
+    assert learned["records"] == 0 and learned["bytes"] == 0, learned

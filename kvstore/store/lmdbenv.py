@@ -119,18 +119,18 @@ def check_file_length(path: Path) -> None:
     data = path / "data.mdb"
     try:
         with open(data, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:  # a new file: LMDB initialises it (read-only, it refuses it)
-                return
             first = read_meta_page(f, 0)
             second = read_meta_page(f, first.page_size) if first else None
+            # the length after the metas: a writer grows the file before it writes the meta page
+            # that counts the new pages, so a commit in between never looks like a short file
+            size = os.fstat(f.fileno()).st_size
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return  # nothing to map yet, or no file: LMDB's open says so
     except OSError as e:
         raise StoreError(
             f"{data}: cannot read the store file: {e.strerror or e}", errno=e.errno
         ) from None
-    if first is None:
+    if first is None or size == 0:  # empty: a new file LMDB initialises (read-only: refuses)
         return
     if second is None:
         if size >= 2 * first.page_size:

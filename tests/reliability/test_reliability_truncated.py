@@ -140,6 +140,44 @@ def test_every_truncation_is_refused_before_the_map(tmp_path, stored):
     )
 
 
+WRITER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[2])
+import battery
+from kvstore.store.store import Store
+with Store(sys.argv[1]) as store:
+    deadline, seed = time.monotonic() + float(sys.argv[3]), 100
+    while time.monotonic() < deadline:  # every put grows the file: new pages, then the meta
+        key, blob, fields = battery.entry(seed, 4096 * (1 + seed % 5))
+        store.put(key, blob, **fields)
+        seed += 1
+print(seed - 100)
+"""
+
+
+def test_a_store_growing_under_a_writer_is_never_taken_for_a_short_one(tmp_path):
+    """Thousands of opens beside a writer that grows the file: none is refused. (The length is
+    read after the meta pages, so a commit between the two reads, pages first and then the meta
+    that counts them, cannot look short; that window is too narrow for this test to hit.)"""
+    home = tmp_path / "home"
+    with Store(home) as store:
+        store.put(*battery.entry(0, 4096)[:2], **battery.entry(0, 4096)[2])
+    here = str(Path(__file__).parent)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(home), here, "3"], stdout=subprocess.PIPE, text=True
+    )
+    opens = 0
+    try:
+        while writer.poll() is None:
+            with Store(home, readonly=True):  # a fresh environment: the check runs each time
+                opens += 1
+    finally:
+        out, _ = writer.communicate(timeout=30)
+    assert writer.returncode == 0
+    assert int(out) > 20 and opens > 100, (out, opens)
+    battery.record("truncated_store", opens_beside_writer=opens, writer_puts=int(out))
+
+
 def _one_line(name: str, out: str) -> str:
     lines = [ln for ln in out.splitlines() if DAMAGED in ln]
     assert len(lines) == 1 and HINT in lines[0], f"{name}: {out[-3000:]}"

@@ -171,25 +171,25 @@ def progress_clock() -> float:
 
 
 class PrefillProgress:
-    """A long prefill's progress as lines for `say`: tokens done of the total and the rate, every
+    """A long prefill's progress as lines for `say`: tokens done of the total and the rate since
+    the last line (attention makes later chunks slower, so an average would flatter it), every
     `every` seconds once it has run that long (a short pin says nothing); PrefillBounds sets
     `every`. Called after each chunk (kvstore.warm.prefill.prefill's on_chunk)."""
 
     def __init__(self, say: Callable[[str], None], name: str, every: float):
         self.say, self.name, self.every = say, name, every
-        self.start = self.last = progress_clock()
+        self.last = progress_clock()
+        self.last_done = 0
 
     def __call__(self, done: int, total: int) -> None:
         now = progress_clock()
         if done >= total or now - self.last < self.every:
             return
-        self.last = now
-        elapsed = now - self.start
-        rate = done / elapsed if elapsed > 0 else 0.0
-        left = f", about {(total - done) / rate:.0f}s left" if rate > 0 else ""
+        rate = (done - self.last_done) / (now - self.last)
+        self.last, self.last_done = now, done
         self.say(
             f"pin {self.name}: {done:,} of {total:,} tokens ({100 * done / total:.0f}%), "
-            f"{rate:,.0f} tokens/s{left}"
+            f"{rate:,.0f} tokens/s"
         )
 
 
@@ -427,7 +427,7 @@ def _warm_model(
                                        remote=notes.get(pp.key)))  # fmt: skip
             say(
                 f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
-                f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
+                f"{n:,} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
             )
     finally:
         del model

@@ -67,7 +67,7 @@ def test_the_daemon_logs_long_pins_and_refuses_what_does_not_fit(llama_path, tmp
     assert len(said) == 1 and len(done) == 1, log
     assert said[0] < progress[0] and progress[-1] < done[0], log
     assert len(progress) == 9, log  # a line per 16-token chunk, 11 s apart: over the 10 s interval
-    assert "pin classify: 16 of 148 tokens (11%), 1 tokens/s, about 91s left" in lines[progress[0]]
+    assert lines[progress[0]].endswith("pin classify: 16 of 148 tokens (11%), 1 tokens/s")
     huge = re.search(r"pin 'huge' is ([\d,]+) tokens, over max_pin_tokens \(settings.toml\) of 200 "
                      r"tokens; not prefilled", log)  # fmt: skip
     assert huge and int(huge.group(1).replace(",", "")) > 200, log

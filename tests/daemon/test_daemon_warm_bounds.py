@@ -78,3 +78,14 @@ def test_the_daemon_logs_long_pins_and_refuses_what_does_not_fit(llama_path, tmp
         r"prefilled: free memory or shorten the pin"
     )
     assert re.search(short, log), log
+
+
+def test_a_bad_max_pin_tokens_stops_the_daemon_in_one_line(llama_path, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "settings.toml").write_text("max_pin_tokens = 0\n")
+    manifest = manifest_for(tmp_path, llama_path, PINS)
+    d = Proc(home, "--manifest", str(manifest), log=tmp_path / "daemon.log")
+    assert d.p.wait(timeout=60) == 78, d.text()  # EX_CONFIG: a supervisor does not loop on it
+    assert "settings.toml: max_pin_tokens must be a positive integer, got 0" in d.text()
+    assert "Traceback" not in d.text()

@@ -359,16 +359,15 @@ def _warm_model(
     for name, error in plan.failed:
         report.pins.append(PinResult(spec.path, name, "", 0, "failed", error=error))
         log.error("%s", error)
+    missing = []
     for pp in plan.pins:
         if pp.pin.warning:
             log.warning("%s", pp.pin.warning)
         if pp.present:
             report.pins.append(_result(pp, "present", warning=pp.pin.warning))
-    missing = []
-    for pp in plan.pins:
-        if not pp.present and (why := over_limit(plan, pp, bounds.max_pin_tokens)):
-            _fail(report, pp, why)
-        elif not pp.present:
+        elif why := over_limit(plan, pp, bounds.max_pin_tokens):
+            _fail(report, pp, why)  # before any fetch, load or prefill
+        else:
             missing.append(pp)
     if report.stopped:
         _unwarmed(report, missing)

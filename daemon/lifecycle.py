@@ -24,6 +24,7 @@ from pathlib import Path
 from kvstore.daemon.exits import PARK_UNDER, SUPERVISOR_ENV
 from kvstore.errors import KVStoreError
 from kvstore.settings import LOCK_NAME
+from kvstore.warm.memory import available_memory_bytes  # noqa: F401 (the daemon's name for it)
 from kvstore.wire.daemon_client import socket_path
 
 # struct ucred (Linux SO_PEERCRED): pid_t pid, uid_t uid, gid_t gid.
@@ -233,44 +234,6 @@ def trim_heap() -> None:
 # a warm is deferred unless this much more than the weights is available.
 LOAD_MARGIN_FRACTION = 0.10
 LOAD_MARGIN_BYTES = 512 * 2**20  # 512 MiB
-
-
-def available_memory_bytes() -> int | None:
-    """Memory the system can give a new allocation without swapping; None when unknown (then
-    nothing is deferred). The one place that reads it: tests patch this function.
-
-    Linux: MemAvailable of /proc/meminfo, "an estimate of how much memory is available for
-    starting new applications, without swapping" (Documentation/filesystems/proc.rst).
-    macOS: sysctl kern.memorystatus_level, the percentage of memory available that the kernel's
-    memorystatus keeps (xnu bsd/kern/kern_memorystatus.c; `memory_pressure` prints it as
-    "System-wide memory free percentage"), times hw.memsize."""
-    if sys.platform.startswith("linux"):
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024  # the file says kB: KiB
-        except (OSError, ValueError, IndexError):
-            return None
-        return None
-    if sys.platform == "darwin":
-        level, total = _sysctl_int("kern.memorystatus_level"), _sysctl_int("hw.memsize")
-        if level is None or total is None or not 0 < level <= 100:
-            return None
-        return total * level // 100
-    return None
-
-
-def _sysctl_int(name: str) -> int | None:
-    """An integer sysctl (4 or 8 bytes, little-endian on every Mac mlx runs on); None on error."""
-    value, size = ctypes.c_uint64(0), ctypes.c_size_t(8)
-    try:
-        rc = ctypes.CDLL(None).sysctlbyname(
-            name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)
-        )
-    except (OSError, AttributeError):
-        return None
-    return value.value if rc == 0 else None
 
 
 def memory_to_load(model_dir: Path, adapter: str | None) -> int:

@@ -37,9 +37,11 @@ from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store
 from kvstore.warm.prefill import stop_when
-from kvstore.warm.warm import WarmReport, warm
+from kvstore.warm.warm import PrefillBounds, WarmReport, max_pin_tokens, warm
 
 log = logging.getLogger("kvstore.daemon")
+
+WARM_LOG_EVERY = 10.0  # seconds between a long prefill's progress lines in the log
 
 
 class WarmCancelled(KVStoreError):
@@ -142,6 +144,14 @@ class Upkeep:
         self._versions: VersionWatch | None = None
         self.uploader: Any = None  # the fleet tier (kvstore.fleet.queue), when [remote] is set
         self.fetcher: Any = None
+        # Each pin's prefill: its length bounded, its memory checked against what the daemon's
+        # reader says is available (looked up at each call: tests patch it), its progress
+        # logged every WARM_LOG_EVERY seconds once it runs that long.
+        self.bounds = PrefillBounds(
+            max_pin_tokens=max_pin_tokens(settings),
+            available_memory=lambda: lifecycle.available_memory_bytes(),
+            progress_every=WARM_LOG_EVERY,
+        )
 
     def start_remote(self, ledger: Any) -> None:
         """Start the fleet tier's upload worker and read-through, when settings have [remote].
@@ -229,6 +239,7 @@ class Upkeep:
                     now=now,
                     fetch=self.fetcher,
                     may_load=may_load,
+                    bounds=self.bounds,
                 )
             except PrefillStopped as e:
                 raise WarmCancelled(f"the daemon is stopping: {e}") from None

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, object] = {
     "reader_check_interval": 60.0,  # seconds between LMDB reader_check() passes in the daemon
     "version_check_interval": 30.0,  # seconds between reads of the installed mlx/mlx-lm versions
     "memory_check_interval": 15.0,  # seconds between checks whether a deferred warm now fits
+    "max_pin_tokens": 32768,  # tokens: a longer pin is refused before its prefill (one line)
     "learn": True,  # serve learns recurring prefixes (PersistentPromptCache: learn=False)
     "learn_min_requests": 2,  # distinct requests that must share a prefix before it is learned
     "block_tokens": 256,  # tokens per learned block record (cut at multiples, plus exact ends)

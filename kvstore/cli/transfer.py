@@ -78,7 +78,7 @@ def _matches(keys: list[bytes], text: str) -> list[bytes]:
     "--tokens",
     "tokens_file",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON list of the cached token ids.",
+    help="JSON list of the cached token ids (default: those `kvstore export` wrote in FILE).",
 )
 @click.option("--prompt", default=None, help="The prompt given to mlx_lm.cache_prompt.")
 @click.option("--adapter", default=None, help="LoRA adapter the cache was made with.")
@@ -103,33 +103,46 @@ def import_cmd(
 ) -> None:
     """Store a prompt-cache file written by `mlx_lm.cache_prompt` or `kvstore export`.
 
-    Before storing, the model is loaded and re-prefills the tokens: the file's KV must be what
-    this model computes for them (within the upgrade canary's tolerance), else nothing is stored.
+    The tokens are --tokens or --prompt, or (a file `kvstore export` wrote) the token ids in its
+    metadata. Before storing, the model is loaded and re-prefills the tokens: the file's KV must be
+    what this model computes for them (within the upgrade canary's tolerance), else nothing is
+    stored. KV the store already holds is not imported again: the entry keeps its label, owners
+    and pin state.
 
     \b
     kvstore import cache.safetensors --model ./Qwen3-0.6B --prompt "You are..." --pin
     """
-    from kvstore.warm.transfer import import_file
+    from kvstore.warm.transfer import AlreadyStored, import_file
 
-    if (tokens_file is None) == (prompt is None):
-        raise click.UsageError("give exactly one of --tokens TOKENS.json or --prompt TEXT")
+    if tokens_file is not None and prompt is not None:
+        raise click.UsageError("give at most one of --tokens TOKENS.json or --prompt TEXT")
     overrides = parse_json_object(model_config, "--model-config")
     client = connect_writer(home)
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
+    # Whether the KV is stored already is read from the store itself (read-only beside a daemon).
     with client or open_store(home, write=True) as store:
-        meta = import_file(
-            DaemonWriter(client) if client is not None else store,
-            file,
-            model=model,
-            tokens_file=tokens_file,
-            prompt=prompt,
-            adapter=adapter,
-            model_config=overrides,
-            label=label,
-            pin=pin,
-            trust=trust,
-            home=home,
-        )
+        reader = open_store(home) if client is not None else None
+        try:
+            meta = import_file(
+                DaemonWriter(client) if client is not None else store,
+                file,
+                model=model,
+                tokens_file=tokens_file,
+                prompt=prompt,
+                adapter=adapter,
+                model_config=overrides,
+                label=label,
+                pin=pin,
+                trust=trust,
+                home=home,
+                reader=reader,
+            )
+        except AlreadyStored as e:
+            click.echo(str(e))
+            return
+        finally:
+            if reader is not None:
+                reader.close()
     how = "trusted: not checked" if meta.trusted else f"checked: {meta.import_check} match"
     click.echo(
         f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)}; {how})"

@@ -31,3 +31,5 @@ class ModelPlan:
     pins: list[PlannedPin] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)  # (pin name, why): this pin only
     day: dt.date | None = None  # the local date the pins were rendered for
+    # the longest prefix the model takes, and where that limit is set (None: unknown)
+    context: tuple[int, str] | None = None

@@ -6,6 +6,7 @@ import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -87,8 +88,9 @@ def prefill(
     tokens: Sequence[int],
     *,
     identity: ModelIdentity | None = None,
-    step: int = PREFILL_STEP,
+    step: int | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
 ) -> list:
     """Run `tokens` through `model` into a fresh prompt cache, quantizing its KV the way
     generate(kv_bits=, kv_group_size=, quantized_kv_start=) does with `identity`'s settings (none:
@@ -96,11 +98,14 @@ def prefill(
     (mlx-lm's default 5000: shorter prefixes stay full precision, as they would in a cold run).
 
     `should_stop` (else the one of `stop_when`) is asked before each chunk: a long prefix stops
-    within one chunk's forward pass rather than at its end."""
+    within one chunk's forward pass rather than at its end. `on_chunk(done, total)` is called
+    after each chunk is evaluated (a long pin's progress). `step`: tokens per forward pass
+    (default PREFILL_STEP)."""
     tokens = check_token_ids(tokens, model_vocab_size(model), what="prefill")
     if not tokens:
         raise ValueError("cannot prefill an empty prefix")
     check = should_stop or _stop_check.get()
+    step = step or PREFILL_STEP
     cache = make_prompt_cache(model)
     ids = mx.array(tokens, dtype=mx.uint32)
     for start in range(0, len(tokens), step):
@@ -111,4 +116,77 @@ def prefill(
             q = identity
             maybe_quantize_kv_cache(cache, q.quantized_kv_start, q.kv_group_size, q.kv_bits)
         mx.eval([c.state for c in cache])
+        if on_chunk is not None:
+            on_chunk(min(start + step, len(tokens)), len(tokens))
     return cache
+
+
+@dataclass(frozen=True)
+class PrefillMemory:
+    """What a prefill of `tokens` holds at its peak, in bytes: the KV it builds, and one chunk's
+    attention scratch (the scores of `chunk` queries against every key so far, in every query
+    head: what an attention that is not fused materializes)."""
+
+    tokens: int
+    kv: int
+    scratch: int
+    chunk: int
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.scratch
+
+
+def prefill_memory(model, ntokens: int, *, step: int | None = None) -> PrefillMemory:
+    """The memory a prefill of `ntokens` through `model` needs, from a one-token probe that is
+    never evaluated (a graph only: no forward pass runs): per layer its KV bytes per token (a
+    sliding window capped at its size plus a chunk; a fixed state counted once), and the query
+    heads."""
+    chunk = min(step or PREFILL_STEP, ntokens)
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]], dtype=mx.uint32), cache=cache)  # lazy: shapes and dtypes only
+    kv = 0
+    itemsize = 2
+    for c in _leaves(cache):
+        arrays = [a for a in _flat(getattr(c, "keys", None)) + _flat(getattr(c, "values", None))]
+        if arrays:
+            held = arrays[0].shape[2]  # the sequence axis (grown in steps of the cache's own)
+            per_token = sum(a.nbytes for a in arrays) // max(held, 1)
+            cap = getattr(c, "max_size", None)
+            # a window holds its size plus the chunk being added while that chunk runs
+            window = cap + chunk if isinstance(cap, int) and cap > 0 else ntokens
+            kv += per_token * min(ntokens, window)
+            itemsize = arrays[0].dtype.size if arrays[0].dtype != mx.uint32 else itemsize
+        else:
+            kv += sum(a.nbytes for a in _flat(getattr(c, "state", None)))
+    heads = _query_heads(model)
+    return PrefillMemory(ntokens, kv, heads * chunk * ntokens * itemsize, chunk)
+
+
+def _leaves(cache: list) -> list:
+    out = []
+    for c in cache:
+        sub = getattr(c, "caches", None)  # CacheList
+        out += _leaves(list(sub)) if isinstance(sub, (list, tuple)) else [c]
+    return out
+
+
+def _flat(x) -> list:
+    if isinstance(x, mx.array):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [a for y in x for a in _flat(y)]
+    return []
+
+
+def _query_heads(model) -> int:
+    """The model's attention (query) heads, from its args (or their text_config); 1 if unknown."""
+    args = getattr(model, "args", None)
+    for a in (args, getattr(args, "text_config", None)):
+        if isinstance(a, dict):
+            n = a.get("num_attention_heads") or a.get("n_head")
+        else:
+            n = getattr(a, "num_attention_heads", None) or getattr(a, "n_head", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 1

@@ -6,9 +6,10 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvstore.codec import cache_api, codec
-from kvstore.errors import CodecError, KVStoreError, StoreError
+from kvstore.errors import CodecError, CorruptEntryError, KVStoreError, StoreError
 from kvstore.identity.fingerprint import (
     FileHashCache,
     describe_cache,
@@ -22,15 +23,30 @@ from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.importfit import check_fits
 
+# The user-metadata key an export writes the entry's token ids under (a JSON list): what
+# `kvstore import` reads when neither --tokens nor --prompt is given. mlx-lm's loader passes
+# user metadata through untouched (its values must be strings).
+TOKEN_IDS_KEY = "token_ids"
 
-def write_file(blob: bytes | memoryview, file: Path, *, name: str = "blob") -> None:
+
+def write_file(
+    blob: bytes | memoryview,
+    file: Path,
+    *,
+    name: str = "blob",
+    metadata: dict[str, str] | None = None,
+) -> None:
     """Write a stored blob as a prompt-cache file the installed mlx-lm's `load_prompt_cache`
     loads: the blob as it is (mlx-lm 0.32's layout), or under mlx-lm 0.31 the decoded cache
-    written by its own `save_prompt_cache`. Atomic: `file` is whole or untouched."""
+    written by its own `save_prompt_cache`. `metadata` replaces keys of the blob's user metadata
+    (the cache is then re-encoded). Atomic: `file` is whole or untouched."""
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp.safetensors")
     try:
-        if cache_api.META_STATE:
+        if metadata or cache_api.META_STATE:
             cache, user = codec.decode(blob, name=name)
+            if metadata:  # mlx_lm.generate reads tokenizer_config from every prompt-cache file
+                user = {"tokenizer_config": "{}", **user, **metadata}
+        if cache_api.META_STATE:
             try:
                 cache_api.save_file(tmp, cache, user)
             except (RuntimeError, ValueError) as e:
@@ -39,23 +55,50 @@ def write_file(blob: bytes | memoryview, file: Path, *, name: str = "blob") -> N
                     f"cache ({e}); export it with mlx-lm 0.32 or later"
                 ) from None
         else:
-            tmp.write_bytes(blob)
+            tmp.write_bytes(codec.encode(cache, user) if metadata else blob)
         os.replace(tmp, file)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def exported_model_path(meta: EntryMeta) -> str:
+    """The model path an export names: a hub id as stored (mlx-lm resolves it anywhere), a local
+    path as the absolute directory it resolved to when stored (`model_dir`): `mlx_lm.generate
+    --model PATH --prompt-cache-file` compares the two, and a relative one holds only in the
+    folder the entry was made from."""
+    recorded = meta.model_dir
+    if isinstance(recorded, str) and Path(recorded).is_absolute():
+        if "snapshots" in Path(recorded).parts and not _looks_local(meta.model):
+            return meta.model  # a hub id: its snapshot folder is this machine's hub cache
+        return recorded
+    return _absolute_if_local(meta.model)
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or Path(model).expanduser().is_absolute()
+
+
+def _absolute_if_local(model: str) -> str:
+    given = Path(model).expanduser()
+    return str(given.resolve()) if _looks_local(model) and given.is_dir() else model
+
+
 def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
-    """Write one entry as a prompt-cache file (`write_file`), with `model` and `tokenizer_config`
-    metadata."""
+    """Write one entry as a prompt-cache file (`write_file`), with `model` (resolved:
+    `exported_model_path`), `tokenizer_config` and `token_ids` (JSON) metadata, so that
+    `kvstore import FILE --model M` needs neither --tokens nor --prompt."""
     meta, _ = store.load(key)  # verifies checksum and decodes before anything is written
     folder = file.parent
     if not folder.is_dir():
         raise KVStoreError(
             f"{folder}: no such folder to write {file.name} in; create it or choose another path"
         )
+    user = {
+        "model": exported_model_path(meta),
+        TOKEN_IDS_KEY: json.dumps(meta.token_ids(), separators=(",", ":")),
+    }
     try:
-        write_file(store.read_blob(key), file, name=key.hex())
+        write_file(store.read_blob(key), file, name=key.hex(), metadata=user)
     except OSError as e:
         raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return meta
@@ -119,12 +162,37 @@ def export_record(store: Store, key: bytes, file: Path, *, model: str | None = N
         raise KVStoreError(
             f"{folder}: no such folder to write {file.name} in; create it or choose another path"
         )
-    blob = codec.encode(cache, {"model": path, "tokenizer_config": "{}"})
+    from kvstore.store.entry import unpack_tokens
+
+    tokens = [t for b in chain for t in unpack_tokens(b.tokens)]
+    user = {
+        "model": _absolute_if_local(path),
+        "tokenizer_config": "{}",
+        TOKEN_IDS_KEY: json.dumps(tokens, separators=(",", ":")),
+    }
+    blob = codec.encode(cache, user)
     try:
         write_file(blob, file, name=key.hex())
     except OSError as e:
         raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return chain, path
+
+
+def _file_tokens(metadata: dict[str, str], file: Path) -> list:
+    """The token ids `kvstore export` wrote in a file's metadata; a one-line error when absent."""
+    raw = metadata.get(TOKEN_IDS_KEY)
+    if raw is None:
+        raise KVStoreError(
+            f"{file} carries no token ids (it was not written by `kvstore export`); give the "
+            "tokens it was made from with --tokens TOKENS.json or --prompt TEXT"
+        )
+    try:
+        tokens = json.loads(raw)
+    except ValueError as e:
+        raise KVStoreError(f"{file}: its {TOKEN_IDS_KEY} metadata is not JSON: {e}") from None
+    if not isinstance(tokens, list):
+        raise KVStoreError(f"{file}: its {TOKEN_IDS_KEY} metadata is not a list of token ids")
+    return tokens
 
 
 def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
@@ -157,18 +225,26 @@ def import_file(
     pin: bool = False,
     trust: bool = False,
     home: Path,
+    reader: Store | None = None,
 ) -> EntryMeta:
     """Validate a prompt-cache file against the model (layers, heads, head dims, dtype, KV
     quantization, its own `model` metadata) and the tokens, then check that its KV is what this
     model computes for these tokens (re-prefilled, kvstore.warm.importfit.kv_check) and store it;
     nothing is stored for a file that does not fit or differs. `trust` skips the re-prefill: the
-    entry is stored marked `trusted` (unchecked), as `ls` and `verify` show."""
+    entry is stored marked `trusted` (unchecked), as `ls` and `verify` show.
+
+    Without `tokens_file` or `prompt`, the token ids are the ones `kvstore export` wrote in the
+    file's metadata. KV the store already holds (read from `reader`, default `store`) is not
+    imported again: AlreadyStored names the entry, which keeps its label, owners and pin state."""
     blob = Path(file).read_bytes()
     try:
         cache, metadata = codec.decode(blob, name=str(file), either_layout=True)
     except CodecError as e:
         raise KVStoreError(f"not a valid prompt-cache file: {e}") from None  # e names the file
     model_dir = resolve_model_path(model)
+    if tokens_file is not None and prompt is not None:
+        raise KVStoreError("give at most one of --tokens TOKENS.json or --prompt TEXT")
+    source = str(tokens_file or "--prompt")
     if tokens_file is not None:
         try:
             tokens = json.loads(Path(tokens_file).read_text())
@@ -179,14 +255,16 @@ def import_file(
                 raise ValueError("expected a JSON list of token ids (integers 0 .. 2**32-1)")
         except (OSError, ValueError) as e:
             raise KVStoreError(f"{tokens_file}: cannot read token ids: {e}") from None
+    elif prompt is not None:
+        tokens = _prompt_tokens(model_dir, prompt)
     else:
-        tokens = _prompt_tokens(model_dir, prompt or "")
+        tokens, source = _file_tokens(metadata, file), f"{file} ({TOKEN_IDS_KEY} metadata)"
     from kvstore.identity.modelconfig import effective_config
     from kvstore.warm.prefill import check_token_ids, config_vocab_size
 
     try:  # ids past the model's vocabulary: no prefill of this model could have made the file
         vocab = config_vocab_size(effective_config(model_dir, model_config))
-        tokens = list(check_token_ids(tokens, vocab, what=str(tokens_file or "--prompt")))
+        tokens = list(check_token_ids(tokens, vocab, what=source))
     except ValueError as e:
         raise KVStoreError(str(e)) from None
     check_fits(
@@ -224,6 +302,8 @@ def import_file(
             f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
             "pass the exact prompt (or --tokens) it was made from"
         )
+    key = entry_key(fp.digest, tokens)
+    keep = _stored(reader if reader is not None else store, key, tokens, file)
     checked = None
     if not trust:
         checked = _check_kv(cache, tokens, file, identity, model_dir, fp)
@@ -234,8 +314,16 @@ def import_file(
     blob = codec.encode(cache, metadata)
     state = identity.state
     del state["quantized_kv_start"]  # where the file's KV began to be quantized is not known
+    extra = {
+        **state,
+        "source": "import",
+        **({"trusted": True, "checked": False} if trust else {"checked": True, "check": checked}),
+    }
+    if keep is not None:  # its blob went bad: the import replaces it, in the entry's own name
+        label, pin = keep.label, keep.pinned
+        extra.update({k: keep.extra[k] for k in _KEPT if k in keep.extra})
     return store.put(
-        entry_key(fp.digest, tokens),
+        key,
         blob,
         tokens=pack_tokens(tokens),
         label=label,
@@ -243,16 +331,45 @@ def import_file(
         model=model,
         template_hash=template_hash(model_dir),
         classes=codec.cache_classes(cache),
-        extra={
-            **state,
-            "source": "import",
-            **(
-                {"trusted": True, "checked": False}
-                if trust
-                else {"checked": True, "check": checked}
-            ),
-        },
+        extra=extra,
     )
+
+
+# What an import that replaces a damaged entry keeps of it: whose it is and where it came from.
+_KEPT = ("source", "manifest", "owners", "origin")
+
+
+class AlreadyStored(KVStoreError):
+    """The file's KV is an entry the store already holds (same model fingerprint and tokens):
+    nothing is imported, and the entry keeps its label, owners and pin state. `meta` is it."""
+
+    def __init__(self, msg: str, meta: EntryMeta):
+        super().__init__(msg)
+        self.meta = meta
+
+
+def _stored(reader: Any, key: bytes, tokens: list[int], file: Path) -> EntryMeta | None:
+    """Raise AlreadyStored when `reader` (a Store) holds a sound entry for `key` and `tokens`;
+    return the entry when its blob went bad (the import replaces it), else None."""
+    get = getattr(reader, "get_meta", None)
+    if get is None:
+        return None
+    try:
+        meta = get(key)
+    except CorruptEntryError:
+        return None
+    if meta is None or meta.tokens != pack_tokens(tokens):
+        return None
+    if not reader.blob_ok(meta):
+        return meta
+    what = f"pin {meta.label!r}" if meta.pinned else f"entry {meta.label!r}"
+    where = f"manifest {meta.manifest}" if meta.source == "manifest" and meta.manifest else None
+    where = where or (f"source {meta.source}" if meta.source else "")
+    raise AlreadyStored(
+        f"{file}: already stored as {what}" + (f" ({where})" if where else "")
+        + f", key {key.hex()}; kept as it is, nothing imported",
+        meta,
+    )  # fmt: skip
 
 
 def _check_kv(cache, tokens, file, identity: ModelIdentity, model_dir, fp) -> str:

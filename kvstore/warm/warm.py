@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from kvstore.codec import codec
 from kvstore.errors import (
@@ -32,13 +33,15 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
     template_hash,
 )
+from kvstore.identity.modelconfig import effective_config
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.render import pin_extra, render_prefix
-from kvstore.settings import FILEHASH_NAME
+from kvstore.settings import DEFAULTS, FILEHASH_NAME, load_settings
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
+from kvstore.warm import memory
 from kvstore.warm.plan import ModelPlan, PlannedPin
 from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
@@ -104,6 +107,7 @@ def plan_model(
     tokenizer = load_tokenizer(model_dir)
     now = now or local_now()
     plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir), day=now.date())
+    plan.context = model_context(effective_config(model_dir, spec.identity.model_config), tokenizer)
     for prefix in spec.prefixes:
         try:
             pin = render_prefix(tokenizer, prefix, now=now)
@@ -123,6 +127,99 @@ def plan_model(
             )
         plan.pins.append(PlannedPin(spec, pin, key, present, prefix))
     return plan
+
+
+# A tokenizer's model_max_length above this is transformers' "not set" (int(1e30)), not a limit.
+SANE_MODEL_MAX_LENGTH = 2**24
+
+
+def model_context(config: dict, tokenizer) -> tuple[int, str] | None:
+    """The longest prefix the model takes and where that is said: `max_position_embeddings` of
+    its effective config (or its text_config), or the tokenizer's `model_max_length` where that
+    is set and sane, whichever is smaller; None when neither says."""
+    found = []
+    for c, where in ((config, ""), (config.get("text_config"), "text_config.")):
+        n = c.get("max_position_embeddings") if isinstance(c, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            found.append(
+                (n, f"the model's context ({where}max_position_embeddings in config.json)")
+            )
+            break
+    n = getattr(tokenizer, "model_max_length", None)
+    if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= SANE_MODEL_MAX_LENGTH:
+        found.append((n, "the tokenizer's model_max_length (tokenizer_config.json)"))
+    return min(found) if found else None
+
+
+@dataclass(frozen=True)
+class PrefillBounds:
+    """What bounds each pin's prefill in one warm: its length (`max_pin_tokens`, and the model's
+    context), the memory available for it (`available_memory`, read before each prefill), and
+    how often a long prefill says how far it is (`progress_every`, seconds)."""
+
+    max_pin_tokens: int = cast(int, DEFAULTS["max_pin_tokens"])
+    available_memory: Callable[[], int | None] | None = None  # None: kvstore.warm.memory's reader
+    progress_every: float = 2.0  # a terminal; the daemon's log takes one every 10 s
+
+    def available(self) -> int | None:
+        return (self.available_memory or memory.available_memory_bytes)()
+
+
+def progress_clock() -> float:
+    """The clock a long prefill's progress lines are timed by (tests move it)."""
+    return time.monotonic()
+
+
+class PrefillProgress:
+    """A long prefill's progress as lines for `say`: tokens done of the total and the rate since
+    the last line (attention makes later chunks slower, so an average would flatter it), every
+    `every` seconds once it has run that long (a short pin says nothing); PrefillBounds sets
+    `every`. Called after each chunk (kvstore.warm.prefill.prefill's on_chunk)."""
+
+    def __init__(self, say: Callable[[str], None], name: str, every: float):
+        self.say, self.name, self.every = say, name, every
+        self.last = progress_clock()
+        self.last_done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = progress_clock()
+        if done >= total or now - self.last < self.every:
+            return
+        rate = (done - self.last_done) / (now - self.last)
+        self.last, self.last_done = now, done
+        self.say(
+            f"pin {self.name}: {done:,} of {total:,} tokens ({100 * done / total:.0f}%), "
+            f"{rate:,.0f} tokens/s"
+        )
+
+
+def over_limit(plan: ModelPlan, pp: PlannedPin, max_pin_tokens: int) -> str | None:
+    """Why this pin is too long to prefill (one line naming it, its length and the limit), or
+    None: the model's context, and the max_pin_tokens setting, bound it."""
+    n = len(pp.pin.tokens)
+    limits = [(max_pin_tokens, "max_pin_tokens (settings.toml)")]
+    if plan.context is not None:
+        limits.append(plan.context)
+    limit, what = min(limits)
+    if n <= limit:
+        return None
+    fix = (
+        "raise max_pin_tokens in settings.toml"
+        if "max_pin_tokens" in what
+        else "use a model with a longer context"
+    )
+    return (
+        f"model {plan.spec.path!r}: pin {pp.pin.name!r} is {n:,} tokens, over {what} of "
+        f"{limit:,} tokens; not prefilled: shorten the pin or {fix}"
+    )
+
+
+def max_pin_tokens(settings: dict) -> int:
+    """The max_pin_tokens setting, checked: a positive integer."""
+    n = settings.get("max_pin_tokens", DEFAULTS["max_pin_tokens"])
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise KVStoreError(f"settings.toml: max_pin_tokens must be a positive integer, got {n!r}")
+    return n
 
 
 def load_model(plan: ModelPlan):
@@ -158,18 +255,18 @@ def release_model() -> None:
     mx.clear_cache()
 
 
-def prefill_pin(model, plan: ModelPlan, tokens) -> list:
+def prefill_pin(model, plan: ModelPlan, tokens, *, on_chunk=None) -> list:
     """The KV of `tokens` as this plan's model runs it (its KV quantization included)."""
     from kvstore.warm.prefill import prefill
 
-    return prefill(model, tokens, identity=plan.spec.identity)
+    return prefill(model, tokens, identity=plan.spec.identity, on_chunk=on_chunk)
 
 
 def encode_pin(
-    model, plan: ModelPlan, pp: PlannedPin, *, manifest: Path | None = None
+    model, plan: ModelPlan, pp: PlannedPin, *, manifest: Path | None = None, on_chunk=None
 ) -> tuple[bytes, dict]:
     """Prefill one pin and encode it; returns the blob and the meta fields for Store.put."""
-    cache = prefill_pin(model, plan, pp.pin.tokens)
+    cache = prefill_pin(model, plan, pp.pin.tokens, on_chunk=on_chunk)
     blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
     return blob, pin_fields(plan, pp, classes=codec.cache_classes(cache), manifest=manifest)
 
@@ -251,20 +348,27 @@ def _warm_model(
     say: Callable[[str], None],
     fetch: Callable | None = None,
     may_load: Callable[[ModelPlan], str | None] | None = None,
+    bounds: PrefillBounds = PrefillBounds(),
 ) -> None:
     """Prefill and put one model's missing pins; the model is loaded once and released. `fetch`
     (the fleet tier, kvstore.fleet.fetch) is tried for each missing pin before the model loads;
-    `may_load` gives why the model may not load now (its pins are then deferred), or None."""
+    `may_load` gives why the model may not load now (its pins are then deferred), or None.
+    A pin longer than `bounds` allow fails before anything loads; one whose prefill needs more
+    memory than is available fails before its prefill; the others warm."""
     spec = plan.spec
     for name, error in plan.failed:
         report.pins.append(PinResult(spec.path, name, "", 0, "failed", error=error))
         log.error("%s", error)
+    missing = []
     for pp in plan.pins:
         if pp.pin.warning:
             log.warning("%s", pp.pin.warning)
         if pp.present:
             report.pins.append(_result(pp, "present", warning=pp.pin.warning))
-    missing = [pp for pp in plan.pins if not pp.present]
+        elif why := over_limit(plan, pp, bounds.max_pin_tokens):
+            _fail(report, pp, why)  # before any fetch, load or prefill
+        else:
+            missing.append(pp)
     if report.stopped:
         _unwarmed(report, missing)
         return
@@ -292,9 +396,17 @@ def _warm_model(
     report.models_loaded += 1
     try:
         for i, pp in enumerate(missing, 1):
+            n = len(pp.pin.tokens)
+            if why := _short_of_memory(model, plan, pp, bounds):
+                _fail(report, pp, why)
+                continue
+            say(f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: prefilling {n:,} tokens")
             t = time.perf_counter()
+            on_chunk = PrefillProgress(say, pp.pin.name, bounds.progress_every)
             try:
-                blob, fields = encode_pin(model, plan, pp, manifest=manifest.path)
+                blob, fields = encode_pin(
+                    model, plan, pp, manifest=manifest.path, on_chunk=on_chunk
+                )
             except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
                 _fail(
                     report, pp, f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}"
@@ -314,11 +426,35 @@ def _warm_model(
                                        remote=notes.get(pp.key)))  # fmt: skip
             say(
                 f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
-                f"{len(pp.pin.tokens)} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
+                f"{n:,} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
             )
     finally:
         del model
         release_model()
+
+
+def _short_of_memory(model, plan: ModelPlan, pp: PlannedPin, bounds: PrefillBounds) -> str | None:
+    """Why this pin's prefill does not fit the memory available now (its KV and one chunk's
+    attention scratch, kvstore.warm.prefill.prefill_memory), or None (it fits, or memory is
+    unknown)."""
+    avail = bounds.available()
+    if avail is None:
+        return None
+    from kvstore.warm.prefill import prefill_memory
+
+    need = prefill_memory(model, len(pp.pin.tokens))
+    if need.total <= avail:
+        return None
+    return (
+        f"model {plan.spec.path!r}: pin {pp.pin.name!r} ({need.tokens:,} tokens) needs about "
+        f"{_mib(need.total)} to prefill ({_mib(need.kv)} of KV and {_mib(need.scratch)} of "
+        f"attention scratch for a {need.chunk:,}-token chunk), {_mib(avail)} is available; "
+        "not prefilled: free memory or shorten the pin"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 // 10 else f"{n / 2**10:,.1f} KiB"
 
 
 def _adopt(store: Store, plans: dict[tuple, ModelPlan], me: str, edit: Callable) -> int:
@@ -361,14 +497,18 @@ def warm(
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
     may_load: Callable[[ModelPlan], str | None] | None = None,
+    bounds: PrefillBounds | None = None,
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
     own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
     `put`, `delete` and `edit` (Store.edit_meta) override where writes go (e.g. the daemon).
     Pins render as requests on the local day of `now` do (default: the real clock). `may_load`
     (the daemon's memory check) may defer a model's load: its missing pins are reported
-    "deferred"."""
+    "deferred". `bounds` (default: max_pin_tokens from the home's settings) bound each pin's
+    prefill: too long or short of memory, a pin fails alone, before its prefill."""
     t0 = time.perf_counter()
+    if bounds is None:
+        bounds = PrefillBounds(max_pin_tokens=max_pin_tokens(load_settings(home)))
     report = WarmReport()
     say = progress or (lambda msg: None)
     put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
@@ -409,6 +549,7 @@ def warm(
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():
-        _warm_model(plan, manifest, report, put=put, say=say, fetch=fetch, may_load=may_load)
+        _warm_model(plan, manifest, report, put=put, say=say, fetch=fetch, may_load=may_load,
+                    bounds=bounds)  # fmt: skip
     report.seconds = time.perf_counter() - t0
     return report

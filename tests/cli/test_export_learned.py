@@ -52,6 +52,7 @@ def test_export_of_a_learned_record_loads_in_mlx_lm(llama_path, kv_home, tmp_pat
         assert f"{end} tokens" in said and "learned records" in said
         cache, meta = load_prompt_cache(str(out), return_metadata=True)
         assert meta["model"] == str(llama_path)
+        assert json.loads(meta["token_ids"]) == want  # `kvstore import FILE` needs no --tokens
         assert cache[0].offset == end
         assert_same_kv(cache, mlx_lm_prefill(model, want))
         mx.clear_cache()

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvstore.cli.options import (
+    existing_home,
     home_option,
     human_size,
     open_store,
@@ -198,6 +199,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
     from kvstore.store.eviction import select_for_eviction  # the store's own modules: not for ls
     from kvstore.store.ownership import owning_manifests
 
+    existing_home(home, "evict")
     size = parse_size(to_size) if to_size else None
     client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it selects and deletes in one job
@@ -419,7 +421,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     kvstore verify --deep          # after upgrading mlx or mlx-lm
     """
     if not (home / "store" / "data.mdb").is_file():
-        click.echo("no store: nothing to verify")
+        click.echo(f"no store in {home}: nothing to verify")
         return
     client = connect_writer(home) if repair else None  # never write beside a daemon
     if client is not None:

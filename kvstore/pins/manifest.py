@@ -182,12 +182,13 @@ def _check_keys(table: dict, allowed: tuple[str, ...], where: _Where, what: str)
 
 
 def _resolve_local(value: str, base: Path) -> str:
-    """Relative paths that exist next to the manifest win; anything else may be a hub id."""
+    """Relative paths that exist next to the manifest win, and so does one plainly local
+    (`./x`, `../x`: never a hub id), present or not; anything else may be a hub id."""
     expanded = Path(value).expanduser()
     if expanded.is_absolute():
         return str(expanded)
     candidate = base / expanded
-    return str(candidate.resolve()) if candidate.exists() else value
+    return str(candidate.resolve()) if candidate.exists() or value.startswith(".") else value
 
 
 def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec:

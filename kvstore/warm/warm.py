@@ -95,13 +95,13 @@ def plan_model(
 ) -> ModelPlan:
     """Render every pin of one model (as requests on the day of `now` render it) and find which
     are missing. Loads the tokenizer only. A pin whose rendering fails fails alone."""
-    from mlx_lm.utils import load_tokenizer
+    from kvstore.identity.modelconfig import load_tokenizer
 
     model_dir = resolve_model_path(spec.path)
     fp = model_fingerprint(
         replace(spec.identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
     )
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, spec.path)
     now = now or local_now()
     plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir), day=now.date())
     for prefix in spec.prefixes:

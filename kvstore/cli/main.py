@@ -107,9 +107,11 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
             if not any(msg in s for s in said):
                 click.echo(msg, err=True)
     for p in report.purged:
-        click.echo(f"purged   {p.label:20} {p.key[:12]}  {p.model}: {p.cause}")
+        click.echo(f"purged   {p.label:20} {p.shown_key}  {p.model}: {p.cause}")
     for p in report.released:
-        click.echo(f"released {p.label:20} {p.key[:12]}  {p.model}: {p.cause} (kept: other owners)")
+        click.echo(
+            f"released {p.label:20} {p.shown_key}  {p.model}: {p.cause} (kept: other owners)"
+        )
     for p in report.pins:
         # where the pin's KV came from: prefilled here, already present, or fetched (fleet tier)
         source = {"warmed": "prefilled", "present": "present"}.get(p.status, p.status)

@@ -389,7 +389,7 @@ def warm(
             edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
             for k, spec in moved.items():
                 log.info("kept %s under the model's new name %s: same fingerprint and tokens",
-                         k.hex()[:12], spec.path)  # fmt: skip
+                         k.hex()[32:44], spec.path)  # fmt: skip
         stale = stale_pins(manifest, store, plans)
         report.purged = [p for p in stale if not p.released]
         report.released = [p for p in stale if p.released]
@@ -405,7 +405,7 @@ def warm(
                 for pp in plan.pins:
                     pp.present = pp.present and pp.key.hex() not in gone
         for p in report.purged:
-            log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
+            log.info("purged %s pin %r of %s: %s", p.shown_key, p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():

@@ -88,6 +88,16 @@ wait_option = click.option(
 )
 
 
+def pin_label(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A --label that names a pin: refused as the manifest refuses a pin name (empty, or with a
+    control character that would break the `ls` and `warm` tables)."""
+    from kvstore.pins.manifest import pin_name_problem
+
+    if value is not None and (problem := pin_name_problem(value)):
+        raise click.BadParameter(problem, param=param)
+    return value
+
+
 def user_errors(f):
     """Turn the project's own errors into one-line click errors (exit 1)."""
 

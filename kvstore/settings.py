@@ -39,6 +39,24 @@ DEFAULTS: dict[str, object] = {
     "max_snapshots_per_prefix": 2,  # state-layer models: learned whole-cache entries per chain
 }
 
+# The unit each setting is in, for `kvstore stats` to show it in (--json gives the raw numbers).
+UNITS: dict[str, str] = {
+    "max_bytes": "bytes",
+    "map_size": "bytes",
+    "max_map_size": "bytes",
+    "max_frame_bytes": "bytes",
+    "header_timeout": "s",
+    "idle_timeout": "s",
+    "debounce": "s",
+    "poll_interval": "s",
+    "reader_check_interval": "s",
+    "version_check_interval": "s",
+    "memory_check_interval": "s",
+    "block_tokens": "tokens",
+    "learned_max_bytes": "bytes",
+    "learn_write_bytes_per_day": "bytes/day",
+}
+
 STORE_DIR = "store"
 SOCKET_NAME = "kvstore.sock"
 LOCK_NAME = "daemon.lock"

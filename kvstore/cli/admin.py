@@ -386,10 +386,33 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
                 f"{r['saved_s']:8.2f}"
             )
     click.echo("settings:")
-    for k, v in data["settings"].items():
-        click.echo(f"  {k:22} {v}")
+    rows = _setting_rows(data["settings"])
+    width = max((len(k) for k, _ in rows), default=0)
+    for k, v in rows:
+        click.echo(f"  {k:{width}}  {v}")
     if silent is not None:
         raise click.ClickException(str(silent))
+
+
+def _setting_rows(settings: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """Each setting as `stats` shows it: sizes and durations in their units (kvstore.settings
+    UNITS), a table's keys under its name (remote.endpoint)."""
+    from kvstore.settings import UNITS
+
+    rows = []
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            rows += _setting_rows(v, f"{prefix}{k}.")
+            continue
+        unit = UNITS.get(k) if not prefix else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or unit is None:
+            shown = str(v).lower() if isinstance(v, bool) else str(v)
+        elif unit.startswith("bytes"):
+            shown = human_size(v) + unit[len("bytes") :]
+        else:
+            shown = f"{v:g} {unit}"
+        rows.append((prefix + k, shown))
+    return rows
 
 
 @click.command()

@@ -191,5 +191,5 @@ def fingerprint(
                 }
             )
         )
-    else:
-        click.echo(fp.hex)
+    else:  # one `name value` pair a line: `awk '$1 == "fingerprint" {print $2}'` reads it
+        click.echo(f"fingerprint    {fp.hex}\ntemplate_hash  {th.hex()}")

@@ -6,6 +6,7 @@ The daemon's and client's commands import it too, so it stays light: click and t
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import re
@@ -110,8 +111,10 @@ def user_errors(f):
         except OSError as e:  # the file system refused (permissions, flags, a vanished path)
             if e.filename is None:
                 raise
-            what = f"{e.filename}: {e.strerror}"
-            raise click.ClickException(f"{what}; check its permissions and flags") from None
+            what = f"{e.filename}: {e.strerror or e}"
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                what += "; check its permissions and flags"
+            raise click.ClickException(what) from None
 
     return wrapper
 

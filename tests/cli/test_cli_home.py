@@ -131,3 +131,14 @@ def test_reading_or_removing_never_creates_a_home(tmp_path, argv):
     if argv[0] == "evict":
         assert result.exit_code == 1
         assert f"no kvstore home at {home}" in _one_line(result)
+
+
+def test_a_file_the_system_refuses_is_one_line(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir(mode=0o700)
+    refused = PermissionError(13, "Permission denied", str(home / "ledger.msgpack"))
+    with mock.patch("kvstore.store.ledger.Ledger.stats", side_effect=refused):
+        result = cli("stats", "--home", home)
+    assert result.exit_code == 1
+    line = _one_line(result)
+    assert str(home / "ledger.msgpack") in line and "Permission denied" in line, line

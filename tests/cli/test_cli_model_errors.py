@@ -62,3 +62,21 @@ def test_a_config_transformers_rejects_is_one_line(tmp_path, model_copy):
     assert len(said) == 1, result.output
     assert str(model_copy) in said[0] and str(model_copy / "config.json") in said[0]
     assert "expected bool, got str" in said[0]  # transformers' own words
+
+
+def test_import_with_a_config_transformers_rejects_is_one_line(tmp_path, model_copy, kv_home):
+    transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers before 5 does not validate config.json field types")
+    cli("warm", "--manifest", manifest_for(tmp_path, model_copy, PIN), code=0)
+    key = json.loads(cli("ls", "--json", code=0).output)[0]["key"]
+    exported = tmp_path / "a.safetensors"
+    cli("export", key, exported, code=0)
+    config = json.loads((model_copy / "config.json").read_text())
+    config["tie_word_embeddings"] = "yes"
+    (model_copy / "config.json").write_text(json.dumps(config))
+    result = cli("import", exported, "--model", model_copy, "--prompt", "hi", "--label", "b")
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert str(model_copy / "config.json") in result.output
+    assert "expected bool, got str" in result.output

@@ -27,6 +27,7 @@ from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
+from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
 
 log = logging.getLogger("kvstore.client")
@@ -358,6 +359,8 @@ class PersistentPromptCache(PinnedPromptCache):
         it here, once, and the daemon is asked to persist it (off the request path).
         """
         t0 = time.perf_counter()
+        if problem := pin_name_problem(name):  # it is the entry's label: one line in ls
+            raise ValueError(f"pin name: {problem}")
         if (messages is None) == (tokens is None):
             raise ValueError("pin: give exactly one of messages= or tokens=")
         warning, extra = None, {}

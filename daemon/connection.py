@@ -3,11 +3,14 @@ it, and the streamed put's frames gathered into one buffer."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from typing import Any
 
 from kvstore.errors import ProtocolError
 from kvstore.wire import protocol
+
+log = logging.getLogger("kvstore.daemon")
 
 
 class Connection:
@@ -25,11 +28,36 @@ class Connection:
         # The first frame must come quickly (a connection that says nothing holds a slot);
         # later ones may wait idle_timeout. Once a frame starts, all of it within header_timeout.
         wait = self.header_timeout if self.requests == 0 else self.idle_timeout
+        if self.requests and not self._readable(wait):
+            self._close_idle()
+            return None
         msg = protocol.recv(
             self.sock, max_bytes=self.max_bytes, timeout=wait, frame_timeout=self.header_timeout
         )
         self.requests += 1
         return msg
+
+    def _readable(self, timeout: float) -> bool:
+        """Whether something (a frame, the peer's close, an error) arrives within `timeout`."""
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except TimeoutError:
+            return False
+        except OSError:
+            pass  # protocol.recv meets it again and says what it was
+        return True
+
+    def _close_idle(self) -> None:
+        """A client silent for idle_timeout between requests (an app between calls) is normal
+        operation: logged below warning, and told why before the daemon hangs up, as before."""
+        log.debug("closed a connection idle for %gs (idle_timeout)", self.idle_timeout)
+        try:
+            self.sock.settimeout(1.0)
+            msg = f"timed out waiting for a frame: idle for {self.idle_timeout:g}s (idle_timeout)"
+            protocol.send(self.sock, protocol.error(msg), max_bytes=self.max_bytes)
+        except (OSError, ProtocolError):
+            pass
 
     def receive_stream(self, nbytes: int) -> bytearray:
         """The `{"data": bytes}` frames of a streamed put, exactly `nbytes` in all, appended to

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -39,6 +40,24 @@ DEFAULTS: dict[str, object] = {
     "max_snapshots_per_prefix": 2,  # state-layer models: learned whole-cache entries per chain
 }
 
+# The unit each setting is in, for `kvstore stats` to show it in (--json gives the raw numbers).
+UNITS: dict[str, str] = {
+    "max_bytes": "bytes",
+    "map_size": "bytes",
+    "max_map_size": "bytes",
+    "max_frame_bytes": "bytes",
+    "header_timeout": "s",
+    "idle_timeout": "s",
+    "debounce": "s",
+    "poll_interval": "s",
+    "reader_check_interval": "s",
+    "version_check_interval": "s",
+    "memory_check_interval": "s",
+    "block_tokens": "tokens",
+    "learned_max_bytes": "bytes",
+    "learn_write_bytes_per_day": "bytes/day",
+}
+
 STORE_DIR = "store"
 SOCKET_NAME = "kvstore.sock"
 LOCK_NAME = "daemon.lock"
@@ -60,11 +79,45 @@ def resolve_home(home: str | Path | None) -> Path:
     return Path(home).expanduser() if home else default_home()
 
 
+def home_problem(home: Path) -> str | None:
+    """Why `home` cannot be a kvstore home, found without creating anything: it, or the nearest
+    part of its path that exists, is no directory, or cannot be reached. None when it can be."""
+    for part in (home, *home.parents):
+        try:
+            mode = part.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # missing (or under a file): the next part up tells
+        except OSError as e:
+            return f"kvstore home {home}: cannot reach {part}: {e.strerror}"
+        if stat.S_ISDIR(mode):
+            return None
+        if part == home:
+            return f"kvstore home {home}: is a file, not a directory; give --home a directory"
+        return f"kvstore home {home}: {part} is a file, not a directory; give --home a directory"
+    return None
+
+
 def ensure_home(home: Path) -> Path:
-    """Create the home (0700) if missing and tighten it if it is looser."""
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create the home (0700) if missing and tighten it if it is looser. A home that cannot be
+    made or tightened (a path under a file, no permission, an immutable directory) raises
+    KVStoreError naming it."""
+    if problem := home_problem(home):
+        raise KVStoreError(problem)
+    try:
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise KVStoreError(
+            f"kvstore home {home}: cannot create it: {e.strerror}; check the permissions of "
+            "its parent, or give --home a directory you can write"
+        ) from e
     if home.stat().st_mode & 0o077:
-        os.chmod(home, 0o700)
+        try:
+            os.chmod(home, 0o700)
+        except OSError as e:  # not its owner, an immutable or read-only directory
+            raise KVStoreError(
+                f"kvstore home {home}: cannot make it private (mode 0700): {e.strerror}; check "
+                "its owner, permissions and flags (e.g. chattr -i, chflags nouchg)"
+            ) from e
     return home
 
 

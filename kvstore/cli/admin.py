@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvstore.cli.options import (
+    existing_home,
     home_option,
     human_size,
     open_store,
@@ -198,6 +199,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
     from kvstore.store.eviction import select_for_eviction  # the store's own modules: not for ls
     from kvstore.store.ownership import owning_manifests
 
+    existing_home(home, "evict")
     size = parse_size(to_size) if to_size else None
     client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it selects and deletes in one job
@@ -384,10 +386,33 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
                 f"{r['saved_s']:8.2f}"
             )
     click.echo("settings:")
-    for k, v in data["settings"].items():
-        click.echo(f"  {k:22} {v}")
+    rows = _setting_rows(data["settings"])
+    width = max((len(k) for k, _ in rows), default=0)
+    for k, v in rows:
+        click.echo(f"  {k:{width}}  {v}")
     if silent is not None:
         raise click.ClickException(str(silent))
+
+
+def _setting_rows(settings: dict, prefix: str = "") -> list[tuple[str, str]]:
+    """Each setting as `stats` shows it: sizes and durations in their units (kvstore.settings
+    UNITS), a table's keys under its name (remote.endpoint)."""
+    from kvstore.settings import UNITS
+
+    rows = []
+    for k, v in settings.items():
+        if isinstance(v, dict):
+            rows += _setting_rows(v, f"{prefix}{k}.")
+            continue
+        unit = UNITS.get(k) if not prefix else None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or unit is None:
+            shown = str(v).lower() if isinstance(v, bool) else str(v)
+        elif unit.startswith("bytes"):
+            shown = human_size(v) + unit[len("bytes") :]
+        else:
+            shown = f"{v:g} {unit}"
+        rows.append((prefix + k, shown))
+    return rows
 
 
 @click.command()
@@ -420,7 +445,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     kvstore verify --deep          # after upgrading mlx or mlx-lm
     """
     if not (home / "store" / "data.mdb").is_file():
-        click.echo("no store: nothing to verify")
+        click.echo(f"no store in {home}: nothing to verify")
         return
     client = connect_writer(home) if repair else None  # never write beside a daemon
     if client is not None:

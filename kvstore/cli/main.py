@@ -7,6 +7,9 @@ start fast: a command imports what touches models or KV bytes when it runs.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -93,14 +96,22 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         def warn(msg: str) -> None:
             click.echo(f"warning: {msg}", err=True)
 
-        with open_store(home, write=True) as store, warm_tier(home, store, warn=warn) as fetch:
-            report = do_warm(m, store, home=home, progress=progress, fetch=fetch)
-            if fetch is not None:
-                fetch.record(report)
+        with _held_log() as held:
+            with open_store(home, write=True) as store, warm_tier(home, store, warn=warn) as fetch:
+                report = do_warm(m, store, home=home, progress=progress, fetch=fetch)
+                if fetch is not None:
+                    fetch.record(report)
+        said = [p.error or "" for p in report.pins] + [p.warning or "" for p in report.pins]
+        said.append(report.stopped or "")
+        for msg in held:  # what the report below does not say already
+            if not any(msg in s for s in said):
+                click.echo(msg, err=True)
     for p in report.purged:
-        click.echo(f"purged   {p.label:20} {p.key[:12]}  {p.model}: {p.cause}")
+        click.echo(f"purged   {p.label:20} {p.shown_key}  {p.model}: {p.cause}")
     for p in report.released:
-        click.echo(f"released {p.label:20} {p.key[:12]}  {p.model}: {p.cause} (kept: other owners)")
+        click.echo(
+            f"released {p.label:20} {p.shown_key}  {p.model}: {p.cause} (kept: other owners)"
+        )
     for p in report.pins:
         # where the pin's KV came from: prefilled here, already present, or fetched (fleet tier)
         source = {"warmed": "prefilled", "present": "present"}.get(p.status, p.status)
@@ -128,6 +139,29 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         raise click.ClickException(f"{report.stopped}; left unwarmed: {names}")
     if report.failed:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
+
+
+@contextmanager
+def _held_log() -> Iterator[list[str]]:
+    """Warm logs each failure and warning for the daemon's log, and its report carries them: here
+    the report is printed, so the kvstore logger's warnings are held (not printed by Python's
+    last-resort handler as well) and the caller prints those the report does not say."""
+    held: list[str] = []
+
+    class Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record.getMessage())
+
+    logger = logging.getLogger("kvstore")
+    if logger.handlers or logging.getLogger().handlers:  # logging set up by someone: theirs
+        yield held
+        return
+    handler = Hold(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield held
+    finally:
+        logger.removeHandler(handler)
 
 
 # The commands live by responsibility, each module's on the group here.

@@ -6,6 +6,7 @@ The daemon's and client's commands import it too, so it stays light: click and t
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 import click
 
 from kvstore.errors import KVStoreError, counted
-from kvstore.settings import ensure_home, resolve_home
+from kvstore.settings import ensure_home, home_problem, resolve_home
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
 
@@ -48,13 +49,33 @@ def human_size(n: float) -> str:
     return str(n)
 
 
+def _home(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path:
+    """The home resolved, refused in one line when it cannot be one (a file, a path under a
+    file, unreachable). The daemon says so itself: one log line and its configuration exit
+    status (daemon/exits.py), which a supervisor acts on."""
+    home = resolve_home(value)
+    if ctx.command.name != "daemon" and (problem := home_problem(home)):
+        raise click.ClickException(problem)
+    return home
+
+
 home_option = click.option(
     "--home",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),  # checked by _home: a file is one line, not a usage error
+    metavar="DIRECTORY",
     envvar="KVSTORE_HOME",
-    callback=lambda _ctx, _param, value: resolve_home(value),
+    callback=_home,
     help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
 )
+
+
+def existing_home(home: Path, doing: str) -> None:
+    """For a command that only reads or removes: a home that does not exist is a wrong path (a
+    typo, an unset $KVSTORE_HOME), said in one line; such a command never creates one."""
+    if not home.is_dir():
+        raise click.ClickException(
+            f"no kvstore home at {home}: nothing to {doing}; check --home or $KVSTORE_HOME"
+        )
 
 
 wait_option = click.option(
@@ -68,6 +89,16 @@ wait_option = click.option(
 )
 
 
+def pin_label(_ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A --label that names a pin: refused as the manifest refuses a pin name (empty, or with a
+    control character that would break the `ls` and `warm` tables)."""
+    from kvstore.pins.manifest import pin_name_problem
+
+    if value is not None and (problem := pin_name_problem(value)):
+        raise click.BadParameter(problem, param=param)
+    return value
+
+
 def user_errors(f):
     """Turn the project's own errors into one-line click errors (exit 1)."""
 
@@ -77,6 +108,13 @@ def user_errors(f):
             return f(*args, **kwargs)
         except KVStoreError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:  # the file system refused (permissions, flags, a vanished path)
+            if e.filename is None:
+                raise
+            what = f"{e.filename}: {e.strerror or e}"
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                what += "; check its permissions and flags"
+            raise click.ClickException(what) from None
 
     return wrapper
 

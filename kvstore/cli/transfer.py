@@ -13,6 +13,7 @@ from kvstore.cli.options import (
     human_size,
     open_store,
     parse_json_object,
+    pin_label,
     resolve_keys,
     user_errors,
 )
@@ -89,7 +90,7 @@ def _matches(keys: list[bytes], text: str) -> list[bytes]:
     metavar="JSON",
     help="config.json overrides the model ran with, as mlx_lm.load(model_config=...).",
 )
-@click.option("--label", default="imported")
+@click.option("--label", default="imported", callback=pin_label)
 @click.option("--pin", is_flag=True, help="Store it pinned (never evicted automatically).")
 @click.option(
     "--trust",
@@ -203,5 +204,5 @@ def fingerprint(
                 }
             )
         )
-    else:
-        click.echo(fp.hex)
+    else:  # one `name value` pair a line: `awk '$1 == "fingerprint" {print $2}'` reads it
+        click.echo(f"fingerprint    {fp.hex}\ntemplate_hash  {th.hex()}")

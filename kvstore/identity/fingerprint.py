@@ -159,12 +159,21 @@ def hash_file(path: Path) -> bytes:
     return h.digest()
 
 
+def looks_local(model: str | Path) -> bool:
+    """A path plainly meant as a local directory (it starts with `.`, `/` or `~`): never a hub
+    id, so never looked up in the hub cache nor offered as an `hf download`."""
+    return str(model).startswith((".", "/", "~"))
+
+
 def resolve_model_path(model: str | Path) -> Path:
     """A local directory as given, or a hub id resolved from the local hub cache (no download)."""
     p = Path(model).expanduser()
     if p.is_dir():
         return p.resolve()
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)) and not p.exists():
+    where = p.absolute()  # what was looked for: a relative path is the current directory's
+    if p.exists():
+        raise ModelError(f"model {str(model)!r}: {where} is a file, not a model directory")
+    if not looks_local(model) and re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
         try:
             from huggingface_hub import snapshot_download
 
@@ -172,10 +181,11 @@ def resolve_model_path(model: str | Path) -> Path:
             return Path(snapshot_download(str(model), local_files_only=True, cache_dir=cache_dir))
         except Exception as e:
             raise ModelError(
-                f"model {model!r}: not a local directory and not in the local hub cache "
+                f"model {model!r}: no directory {where} and not in the local hub cache "
                 f"({type(e).__name__}); download it first (e.g. `hf download {model}`)"
             ) from None
-    raise ModelError(f"model {str(model)!r}: no such directory")
+    resolved = "" if str(where) == str(model) else f" {where}"  # named once when given whole
+    raise ModelError(f"model {str(model)!r}: no such directory{resolved}")
 
 
 def _files(root: Path, globs: tuple[str, ...]) -> list[Path]:

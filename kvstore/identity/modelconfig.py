@@ -65,6 +65,33 @@ def effective_config(model_dir: Path, model_config: dict | None = None) -> dict:
     return config
 
 
+def load_tokenizer(model_dir: Path, model: str) -> Any:
+    """mlx-lm's tokenizer of `model_dir`; a model whose files transformers rejects (a config.json
+    field of the wrong type, which transformers 5 validates strictly) is one ModelError naming
+    the model, the file and transformers' own message, not a traceback from inside it."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+
+    try:
+        return mlx_load_tokenizer(model_dir)
+    except Exception as e:
+        why = " ".join(str(e).split()) or type(e).__name__  # transformers' words, on one line
+        raise ModelError(
+            f"model {model!r}: transformers rejects {_rejected_file(model_dir)}: {why}"
+        ) from None
+
+
+def _rejected_file(model_dir: Path) -> str:
+    """Which of a model's files transformers refused: config.json when its config alone fails
+    to load, else the tokenizer's files."""
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(model_dir))
+    except Exception:
+        return str(model_dir / "config.json")
+    return f"the tokenizer files in {model_dir} (tokenizer.json, tokenizer_config.json)"
+
+
 def _plain(value: Any) -> Any:
     """A JSON-stable form: dataclasses and namespaces as sorted maps, integral floats as ints."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import unicodedata
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def load_manifest(path: str | Path) -> Manifest:
     except OSError as e:
         raise where.error(None, f"cannot read manifest ({e.strerror})") from None
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        data = tomllib.loads(raw.decode("utf-8-sig"))  # a leading byte-order mark dropped
     except UnicodeDecodeError as e:
         raise where.error(None, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
@@ -182,12 +183,13 @@ def _check_keys(table: dict, allowed: tuple[str, ...], where: _Where, what: str)
 
 
 def _resolve_local(value: str, base: Path) -> str:
-    """Relative paths that exist next to the manifest win; anything else may be a hub id."""
+    """Relative paths that exist next to the manifest win, and so does one plainly local
+    (`./x`, `../x`: never a hub id), present or not; anything else may be a hub id."""
     expanded = Path(value).expanduser()
     if expanded.is_absolute():
         return str(expanded)
     candidate = base / expanded
-    return str(candidate.resolve()) if candidate.exists() else value
+    return str(candidate.resolve()) if candidate.exists() or value.startswith(".") else value
 
 
 def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec:
@@ -285,8 +287,8 @@ def _load_prefix(
     _check_keys(table, _PREFIX_KEYS, where, "[[model.prefix]]")
     if name is None:
         raise where.error("name", "missing; every prefix needs a name (its label in the store)")
-    if not isinstance(name, str) or not name.strip():
-        raise where.error("name", f"must be a non-empty string, got {got(name)}")
+    if problem := pin_name_problem(name):
+        raise where.error("name", problem)
     messages, text = table.get("messages"), table.get("text")
     file_value, tools_value = table.get("file"), table.get("tools")
     if text is not None and (messages is not None or file_value is not None):
@@ -311,6 +313,20 @@ def _load_prefix(
     own = check_template_kwargs(table.get("chat_template_kwargs"), where)
     merged = {**(template_kwargs or {}), **(own or {})} if (template_kwargs or own) else None
     return PrefixSpec(name, msgs, None, file, tools, tools_data, merged)
+
+
+def pin_name_problem(name: Any) -> str | None:
+    """Why `name` cannot name a pin (its label in the store, a row of the `warm` and `ls`
+    tables), or None: it must be a non-empty string without control or format characters."""
+    if not isinstance(name, str) or not name.strip():
+        return f"must be a non-empty string, got {got(name)}"
+    for i, ch in enumerate(name):
+        if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp"):  # newline, tab, NUL, U+202E...
+            return (
+                f"{name!r} holds a control character ({ch!r} at position {i}); a pin name is "
+                "one line of printable text (it is a row of `kvstore ls`)"
+            )
+    return None
 
 
 def _check_messages(value: Any, file_text: str | None, where: _Where) -> tuple[dict, ...]:
@@ -366,8 +382,8 @@ def _file_path(value: Any, field: str, where: _Where, base: Path) -> Path | None
 
 
 def _read_text(path: Path, field: str, where: _Where) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
+    try:  # utf-8-sig: a byte-order mark some editors write is dropped, as editors show the file
+        return path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise where.error(field, f"cannot read {path} as UTF-8 text: {e}") from None
 

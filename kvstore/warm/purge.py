@@ -19,6 +19,12 @@ class Purged:
     cause: str
     released: bool = False  # only this manifest's ownership went: other owners keep the entry
 
+    @property
+    def shown_key(self) -> str:
+        """The key as `kvstore ls` shows it: the start of its prefix-hash half (the first half is
+        the model's fingerprint, the same for every entry of one model)."""
+        return self.key[32:44]
+
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:
     """Entries that no longer hold for this manifest: its pins whose model changed, that were

@@ -197,9 +197,9 @@ def _file_tokens(metadata: dict[str, str], file: Path) -> list:
 
 def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
     """Tokenize as mlx_lm.cache_prompt does: a user turn continued, or plain text."""
-    from mlx_lm.utils import load_tokenizer
+    from kvstore.identity.modelconfig import load_tokenizer
 
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir, str(model_dir))
     if tok.has_chat_template:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": prompt}],

@@ -98,13 +98,13 @@ def plan_model(
 ) -> ModelPlan:
     """Render every pin of one model (as requests on the day of `now` render it) and find which
     are missing. Loads the tokenizer only. A pin whose rendering fails fails alone."""
-    from mlx_lm.utils import load_tokenizer
+    from kvstore.identity.modelconfig import load_tokenizer
 
     model_dir = resolve_model_path(spec.path)
     fp = model_fingerprint(
         replace(spec.identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
     )
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, spec.path)
     now = now or local_now()
     plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir), day=now.date())
     plan.context = model_context(effective_config(model_dir, spec.identity.model_config), tokenizer)
@@ -529,7 +529,7 @@ def warm(
             edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
             for k, spec in moved.items():
                 log.info("kept %s under the model's new name %s: same fingerprint and tokens",
-                         k.hex()[:12], spec.path)  # fmt: skip
+                         k.hex()[32:44], spec.path)  # fmt: skip
         stale = stale_pins(manifest, store, plans)
         report.purged = [p for p in stale if not p.released]
         report.released = [p for p in stale if p.released]
@@ -545,7 +545,7 @@ def warm(
                 for pp in plan.pins:
                     pp.present = pp.present and pp.key.hex() not in gone
         for p in report.purged:
-            log.info("purged %s pin %r of %s: %s", p.key[:12], p.label, p.model, p.cause)
+            log.info("purged %s pin %r of %s: %s", p.shown_key, p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():

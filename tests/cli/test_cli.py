@@ -105,7 +105,8 @@ def test_stats_and_fingerprint(warmed, llama_path, kv_home):
     stats = json.loads(cli("stats", "--json", code=0).output)
     assert stats["entries"] == 2 and stats["pinned"] == 2 and stats["bytes"] > 0
     assert stats["settings"]["max_bytes"] > 0
-    fp = cli("fingerprint", llama_path, code=0).output.strip()
+    fields = dict(ln.split() for ln in cli("fingerprint", llama_path, code=0).output.splitlines())
+    fp = fields["fingerprint"]
     assert all(e["fingerprint"] == fp for e in ls_json())
 
 

@@ -1,0 +1,144 @@
+"""A `--home` that cannot be one (a path under a file, an immutable directory) is one line and a
+non-zero exit on every command, and commands that only read or remove never create a home."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import click
+import pytest
+from helpers import CLASSIFY, cli, manifest_for
+
+from kvstore.cli.main import main
+from kvstore.daemon import exits
+
+PIN = f"""[[model.prefix]]
+name = "classify"
+messages = [{{ role = "system", content = "{CLASSIFY}" }}]
+"""
+
+
+def _home_commands(group: click.Group, ctx: click.Context, path: tuple = ()):
+    """Every command and group that takes --home, as its argv path."""
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
+        if any(p.name == "home" for p in cmd.params):
+            yield (*path, name)
+        if isinstance(cmd, click.Group):
+            yield from _home_commands(cmd, click.Context(cmd, parent=ctx), (*path, name))
+
+
+COMMANDS = sorted(_home_commands(main, click.Context(main)))
+
+
+def _one_line(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [c for c in COMMANDS if c != ("daemon",)], ids=" ".join)
+def test_a_home_under_a_file_is_one_line_on_every_command(tmp_path, argv):
+    (tmp_path / "FILE").write_text("a regular file")
+    home = tmp_path / "FILE" / "sub"
+    # no other arguments: --home is checked before a missing argument is noticed
+    result = cli(*argv, "--home", home)
+    assert result.exit_code == 1, result.output
+    line = _one_line(result)
+    assert str(home) in line and f"{tmp_path / 'FILE'} is a file, not a directory" in line
+    result = cli(*argv, "--home", tmp_path / "FILE")  # the home itself a file: the same
+    assert result.exit_code == 1 and "is a file, not a directory" in _one_line(result)
+
+
+def test_the_daemon_refuses_a_home_under_a_file_with_its_config_status(tmp_path):
+    (tmp_path / "FILE").write_text("a regular file")
+    home = tmp_path / "FILE" / "sub"
+    p = subprocess.run(
+        [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == exits.CONFIG, p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1 and "is a file, not a directory" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def _writes(tmp_path: Path, llama_path: Path) -> dict[str, tuple]:
+    manifest = manifest_for(tmp_path, llama_path, PIN)
+    cache = tmp_path / "cache.safetensors"
+    cache.write_bytes(b"x")
+    return {
+        "warm": ("warm", "--manifest", manifest),
+        "evict": ("evict", "--all"),
+        "import": ("import", cache, "--model", llama_path, "--prompt", "hi"),
+    }
+
+
+@pytest.mark.parametrize("command", ["warm", "evict", "import"])
+def test_a_home_that_cannot_be_made_private_is_one_line(tmp_path, llama_path, command):
+    home = tmp_path / "h"
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)  # looser than 0700: ensure_home tightens it
+    refused = PermissionError(1, "Operation not permitted", str(home))
+    with mock.patch("kvstore.settings.os.chmod", side_effect=refused):
+        result = cli(*_writes(tmp_path, llama_path)[command], "--home", home)
+    assert result.exit_code == 1, result.output
+    line = _one_line(result)
+    assert f"kvstore home {home}: cannot make it private" in line
+    assert "Operation not permitted" in line
+
+
+def _immutable(path: Path) -> bool:
+    try:
+        return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o700], ids=["loose", "private"])
+def test_an_immutable_home_is_one_line(tmp_path, llama_path, mode):
+    home = tmp_path / "h"
+    home.mkdir()
+    os.chmod(home, mode)
+    writes = _writes(tmp_path, llama_path)
+    if not _immutable(home):
+        pytest.skip("chattr +i is not available here (needs root and a file system with flags)")
+    try:
+        for argv in writes.values():
+            result = cli(*argv, "--home", home)
+            assert result.exit_code == 1, (argv, result.output)
+            line = _one_line(result)
+            assert str(home) in line and "Operation not permitted" in line, line
+    finally:
+        subprocess.run(["chattr", "-i", str(home)], check=True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("evict", "--all"), ("evict", "--label", "x"), ("ls",), ("ls", "--learned"), ("stats",),
+     ("verify",), ("verify", "--repair"), ("export", "abcd", "out.safetensors")],
+    ids=" ".join,
+)  # fmt: skip
+def test_reading_or_removing_never_creates_a_home(tmp_path, argv):
+    home = tmp_path / "typohome"
+    result = cli(*argv, "--home", home)
+    assert not home.exists(), result.output
+    if argv[0] == "evict":
+        assert result.exit_code == 1
+        assert f"no kvstore home at {home}" in _one_line(result)
+
+
+def test_a_file_the_system_refuses_is_one_line(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir(mode=0o700)
+    refused = PermissionError(13, "Permission denied", str(home / "ledger.msgpack"))
+    with mock.patch("kvstore.store.ledger.Ledger.stats", side_effect=refused):
+        result = cli("stats", "--home", home)
+    assert result.exit_code == 1
+    line = _one_line(result)
+    assert str(home / "ledger.msgpack") in line and "Permission denied" in line, line

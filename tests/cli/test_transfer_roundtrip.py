@@ -64,7 +64,7 @@ def test_export_names_the_model_by_its_absolute_path(llama_path, kv_home, tmp_pa
     rel = f"./{llama_path.name}"
     model, _ = load(rel)
     tokens = [3, 4, 5, 6, 7, 8]
-    fp = bytes.fromhex(cli("fingerprint", rel, code=0).output.split()[0])
+    fp = bytes.fromhex(json.loads(cli("fingerprint", rel, "--json", code=0).output)["fingerprint"])
     key = entry_key(fp, tokens)
     with Store(kv_home) as store:
         store.put(key, codec.encode(prefill(model, tokens), {"model": rel}),

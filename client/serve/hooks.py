@@ -123,9 +123,18 @@ class _Hooks:
         writer = WriteBehind(home, maxsize=LEARN_QUEUE) if learn or persist else None
         self.learner = Learner(home, writer=writer) if learn else None
         self.ready = False  # /health answers 503 until the model is loaded, hydrated and warm
+        self.fatal: str | None = None  # why the server stops (its model cannot load)
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
+
+    def stop_with(self, why: str) -> None:
+        """Stop the server (the main thread's serve_forever, as Ctrl-C does): `why` is the one
+        line `kvstore serve` exits with."""
+        import _thread
+
+        self.fatal = why
+        _thread.interrupt_main()
 
     def identity(self, model_path: Any, adapter: Any, args: Any) -> ModelIdentity:
         """The served model as its entries are keyed: the server's KV quantization options
@@ -271,6 +280,20 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
+# what ModelProvider._load resets and sets (mlx-lm 0.31 has no processor)
+_PROVIDER_STATE = ("model_key", "model", "tokenizer", "processor", "draft_model", "is_batchable")
+
+
+def _cause(e: BaseException, model_path: Any = None) -> str:
+    """Why a model did not load, in one line: a local path that is not a directory says so (not
+    the hub's complaint about a repo id); else the exception's first line, named by its type."""
+    p = Path(str(model_path)).expanduser() if model_path is not None else None
+    if p is not None and str(model_path).startswith((".", "/", "~")) and not p.is_dir():
+        return f"no such directory ({p.resolve()})"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
@@ -298,8 +321,23 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                     return plain(path, *a, **kw2)
 
                 server.load = load
+            held = {n: getattr(self, n) for n in _PROVIDER_STATE if hasattr(self, n)}
+            last = held.get("model_key")
             try:
                 super()._load(model_path, adapter_path, draft_model_path, **kw)
+            except Exception as e:
+                why = f"cannot load model {model_path}: {_cause(e, model_path)}"
+                if last is None and model_path == getattr(self.cli_args, "model", None):
+                    if hooks.fatal is None:  # the server's own model: nothing to serve, stop
+                        hooks.stop_with(why)
+                        return  # not raised: mlx-lm would log its thread's death with a traceback
+                # a model asked for by one request: that request's error; the last model stays
+                for n, v in held.items():
+                    setattr(self, n, v)
+                log.warning("kvstore: %s (a request asked for it)", why)
+                raise ServeError(
+                    why + (f"; still serving {last[0]}" if last is not None else "")
+                ) from None
             finally:
                 server.load = plain
                 if reader is not None:

@@ -105,9 +105,7 @@ def _drain(hooks) -> None:
             learner.reported, learner.records_sent, learner.snapshots_sent,
         )  # fmt: skip
         learner.cold.close()
-    if hooks.persister is not None or learner is not None:
-        writer = hooks.persister.writer if hooks.persister is not None else learner.writer
-        writer.close(timeout)
+    hooks.close(timeout)  # hits and prefill stats records still held, then the write-behind
 
 
 @click.command(

@@ -46,9 +46,11 @@ from typing import Any
 from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
-from kvstore.client.persistent import PinnedPromptCache
+from kvstore.client.persistent import HIT_BATCH_S, PersistentPromptCache, PinnedPromptCache
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
+from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
+from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import WriteBehind
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.model import (
@@ -119,14 +121,86 @@ class _Hooks:
         self.home = home
         self.model_config = model_config
         self.cache: Any = None
-        # one queue and one connection to the daemon for learned prefixes and system prompts
-        writer = WriteBehind(home, maxsize=LEARN_QUEUE) if learn or persist else None
+        # one queue and one connection to the daemon: hits, prefill stats, learned prefixes and
+        # system prompts (the library's write-behind path, kvstore.client.writebehind)
+        writer = WriteBehind(home, maxsize=LEARN_QUEUE)
+        self.writer = writer
         self.learner = Learner(home, writer=writer) if learn else None
+        self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
+        self._stats_lock = threading.Lock()
+        self.labels: dict[tuple[int, ...], str] = {}  # stored entries' tokens -> label
+        self.gauges = LearnedGauges(home)  # /metrics' learned gauges, read from the store
+        self._stopped = threading.Event()
+        # held-back hits and stats records leave within HIT_BATCH_S even when no request follows
+        self._flusher = threading.Thread(target=self._flush_every, name="kvstore-serve-flush",
+                                         daemon=True)  # fmt: skip
+        self._flusher.start()
         self.ready = False  # /health answers 503 until the model is loaded, hydrated and warm
         self.fatal: str | None = None  # why the server stops (its model cannot load)
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
+
+    def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
+        """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
+        request's prefill stats in the ledger when it ends (kvstore.client.stats, as the library's
+        calls are): its prompt, the tokens the cache served, prefill and decode seconds."""
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        try:
+            for r in responses:
+                if first is None:
+                    first = time.perf_counter()
+                n += 1
+                yield r
+        finally:
+            end = time.perf_counter()
+            first = end if first is None else first
+            self.record_call(ctx, first - t0, end - first, n)
+
+    def record_call(self, ctx: Any, prefill_s: float, decode_s: float, generated: int) -> None:
+        prompt = list(getattr(ctx, "prompt", None) or [])
+        cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0))
+        if self.stats is None or not prompt:
+            return
+        label = max(
+            (t for t in self.labels if len(t) <= cached and tuple(prompt[: len(t)]) == t),
+            key=len,
+            default=None,
+        )
+        with self._stats_lock:
+            self.stats.record(
+                label=f"serve:{self.labels[label]}" if label is not None else "serve",
+                prompt_tokens=len(prompt),
+                cached_tokens=min(cached, len(prompt)),
+                prefill_s=prefill_s,
+                decode_s=decode_s,
+                generated_tokens=generated,
+            )
+
+    def _flush_every(self) -> None:
+        while not self._stopped.wait(HIT_BATCH_S):
+            try:
+                self.flush()
+            except Exception as e:  # never let the timer die silently; never stop the server
+                log.debug("kvstore: flushing hits and stats: %s", e)
+
+    def close(self, timeout: float) -> None:
+        """Stop the timer, send what is held back, and wait for the write-behind (at most
+        `timeout`)."""
+        self._stopped.set()
+        self.flush()
+        self.writer.close(timeout)
+        self.gauges.close()
+
+    def flush(self) -> None:
+        """Send the held-back hits and stats records (batched as the library batches them)."""
+        if self.cache is not None:
+            self.cache.flush_hits()
+        with self._stats_lock:
+            if self.stats is not None:
+                self.stats._send(force=True)
 
     def stop_with(self, why: str) -> None:
         """Stop the server (the main thread's serve_forever, as Ctrl-C does): `why` is the one
@@ -158,6 +232,7 @@ class _Hooks:
             except Exception as e:  # a warm-up is an optimisation: never keep the server down
                 log.warning("kvstore: warm-up pass failed: %s", e)
             if not self.ready:
+                self.gauges.refresh(force=True)
                 self.ready = True
                 log.info("kvstore: ready (%s)", provider.model_key[0])
 
@@ -207,7 +282,14 @@ class _Hooks:
         if prefetched is None:
             prefetched = prefetch(identity, home=self.home, model=provider.model)
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
+        labels = {tuple(meta.token_ids()): meta.label for meta, _ in prefetched.entries}
         report = insert(self.cache, key, prefetched)
+        self.labels = labels
+        self.cache.served_by_store(key, report.fingerprint, set(self.labels))
+        with self._stats_lock:
+            if self.stats is not None:
+                self.stats.close()  # the last model's unsent records
+            self.stats = StatsRecorder(str(model_path), writer=self.writer)
         pins = self.cache.pins_of(key)
         if pins:
             log.info(
@@ -276,6 +358,7 @@ class _Hooks:
             try:
                 extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
                 self.persister.offer(target, tokens, cache, extra)
+                self.cache._offered.add(tuple(tokens))  # stored soon: its later uses are hits
             except Exception as e:  # never fail the insert the server asked for
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
@@ -355,11 +438,41 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     class PersistentServerCache(PinnedPromptCache):
         """The server's prompt cache; stored pins of the loaded model are kept as pins."""
 
+        # Hits on stored entries reach the daemon as the library's do (touch, batched every
+        # HIT_BATCH_S through the write-behind; restored learned records through the learner).
+        _record_hit = PersistentPromptCache._record_hit
+        _send_hits = PersistentPromptCache._send_hits
+
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
             self.learner = hooks.learner
+            self._writer = hooks.writer
+            self.fingerprint: bytes | None = None  # the loaded model's, once hydrated
+            self._hit_model: Any = None
+            self._hydrated: set[tuple[int, ...]] = set()  # tokens of entries the store holds
+            self._offered: set[tuple[int, ...]] = set()  # sent to the daemon (persisted)
+            self._hits: list[bytes] = []
+            self._hits_sent = time.monotonic()
             hooks.cache = self
+
+        def served_by_store(self, model: Any, fingerprint: str | None, tokens: set) -> None:
+            """The loaded model's stored entries (hydrated): a fetch they serve is a hit."""
+            self.fingerprint = bytes.fromhex(fingerprint) if fingerprint else None
+            self._hit_model = model
+            self._hydrated = set(tokens)
+            self._offered = set()
+
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is not None and model == self._hit_model and len(rest) < len(tokens):
+                self._record_hit(tokens, len(tokens) - len(rest))
+            return cache, rest
+
+        def flush_hits(self) -> None:
+            """Send the hits held back (the server's timer, and its stop)."""
+            if self._hits or (self.learner is not None and self.learner._touched):
+                self._send_hits()
 
         def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
             """The next inserts of these entries' tokens become pins. Pins of other models are
@@ -374,6 +487,8 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
+            if self._restoring and model == self._hit_model:
+                self._hydrated.add(tuple(tokens))  # read from the store: its uses are hits
             label = self._to_pin.pop((model, tuple(tokens)), None)
             if label is not None:
                 self.attach_pin(model, tokens, prompt_cache, label)
@@ -390,6 +505,10 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             return stats
 
     class StableSegmentGenerator(server.ResponseGenerator):
+        def generate(self, request, generation_args, *a: Any, **kw: Any):
+            ctx, responses = super().generate(request, generation_args, *a, **kw)
+            return ctx, hooks.recorded(ctx, responses)
+
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
             if hooks.boundary is None:
@@ -408,6 +527,7 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             if self.path == "/metrics":
                 from kvstore.metrics import exposition
 
+                hooks.gauges.refresh()  # at most every few seconds, never a scan per scrape
                 body, content_type = exposition()
                 self.send_response(200)
                 self.send_header("Content-Type", content_type)
@@ -454,8 +574,7 @@ def patched_server(
     saved_http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
     server._run_http_server = functools.partial(saved_http, handler_class=handler_cls)
-    if persist:
-        server.ResponseGenerator = generator_cls
+    server.ResponseGenerator = generator_cls  # per-request stats; --persist-system-prompts' cut
     try:
         yield server
     finally:

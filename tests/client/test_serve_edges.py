@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import CLASSIFY, Proc, serving, wait_for, warm_two_pins
 from test_serve_learn import Serve
 
 pytestmark = pytest.mark.slow
@@ -85,3 +86,138 @@ def test_a_request_for_a_model_that_cannot_load_is_answered_and_the_default_stay
         assert server.proc.poll() is None
     finally:
         server.stop()
+
+
+# -- what serve serves reaches the store: hits, last used, the prefill ledger -----------------
+
+
+def _ls(home: Path) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "kvstore", "ls", "--json", "--home", str(home)],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {e["label"]: e for e in json.loads(out)}
+
+
+def _ledger(home: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json", "--home", str(home)],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return json.loads(out)["ledger"]["by_model_label"]
+
+
+def test_requests_served_from_a_pin_count_as_its_hits_and_in_the_ledger(
+    llama_path, kv_home, tmp_path
+):
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    before = _ls(kv_home)["classify"]
+    n = 3
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        server = Serve(kv_home, llama_path, tmp_path / "serve.log")
+        try:
+            server.wait_ready()
+            for i in range(n):
+                reply = server.chat(f"My invoice {i} was charged twice.", system=CLASSIFY)
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= before["tokens"]
+            # batched as the library's hits are: they reach the store within seconds, no stop
+            wait_for(lambda: _ls(kv_home)["classify"]["hits"] == before["hits"] + n, 30.0,
+                     server.tail, proc=server.proc)  # fmt: skip
+            after = _ls(kv_home)
+            assert after["classify"]["last_used"] > before["last_used"]
+            assert after["synthesize"]["hits"] == before["hits"]  # not used: not touched
+            rows = wait_for(lambda: [r for r in _ledger(kv_home) if r["label"] == "serve:classify"],
+                            30.0, server.tail, proc=server.proc)  # fmt: skip
+            assert rows[0]["calls"] == n and rows[0]["model"] == str(llama_path)
+            assert rows[0]["cached_tokens"] >= n * before["tokens"]
+        finally:
+            assert server.stop() == 0, server.tail()
+
+
+# -- /metrics' learned gauges ------------------------------------------------------------------
+
+FP = bytes(range(16))
+
+
+def _put_records(home: Path, n_tokens: int) -> int:
+    """Learned records of `n_tokens` tokens, written as the daemon writes them; their bytes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.codec.blocks import slice_record
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+    from kvstore.store.store import Store
+
+    c = KVCache()
+    x = mx.arange(n_tokens * 8, dtype=mx.float32).reshape(1, 1, n_tokens, 8)
+    c.update_and_fetch(x, -x)
+    recs = [(s, e, slice_record([c], s, e)) for s, e in cuts(0, n_tokens)]
+    with Store(home) as store:
+        return BlockStore(store).put_records(FP, list(range(1, n_tokens + 1)), recs, label="x")
+
+
+def _gauges(server) -> dict[str, float]:
+    _, body = server.get("/metrics")
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith("kvstore_learn") and not line.startswith("#"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_learned_gauges_are_the_stores(llama_path, kv_home, tmp_path):
+    kv_home.mkdir(parents=True, exist_ok=True)
+    (kv_home / "settings.toml").write_text("learned_max_bytes = 123456789\n")
+    nbytes = _put_records(kv_home, 800)
+    server = Serve(kv_home, llama_path, tmp_path / "serve.log", "--no-learn")
+    try:
+        server.wait_ready()
+        g = _gauges(server)  # before: 0, 0, 0 (only the daemon set them)
+        assert (
+            g["kvstore_learned_records"] == 4
+        )  # cut at 256: [0,256) [256,512) [512,768) [768,800)
+        assert g["kvstore_learned_bytes"] == nbytes > 0
+        assert g["kvstore_learned_budget_bytes"] == 123456789
+        more = _put_records_more(kv_home)
+        # re-read within a few seconds of a scrape, not on every scrape
+        wait_for(lambda: _gauges(server)["kvstore_learned_bytes"] == nbytes + more, 30.0,
+                 server.tail, proc=server.proc)  # fmt: skip
+    finally:
+        server.stop()
+
+
+def _put_records_more(home: Path) -> int:
+    """The chain of _put_records grown by 300 tokens: [800, 1024) and [1024, 1100) more."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.codec.blocks import slice_record
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+    from kvstore.store.store import Store
+
+    c = KVCache()
+    x = mx.arange(1100 * 8, dtype=mx.float32).reshape(1, 1, 1100, 8)
+    c.update_and_fetch(x, -x)
+    recs = [(s, e, slice_record([c], s, e)) for s, e in cuts(800, 1100)]
+    with Store(home) as store:
+        return BlockStore(store).put_records(FP, list(range(1, 1101)), recs, label="x")
+
+
+def test_learned_gauges_read_the_store_at_most_once_per_refresh(kv_home, monkeypatch):
+    from kvstore import metrics
+    from kvstore.client.serve.gauges import LearnedGauges
+    from kvstore.store.store import Store
+
+    nbytes = _put_records(kv_home, 800)
+    scans = []
+    plain = Store.metas
+    monkeypatch.setattr(
+        Store, "metas", lambda self, *a, **kw: scans.append(1) or plain(self, *a, **kw)
+    )
+    gauges = LearnedGauges(kv_home, refresh_s=3600)
+    for _ in range(50):  # scrapes
+        gauges.refresh()
+    assert gauges.reads == 1 and len(scans) == 1
+    assert metrics.LEARNED_BYTES._value.get() == nbytes
+    gauges.refresh(force=True)  # entries unchanged: the snapshot sum is not taken again
+    assert gauges.reads == 2 and len(scans) == 1
+    gauges.close()

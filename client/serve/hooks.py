@@ -37,6 +37,7 @@ import functools
 import inspect
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -60,6 +61,14 @@ from kvstore.identity.model import (
 )
 
 log = logging.getLogger("kvstore.serve")
+
+WARM_UP_HEADER = "X-KVStore-Warm-Up"
+WARM_UP_TEXT = (
+    "Warm-up request of kvstore serve: this turn is as long as a short user request, so the "
+    "first real request after a start runs at the shapes this one ran at already."
+)
+WARM_UP_CONNECT_S = 60.0  # seconds the warm-up waits for the server's socket
+WARM_UP_TIMEOUT_S = 300.0  # seconds one warm-up request may take (a long pin on a slow machine)
 
 
 class ServeError(KVStoreError):
@@ -137,6 +146,10 @@ class _Hooks:
         self._flusher.start()
         self.ready = False  # /health answers 503 until the model is loaded, hydrated and warm
         self.fatal: str | None = None  # why the server stops (its model cannot load)
+        self.warming = False  # the throwaway warm-up requests are in flight
+        self.warm_thread_started = False
+        self.warm_secret = secrets.token_hex(8)  # marks this server's own warm-up requests
+        self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
@@ -160,6 +173,8 @@ class _Hooks:
             self.record_call(ctx, first - t0, end - first, n)
 
     def record_call(self, ctx: Any, prefill_s: float, decode_s: float, generated: int) -> None:
+        if getattr(ctx, "_kvstore_warm_up", False):
+            return  # a warm-up request: not a call
         prompt = list(getattr(ctx, "prompt", None) or [])
         cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0))
         if self.stats is None or not prompt:
@@ -231,10 +246,98 @@ class _Hooks:
                 self.warm_up(provider)
             except Exception as e:  # a warm-up is an optimisation: never keep the server down
                 log.warning("kvstore: warm-up pass failed: %s", e)
-            if not self.ready:
-                self.gauges.refresh(force=True)
-                self.ready = True
-                log.info("kvstore: ready (%s)", provider.model_key[0])
+            if not self.ready and not self.warm_thread_started:
+                # the requests go through the server itself: a thread of their own (this is the
+                # generation thread, which serves them), /health at 503 until they are answered
+                self.warm_thread_started = True
+                threading.Thread(target=self.warm_requests, args=(provider,),
+                                 name="kvstore-warm-up", daemon=True).start()  # fmt: skip
+
+    def warm_requests(self, provider: Any) -> None:
+        """One throwaway request per pin of the loaded model (one plain request when it has none),
+        through the server's own request path: HTTP handler, chat template, fetch from the pin
+        and the cold tier, prefill and first token at the shapes a request after that pin has.
+        So a restarted server's first request per stage costs what a later one does. They leave
+        nothing behind: no ledger record, no hit, no report to the daemon, nothing inserted into
+        the prompt cache, not counted in /metrics. Then /health answers 200."""
+        t0 = time.perf_counter()
+        pins = sorted(self.cache.pins_of(provider.model_key)) if self.cache is not None else []
+        self.warm_tokens = [list(t) for t in pins] or [None]
+        done = 0
+        self.warming = True
+        try:
+            for i in range(len(self.warm_tokens)):
+                if self.fatal is not None:
+                    return
+                self._warm_request(provider.cli_args, i)
+                done += 1
+            log.info("kvstore: %s through the server in %.3f s",
+                     counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
+        except Exception as e:  # an optimisation: never keep the server down
+            log.warning("kvstore: warm-up request failed (%d of %d done): %s",
+                        done, len(self.warm_tokens), e)  # fmt: skip
+        finally:
+            self.warming = False
+            if self.learner is not None:
+                with self.learner._lock:
+                    self.learner._touched = {}  # only the warm-up restored anything yet
+            self.gauges.refresh(force=True)
+            self.ready = True
+            log.info("kvstore: ready (%s)", provider.model_key[0])
+
+    def _warm_request(self, cli_args: Any, i: int) -> None:
+        import http.client
+
+        host = getattr(cli_args, "host", None) or "127.0.0.1"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        port = int(getattr(cli_args, "port", 8080))
+        body = json.dumps({
+            "messages": [{"role": "system", "content": WARM_UP_TEXT},
+                         {"role": "user", "content": WARM_UP_TEXT}],
+            "max_tokens": 2,
+            "temperature": 0.0,
+        }).encode()  # fmt: skip
+        deadline = time.monotonic() + WARM_UP_CONNECT_S
+        while True:  # the main thread may still be binding the server's socket
+            conn = http.client.HTTPConnection(host, port, timeout=WARM_UP_TIMEOUT_S)
+            try:
+                conn.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    body=body,
+                    headers={
+                        "Content-Type": "application/json",
+                        WARM_UP_HEADER: f"{self.warm_secret}:{i}",
+                    },
+                )
+                reply = conn.getresponse()
+                data = reply.read()
+                if reply.status != 200:
+                    raise ServeError(f"HTTP {reply.status}: {data[:200]!r}")
+                return
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+            finally:
+                conn.close()
+
+    def warm_request_of(self, headers: Any) -> int | None:
+        """The warm-up request's index when these HTTP headers mark one of this server's."""
+        mark = headers.get(WARM_UP_HEADER) if headers is not None else None
+        if not mark or not self.warming:
+            return None
+        secret, _, i = str(mark).partition(":")
+        return int(i) if secret == self.warm_secret and i.isdigit() else None
+
+    def warm_tokenize(self, out: tuple, i: int) -> tuple:
+        """The warm-up request `i`'s prompt: pin i's tokens, then the rendered user turn."""
+        prompt, segments, types, *rest = out
+        pin = self.warm_tokens[i] if i < len(self.warm_tokens) else None
+        if pin is None:
+            return out
+        tail = list(segments[-1]) if types and types[-1] != "system" else list(prompt[-16:])
+        return (pin + tail, [pin, tail], ["system", "user"], *rest)
 
     def warm_up(self, provider: Any) -> None:
         """One 32-token prefill chunk and 2 decode steps on a throwaway copy of the longest pin
@@ -363,6 +466,10 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
+def _no_count(*args: Any) -> None:
+    """Provenance.count during a warm-up request: /metrics counts requests only."""
+
+
 # what ModelProvider._load resets and sets (mlx-lm 0.31 has no processor)
 _PROVIDER_STATE = ("model_key", "model", "tokenizer", "processor", "draft_model", "is_batchable")
 
@@ -464,6 +571,17 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             self._offered = set()
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+            if hooks.warming:  # a warm-up request: not counted, not reported, not a hit
+                learner, self.provenance.count = self.learner, _no_count
+                learning = learner is not None and learner.learn
+                if learner is not None:
+                    learner.learn = False
+                try:
+                    return super().fetch_nearest_cache(model, tokens)
+                finally:
+                    del self.provenance.count
+                    if learner is not None:
+                        learner.learn = learning
             cache, rest = super().fetch_nearest_cache(model, tokens)
             if cache is not None and model == self._hit_model and len(rest) < len(tokens):
                 self._record_hit(tokens, len(tokens) - len(rest))
@@ -487,6 +605,8 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
+            if hooks.warming:
+                return False  # a warm-up request's KV: thrown away
             if self._restoring and model == self._hit_model:
                 self._hydrated.add(tuple(tokens))  # read from the store: its uses are hits
             label = self._to_pin.pop((model, tuple(tokens)), None)
@@ -507,10 +627,15 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     class StableSegmentGenerator(server.ResponseGenerator):
         def generate(self, request, generation_args, *a: Any, **kw: Any):
             ctx, responses = super().generate(request, generation_args, *a, **kw)
+            if getattr(request, "_kvstore_warm_up", None) is not None:
+                ctx._kvstore_warm_up = True
             return ctx, hooks.recorded(ctx, responses)
 
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
+            warm = getattr(request, "_kvstore_warm_up", None)
+            if warm is not None:
+                return hooks.warm_tokenize(out, warm)
             if hooks.boundary is None:
                 return out
             try:
@@ -522,6 +647,13 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
 
     class KVStoreHandler(server.APIHandler):
         """mlx-lm's handler, plus `GET /metrics` and a `/health` that is 503 until ready."""
+
+        def handle_chat_completions(self):
+            request = super().handle_chat_completions()
+            warm = hooks.warm_request_of(self.headers)
+            if warm is not None:
+                request._kvstore_warm_up = warm  # this server's own warm-up (hooks.warm_requests)
+            return request
 
         def do_GET(self):
             if self.path == "/metrics":

@@ -221,3 +221,44 @@ def test_learned_gauges_read_the_store_at_most_once_per_refresh(kv_home, monkeyp
     gauges.refresh(force=True)  # entries unchanged: the snapshot sum is not taken again
     assert gauges.reads == 2 and len(scans) == 1
     gauges.close()
+
+
+# -- the first request after a start: warm-up requests through the server before /health ------
+
+
+def test_warm_up_requests_go_through_the_server_before_health_and_leave_nothing(
+    llama_path, kv_home, tmp_path
+):
+    pins = warm_two_pins(tmp_path, kv_home, llama_path)
+    before = _ls(kv_home)
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        server = Serve(kv_home, llama_path, log)
+        try:
+            server.wait_ready()
+            text = log.read_text()
+            ready_at = text.index("kvstore: ready")
+            # one request per pin through the server's own HTTP handler, before /health said 200
+            assert text[:ready_at].count('"POST /v1/chat/completions HTTP/1.1" 200') == len(pins)
+            assert '"GET /health HTTP/1.1" 200' not in text[:ready_at]
+            assert "2 warm-up requests through the server" in text
+            # not counted: no prompt tokens in /metrics yet
+            _, body = server.get("/metrics")
+            counts = [line for line in body.decode().splitlines()
+                      if line.startswith("kvstore_prompt_tokens_total")]  # fmt: skip
+            assert counts and all(float(c.split()[-1]) == 0 for c in counts), counts
+            # nothing left in the prompt cache: the first request sees the two pins only
+            reply = server.chat("My invoice 7 was charged twice.", system=CLASSIFY)
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == pins["classify"].ntokens
+            after_ready = log.read_text()[ready_at:]
+            assert "Prompt Cache: 2 sequences" in after_ready.split("POST /v1/chat")[0]
+        finally:
+            assert server.stop() == 0, server.tail()
+        ledger = _ledger(kv_home)
+        assert [r["calls"] for r in ledger if r["label"].startswith("serve")] == [1]  # the one
+        learned = d.request("stats").get("learned") or {}
+        assert not learned.get("records") and not learned.get("snapshots")
+    after = _ls(kv_home)
+    assert after["synthesize"]["hits"] == before["synthesize"]["hits"]  # warmed up, not a hit
+    assert after["classify"]["hits"] == before["classify"]["hits"] + 1  # the real request

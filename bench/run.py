@@ -25,7 +25,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
-    "startup", "learned",
+    "startup", "learned", "firstreq",
 )  # fmt: skip
 
 
@@ -160,6 +160,10 @@ def targets(res: dict) -> list[dict]:
             "loads every command, the daemon's and client's too")  # fmt: skip
     if le := res.get("learned"):
         out.extend(learned_targets(le))
+    if fr := res.get("firstreq"):  # issue 22: each pinned stage's first request after a restart
+        from bench.firstreq import targets as firstreq_targets
+
+        out.extend(firstreq_targets(fr))
     return out
 
 

@@ -15,6 +15,8 @@ def test_firstreq_reports_each_pinned_stage_against_its_target():
     for r in res["stages"].values():
         assert r["first_ms"] > 0 and r["steady_ms"] > 0
         assert r["cached_first"] > 0  # the first request after the start is served its pin
-        assert r["cached_first"] == r["cached_steady"]  # the warm-up left nothing more cached
+        # the warm-up left nothing more cached than its pin (later turns may share a token or two
+        # of their opening code with an earlier transcript)
+        assert r["cached_first"] <= r["cached_steady"] < r["cached_first"] + 8
     rows = [t for t in run.targets({"firstreq": res}) if "first request" in t["target"]]
     assert len(rows) == len(STAGES) and all(isinstance(t["ok"], bool) for t in rows)

@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -535,8 +536,28 @@ def report(root: Path, ntokens: int, reps: int) -> dict:
     }
 
 
+PEER_RESTARTS = 3  # restarts of each server; the figures are their medians
+
+
+def _peer_round(s: Server, user: str, model: str | None) -> dict:
+    """One request per stage (a new user turn): total time to first token, spawn to the first
+    answer, cached tokens."""
+    ttft, cached, first = [], [], None
+    for stage in STAGE_NAMES:
+        reply = s.chat(_stage_messages(stage, user), model=model)
+        first = first or time.perf_counter() - s.spawned
+        ttft.append(reply["ttft_s"])
+        cached.append(_cached(reply))
+    return {"spawn_to_first_answer_s": first, "total_ttft_s": sum(ttft), "ttft_s": ttft,
+            "cached_tokens": cached}  # fmt: skip
+
+
 def peer(root: Path) -> dict:
-    """vllm-mlx 0.6.0 side by side after a restart, opt-in on an existing venv."""
+    """vllm-mlx 0.6.0 side by side after restarts, opt-in on an existing venv: the same tiny model,
+    the same requests. Each server is first asked every stage twice (kvstore learns the prefixes
+    through its daemon, with no manifest; vllm-mlx saves its SSD cache at the clean stop), then
+    restarted PEER_RESTARTS times, the servers' restarts interleaved; after each, every stage once
+    with a user turn new to all of them."""
     venv = os.environ.get("KVSTORE_PEER_VENV")
     exe = Path(venv or "/nonexistent") / "bin" / "vllm-mlx"
     if not venv or not exe.exists():
@@ -548,38 +569,86 @@ def peer(root: Path) -> dict:
     from kvstore.tiny import make_tiny_model
 
     model = make_tiny_model(root / "model-peer", "llama").resolve()
-    out: dict = {"model": "tiny llama", "venv": venv}
+    home = root / "home-peer"
+    env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error")  # fmt: skip
     warm = root / "warm.json"
     warm.write_text(json.dumps([[{"role": "system", "content": STAGES[s]["system"]}]
                                 for s in STAGE_NAMES]))  # fmt: skip
-    for setting, extra in (("ssd", []), ("ssd + warm prompts", ["--warm-prompts", str(warm)])):
-        row: dict = {}
-        ssd = root / f"peer-ssd-{len(extra)}"  # each setting its own SSD tier
-        try:
-            for phase in ("before", "after"):
-                port = free_port()
-                argv = [str(exe), "serve", str(model), "--port", str(port),
-                        "--continuous-batching", "--ssd-cache-dir", str(ssd), *extra]  # fmt: skip
-                s = Server(argv, port, root / "peer.log")
+    variants = {"ssd": [], "ssd + warm prompts": ["--warm-prompts", str(warm)]}
+
+    def start(name: str) -> tuple[Server, str | None]:
+        port = free_port()
+        if name == "kvstore":
+            argv = _kv("serve", "--home", str(home), "--model", str(model), "--port", str(port))
+            s = Server(argv, port, root / "peer-kvstore.log", env)
+            s.wait_ready()
+            return s, None
+        ssd = root / f"peer-ssd-{len(variants[name])}"  # each setting its own SSD tier
+        argv = [str(exe), "serve", str(model), "--port", str(port), "--continuous-batching",
+                "--ssd-cache-dir", str(ssd), *variants[name]]  # fmt: skip
+        s = Server(argv, port, root / "peer.log")
+        s.wait_ready("/v1/models")
+        return s, str(model)
+
+    out: dict = {"model": "tiny llama", "venv": venv, "restarts": PEER_RESTARTS}
+    runs: dict[str, list] = {"kvstore": [], **{v: [] for v in variants}}
+    errors: dict[str, str] = {}
+    log = root / "daemon-peer.log"
+    with log.open("ab") as f:
+        daemon = subprocess.Popen(_kv("daemon", "--home", str(home)), stdout=f,
+                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        _wait_daemon(home, daemon, log)
+        for phase in ["before", *range(PEER_RESTARTS)]:
+            for name in runs:
+                if name in errors:
+                    continue
                 try:
-                    s.wait_ready("/v1/models")
-                    ttft, cached, first = [], [], None
-                    for stage in STAGE_NAMES:
-                        users = USERS[:2] if phase == "before" else USERS[3:]
-                        for user in users:
-                            reply = s.chat(_stage_messages(stage, user), model=str(model))
-                            first = first or time.perf_counter() - s.spawned
-                            ttft.append(reply["ttft_s"])
-                            cached.append(_cached(reply))
-                    row[phase] = {"spawn_to_first_answer_s": first, "total_ttft_s": sum(ttft),
-                                  "cached_tokens": cached}  # fmt: skip
-                finally:
-                    s.stop(signal.SIGTERM)  # the peer saves its cache at a clean stop only
-        except (RuntimeError, OSError, urllib.error.URLError) as e:
-            lines = [x for x in str(e).splitlines() if "Error" in x or "error" in x]
-            row["error"] = (lines[-1] if lines else str(e).splitlines()[0])[:400]
-            print(f"  peer {setting}: {row['error']}")
-        out[setting] = row
+                    s, m = start(name)
+                    try:
+                        if phase == "before":
+                            for stage in STAGE_NAMES:
+                                for user in USERS[:2]:
+                                    s.chat(_stage_messages(stage, user), model=m)
+                            if name == "kvstore":
+                                _wait_learned(home, True)
+                        else:
+                            user = f"Ticket {phase + 1} of the week. {USERS[3]}"
+                            runs[name].append(_peer_round(s, user, m))
+                    finally:
+                        s.stop(signal.SIGTERM)  # the peer saves its cache at a clean stop only
+                except (RuntimeError, OSError, urllib.error.URLError) as e:
+                    lines = [x for x in str(e).splitlines() if "Error" in x or "error" in x]
+                    errors[name] = (lines[-1] if lines else str(e).splitlines()[0])[:400]
+                    print(f"  peer {name}: {errors[name]}")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+    for name, rows in runs.items():
+        if name in errors:
+            out[name] = {"error": errors[name]}
+            continue
+        out[name] = {
+            "after": {
+                "total_ttft_s": statistics.median(r["total_ttft_s"] for r in rows),
+                "total_ttft_spread_s": [
+                    min(r["total_ttft_s"] for r in rows),
+                    max(r["total_ttft_s"] for r in rows),
+                ],  # fmt: skip
+                "spawn_to_first_answer_s": statistics.median(
+                    r["spawn_to_first_answer_s"] for r in rows
+                ),
+                "ttft_s": [
+                    statistics.median(r["ttft_s"][i] for r in rows) for i in range(len(STAGE_NAMES))
+                ],  # fmt: skip
+                "cached_tokens": rows[-1]["cached_tokens"],
+            },
+            "runs": rows,
+        }
     return out
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
-    "startup", "learned",
+    "startup", "learned", "firstreq",
 )  # fmt: skip
 
 
@@ -160,6 +160,10 @@ def targets(res: dict) -> list[dict]:
             "loads every command, the daemon's and client's too")  # fmt: skip
     if le := res.get("learned"):
         out.extend(learned_targets(le))
+    if fr := res.get("firstreq"):  # issue 22: each pinned stage's first request after a restart
+        from bench.firstreq import targets as firstreq_targets
+
+        out.extend(firstreq_targets(fr))
     return out
 
 
@@ -262,41 +266,42 @@ def learned_targets(le: dict) -> list[dict]:
     pe = le.get("peer") or {}
     if "skipped" in pe or not pe:
         add("vllm-mlx 0.6.0 side by side", "skipped", "", None, pe.get("skipped", "not run"))
-    else:
-        k = le["restart"].get("llama")
+    else:  # issue 22: over PEER_RESTARTS restarts, medians, against vllm-mlx's best variant
+        k = (pe.get("kvstore") or {}).get("after")
+        best = None
         for setting, row in pe.items():
-            if not isinstance(row, dict):
+            if not isinstance(row, dict) or setting == "kvstore":
                 continue
             if "error" in row:
-                add(
-                    f"vllm-mlx 0.6.0 ({setting}) side by side: {pe['model']}",
-                    None,
-                    "",
-                    None,
-                    row["error"],
-                )
+                add(f"vllm-mlx 0.6.0 ({setting}) side by side: {pe['model']}", None, "", None,
+                    row["error"])  # fmt: skip
                 continue
             after = row.get("after") or {}
-            if k and after:
-                x = k["stages_total_ttft_s"] / after["total_ttft_s"]
-                add(
-                    f"3-stage TTFT after a restart, kvstore serve / vllm-mlx ({setting}) <= 1: "
-                    f"{pe['model']}",
-                    round(x, 3),
-                    "x",
-                    x <= 1,
-                    f"{k['stages_total_ttft_s'] * 1e3:.0f} vs {after['total_ttft_s'] * 1e3:.0f} ms",
-                )
-                x = after["spawn_to_first_answer_s"] / k["spawn_to_first_answer_s"]
-                add(
-                    f"spawn to first answer, vllm-mlx ({setting}) / kvstore serve >= 3: "
-                    f"{pe['model']}",
-                    round(x, 2),
-                    "x",
-                    x >= 3,
-                    f"{after['spawn_to_first_answer_s']:.2f} vs "
-                    f"{k['spawn_to_first_answer_s']:.2f} s",
-                )
+            if after and (best is None or after["total_ttft_s"] < best[1]["total_ttft_s"]):
+                best = (setting, after)
+        if k and best:
+            setting, after = best
+            n = pe.get("restarts", 1)
+            x = after["total_ttft_s"] / k["total_ttft_s"]
+            add(
+                f"3-stage TTFT after a restart, vllm-mlx's best ({setting}) / kvstore serve >= "
+                f"1.2 ({n} restarts, medians): {pe['model']}",
+                round(x, 3),
+                "x",
+                x >= 1.2,
+                f"{k['total_ttft_s'] * 1e3:.0f} vs {after['total_ttft_s'] * 1e3:.0f} ms; per stage "
+                f"kvstore {'/'.join(f'{t * 1e3:.0f}' for t in k['ttft_s'])}, vllm-mlx "
+                f"{'/'.join(f'{t * 1e3:.0f}' for t in after['ttft_s'])} ms",
+            )
+            x = after["spawn_to_first_answer_s"] / k["spawn_to_first_answer_s"]
+            add(
+                f"spawn to first answer, vllm-mlx ({setting}) / kvstore serve >= 4 ({n} restarts, "
+                f"medians): {pe['model']}",
+                round(x, 2),
+                "x",
+                x >= 4,
+                f"{after['spawn_to_first_answer_s']:.2f} vs {k['spawn_to_first_answer_s']:.2f} s",
+            )
     return out
 
 

@@ -66,6 +66,13 @@ def serve(
                 signal.signal(signal.SIGTERM, saved_term)
             for h in hooks:
                 _drain(h)
+    fatal = next((h.fatal for h in hooks if h.fatal), None)
+    if fatal:
+        raise ServeStopped(f"kvstore serve: {fatal}")
+
+
+class ServeStopped(KVStoreError):
+    """The server stopped itself: its model cannot be loaded."""
 
 
 def _stop_on_sigterm():
@@ -98,9 +105,7 @@ def _drain(hooks) -> None:
             learner.reported, learner.records_sent, learner.snapshots_sent,
         )  # fmt: skip
         learner.cold.close()
-    if hooks.persister is not None or learner is not None:
-        writer = hooks.persister.writer if hooks.persister is not None else learner.writer
-        writer.close(timeout)
+    hooks.close(timeout)  # hits and prefill stats records still held, then the write-behind
 
 
 @click.command(
@@ -113,7 +118,12 @@ def _drain(hooks) -> None:
 )
 @home_option
 @click.option("--model", "-m", required=True, help="Model directory or hub id, as mlx_lm.server.")
-@click.option("--port", type=int, default=None, help="HTTP port (mlx_lm.server's default: 8080).")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="HTTP port (mlx_lm.server's default: 8080).",
+)
 @click.option(
     "--persist-system-prompts",
     is_flag=True,
@@ -167,12 +177,21 @@ def serve_cmd(
             learn=not no_learn,
             server_args=server_args,
         )
+    except ServeStopped as e:
+        # one line for the supervisor's log, a non-zero exit for its restart policy; os._exit as
+        # below (mlx-lm's generation thread may still be alive)
+        click.echo(f"Error: {e}", err=True)
+        _exit(1)
     except KVStoreError as e:
         raise click.ClickException(str(e)) from None
     # Stopped and drained. mlx's teardown with mlx-lm's generation thread still alive can abort
     # ("terminate called without an active exception", seen with the qwen3_5 layout, with or
     # without learning): nothing is left to do, so leave without it.
+    _exit(0)
+
+
+def _exit(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

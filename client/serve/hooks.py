@@ -37,6 +37,7 @@ import functools
 import inspect
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -46,9 +47,11 @@ from typing import Any
 from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
-from kvstore.client.persistent import PinnedPromptCache
+from kvstore.client.persistent import HIT_BATCH_S, PersistentPromptCache, PinnedPromptCache
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
+from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
+from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import WriteBehind
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.model import (
@@ -58,6 +61,14 @@ from kvstore.identity.model import (
 )
 
 log = logging.getLogger("kvstore.serve")
+
+WARM_UP_HEADER = "X-KVStore-Warm-Up"
+WARM_UP_TEXT = (
+    "Warm-up request of kvstore serve: this turn is as long as a short user request, so the "
+    "first real request after a start runs at the shapes this one ran at already."
+)
+WARM_UP_CONNECT_S = 60.0  # seconds the warm-up waits for the server's socket
+WARM_UP_TIMEOUT_S = 300.0  # seconds one warm-up request may take (a long pin on a slow machine)
 
 
 class ServeError(KVStoreError):
@@ -119,13 +130,100 @@ class _Hooks:
         self.home = home
         self.model_config = model_config
         self.cache: Any = None
-        # one queue and one connection to the daemon for learned prefixes and system prompts
-        writer = WriteBehind(home, maxsize=LEARN_QUEUE) if learn or persist else None
+        # one queue and one connection to the daemon: hits, prefill stats, learned prefixes and
+        # system prompts (the library's write-behind path, kvstore.client.writebehind)
+        writer = WriteBehind(home, maxsize=LEARN_QUEUE)
+        self.writer = writer
         self.learner = Learner(home, writer=writer) if learn else None
+        self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
+        self._stats_lock = threading.Lock()
+        self.labels: dict[tuple[int, ...], str] = {}  # stored entries' tokens -> label
+        self.gauges = LearnedGauges(home)  # /metrics' learned gauges, read from the store
+        self._stopped = threading.Event()
+        # held-back hits and stats records leave within HIT_BATCH_S even when no request follows
+        self._flusher = threading.Thread(target=self._flush_every, name="kvstore-serve-flush",
+                                         daemon=True)  # fmt: skip
+        self._flusher.start()
         self.ready = False  # /health answers 503 until the model is loaded, hydrated and warm
+        self.fatal: str | None = None  # why the server stops (its model cannot load)
+        self.warming = False  # the throwaway warm-up requests are in flight
+        self.warm_thread_started = False
+        self.warm_secret = secrets.token_hex(8)  # marks this server's own warm-up requests
+        self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
+
+    def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
+        """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
+        request's prefill stats in the ledger when it ends (kvstore.client.stats, as the library's
+        calls are): its prompt, the tokens the cache served, prefill and decode seconds."""
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        try:
+            for r in responses:
+                if first is None:
+                    first = time.perf_counter()
+                n += 1
+                yield r
+        finally:
+            end = time.perf_counter()
+            first = end if first is None else first
+            self.record_call(ctx, first - t0, end - first, n)
+
+    def record_call(self, ctx: Any, prefill_s: float, decode_s: float, generated: int) -> None:
+        if getattr(ctx, "_kvstore_warm_up", False):
+            return  # a warm-up request: not a call
+        prompt = list(getattr(ctx, "prompt", None) or [])
+        cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0))
+        if self.stats is None or not prompt:
+            return
+        label = max(
+            (t for t in self.labels if len(t) <= cached and tuple(prompt[: len(t)]) == t),
+            key=len,
+            default=None,
+        )
+        with self._stats_lock:
+            self.stats.record(
+                label=f"serve:{self.labels[label]}" if label is not None else "serve",
+                prompt_tokens=len(prompt),
+                cached_tokens=min(cached, len(prompt)),
+                prefill_s=prefill_s,
+                decode_s=decode_s,
+                generated_tokens=generated,
+            )
+
+    def _flush_every(self) -> None:
+        while not self._stopped.wait(HIT_BATCH_S):
+            try:
+                self.flush()
+            except Exception as e:  # never let the timer die silently; never stop the server
+                log.debug("kvstore: flushing hits and stats: %s", e)
+
+    def close(self, timeout: float) -> None:
+        """Stop the timer, send what is held back, and wait for the write-behind (at most
+        `timeout`)."""
+        self._stopped.set()
+        self.flush()
+        self.writer.close(timeout)
+        self.gauges.close()
+
+    def flush(self) -> None:
+        """Send the held-back hits and stats records (batched as the library batches them)."""
+        if self.cache is not None:
+            self.cache.flush_hits()
+        with self._stats_lock:
+            if self.stats is not None:
+                self.stats._send(force=True)
+
+    def stop_with(self, why: str) -> None:
+        """Stop the server (the main thread's serve_forever, as Ctrl-C does): `why` is the one
+        line `kvstore serve` exits with."""
+        import _thread
+
+        self.fatal = why
+        _thread.interrupt_main()
 
     def identity(self, model_path: Any, adapter: Any, args: Any) -> ModelIdentity:
         """The served model as its entries are keyed: the server's KV quantization options
@@ -148,9 +246,98 @@ class _Hooks:
                 self.warm_up(provider)
             except Exception as e:  # a warm-up is an optimisation: never keep the server down
                 log.warning("kvstore: warm-up pass failed: %s", e)
-            if not self.ready:
-                self.ready = True
-                log.info("kvstore: ready (%s)", provider.model_key[0])
+            if not self.ready and not self.warm_thread_started:
+                # the requests go through the server itself: a thread of their own (this is the
+                # generation thread, which serves them), /health at 503 until they are answered
+                self.warm_thread_started = True
+                threading.Thread(target=self.warm_requests, args=(provider,),
+                                 name="kvstore-warm-up", daemon=True).start()  # fmt: skip
+
+    def warm_requests(self, provider: Any) -> None:
+        """One throwaway request per pin of the loaded model (one plain request when it has none),
+        through the server's own request path: HTTP handler, chat template, fetch from the pin
+        and the cold tier, prefill and first token at the shapes a request after that pin has.
+        So a restarted server's first request per stage costs what a later one does. They leave
+        nothing behind: no ledger record, no hit, no report to the daemon, nothing inserted into
+        the prompt cache, not counted in /metrics. Then /health answers 200."""
+        t0 = time.perf_counter()
+        pins = sorted(self.cache.pins_of(provider.model_key)) if self.cache is not None else []
+        self.warm_tokens = [list(t) for t in pins] or [None]
+        done = 0
+        self.warming = True
+        try:
+            for i in range(len(self.warm_tokens)):
+                if self.fatal is not None:
+                    return
+                self._warm_request(provider.cli_args, i)
+                done += 1
+            log.info("kvstore: %s through the server in %.3f s",
+                     counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
+        except Exception as e:  # an optimisation: never keep the server down
+            log.warning("kvstore: warm-up request failed (%d of %d done): %s",
+                        done, len(self.warm_tokens), e)  # fmt: skip
+        finally:
+            self.warming = False
+            if self.learner is not None:
+                with self.learner._lock:
+                    self.learner._touched = {}  # only the warm-up restored anything yet
+            self.gauges.refresh(force=True)
+            self.ready = True
+            log.info("kvstore: ready (%s)", provider.model_key[0])
+
+    def _warm_request(self, cli_args: Any, i: int) -> None:
+        import http.client
+
+        host = getattr(cli_args, "host", None) or "127.0.0.1"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        port = int(getattr(cli_args, "port", 8080))
+        body = json.dumps({
+            "messages": [{"role": "system", "content": WARM_UP_TEXT},
+                         {"role": "user", "content": WARM_UP_TEXT}],
+            "max_tokens": 2,
+            "temperature": 0.0,
+        }).encode()  # fmt: skip
+        deadline = time.monotonic() + WARM_UP_CONNECT_S
+        while True:  # the main thread may still be binding the server's socket
+            conn = http.client.HTTPConnection(host, port, timeout=WARM_UP_TIMEOUT_S)
+            try:
+                conn.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    body=body,
+                    headers={
+                        "Content-Type": "application/json",
+                        WARM_UP_HEADER: f"{self.warm_secret}:{i}",
+                    },
+                )
+                reply = conn.getresponse()
+                data = reply.read()
+                if reply.status != 200:
+                    raise ServeError(f"HTTP {reply.status}: {data[:200]!r}")
+                return
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+            finally:
+                conn.close()
+
+    def warm_request_of(self, headers: Any) -> int | None:
+        """The warm-up request's index when these HTTP headers mark one of this server's."""
+        mark = headers.get(WARM_UP_HEADER) if headers is not None else None
+        if not mark or not self.warming:
+            return None
+        secret, _, i = str(mark).partition(":")
+        return int(i) if secret == self.warm_secret and i.isdigit() else None
+
+    def warm_tokenize(self, out: tuple, i: int) -> tuple:
+        """The warm-up request `i`'s prompt: pin i's tokens, then the rendered user turn."""
+        prompt, segments, types, *rest = out
+        pin = self.warm_tokens[i] if i < len(self.warm_tokens) else None
+        if pin is None:
+            return out
+        tail = list(segments[-1]) if types and types[-1] != "system" else list(prompt[-16:])
+        return (pin + tail, [pin, tail], ["system", "user"], *rest)
 
     def warm_up(self, provider: Any) -> None:
         """One 32-token prefill chunk and 2 decode steps on a throwaway copy of the longest pin
@@ -198,7 +385,14 @@ class _Hooks:
         if prefetched is None:
             prefetched = prefetch(identity, home=self.home, model=provider.model)
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
+        labels = {tuple(meta.token_ids()): meta.label for meta, _ in prefetched.entries}
         report = insert(self.cache, key, prefetched)
+        self.labels = labels
+        self.cache.served_by_store(key, report.fingerprint, set(self.labels))
+        with self._stats_lock:
+            if self.stats is not None:
+                self.stats.close()  # the last model's unsent records
+            self.stats = StatsRecorder(str(model_path), writer=self.writer)
         pins = self.cache.pins_of(key)
         if pins:
             log.info(
@@ -267,8 +461,27 @@ class _Hooks:
             try:
                 extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
                 self.persister.offer(target, tokens, cache, extra)
+                self.cache._offered.add(tuple(tokens))  # stored soon: its later uses are hits
             except Exception as e:  # never fail the insert the server asked for
                 log.warning("kvstore: not persisting a system prefix: %s", e)
+
+
+def _no_count(*args: Any) -> None:
+    """Provenance.count during a warm-up request: /metrics counts requests only."""
+
+
+# what ModelProvider._load resets and sets (mlx-lm 0.31 has no processor)
+_PROVIDER_STATE = ("model_key", "model", "tokenizer", "processor", "draft_model", "is_batchable")
+
+
+def _cause(e: BaseException, model_path: Any = None) -> str:
+    """Why a model did not load, in one line: a local path that is not a directory says so (not
+    the hub's complaint about a repo id); else the exception's first line, named by its type."""
+    p = Path(str(model_path)).expanduser() if model_path is not None else None
+    if p is not None and str(model_path).startswith((".", "/", "~")) and not p.is_dir():
+        return f"no such directory ({p.resolve()})"
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
@@ -298,8 +511,23 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                     return plain(path, *a, **kw2)
 
                 server.load = load
+            held = {n: getattr(self, n) for n in _PROVIDER_STATE if hasattr(self, n)}
+            last = held.get("model_key")
             try:
                 super()._load(model_path, adapter_path, draft_model_path, **kw)
+            except Exception as e:
+                why = f"cannot load model {model_path}: {_cause(e, model_path)}"
+                if last is None and model_path == getattr(self.cli_args, "model", None):
+                    if hooks.fatal is None:  # the server's own model: nothing to serve, stop
+                        hooks.stop_with(why)
+                        return  # not raised: mlx-lm would log its thread's death with a traceback
+                # a model asked for by one request: that request's error; the last model stays
+                for n, v in held.items():
+                    setattr(self, n, v)
+                log.warning("kvstore: %s (a request asked for it)", why)
+                raise ServeError(
+                    why + (f"; still serving {last[0]}" if last is not None else "")
+                ) from None
             finally:
                 server.load = plain
                 if reader is not None:
@@ -317,11 +545,52 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     class PersistentServerCache(PinnedPromptCache):
         """The server's prompt cache; stored pins of the loaded model are kept as pins."""
 
+        # Hits on stored entries reach the daemon as the library's do (touch, batched every
+        # HIT_BATCH_S through the write-behind; restored learned records through the learner).
+        _record_hit = PersistentPromptCache._record_hit
+        _send_hits = PersistentPromptCache._send_hits
+
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
             self.learner = hooks.learner
+            self._writer = hooks.writer
+            self.fingerprint: bytes | None = None  # the loaded model's, once hydrated
+            self._hit_model: Any = None
+            self._hydrated: set[tuple[int, ...]] = set()  # tokens of entries the store holds
+            self._offered: set[tuple[int, ...]] = set()  # sent to the daemon (persisted)
+            self._hits: list[bytes] = []
+            self._hits_sent = time.monotonic()
             hooks.cache = self
+
+        def served_by_store(self, model: Any, fingerprint: str | None, tokens: set) -> None:
+            """The loaded model's stored entries (hydrated): a fetch they serve is a hit."""
+            self.fingerprint = bytes.fromhex(fingerprint) if fingerprint else None
+            self._hit_model = model
+            self._hydrated = set(tokens)
+            self._offered = set()
+
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+            if hooks.warming:  # a warm-up request: not counted, not reported, not a hit
+                learner, self.provenance.count = self.learner, _no_count
+                learning = learner is not None and learner.learn
+                if learner is not None:
+                    learner.learn = False
+                try:
+                    return super().fetch_nearest_cache(model, tokens)
+                finally:
+                    del self.provenance.count
+                    if learner is not None:
+                        learner.learn = learning
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is not None and model == self._hit_model and len(rest) < len(tokens):
+                self._record_hit(tokens, len(tokens) - len(rest))
+            return cache, rest
+
+        def flush_hits(self) -> None:
+            """Send the hits held back (the server's timer, and its stop)."""
+            if self._hits or (self.learner is not None and self.learner._touched):
+                self._send_hits()
 
         def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
             """The next inserts of these entries' tokens become pins. Pins of other models are
@@ -336,6 +605,10 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
 
         def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
+            if hooks.warming:
+                return False  # a warm-up request's KV: thrown away
+            if self._restoring and model == self._hit_model:
+                self._hydrated.add(tuple(tokens))  # read from the store: its uses are hits
             label = self._to_pin.pop((model, tuple(tokens)), None)
             if label is not None:
                 self.attach_pin(model, tokens, prompt_cache, label)
@@ -352,8 +625,17 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             return stats
 
     class StableSegmentGenerator(server.ResponseGenerator):
+        def generate(self, request, generation_args, *a: Any, **kw: Any):
+            ctx, responses = super().generate(request, generation_args, *a, **kw)
+            if getattr(request, "_kvstore_warm_up", None) is not None:
+                ctx._kvstore_warm_up = True
+            return ctx, hooks.recorded(ctx, responses)
+
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
+            warm = getattr(request, "_kvstore_warm_up", None)
+            if warm is not None:
+                return hooks.warm_tokenize(out, warm)
             if hooks.boundary is None:
                 return out
             try:
@@ -366,10 +648,18 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     class KVStoreHandler(server.APIHandler):
         """mlx-lm's handler, plus `GET /metrics` and a `/health` that is 503 until ready."""
 
+        def handle_chat_completions(self):
+            request = super().handle_chat_completions()
+            warm = hooks.warm_request_of(self.headers)
+            if warm is not None:
+                request._kvstore_warm_up = warm  # this server's own warm-up (hooks.warm_requests)
+            return request
+
         def do_GET(self):
             if self.path == "/metrics":
                 from kvstore.metrics import exposition
 
+                hooks.gauges.refresh()  # at most every few seconds, never a scan per scrape
                 body, content_type = exposition()
                 self.send_response(200)
                 self.send_header("Content-Type", content_type)
@@ -416,8 +706,7 @@ def patched_server(
     saved_http = server._run_http_server
     server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
     server._run_http_server = functools.partial(saved_http, handler_class=handler_cls)
-    if persist:
-        server.ResponseGenerator = generator_cls
+    server.ResponseGenerator = generator_cls  # per-request stats; --persist-system-prompts' cut
     try:
         yield server
     finally:

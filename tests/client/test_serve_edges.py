@@ -1,0 +1,264 @@
+"""`kvstore serve` at its edges, through real `kvstore serve` processes: a default model that
+cannot load ends the server with one line and a non-zero exit; a model one request asks for that
+cannot load answers that request with an error and the server keeps its own; the port is
+range-checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from helpers import CLASSIFY, Proc, serving, wait_for, warm_two_pins
+from test_serve_learn import Serve
+
+pytestmark = pytest.mark.slow
+
+EXIT_TIMEOUT = 60.0  # seconds for a server whose model cannot load to import mlx-lm and stop
+
+
+def _serve(home: Path, model: str, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "kvstore", "serve", "--home", str(home), "--model", model,
+            "--port", "0", *extra]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, timeout=EXIT_TIMEOUT)
+
+
+def _error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("Error:")]
+
+
+@pytest.mark.parametrize("broken", ["missing", "bad_config"])
+def test_a_default_model_that_cannot_load_ends_the_server_in_one_line(kv_home, tmp_path, broken):
+    model = tmp_path / "m"
+    if broken == "bad_config":
+        model.mkdir()
+        (model / "config.json").write_text("{not json")
+    r = _serve(kv_home, str(model))  # before: still listening (503 "starting") at the timeout
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "Traceback" not in out, out
+    lines = _error_lines(out)
+    assert len(lines) == 1, out
+    assert str(model) in lines[0] and "cannot load model" in lines[0], out
+    if broken == "missing":
+        assert "no such directory" in lines[0], out
+    else:
+        assert "JSONDecodeError" in lines[0], out
+
+
+def test_a_port_out_of_range_is_refused(kv_home, tmp_path):
+    argv = [sys.executable, "-m", "kvstore", "serve", "--home", str(kv_home), "--model",
+            str(tmp_path), "--port", "99999"]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=EXIT_TIMEOUT)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "'--port': 99999 is not in the range 0<=x<=65535" in r.stderr
+
+
+def test_a_request_for_a_model_that_cannot_load_is_answered_and_the_default_stays(
+    llama_path, kv_home, tmp_path
+):
+    server = Serve(kv_home, llama_path, tmp_path / "serve.log", "--no-learn")
+    try:
+        server.wait_ready()
+        before = server.chat("Where is my parcel?")
+        missing = tmp_path / "nope"
+        body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2, model=str(missing))
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        assert 400 <= err.value.code < 600
+        message = json.loads(err.value.read())["error"]
+        assert f"cannot load model {missing}" in message and "no such directory" in message
+        assert str(llama_path) in message  # still serving it
+        # the default model is still loaded, hydrated pins and all: no reload, same answer
+        after = server.chat("Where is my parcel?")
+        assert after["choices"][0]["message"] == before["choices"][0]["message"]
+        assert server.get("/health")[0] == 200
+        assert server.tail().count("kvstore: ready") == 1  # loaded once, not again
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+# -- what serve serves reaches the store: hits, last used, the prefill ledger -----------------
+
+
+def _ls(home: Path) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "kvstore", "ls", "--json", "--home", str(home)],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {e["label"]: e for e in json.loads(out)}
+
+
+def _ledger(home: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--json", "--home", str(home)],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return json.loads(out)["ledger"]["by_model_label"]
+
+
+def test_requests_served_from_a_pin_count_as_its_hits_and_in_the_ledger(
+    llama_path, kv_home, tmp_path
+):
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    before = _ls(kv_home)["classify"]
+    n = 3
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        server = Serve(kv_home, llama_path, tmp_path / "serve.log")
+        try:
+            server.wait_ready()
+            for i in range(n):
+                reply = server.chat(f"My invoice {i} was charged twice.", system=CLASSIFY)
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= before["tokens"]
+            # batched as the library's hits are: they reach the store within seconds, no stop
+            wait_for(lambda: _ls(kv_home)["classify"]["hits"] == before["hits"] + n, 30.0,
+                     server.tail, proc=server.proc)  # fmt: skip
+            after = _ls(kv_home)
+            assert after["classify"]["last_used"] > before["last_used"]
+            assert after["synthesize"]["hits"] == before["hits"]  # not used: not touched
+            rows = wait_for(lambda: [r for r in _ledger(kv_home) if r["label"] == "serve:classify"],
+                            30.0, server.tail, proc=server.proc)  # fmt: skip
+            assert rows[0]["calls"] == n and rows[0]["model"] == str(llama_path)
+            assert rows[0]["cached_tokens"] >= n * before["tokens"]
+        finally:
+            assert server.stop() == 0, server.tail()
+
+
+# -- /metrics' learned gauges ------------------------------------------------------------------
+
+FP = bytes(range(16))
+
+
+def _put_records(home: Path, n_tokens: int) -> int:
+    """Learned records of `n_tokens` tokens, written as the daemon writes them; their bytes."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.codec.blocks import slice_record
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+    from kvstore.store.store import Store
+
+    c = KVCache()
+    x = mx.arange(n_tokens * 8, dtype=mx.float32).reshape(1, 1, n_tokens, 8)
+    c.update_and_fetch(x, -x)
+    recs = [(s, e, slice_record([c], s, e)) for s, e in cuts(0, n_tokens)]
+    with Store(home) as store:
+        return BlockStore(store).put_records(FP, list(range(1, n_tokens + 1)), recs, label="x")
+
+
+def _gauges(server) -> dict[str, float]:
+    _, body = server.get("/metrics")
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith("kvstore_learn") and not line.startswith("#"):
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_learned_gauges_are_the_stores(llama_path, kv_home, tmp_path):
+    kv_home.mkdir(parents=True, exist_ok=True)
+    (kv_home / "settings.toml").write_text("learned_max_bytes = 123456789\n")
+    nbytes = _put_records(kv_home, 800)
+    server = Serve(kv_home, llama_path, tmp_path / "serve.log", "--no-learn")
+    try:
+        server.wait_ready()
+        g = _gauges(server)  # before: 0, 0, 0 (only the daemon set them)
+        assert (
+            g["kvstore_learned_records"] == 4
+        )  # cut at 256: [0,256) [256,512) [512,768) [768,800)
+        assert g["kvstore_learned_bytes"] == nbytes > 0
+        assert g["kvstore_learned_budget_bytes"] == 123456789
+        more = _put_records_more(kv_home)
+        # re-read within a few seconds of a scrape, not on every scrape
+        wait_for(lambda: _gauges(server)["kvstore_learned_bytes"] == nbytes + more, 30.0,
+                 server.tail, proc=server.proc)  # fmt: skip
+    finally:
+        server.stop()
+
+
+def _put_records_more(home: Path) -> int:
+    """The chain of _put_records grown by 300 tokens: [800, 1024) and [1024, 1100) more."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.codec.blocks import slice_record
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+    from kvstore.store.store import Store
+
+    c = KVCache()
+    x = mx.arange(1100 * 8, dtype=mx.float32).reshape(1, 1, 1100, 8)
+    c.update_and_fetch(x, -x)
+    recs = [(s, e, slice_record([c], s, e)) for s, e in cuts(800, 1100)]
+    with Store(home) as store:
+        return BlockStore(store).put_records(FP, list(range(1, 1101)), recs, label="x")
+
+
+def test_learned_gauges_read_the_store_at_most_once_per_refresh(kv_home, monkeypatch):
+    from kvstore import metrics
+    from kvstore.client.serve.gauges import LearnedGauges
+    from kvstore.store.store import Store
+
+    nbytes = _put_records(kv_home, 800)
+    scans = []
+    plain = Store.metas
+    monkeypatch.setattr(
+        Store, "metas", lambda self, *a, **kw: scans.append(1) or plain(self, *a, **kw)
+    )
+    gauges = LearnedGauges(kv_home, refresh_s=3600)
+    for _ in range(50):  # scrapes
+        gauges.refresh()
+    assert gauges.reads == 1 and len(scans) == 1
+    assert metrics.LEARNED_BYTES._value.get() == nbytes
+    gauges.refresh(force=True)  # entries unchanged: the snapshot sum is not taken again
+    assert gauges.reads == 2 and len(scans) == 1
+    gauges.close()
+
+
+# -- the first request after a start: warm-up requests through the server before /health ------
+
+
+def test_warm_up_requests_go_through_the_server_before_health_and_leave_nothing(
+    llama_path, kv_home, tmp_path
+):
+    pins = warm_two_pins(tmp_path, kv_home, llama_path)
+    before = _ls(kv_home)
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        server = Serve(kv_home, llama_path, log)
+        try:
+            server.wait_ready()
+            text = log.read_text()
+            ready_at = text.index("kvstore: ready")
+            # one request per pin through the server's own HTTP handler, before /health said 200
+            assert text[:ready_at].count('"POST /v1/chat/completions HTTP/1.1" 200') == len(pins)
+            assert '"GET /health HTTP/1.1" 200' not in text[:ready_at]
+            assert "2 warm-up requests through the server" in text
+            # not counted: no prompt tokens in /metrics yet
+            _, body = server.get("/metrics")
+            counts = [line for line in body.decode().splitlines()
+                      if line.startswith("kvstore_prompt_tokens_total")]  # fmt: skip
+            assert counts and all(float(c.split()[-1]) == 0 for c in counts), counts
+            # nothing left in the prompt cache: the first request sees the two pins only
+            reply = server.chat("My invoice 7 was charged twice.", system=CLASSIFY)
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == pins["classify"].ntokens
+            after_ready = log.read_text()[ready_at:]
+            assert "Prompt Cache: 2 sequences" in after_ready.split("POST /v1/chat")[0]
+        finally:
+            assert server.stop() == 0, server.tail()
+        ledger = _ledger(kv_home)
+        assert [r["calls"] for r in ledger if r["label"].startswith("serve")] == [1]  # the one
+        learned = d.request("stats").get("learned") or {}
+        assert not learned.get("records") and not learned.get("snapshots")
+    after = _ls(kv_home)
+    assert after["synthesize"]["hits"] == before["synthesize"]["hits"]  # warmed up, not a hit
+    assert after["classify"]["hits"] == before["classify"]["hits"] + 1  # the real request

@@ -152,12 +152,13 @@ def prefetch(
 
 
 def _vocab_size(model: Any, identity: ModelIdentity) -> int | None:
-    from kvstore.identity.fingerprint import resolve_model_path
-    from kvstore.identity.modelconfig import effective_config
-    from kvstore.warm.prefill import config_vocab_size, model_vocab_size
-
     if model is not None:
+        from kvstore.warm.prefill import model_vocab_size
+
         return model_vocab_size(model)
+    from kvstore.identity.fingerprint import resolve_model_path
+    from kvstore.identity.modelconfig import config_vocab_size, effective_config
+
     config = effective_config(resolve_model_path(identity.path), identity.model_config)
     return config_vocab_size(config)
 
@@ -167,10 +168,10 @@ def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
     entry has them): served, they would send an out-of-vocabulary id towards mlx."""
     import numpy as np
 
-    from kvstore.warm.prefill import check_token_ids
-
     ids = np.frombuffer(meta.tokens, dtype="<u4")
     if vocab is not None and ids.size and int(ids.max()) >= vocab:
+        from kvstore.warm.prefill import check_token_ids  # names the first bad id
+
         check_token_ids(ids.tolist(), vocab, what="stored token ids")
 
 

@@ -4,7 +4,10 @@ weights load.
 The fingerprint needs only the model's files and config.json, so a second thread reads, checks
 and decodes the entries while this thread loads the weights; both mostly wait on the kernel
 (page faults on fresh memory, file reads), so on a multi-core machine the hydrate hides behind
-the load. The returned cache is a `PersistentPromptCache` filed from what that thread read.
+the load. That pays off only on an idle core: on busy ones the two threads share a core and the
+GIL and cost more than one after the other, so then the entries are read after the weights, on
+this thread (`kvstore.codec.idle_cores`). The returned cache is a `PersistentPromptCache` filed
+from what was read.
 
 Threads and mlx: mlx >= 0.31.2 supports evaluating on several threads (each thread gets its own
 default streams; ml-explore/mlx#2133, #3126). The reading thread's mlx work is array creation
@@ -25,6 +28,7 @@ from typing import Any
 
 from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
+from kvstore.codec import idle_cores
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
 
@@ -39,6 +43,7 @@ def load(
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
     model_config: dict | None = None,
+    overlap: bool | None = None,
     **cache_options: Any,
 ) -> tuple[Any, Any, Any]:
     """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
@@ -48,7 +53,9 @@ def load(
     are part of the entries' identity). `cache_options` go to `PersistentPromptCache`
     (model_key, max_size, max_bytes, stats, ...).
     Like `hydrate`, a store problem or a wrong argument type is one warning in
-    `cache.report`, never an exception (mlx_lm.load's own errors still raise).
+    `cache.report`, never an exception (mlx_lm.load's own errors still raise). `overlap` reads
+    the entries on a second thread while the weights load (True), or after them on this one
+    (False); by default only when a core is idle (`kvstore.codec.idle_cores`).
     """
     from mlx_lm import load as mlx_load
 
@@ -68,10 +75,13 @@ def load(
     before = fingerprint_files(identity, home=home) if usable else None
 
     def prefetch_entries() -> None:
-        read["entries"] = prefetch(identity, home=home)
+        read["entries"] = prefetch(identity, home=home, fingerprint=before)
 
+    # Reading beside the load pays off only on a core nothing else runs on: else the two threads
+    # share one core and the GIL, and the sum costs more than one after the other (see module doc).
+    overlap = usable and (idle_cores() >= 1 if overlap is None else overlap)
     reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
-    if usable:
+    if overlap:
         reader.start()
     try:
         model, tokenizer = mlx_load(
@@ -81,10 +91,12 @@ def load(
             adapter_path=None if adapter_path is None else str(adapter_path),
         )
     finally:
-        if usable:
+        if overlap:
             reader.join()  # also when the load fails: never leave mlx work running on a thread
-    prefetched = read.get("entries")  # None only if the thread died: then it reads here
     same_files = tag_loaded(model, before, model_path)
+    if usable and not overlap and same_files:
+        prefetch_entries()  # after the load, on this thread
+    prefetched = read.get("entries")  # None if the thread died or files changed: read again below
     if prefetched is not None and not (
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):

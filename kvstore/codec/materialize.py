@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from kvstore.codec import idle_cores
 from kvstore.codec.safetensors import DTYPES, Layout
 
 # From here on the one-buffer path (pages populated in one call, then copied and checked chunk by
@@ -42,26 +43,11 @@ PIECE_BYTES = 2 << 20  # copied, then hashed while still in the core's cache (L2
 THREADS = int(os.environ.get("KVSTORE_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
 
 
-def spare_cores() -> int:
-    """Cores this process may run on that nothing else is running on now, by the 1-minute load
-    average: first-touch page faults on several threads cost more CPU than on one (this VM: 2
-    threads 1.2x the CPU of one for the same bytes), and pay off only on idle cores."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    try:
-        busy = os.getloadavg()[0]
-    except OSError:
-        return cores - 1
-    return max(0, int(cores - busy))
-
-
 def copy_threads() -> int:
     """Copy threads for a large blob: THREADS, or one when no other core is idle."""
     if os.environ.get("KVSTORE_COPY_THREADS"):
         return THREADS
-    return THREADS if spare_cores() >= 1 else 1
+    return THREADS if idle_cores() >= 1 else 1
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in one call; elsewhere a no-op

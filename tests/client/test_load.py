@@ -45,7 +45,7 @@ def test_load_returns_a_cache_hydrated_while_the_weights_loaded(
 
     fingerprints = []
     for module in (HYDRATE_MODULE, LOADER_MODULE):
-        counted = getattr(module, "model_fingerprint")
+        counted = module.model_fingerprint
         monkeypatch.setattr(
             module,
             "model_fingerprint",

@@ -44,7 +44,8 @@ THREADS = int(os.environ.get("KVSTORE_COPY_THREADS", 0)) or max(1, min(4, os.cpu
 
 
 def copy_threads() -> int:
-    """Copy threads for a large blob: THREADS, or one when no other core is idle."""
+    """Copy threads for a large blob: THREADS, or one when no other core is idle (the copy then
+    still runs on a worker of ours, never on mlx's io thread)."""
     if os.environ.get("KVSTORE_COPY_THREADS"):
         return THREADS
     return THREADS if idle_cores() >= 1 else 1
@@ -103,36 +104,29 @@ class _Job:
 class _Copiers:
     """Worker threads started by the hydrating thread and joined before `arrays` returns. mlx's
     io thread (which calls readinto) only queues jobs and waits: creating threads there would
-    register a dummy Thread for each of mlx's pool threads. With one worker no thread starts:
-    each job runs where it is submitted."""
+    register a dummy Thread for each of mlx's pool threads, and copying there (one worker run
+    inline) aborted the process at exit now and then (2 in 12 runs)."""
 
     def __init__(self, n: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.width = max(1, n)
         self.threads = [threading.Thread(target=self._work, name=f"kvstore-copy-{i}", daemon=True)
-                        for i in range(n if n > 1 else 0)]  # fmt: skip
+                        for i in range(max(1, n))]  # fmt: skip
+        self.width = len(self.threads)
         for t in self.threads:
             t.start()
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            self._run(job)
-
-    @staticmethod
-    def _run(job: _Job) -> None:
-        try:
-            job.value = job.fn()
-        except BaseException as e:  # handed to whoever waits on the job
-            job.error = e
-        finally:
-            job.done.set()
+            try:
+                job.value = job.fn()
+            except BaseException as e:  # handed to whoever waits on the job
+                job.error = e
+            finally:
+                job.done.set()
 
     def submit(self, fn: Callable[[], object]) -> _Job:
         job = _Job(fn)
-        if self.threads:
-            self.jobs.put(job)
-        else:
-            self._run(job)
+        self.jobs.put(job)
         return job
 
     def close(self) -> None:

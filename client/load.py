@@ -22,6 +22,7 @@ KV under the new files' fingerprint, so such a model hydrates nothing.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.codec import idle_cores
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
+
+log = logging.getLogger("kvstore.client")
 
 
 def load(
@@ -44,6 +47,7 @@ def load(
     quantized_kv_start: int = 5000,
     model_config: dict | None = None,
     overlap: bool | None = None,
+    warm: bool = True,
     **cache_options: Any,
 ) -> tuple[Any, Any, Any]:
     """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
@@ -55,7 +59,9 @@ def load(
     Like `hydrate`, a store problem or a wrong argument type is one warning in
     `cache.report`, never an exception (mlx_lm.load's own errors still raise). `overlap` reads
     the entries on a second thread while the weights load (True), or after them on this one
-    (False); by default only when a core is idle (`kvstore.codec.idle_cores`).
+    (False); by default only when a core is idle (`kvstore.codec.idle_cores`). `warm` pays what
+    the first `generate` would pay once (`first_call`): without it the first call costs more than
+    the next ones.
     """
     from mlx_lm import load as mlx_load
 
@@ -101,8 +107,37 @@ def load(
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
+    # the largest entry read: the first request's forward extends a copy of one like it
+    read_entries = prefetched.entries if prefetched is not None else []
+    largest = max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
         **cache_options,
     )  # fmt: skip
+    if warm:
+        first_call(model, tokenizer, largest)
     return model, tokenizer, cache
+
+
+def first_call(model: Any, tokenizer: Any, entry: list | None = None) -> None:
+    """Pay here, once, what the app's first request pays and later ones do not: the chat
+    template's compile (transformers keeps it by its text) and mlx-lm's first forward (its graph
+    code, and the new buffers a stored prefix's KV grows into, which mlx then recycles), run as
+    one token on a copy of `entry` (the largest hydrated prefix, never the one in the cache).
+    Never raises: it is a warm-up, and the app's own call says what is wrong."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        if getattr(tokenizer, "chat_template", None):
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        kv = copy.deepcopy(entry) if entry is not None else make_prompt_cache(model)
+        mx.eval(model(mx.array([[0]]), cache=kv))
+    except Exception as e:
+        log.debug("kvstore: first-call warm-up skipped: %s: %s", type(e).__name__, e)

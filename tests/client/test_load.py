@@ -118,3 +118,36 @@ def test_a_process_that_used_load_exits_cleanly(hybrid_path, kv_home, tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_load_pays_the_first_calls_one_time_costs(
+    warm, hybrid_path, kv_home, tmp_path, monkeypatch
+):
+    """The chat template is compiled and one forward runs on a copy of the largest hydrated
+    prefix inside load (warm=True), so the app's first generate does not pay them; the cache's
+    own entries are untouched by it."""
+    from transformers.utils import chat_template_utils
+
+    from kvstore.codec import codec
+
+    metas = warm_two_pins(tmp_path, kv_home, hybrid_path)
+    compiled = chat_template_utils._compile_jinja_template  # an lru_cache
+    compiled.cache_clear()
+    forwards = []
+    real = LOAD_MODULE.first_call
+    monkeypatch.setattr(
+        LOAD_MODULE, "first_call", lambda m, t, e: forwards.append(e) or real(m, t, e)
+    )
+    model, _, cache = client.load(hybrid_path, home=kv_home, stats=False, warm=warm)
+    try:
+        assert (compiled.cache_info().currsize == 1) is warm
+        if warm:
+            longest = max(m.ntokens for m in metas.values())
+            assert len(forwards) == 1 and codec.cache_tokens(forwards[0]) == longest
+        for meta in metas.values():
+            kv, rest = cache.fetch_nearest_cache(str(hybrid_path), meta.token_ids())
+            assert rest == []
+            assert_same_kv(kv, mlx_lm_prefill(model, meta.token_ids()))
+    finally:
+        cache.close()

@@ -12,10 +12,9 @@ CODEC_VERSION: int = 1
 
 
 def idle_cores() -> int:
-    """Cores this process may run on that nothing runs on now, by the 1-minute load average
-    (KVSTORE_IDLE_CORES sets it, for measuring). Work spread over threads (a large entry's copy,
-    a hydrate beside the weight load) pays off only on idle cores: on busy ones the threads share
-    a core and the GIL, and first-touch page faults on two threads cost 1.2x the CPU of one."""
+    """Cores this process may run on that nothing runs on now, by the 1-minute load average,
+    rounded (KVSTORE_IDLE_CORES sets it, for measuring). A hydrate beside the weight load pays off
+    only on an idle core: on busy ones the two threads share a core and the GIL."""
     import os
 
     forced = os.environ.get("KVSTORE_IDLE_CORES", "")
@@ -29,4 +28,4 @@ def idle_cores() -> int:
         busy = os.getloadavg()[0]
     except OSError:
         return cores - 1
-    return max(0, int(cores - busy))
+    return max(0, int(cores - busy + 0.5))

@@ -26,7 +26,6 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvstore.codec import idle_cores
 from kvstore.codec.safetensors import DTYPES, Layout
 
 # From here on the one-buffer path (pages populated in one call, then copied and checked chunk by
@@ -41,14 +40,6 @@ CHUNK_BYTES = 64 << 20  # checksum: the GIL is released between chunks, for the 
 PIECE_BYTES = 2 << 20  # copied, then hashed while still in the core's cache (L2 is 1-4 MiB)
 # mlx's own loader reads with 4 threads; KVSTORE_COPY_THREADS overrides (for measuring)
 THREADS = int(os.environ.get("KVSTORE_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
-
-
-def copy_threads() -> int:
-    """Copy threads for a large blob: THREADS, or one when no other core is idle (the copy then
-    still runs on a worker of ours, never on mlx's io thread)."""
-    if os.environ.get("KVSTORE_COPY_THREADS"):
-        return THREADS
-    return THREADS if idle_cores() >= 1 else 1
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in one call; elsewhere a no-op
@@ -274,7 +265,7 @@ def arrays(
         mx.eval(list(out.values()))
         return out, True
     data = np.frombuffer(mv, np.uint8, data_len, layout.data_start)
-    with _Copiers(copy_threads()) as pool:
+    with _Copiers(THREADS) as pool:
         if chunk_sums is not None:
             summed = None
             fill = _fill_checked(pool, mv, layout.data_start, *chunk_sums)

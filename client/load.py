@@ -35,6 +35,8 @@ from kvstore.identity.model import ModelIdentity
 
 log = logging.getLogger("kvstore.client")
 
+WARM_ENTRY_BYTES = 64 << 20  # the largest stored prefix load's warm-up forward runs on
+
 
 def load(
     model_path: str | Path,
@@ -107,8 +109,12 @@ def load(
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
-    # the largest entry read: the first request's forward extends a copy of one like it
-    read_entries = prefetched.entries if prefetched is not None else []
+    # the first request's forward extends a copy of a stored prefix: warm on the largest one up
+    # to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the request it spares)
+    read_entries = [
+        e for e in (prefetched.entries if prefetched is not None else [])
+        if e[0].nbytes <= WARM_ENTRY_BYTES
+    ]  # fmt: skip
     largest = max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,

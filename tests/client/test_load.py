@@ -151,3 +151,22 @@ def test_load_pays_the_first_calls_one_time_costs(
             assert_same_kv(kv, mlx_lm_prefill(model, meta.token_ids()))
     finally:
         cache.close()
+
+
+def test_load_warms_on_a_fresh_cache_when_every_entry_is_large(
+    hybrid_path, kv_home, tmp_path, monkeypatch
+):
+    """Above WARM_ENTRY_BYTES a stored prefix's grown copy would cost load as much as the
+    request it spares: the warm-up forward then runs on a fresh cache."""
+    warm_two_pins(tmp_path, kv_home, hybrid_path)
+    monkeypatch.setattr(LOAD_MODULE, "WARM_ENTRY_BYTES", 0)
+    forwards = []
+    real = LOAD_MODULE.first_call
+    monkeypatch.setattr(
+        LOAD_MODULE, "first_call", lambda m, t, e: forwards.append(e) or real(m, t, e)
+    )
+    _, _, cache = client.load(hybrid_path, home=kv_home, stats=False)
+    try:
+        assert forwards == [None] and cache.report.entries == 2
+    finally:
+        cache.close()

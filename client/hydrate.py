@@ -95,7 +95,11 @@ class Prefetched:
 
 
 def prefetch(
-    identity: ModelIdentity, *, home: str | Path | None = None, model: Any = None
+    identity: ModelIdentity,
+    *,
+    home: str | Path | None = None,
+    model: Any = None,
+    fingerprint: Fingerprint | None = None,
 ) -> Prefetched:
     """Fingerprint the model and decode every stored entry valid for it; never raises.
 
@@ -105,7 +109,9 @@ def prefetch(
     (`mlx_lm.load(model_config=...)`); with the loaded `model` its own arguments count too.
     Without the loaded `model`, the cache layout comes from config.json (remembered in the
     home's hash cache). A model loaded with `kvstore.client.load` is checked against the files
-    it was loaded from: a weight file changed since then hydrates nothing.
+    it was loaded from: a weight file changed since then hydrates nothing. `fingerprint` is the
+    model's, when the caller has just computed it for the same identity without a loaded model
+    (kvstore.client.load, before the weights load): it is not computed again.
     """
     t0 = time.perf_counter()
     model_path = identity.path
@@ -118,9 +124,11 @@ def prefetch(
                 "the model has LoRA layers but no adapter_path was given; pass the adapter the "
                 "model was loaded with (its weights are part of the entries' identity)"
             )
-        fp = model_fingerprint(
-            identity, model_object=model, hash_cache=FileHashCache(home / FILEHASH_NAME)
-        )
+        fp = fingerprint
+        if fp is None or model is not None or fp.identity != identity:
+            fp = model_fingerprint(
+                identity, model_object=model, hash_cache=FileHashCache(home / FILEHASH_NAME)
+            )
         check_loaded_from(model, fp)
         report.fingerprint = fp.hex
         pre.fingerprint = fp
@@ -152,12 +160,13 @@ def prefetch(
 
 
 def _vocab_size(model: Any, identity: ModelIdentity) -> int | None:
-    from kvstore.identity.fingerprint import resolve_model_path
-    from kvstore.identity.modelconfig import effective_config
-    from kvstore.warm.prefill import config_vocab_size, model_vocab_size
-
     if model is not None:
+        from kvstore.warm.prefill import model_vocab_size
+
         return model_vocab_size(model)
+    from kvstore.identity.fingerprint import resolve_model_path
+    from kvstore.identity.modelconfig import config_vocab_size, effective_config
+
     config = effective_config(resolve_model_path(identity.path), identity.model_config)
     return config_vocab_size(config)
 
@@ -167,10 +176,10 @@ def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
     entry has them): served, they would send an out-of-vocabulary id towards mlx."""
     import numpy as np
 
-    from kvstore.warm.prefill import check_token_ids
-
     ids = np.frombuffer(meta.tokens, dtype="<u4")
     if vocab is not None and ids.size and int(ids.max()) >= vocab:
+        from kvstore.warm.prefill import check_token_ids  # names the first bad id
+
         check_token_ids(ids.tolist(), vocab, what="stored token ids")
 
 

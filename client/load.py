@@ -4,7 +4,10 @@ weights load.
 The fingerprint needs only the model's files and config.json, so a second thread reads, checks
 and decodes the entries while this thread loads the weights; both mostly wait on the kernel
 (page faults on fresh memory, file reads), so on a multi-core machine the hydrate hides behind
-the load. The returned cache is a `PersistentPromptCache` filed from what that thread read.
+the load. That pays off only on an idle core: on busy ones the two threads share a core and the
+GIL and cost more than one after the other, so then the entries are read after the weights, on
+this thread (`kvstore.codec.idle_cores`). The returned cache is a `PersistentPromptCache` filed
+from what was read.
 
 Threads and mlx: mlx >= 0.31.2 supports evaluating on several threads (each thread gets its own
 default streams; ml-explore/mlx#2133, #3126). The reading thread's mlx work is array creation
@@ -19,14 +22,20 @@ KV under the new files' fingerprint, so such a model hydrates nothing.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
 
 from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
+from kvstore.codec import idle_cores
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
+
+log = logging.getLogger("kvstore.client")
+
+WARM_ENTRY_BYTES = 64 << 20  # the largest stored prefix load's warm-up forward runs on
 
 
 def load(
@@ -39,6 +48,8 @@ def load(
     kv_group_size: int = 64,
     quantized_kv_start: int = 5000,
     model_config: dict | None = None,
+    overlap: bool | None = None,
+    warm: bool = True,
     **cache_options: Any,
 ) -> tuple[Any, Any, Any]:
     """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
@@ -48,7 +59,11 @@ def load(
     are part of the entries' identity). `cache_options` go to `PersistentPromptCache`
     (model_key, max_size, max_bytes, stats, ...).
     Like `hydrate`, a store problem or a wrong argument type is one warning in
-    `cache.report`, never an exception (mlx_lm.load's own errors still raise).
+    `cache.report`, never an exception (mlx_lm.load's own errors still raise). `overlap` reads
+    the entries on a second thread while the weights load (True), or after them on this one
+    (False); by default only when a core is idle (`kvstore.codec.idle_cores`). `warm` pays what
+    the first `generate` would pay once (`first_call`): without it the first call costs more than
+    the next ones.
     """
     from mlx_lm import load as mlx_load
 
@@ -68,10 +83,13 @@ def load(
     before = fingerprint_files(identity, home=home) if usable else None
 
     def prefetch_entries() -> None:
-        read["entries"] = prefetch(identity, home=home)
+        read["entries"] = prefetch(identity, home=home, fingerprint=before)
 
+    # Reading beside the load pays off only on a core nothing else runs on: else the two threads
+    # share one core and the GIL, and the sum costs more than one after the other (see module doc).
+    overlap = usable and (idle_cores() >= 1 if overlap is None else overlap)
     reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
-    if usable:
+    if overlap:
         reader.start()
     try:
         model, tokenizer = mlx_load(
@@ -81,16 +99,51 @@ def load(
             adapter_path=None if adapter_path is None else str(adapter_path),
         )
     finally:
-        if usable:
+        if overlap:
             reader.join()  # also when the load fails: never leave mlx work running on a thread
-    prefetched = read.get("entries")  # None only if the thread died: then it reads here
     same_files = tag_loaded(model, before, model_path)
+    if usable and not overlap and same_files:
+        prefetch_entries()  # after the load, on this thread
+    prefetched = read.get("entries")  # None if the thread died or files changed: read again below
     if prefetched is not None and not (
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
+    # the first request's forward extends a copy of a stored prefix: warm on the largest one up
+    # to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the request it spares)
+    read_entries = [
+        e for e in (prefetched.entries if prefetched is not None else [])
+        if e[0].nbytes <= WARM_ENTRY_BYTES
+    ]  # fmt: skip
+    largest = max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
         **cache_options,
     )  # fmt: skip
+    if warm:
+        first_call(model, tokenizer, largest)
     return model, tokenizer, cache
+
+
+def first_call(model: Any, tokenizer: Any, entry: list | None = None) -> None:
+    """Pay here, once, what the app's first request pays and later ones do not: the chat
+    template's compile (transformers keeps it by its text) and mlx-lm's first forward (its graph
+    code, and the new buffers a stored prefix's KV grows into, which mlx then recycles), run as
+    one token on a copy of `entry` (the largest hydrated prefix, never the one in the cache).
+    Never raises: it is a warm-up, and the app's own call says what is wrong."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    try:
+        if getattr(tokenizer, "chat_template", None):
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        kv = copy.deepcopy(entry) if entry is not None else make_prompt_cache(model)
+        mx.eval(model(mx.array([[0]]), cache=kv))
+    except Exception as e:
+        log.debug("kvstore: first-call warm-up skipped: %s: %s", type(e).__name__, e)

@@ -233,15 +233,17 @@ def decode(
     *,
     name: str = "blob",
     checksum: int | None = None,
+    chunk_sums: tuple[int, list[int]] | None = None,
     either_layout: bool = False,
 ) -> tuple[list, dict[str, str]]:
     """Validate `blob`, then rebuild its cache objects; return (cache, user metadata).
 
     Every check runs before mlx touches the bytes; any failure raises CodecError whose message
     starts with `name`. With `checksum`, the blob's xxh3-64 must equal it (ChecksumError; it runs
-    alongside the copy of a large blob). Arrays are copied out of the blob and evaluated, so the
-    caller may free or reuse the buffer afterwards. The store holds one layout (mlx-lm 0.32's);
-    `either_layout` also takes a file mlx-lm 0.31 wrote (`kvstore import`).
+    alongside the copy of a large blob; given the entry's `chunk_sums`, a large blob is checked
+    chunk by chunk on the copied bytes instead). Arrays are copied out of the blob and
+    evaluated, so the caller may free or reuse the buffer afterwards. The store holds one layout
+    (mlx-lm 0.32's); `either_layout` also takes a file mlx-lm 0.31 wrote (`kvstore import`).
     """
     d = CacheStateDecoder(blob, name)
     try:
@@ -253,7 +255,9 @@ def decode(
     # (c) materialize: the tensors copied into mlx memory (the checksum alongside)
     layout = header.layout
     keys = [k for k in layout.tensors if k not in header.markers]
-    arrays, ok = materialize.arrays(d.mv, layout, keys, expect_checksum=checksum)
+    arrays, ok = materialize.arrays(
+        d.mv, layout, keys, expect_checksum=checksum, chunk_sums=chunk_sums
+    )
     if not ok:
         raise ChecksumError(f"{name}: blob checksum mismatch")
     # (d) rebuild: cache objects of the installed mlx-lm (kvstore.codec.cache_api)

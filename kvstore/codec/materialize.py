@@ -28,16 +28,20 @@ import xxhash
 
 from kvstore.codec.safetensors import DTYPES, Layout
 
-# From here on the threaded one-buffer path, when the copy lands in new pages: on this 2-core VM
-# it wins in a new process from ~64 MiB (1.3x at 64 MiB; a tie in time, 10% less CPU at 16 MiB).
-LARGE_BYTES = 16 << 20
+# From here on the one-buffer path (pages populated in one call, then copied and checked chunk by
+# chunk), when the copy lands in new pages: per-tensor copies into fresh pages fault each page
+# in from user space, which on this VM costs ~1.5x the populate.
+LARGE_BYTES = 8 << 20
 # Few, large units of work: each hand-over between threads needs the GIL, which an app thread
 # busy in Python (mlx_lm.load building the model while kvstore.client.load prefetches) holds for up
 # to
 # the 5 ms switch interval; 8 MiB chunks made a concurrent prefetch 3x slower than alone.
 CHUNK_BYTES = 64 << 20  # checksum: the GIL is released between chunks, for the copy's hand-overs
+PIECE_BYTES = 2 << 20  # copied, then hashed while still in the core's cache (L2 is 1-4 MiB)
 # mlx's own loader reads with 4 threads; KVSTORE_COPY_THREADS overrides (for measuring)
 THREADS = int(os.environ.get("KVSTORE_COPY_THREADS", 0)) or max(1, min(4, os.cpu_count() or 1))
+
+
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault a range in one call; elsewhere a no-op
 _PAGE = 4096  # madvise needs a page-aligned start; 4 KiB divides every page size in use
 
@@ -91,12 +95,14 @@ class _Job:
 class _Copiers:
     """Worker threads started by the hydrating thread and joined before `arrays` returns. mlx's
     io thread (which calls readinto) only queues jobs and waits: creating threads there would
-    register a dummy Thread for each of mlx's pool threads."""
+    register a dummy Thread for each of mlx's pool threads, and copying there (one worker run
+    inline) aborted the process at exit now and then (2 in 12 runs)."""
 
     def __init__(self, n: int):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._work, name=f"kvstore-copy-{i}", daemon=True)
-                        for i in range(n)]  # fmt: skip
+                        for i in range(max(1, n))]  # fmt: skip
+        self.width = len(self.threads)
         for t in self.threads:
             t.start()
 
@@ -128,20 +134,20 @@ class _Copiers:
 
 
 class _DataStream:
-    """What mx.load reads: a safetensors header for one U8 tensor (ours), then `data`, which
-    `readinto` copies into mlx's freshly allocated buffer on the pool's threads."""
+    """What mx.load reads: a safetensors header for one U8 tensor (ours), then the blob's data
+    section, which `readinto` hands to `fill` (mlx's freshly allocated buffer as a numpy array)
+    to copy on the pool's threads; `fill` returns whether the bytes checked out."""
 
     closed = False
 
-    def __init__(self, data: np.ndarray, pool: _Copiers):
-        n = data.nbytes
+    def __init__(self, n: int, fill: Callable[[np.ndarray], bool]):
         head = json.dumps({"data": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}})
         head = head.encode() + b" " * (-len(head) % 8)
         self.head = struct.pack("<Q", len(head)) + head
-        self.data, self.pool, self.pos = data, pool, 0
+        self.n, self.fill, self.pos, self.ok = n, fill, 0, False
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self.pos, len(self.head) + self.data.nbytes)[whence]
+        base = (0, self.pos, len(self.head) + self.n)[whence]
         self.pos = base + offset
         return self.pos
 
@@ -154,22 +160,71 @@ class _DataStream:
         if pos + n <= len(self.head):
             buf[:n] = self.head[pos : pos + n]
             return n
-        if pos != len(self.head) or n != self.data.nbytes:
+        if pos != len(self.head) or n != self.n:
             raise OSError(f"unexpected read of {n} bytes at {pos}")  # mlx reads the tensor whole
-        dst = np.frombuffer(buf, np.uint8)
+        self.ok = self.fill(np.frombuffer(buf, np.uint8))
+        return n
 
-        def fill(i: int) -> Callable[[], None]:
+
+def _fill_shares(pool: _Copiers, data: np.ndarray) -> Callable[[np.ndarray], bool]:
+    """Copy `data` in one share per thread, each share's pages populated in one call first."""
+
+    def fill(dst: np.ndarray) -> bool:
+        n = dst.nbytes
+        step = max(1 << 20, -(-n // pool.width))
+
+        def share(i: int) -> Callable[[], None]:
             def run() -> None:
                 part = dst[i : i + step]
                 _populate(part)
-                np.copyto(part, self.data[i : i + step])
+                np.copyto(part, data[i : i + step])
 
             return run
 
-        step = max(1 << 20, -(-n // len(self.pool.threads)))  # one share per copy thread
-        for job in [self.pool.submit(fill(i)) for i in range(0, n, step)]:
+        for job in [pool.submit(share(i)) for i in range(0, n, step)]:
             job.result()
-        return n
+        return True
+
+    return fill
+
+
+def _fill_checked(
+    pool: _Copiers, mv: memoryview, data_start: int, size: int, sums: list[int]
+) -> Callable[[np.ndarray], bool]:
+    """Copy the data section in one share of whole checksum chunks per thread and check each
+    chunk's xxh3-64 (`sums`, recorded when the entry was stored: chunk c is the blob's bytes
+    [c * size, (c + 1) * size)) on the copied bytes, piece by piece while they are in cache:
+    one pass over the source instead of a copy plus a separate checksum pass."""
+    total = len(mv)
+
+    def fill(dst: np.ndarray) -> bool:
+        per = -(-len(sums) // pool.width)
+
+        def share(first: int, last: int) -> Callable[[], bool]:
+            def run() -> bool:
+                lo, hi = max(first * size, data_start), min(last * size, total)
+                if hi > lo:
+                    _populate(dst[lo - data_start : hi - data_start])
+                ok = True
+                for c in range(first, last):
+                    begin, end = c * size, min((c + 1) * size, total)
+                    h = xxhash.xxh3_64()
+                    if begin < data_start:  # the header's bytes: checked where they are
+                        h.update(mv[begin : min(end, data_start)])
+                    for at in range(max(begin, data_start), end, PIECE_BYTES):
+                        stop = min(at + PIECE_BYTES, end)
+                        piece = dst[at - data_start : stop - data_start]
+                        np.copyto(piece, np.frombuffer(mv, np.uint8, stop - at, at))
+                        h.update(piece)
+                    ok = ok and h.intdigest() == sums[c]
+                return ok
+
+            return run
+
+        jobs = [pool.submit(share(c, min(c + per, len(sums)))) for c in range(0, len(sums), per)]
+        return all([job.result() for job in jobs])
+
+    return fill
 
 
 def _recycled(nbytes: int) -> bool:
@@ -187,12 +242,19 @@ def _aligned(layout: Layout) -> bool:
 
 
 def arrays(
-    mv: memoryview, layout: Layout, keys: list[str], *, expect_checksum: int | None = None
+    mv: memoryview,
+    layout: Layout,
+    keys: list[str],
+    *,
+    expect_checksum: int | None = None,
+    chunk_sums: tuple[int, list[int]] | None = None,
 ) -> tuple[dict[str, mx.array], bool]:
     """mlx arrays of the tensors `keys` (validated by `layout`), evaluated; and whether the
     blob's checksum equals `expect_checksum` (True when none is expected).
 
-    A large blob's checksum runs alongside the copy; the caller must drop the arrays if False.
+    A large blob's checksum runs alongside the copy: with `chunk_sums` ((chunk size, xxh3-64 of
+    each chunk) as stored with the entry) on the copied bytes, chunk by chunk, else as one pass
+    over the blob on a thread of its own. The caller must drop the arrays if False.
     """
     data_len = len(mv) - layout.data_start
     if data_len < LARGE_BYTES or _recycled(data_len) or not _aligned(layout):
@@ -204,9 +266,15 @@ def arrays(
         return out, True
     data = np.frombuffer(mv, np.uint8, data_len, layout.data_start)
     with _Copiers(THREADS) as pool:
-        summed = pool.submit(lambda: checksum(mv)) if expect_checksum is not None else None
-        big = mx.load(_DataStream(data, pool), format="safetensors")["data"]  # evaluated
-        ok = summed is None or summed.result() == expect_checksum
+        if chunk_sums is not None:
+            summed = None
+            fill = _fill_checked(pool, mv, layout.data_start, *chunk_sums)
+        else:
+            summed = pool.submit(lambda: checksum(mv)) if expect_checksum is not None else None
+            fill = _fill_shares(pool, data)
+        stream = _DataStream(data_len, fill)
+        big = mx.load(stream, format="safetensors")["data"]  # evaluated
+        ok = stream.ok and (summed is None or summed.result() == expect_checksum)
     if not ok:
         return {}, False
     return _views(big, layout, keys), True

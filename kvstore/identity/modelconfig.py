@@ -92,6 +92,14 @@ def _rejected_file(model_dir: Path) -> str:
     return f"the tokenizer files in {model_dir} (tokenizer.json, tokenizer_config.json)"
 
 
+def config_vocab_size(config: dict) -> int | None:
+    """`vocab_size` of a model's (effective) config.json, or of its text_config."""
+    for c in (config, config.get("text_config")):
+        if isinstance(c, dict) and isinstance(c.get("vocab_size"), int):
+            return c["vocab_size"]
+    return None
+
+
 def _plain(value: Any) -> Any:
     """A JSON-stable form: dataclasses and namespaces as sorted maps, integral floats as ints."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

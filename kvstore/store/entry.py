@@ -81,6 +81,32 @@ def blob_checksum(blob) -> int:
     return xxhash.xxh3_64_intdigest(blob)
 
 
+# A blob larger than this also records the xxh3-64 of each of its chunks of this size (in the
+# sealed meta's extra, `chunk_sums`), so hydrate checks a large blob on the bytes it copies, chunk
+# by chunk while they are in cache, instead of in a pass of its own (kvstore.codec.materialize).
+CHUNK_SUM_BYTES = 4 << 20
+CHUNK_SUMS_KEY = "chunk_sums"  # the extra key that holds them
+
+
+def checksums(blob) -> tuple[int, dict | None]:
+    """The blob's xxh3-64 and, when it is larger than CHUNK_SUM_BYTES, its chunk sums record
+    (`{"bytes": chunk size, "sums": [xxh3-64 of each chunk]}`), in one pass over the blob."""
+    mv = memoryview(blob).cast("B")
+    size = CHUNK_SUM_BYTES
+    if len(mv) <= size:
+        return xxhash.xxh3_64_intdigest(mv), None
+    whole, sums = xxhash.xxh3_64(), []
+    piece = min(size, 2 << 20)  # each piece hashed twice while it is in cache
+    for begin in range(0, len(mv), size):
+        chunk = xxhash.xxh3_64()
+        for at in range(begin, min(begin + size, len(mv)), piece):
+            part = mv[at : min(at + piece, begin + size)]
+            whole.update(part)
+            chunk.update(part)
+        sums.append(chunk.intdigest())
+    return whole.intdigest(), {"bytes": size, "sums": sums}
+
+
 @dataclass
 class EntryMeta:
     key: bytes
@@ -144,6 +170,20 @@ class EntryMeta:
         """The local day (ISO date) a clock-bound pin holds for; None for any other entry."""
         valid = self.extra.get("valid_date")
         return valid if isinstance(valid, str) else None
+
+    @property
+    def chunk_sums(self) -> tuple[int, list[int]] | None:
+        """(chunk size, xxh3-64 of each chunk) of the blob, as stored with a large entry; None
+        for a small or older entry, or a record of the wrong shape (the whole checksum then)."""
+        rec = self.extra.get(CHUNK_SUMS_KEY)
+        if not isinstance(rec, dict):
+            return None
+        size, sums = rec.get("bytes"), rec.get("sums")
+        if not (isinstance(size, int) and size >= 4096 and isinstance(sums, list)):
+            return None
+        if len(sums) != -(-self.nbytes // size) or not all(isinstance(x, int) for x in sums):
+            return None
+        return size, sums
 
     @property
     def trusted(self) -> bool:
@@ -211,8 +251,9 @@ class EntryMeta:
         return meta
 
     def to_json(self) -> dict[str, Any]:
+        extra = {k: v for k, v in self.extra.items() if k != CHUNK_SUMS_KEY}  # a list of hashes
         return {
-            **self.extra,  # first: it can never shadow the fields below
+            **extra,  # first: it can never shadow the fields below
             "key": self.key.hex(),
             "model": self.model,
             "fingerprint": self.fingerprint.hex(),

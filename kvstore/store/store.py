@@ -26,10 +26,12 @@ from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreEr
 from kvstore.settings import DEFAULTS, STORE_DIR
 from kvstore.store.entry import (
     _META_FIELDS,
+    CHUNK_SUMS_KEY,
     FINGERPRINT_BYTES,
     KEY_BYTES,
     EntryMeta,
     blob_checksum,
+    checksums,
     tokens_match_key,
     with_model_location,
 )
@@ -261,7 +263,9 @@ class Store:
         from kvstore.codec import codec  # mlx: only where an entry is decoded
 
         try:  # the checksum runs alongside the copy of a large blob, before anything is returned
-            cache, _ = codec.decode(blob, name=f"entry {key.hex()}", checksum=meta.checksum)
+            cache, _ = codec.decode(
+                blob, name=f"entry {key.hex()}", checksum=meta.checksum, chunk_sums=meta.chunk_sums
+            )
         except ChecksumError:
             raise CorruptEntryError(key, "blob checksum mismatch") from None
         except CodecError as e:
@@ -286,8 +290,12 @@ class Store:
         if locate:
             fields = with_model_location(fields)
         now = time.time()
-        checksum = blob_checksum(blob)
+        checksum, chunk_sums = checksums(blob)
         extra = fields.pop("extra", {})
+        if isinstance(extra, dict):  # computed here, never taken from the caller
+            extra = {k: v for k, v in extra.items() if k != CHUNK_SUMS_KEY}
+            if chunk_sums is not None:
+                extra[CHUNK_SUMS_KEY] = chunk_sums
         unknown = set(fields) - set(_META_FIELDS)
         if unknown:
             raise StoreError(f"unknown meta field(s): {sorted(unknown)}")

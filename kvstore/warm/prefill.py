@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore.errors import PrefillStopped
 from kvstore.identity.model import ModelIdentity
+from kvstore.identity.modelconfig import config_vocab_size  # noqa: F401  (kvstore.warm.transfer)
 
 PREFILL_STEP = 2048  # tokens per forward pass, as mlx_lm.generate's prefill_step_size
 
@@ -41,14 +42,6 @@ def model_vocab_size(model) -> int | None:
         return (named or [found[0][1]])[0]
     args = getattr(model, "args", None)
     return config_vocab_size(vars(args)) if args is not None and hasattr(args, "__dict__") else None
-
-
-def config_vocab_size(config: dict) -> int | None:
-    """`vocab_size` of a model's (effective) config.json, or of its text_config."""
-    for c in (config, config.get("text_config")):
-        if isinstance(c, dict) and isinstance(c.get("vocab_size"), int):
-            return c["vocab_size"]
-    return None
 
 
 def check_token_ids(

@@ -86,3 +86,46 @@ def test_fleet_targets():
     assert zero["ok"] is True and ratio["measured"] == 0.25
     fleet["boxes_2_to_n_prefill_s"] = 0.5  # a box that prefilled misses the target
     assert run.targets({"fleet": fleet})[0]["ok"] is False
+
+
+def test_first_generate_bench_runs_and_its_figures_follow_from_its_timings(tmp_path):
+    """One fresh process of bench.firstcall (it asserts the pin hydrated), and the ratio of the
+    first call's TTFT over the median of calls 2-10 per process, medians over processes."""
+    from bench import firstcall
+    from bench.timing import in_fresh_process
+
+    model, home = firstcall._setup(tmp_path)
+    res = in_fresh_process("bench.firstcall", [str(model), str(home), "1"])
+    assert len(res["ttft_s"]) == firstcall.CALLS and all(t > 0 for t in res["ttft_s"])
+    runs = [
+        {"load_s": 0.05, "ttft_s": [0.03, *([0.01] * 9)]},
+        {"load_s": 0.07, "ttft_s": [0.01, 0.02, *([0.01] * 8)]},
+        {"load_s": 0.06, "ttft_s": [0.02, *([0.01] * 9)]},
+    ]
+    out = firstcall.summarize({"warm": runs, "no warm": runs[:1]})
+    assert out["warm"]["ratios"] == pytest.approx([3.0, 1.0, 2.0])
+    assert out["warm"]["first_over_steady"] == pytest.approx(2.0)
+    assert out["warm"]["load_s"] == pytest.approx(0.06)
+    (row,) = run.restart_targets({"firstcall": out})
+    assert row["measured"] == 2.0 and row["ok"] is False
+    out["warm"]["first_over_steady"] = 1.05
+    assert run.restart_targets({"firstcall": out})[0]["ok"] is True
+
+
+def test_restart_targets_take_each_sizes_own_threshold():
+    """First hydrate: >= 1.0x up to 64 MB, >= 1.1x from 235 MB; long-lived from 16 MB only."""
+
+    def cold(size, x):
+        return {"shape": "kv28-f16", "size_mb": size, "kvstore_vs_load_prompt_cache": x,
+                "cpu_ratio": 1.0, "pairwise": {"median": x, "min": x, "max": x}}  # fmt: skip
+
+    rows = [cold(1, 1.02), cold(64, 0.99), cold(235, 1.05), cold(1024, 1.12)]
+    verdicts = [t["ok"] for t in run.restart_targets({"coldstart": {"rows": rows}})]
+    assert verdicts == [True, False, False, True]
+    hyd = [
+        {"regime": reg, "size_mb": size, "shape": "kv28-f16", "hydrate_vs_load_prompt_cache": x}
+        for reg, size, x in [("reused", 4, 0.5), ("reused", 16, 1.2), ("fresh", 64, 0.5),
+                             ("reused", 64, 0.9)]
+    ]  # fmt: skip
+    got = run.restart_targets({"hydrate": {"rows": hyd}})
+    assert [(t["measured"], t["ok"]) for t in got] == [(1.2, True), (0.9, False)]

@@ -118,17 +118,14 @@ def test_corrupted_large_blob_is_refused_with_no_arrays_returned(where, kv_home,
     # through the store: the checksum names the entry, and hydrate skips it with one warning
     ids = list(range(80))
     key = entry_key(b"\x01" * 16, ids)
+    blob[pos] ^= 0x20
+    good = bytes(blob)
+    blob[pos] ^= 0x20
     with Store(kv_home) as s:
-        s.put(key, bytes(blob), tokens=pack_tokens(ids))  # then the meta keeps the old checksum
-        meta = s.get_meta(key)
-        s._write(lambda txn: txn.put(key, _with_checksum(meta, checksum), db=s._meta))
+        s.put(key, good, tokens=pack_tokens(ids))  # the meta holds the good blob's checksums
+        s._write(lambda txn: txn.put(key, bytes(blob), db=s._blob))  # then the blob changes
         with pytest.raises(CorruptEntryError, match="blob checksum mismatch"):
             s.load(key)
-
-
-def _with_checksum(meta, checksum: int) -> bytes:
-    meta.checksum = checksum
-    return meta.pack()
 
 
 def test_checksum_in_chunks_is_xxh3_64():
@@ -164,3 +161,90 @@ def test_large_path_hydrate_equals_fresh_prefill(hybrid_path, kv_home, tmp_path,
         cold = mlx_lm_prefill(model, meta.token_ids())
         nxt = mx.array([[5]])
         assert mx.array_equal(model(nxt, cache=cache), model(nxt, cache=cold)).item()
+
+
+def _stored_with_chunk_sums(kv_home, monkeypatch, blob: bytes):
+    """`blob` stored under small checksum chunks (64 KiB), so a test-sized blob has many."""
+    from kvstore.store import entry
+
+    monkeypatch.setattr(entry, "CHUNK_SUM_BYTES", 64 << 10)
+    ids = list(range(80))
+    key = entry_key(b"\x01" * 16, ids)
+    with Store(kv_home) as s:
+        meta = s.put(key, blob, tokens=pack_tokens(ids))
+    return key, meta
+
+
+@pytest.mark.parametrize("where", ["header", "first data chunk", "middle", "last byte"])
+def test_large_blob_checked_by_chunks_still_refuses_a_flipped_byte(where, kv_home, monkeypatch):
+    """A large entry's checksum is checked on the copied bytes, chunk by chunk (the sums stored
+    with it), with no separate pass; a flipped byte anywhere is still refused."""
+    _paths(monkeypatch, "large")
+    blob = codec.encode(make_cache(KV28_F16, 80))
+    key, meta = _stored_with_chunk_sums(kv_home, monkeypatch, blob)
+    size, sums = meta.chunk_sums
+    assert size == 64 << 10 and len(sums) == -(-len(blob) // size)
+    passes = []
+    real = materialize.checksum
+    monkeypatch.setattr(materialize, "checksum", lambda b: passes.append(1) or real(b))
+    with Store(kv_home, readonly=True) as s:
+        _, good = s.load(key)
+    assert passes == []  # checked while copying: no pass of its own
+    _bytes_equal(good, codec.decode(blob)[0])
+    n = int.from_bytes(blob[:8], "little")
+    pos = {"header": 8 + n - 20, "first data chunk": 8 + n + 5, "middle": len(blob) // 2,
+           "last byte": len(blob) - 1}[where]  # fmt: skip
+    bad = bytearray(blob)
+    bad[pos] ^= 0x01
+    with Store(kv_home) as s:
+        s._write(lambda txn: txn.put(key, bytes(bad), db=s._blob))
+    with Store(kv_home, readonly=True) as s, pytest.raises(CorruptEntryError):
+        s.load(key)
+
+
+def test_chunk_sums_are_the_stores_own(kv_home, monkeypatch):
+    """put computes the chunk sums itself (a caller's are dropped), they are sealed with the
+    meta, an entry without them (stored by earlier code) is checked whole, and ls leaves them
+    out."""
+    from kvstore.store import entry
+
+    blob = codec.encode(make_cache(KV28_F16, 80))
+    monkeypatch.setattr(entry, "CHUNK_SUM_BYTES", 64 << 10)
+    ids = list(range(80))
+    key = entry_key(b"\x01" * 16, ids)
+    forged = {"bytes": 64 << 10, "sums": [0] * (-(-len(blob) // (64 << 10)))}
+    with Store(kv_home) as s:
+        meta = s.put(key, blob, tokens=pack_tokens(ids), extra={"chunk_sums": forged})
+    assert meta.chunk_sums[1] != forged["sums"]
+    assert "chunk_sums" not in meta.to_json()
+    # an older entry: no chunk sums in its extra; the whole checksum guards it
+    _paths(monkeypatch, "large")
+    old = meta
+    old.extra = {k: v for k, v in meta.extra.items() if k != "chunk_sums"}
+    assert old.chunk_sums is None
+    bad = bytearray(blob)
+    bad[len(blob) // 2] ^= 0x01
+    with Store(kv_home) as s:
+        s._write(lambda txn: txn.put(key, old.pack(), db=s._meta))
+        _, cache = s.load(key)  # intact: hydrates through the whole-blob checksum
+        _bytes_equal(cache, codec.decode(blob)[0])
+        s._write(lambda txn: txn.put(key, bytes(bad), db=s._blob))
+        with pytest.raises(CorruptEntryError, match="blob checksum mismatch"):
+            s.load(key)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_copy_runs_on_our_own_threads_whatever_their_number(threads, monkeypatch):
+    """Each share of the copy on a worker thread of ours, one worker too (a machine with one
+    core), never on mlx's io thread (which calls readinto): copying there aborted the process at
+    exit now and then."""
+    _paths(monkeypatch, "large")
+    monkeypatch.setattr(materialize, "THREADS", threads)
+    where = []
+    real = materialize._populate
+    monkeypatch.setattr(
+        materialize, "_populate", lambda d: where.append(threading.current_thread().name) or real(d)
+    )
+    blob = codec.encode(make_cache(KV28_F16, 80))
+    codec.decode(blob, checksum=blob_checksum(blob))
+    assert len(where) == threads and all(n.startswith("kvstore-copy-") for n in where)

@@ -1,0 +1,120 @@
+"""The first `generate` after `kvstore.client.load` against the steady ones: time to first token
+of call 1 over the median of calls 2-10, each a new user turn on the same pinned prefix.
+
+A tiny llama (kvstore.tiny, generated here) with one manifest pin of ~330 tokens is warmed into
+a home; then new interpreters alternate `kvstore.client.load(warm=True)` (the default: the first
+call's one-time costs paid inside load) and `warm=False`, each timing `load` and then ten calls
+of `kvstore.client.stream_generate` (max_tokens=1) through the hydrated cache. A tiny model is
+the hard case: its forward costs milliseconds, so what only the first call pays shows in full.
+
+    python -m bench.firstcall
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.timing import in_fresh_process
+
+SYSTEM = (
+    "You are the router. "
+    + "Classify the request into billing, outage, account or other and answer with JSON only. " * 8
+)
+CALLS = 10
+
+
+def _worker(argv: list[str]) -> None:
+    model_path, home, warm = argv[0], argv[1], argv[2] == "1"
+    import mlx_lm  # noqa: F401  (imported before the timer, as an app has it)
+
+    from kvstore import client
+
+    t = time.perf_counter()
+    model, tokenizer, cache = client.load(model_path, home=home, stats=False, warm=warm)
+    load_s = time.perf_counter() - t
+    assert cache.report.entries == 1, cache.report
+    ttft = []
+    for i in range(CALLS):
+        messages = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"My invoice {i * 7919} was charged twice, case {i}"},
+        ]
+        t = time.perf_counter()
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for _ in client.stream_generate(cache, model, tokenizer, prompt, max_tokens=1):
+            ttft.append(time.perf_counter() - t)
+            break
+    cache.close()
+    print(json.dumps({"load_s": load_s, "ttft_s": ttft}))
+
+
+def _setup(root: Path) -> tuple[Path, Path]:
+    from kvstore.pins.manifest import load_manifest
+    from kvstore.settings import ensure_home
+    from kvstore.store.store import Store
+    from kvstore.tiny import make_tiny_model
+    from kvstore.warm.warm import warm
+
+    model, home = root / "tiny-llama", root / "home"
+    make_tiny_model(model, "llama")
+    ensure_home(home)
+    manifest = root / "manifest.toml"
+    manifest.write_text(
+        f'[[model]]\npath = "{model}"\n\n[[model.prefix]]\nname = "classify"\n'
+        f'messages = [{{ role = "system", content = "{SYSTEM}" }}]\n'
+    )
+    with Store(home) as store:
+        assert warm(load_manifest(manifest), store, home=home).warmed == 1
+    return model, home
+
+
+def summarize(samples: dict[str, list[dict]]) -> dict:
+    """Per mode: the first call's TTFT over the median of calls 2-10, per process, and the
+    medians over processes; load seconds too."""
+    out = {}
+    for mode, runs in samples.items():
+        ratios = [r["ttft_s"][0] / statistics.median(r["ttft_s"][1:]) for r in runs]
+        out[mode] = {
+            "processes": len(runs),
+            "first_s": statistics.median(r["ttft_s"][0] for r in runs),
+            "steady_s": statistics.median(statistics.median(r["ttft_s"][1:]) for r in runs),
+            "first_over_steady": statistics.median(ratios),
+            "ratios": ratios,
+            "load_s": statistics.median(r["load_s"] for r in runs),
+        }
+    return out
+
+
+def run(quick: bool) -> dict:
+    reps = 4 if quick else 8
+    with tempfile.TemporaryDirectory(prefix="kvbench-firstcall-") as tmp:
+        model, home = _setup(Path(tmp))
+        samples: dict[str, list[dict]] = {"warm": [], "no warm": []}
+        for r in range(reps + 1):  # round 0 (untimed) fills the page cache
+            for mode in ("warm", "no warm") if r % 2 else ("no warm", "warm"):
+                res = in_fresh_process(
+                    "bench.firstcall", [str(model), str(home), "1" if mode == "warm" else "0"]
+                )
+                if r:
+                    samples[mode].append(res)
+    out = summarize(samples)
+    for mode, row in out.items():
+        print(
+            f"  first generate after client.load ({mode}): {row['first_s'] * 1e3:.1f} ms vs "
+            f"steady {row['steady_s'] * 1e3:.1f} ms (x{row['first_over_steady']:.2f}); load "
+            f"{row['load_s'] * 1e3:.1f} ms",
+            flush=True,
+        )
+    return out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(sys.argv[2:])
+    else:
+        print(json.dumps(run("--full" not in sys.argv), indent=1))

@@ -17,6 +17,7 @@ from kvstore.cli.options import (
     resolve_keys,
     user_errors,
 )
+from kvstore.store.keys import digest_hex
 from kvstore.wire.daemon_client import DaemonWriter, connect_writer
 
 
@@ -69,7 +70,7 @@ def export_cmd(key: str, file: Path, model: str | None, home: Path) -> None:
 def _matches(keys: list[bytes], text: str) -> list[bytes]:
     """The keys `text` names as resolve_keys reads it (a prefix of the key or of its hash half)."""
     t = text.lower()
-    return [k for k in keys if k.hex().startswith(t) or k.hex()[32:].startswith(t)]
+    return [k for k in keys if k.hex().startswith(t) or digest_hex(k).startswith(t)]
 
 
 @click.command(name="import")

@@ -25,7 +25,7 @@ from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
 from kvstore.fleet.blocks import upload_record
 from kvstore.fleet.objects import Remote
 from kvstore.store.blocks import BlockStore
-from kvstore.store.lmdbenv import ENVS, close_env, open_env
+from kvstore.store.lmdbenv import close_env, gate_of, open_env
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore")
@@ -46,7 +46,7 @@ class UploadQueue:
             self.env = open_env(self.path, readonly=False, map_size=8 * 2**20, max_readers=126)
         except lmdb.Error as e:
             raise StoreError(f"{self.path}: cannot open the upload queue: {e}") from None
-        self._gate = ENVS[str(self.path.resolve())][3]
+        self._gate = gate_of(self.path)
         self._rates = self.env.open_db(b"rates")
         self._tables = {
             "entry": (self.env.open_db(b"queue"), self.env.open_db(b"done")),

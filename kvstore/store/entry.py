@@ -26,9 +26,9 @@ import xxhash
 from kvstore.errors import CorruptEntryError
 from kvstore.identity.model import DEFAULT_QUANTIZED_KV_START as DEFAULT_QUANTIZED_KV_START
 from kvstore.identity.model import ModelIdentity
-
-FINGERPRINT_BYTES = 16
-KEY_BYTES = 32
+from kvstore.store.keys import FINGERPRINT_BYTES as FINGERPRINT_BYTES
+from kvstore.store.keys import KEY_BYTES as KEY_BYTES
+from kvstore.store.keys import digest_of, fingerprint_of
 
 
 # -- keys ----------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class EntryMeta:
             raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
         if problem := meta.type_error():
             raise CorruptEntryError(key, f"unreadable meta ({problem})")
-        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != key[:FINGERPRINT_BYTES]:
+        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != fingerprint_of(key):
             raise CorruptEntryError(key, "meta does not match its key or token count")
         if not tokens_match_key(key, meta.tokens):
             raise CorruptEntryError(key, "its tokens do not hash to its key")
@@ -239,7 +239,7 @@ def seal(body: bytes) -> bytes:
 
 def tokens_match_key(key: bytes, tokens: bytes) -> bool:
     """The key's second half is the xxh3-128 of the packed token ids ."""
-    return packed_prefix_hash(tokens) == key[FINGERPRINT_BYTES:]
+    return packed_prefix_hash(tokens) == digest_of(key)
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
 
 from kvstore.codec import codec
 from kvstore.errors import (
@@ -37,8 +36,9 @@ from kvstore.identity.modelconfig import effective_config
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.render import pin_extra, render_prefix
-from kvstore.settings import DEFAULTS, FILEHASH_NAME, load_settings
+from kvstore.settings import DEFAULT, FILEHASH_NAME, load_settings
 from kvstore.store.entry import entry_key, pack_tokens
+from kvstore.store.keys import short_hex
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
 from kvstore.warm import memory
@@ -157,7 +157,7 @@ class PrefillBounds:
     context), the memory available for it (`available_memory`, read before each prefill), and
     how often a long prefill says how far it is (`progress_every`, seconds)."""
 
-    max_pin_tokens: int = cast(int, DEFAULTS["max_pin_tokens"])
+    max_pin_tokens: int = DEFAULT.max_pin_tokens
     available_memory: Callable[[], int | None] | None = None  # None: kvstore.warm.memory's reader
     progress_every: float = 2.0  # a terminal; the daemon's log takes one every 10 s
 
@@ -216,7 +216,7 @@ def over_limit(plan: ModelPlan, pp: PlannedPin, max_pin_tokens: int) -> str | No
 
 def max_pin_tokens(settings: dict) -> int:
     """The max_pin_tokens setting, checked: a positive integer."""
-    n = settings.get("max_pin_tokens", DEFAULTS["max_pin_tokens"])
+    n = settings.get("max_pin_tokens", DEFAULT.max_pin_tokens)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise KVStoreError(f"settings.toml: max_pin_tokens must be a positive integer, got {n!r}")
     return n
@@ -529,7 +529,7 @@ def warm(
             edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
             for k, spec in moved.items():
                 log.info("kept %s under the model's new name %s: same fingerprint and tokens",
-                         k.hex()[32:44], spec.path)  # fmt: skip
+                         short_hex(k), spec.path)  # fmt: skip
         stale = stale_pins(manifest, store, plans)
         report.purged = [p for p in stale if not p.released]
         report.released = [p for p in stale if p.released]

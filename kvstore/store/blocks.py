@@ -397,45 +397,66 @@ class BlockStore:
         deletes the bad records and the links to them, in one write transaction."""
         if not self._open():
             return 0, []
-        from kvstore.codec.blocks import inspect
-        from kvstore.errors import CodecError
-
         problems: dict[bytes, str] = {}
 
         def scan(txn):
             problems.clear()  # a read retried after a map resize starts over
-            metas: dict[bytes, BlockMeta] = {}
-            rows = 0
-            for k, v in txn.cursor(self._db(b"bmeta")):
-                rows += 1
-                k = bytes(k)
-                try:
-                    metas[k] = BlockMeta.unpack(k, bytes(v))
-                except CorruptEntryError as e:
-                    problems[k] = e.reason
-            blob_keys = set()
-            for k, blob in txn.cursor(self._db(b"bblob")):
-                k = bytes(k)
-                blob_keys.add(k)
-                m = metas.get(k)
-                if m is None:
-                    if k not in problems:
-                        problems[k] = "record blob without meta"
-                    continue
-                why = _blob_problem(m, blob)
-                if why is None:
-                    try:
-                        inspect(bytes(blob), m.ntokens, name="record blob")
-                    except CodecError as e:
-                        why = str(e)
-                if why is not None:
-                    problems[k] = why
-            for k in metas.keys() - blob_keys:
-                problems[k] = "record meta without blob"
+            metas, rows = self._check_records(txn, problems)
             links = [bytes(k) for k in txn.cursor(self._db(b"kids")).iternext(values=False)]
             return metas, rows, links, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
         metas, rows, links, block = self.store._read(scan, buffers=True)
+        self._check_links(metas, links, block, problems)
+        out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
+        if repair and out:
+            self._drop(problems, links)
+        return rows, out
+
+    def _check_records(self, txn, problems: dict[bytes, str]) -> tuple[dict[bytes, BlockMeta], int]:
+        """Every record's meta and blob, each problem filed under its key in `problems`: the
+        readable metas and how many meta rows there are."""
+        from kvstore.codec.blocks import inspect
+        from kvstore.errors import CodecError
+
+        metas: dict[bytes, BlockMeta] = {}
+        rows = 0
+        for k, v in txn.cursor(self._db(b"bmeta")):
+            rows += 1
+            k = bytes(k)
+            try:
+                metas[k] = BlockMeta.unpack(k, bytes(v))
+            except CorruptEntryError as e:
+                problems[k] = e.reason
+        blob_keys = set()
+        for k, blob in txn.cursor(self._db(b"bblob")):
+            k = bytes(k)
+            blob_keys.add(k)
+            m = metas.get(k)
+            if m is None:
+                if k not in problems:
+                    problems[k] = "record blob without meta"
+                continue
+            why = _blob_problem(m, blob)
+            if why is None:
+                try:
+                    inspect(bytes(blob), m.ntokens, name="record blob")
+                except CodecError as e:
+                    why = str(e)
+            if why is not None:
+                problems[k] = why
+        for k in metas.keys() - blob_keys:
+            problems[k] = "record meta without blob"
+        return metas, rows
+
+    def _check_links(
+        self,
+        metas: dict[bytes, BlockMeta],
+        links: list[bytes],
+        block: int,
+        problems: dict[bytes, str],
+    ) -> None:
+        """The chains: each record reached from position 0 through good records, at the position
+        it starts at, its tokens hashing to its key; the rest filed in `problems`."""
         children: dict[bytes, list[bytes]] = {}  # fingerprint + H(start) -> record keys
         for link in links:
             parent, child = parse_kids_row(link)
@@ -468,23 +489,23 @@ class BlockStore:
                     f"record [{m.start}, {m.end}) cannot be served: no chain of good records "
                     "from position 0 reaches it"
                 )
-        out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
-        if repair and out:
 
-            def fn(txn) -> None:
-                freed = 0
-                for k in problems:
-                    meta, raw = self._get_meta(txn, k), txn.get(k, db=self._db(b"bblob"))
-                    freed += meta.nbytes if meta is not None else len(raw or b"")
-                    txn.delete(k, db=self._db(b"bmeta"))
-                    txn.delete(k, db=self._db(b"bblob"))
-                for link in links:  # the links to a dropped record (those from it go with it)
-                    if parse_kids_row(link).child in problems:
-                        txn.delete(link, db=self._db(b"kids"))
-                self._add(txn, LEARNED_BYTES, -freed)
+    def _drop(self, problems: dict[bytes, str], links: list[bytes]) -> None:
+        """Delete the bad records and the links to them (check's repair), in one transaction."""
 
-            self.store._write(fn)
-        return rows, out
+        def fn(txn) -> None:
+            freed = 0
+            for k in problems:
+                meta, raw = self._get_meta(txn, k), txn.get(k, db=self._db(b"bblob"))
+                freed += meta.nbytes if meta is not None else len(raw or b"")
+                txn.delete(k, db=self._db(b"bmeta"))
+                txn.delete(k, db=self._db(b"bblob"))
+            for link in links:  # the links to a dropped record (those from it go with it)
+                if parse_kids_row(link).child in problems:
+                    txn.delete(link, db=self._db(b"kids"))
+            self._add(txn, LEARNED_BYTES, -freed)
+
+        self.store._write(fn)
 
     # -- writes -------------------------------------------------------------------------------
 

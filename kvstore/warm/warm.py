@@ -37,7 +37,7 @@ from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.render import pin_extra, render_prefix
 from kvstore.settings import DEFAULT, FILEHASH_NAME, load_settings
-from kvstore.store.entry import entry_key, pack_tokens
+from kvstore.store.entry import entry_fields, entry_key, pack_tokens
 from kvstore.store.keys import short_hex
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
@@ -275,22 +275,20 @@ def pin_fields(
     plan: ModelPlan, pp: PlannedPin, *, classes: list[str], manifest: Path | None = None
 ) -> dict:
     """The meta fields Store.put takes for a manifest pin (prefilled here or fetched)."""
-    return dict(
-        tokens=pack_tokens(pp.pin.tokens),
+    return entry_fields(
+        pp.pin.tokens,
         label=pp.pin.name,
         pinned=True,
         model=plan.spec.path,
         template_hash=plan.template_hash,
         classes=classes,
-        extra={
-            **plan.spec.identity.state,
-            "source": "manifest",
-            "manifest": str(manifest) if manifest else None,
-            "owners": [manifest_owner(manifest)] if manifest else [],
-            "runtime": runtime_versions(),
-            **_pin_extra(pp),
-        },
-    )
+        state=plan.spec.identity.state,
+        source="manifest",
+        manifest=str(manifest) if manifest else None,
+        owners=[manifest_owner(manifest)] if manifest else [],
+        runtime=runtime_versions(),
+        extra=_pin_extra(pp),
+    ).as_kwargs()
 
 
 def _pin_extra(pp: PlannedPin) -> dict:

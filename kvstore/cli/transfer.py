@@ -18,7 +18,7 @@ from kvstore.cli.options import (
     user_errors,
 )
 from kvstore.store.keys import digest_hex
-from kvstore.wire.daemon_client import DaemonWriter, connect_writer
+from kvstore.wire.daemon_client import DaemonClient, DaemonWriter, connect_writer
 
 
 @click.command(name="export")
@@ -126,7 +126,7 @@ def import_cmd(
         reader = open_store(home) if client is not None else None
         try:
             meta = import_file(
-                DaemonWriter(client) if client is not None else store,
+                DaemonWriter(store) if isinstance(store, DaemonClient) else store,
                 file,
                 model=model,
                 tokens_file=tokens_file,

@@ -104,17 +104,17 @@ def _framed(data: bytes | bytearray, magic: bytes, where: str) -> tuple[memoryvi
     checked; views, so a 1 GB object is not copied again."""
     if len(data) < HEADER.size:
         raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
-    data = memoryview(data)
-    got, version, meta_len = HEADER.unpack_from(data)
+    view = memoryview(data)
+    got, version, meta_len = HEADER.unpack_from(view)
     if got != magic:
         raise RemoteError("corrupt", f"{where}: not a kvstore object of this kind (bad magic)")
     if version != FORMAT_VERSION:
         raise RemoteError(
             "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
         )
-    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
+    if meta_len > min(MAX_META_BYTES, len(view) - HEADER.size):
         raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
-    return data[HEADER.size : HEADER.size + meta_len], data[HEADER.size + meta_len :]
+    return view[HEADER.size : HEADER.size + meta_len], view[HEADER.size + meta_len :]
 
 
 def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False) -> None:

@@ -713,13 +713,13 @@ class BlockStore:
             while heap and total - freed > max_bytes:
                 _, k = heapq.heappop(heap)
                 m = metas[k]
-                parent = parent_of.get(k)
-                freed += self._delete(txn, k, parent)
+                up = parent_of.get(k)
+                freed += self._delete(txn, k, up)
                 evicted.append(m)
-                if parent is not None and parent in metas:
-                    kids[parent] -= 1
-                    if kids[parent] == 0 and metas[parent].pins <= 0:
-                        heapq.heappush(heap, (metas[parent].last_used, parent))
+                if up is not None and up in metas:
+                    kids[up] -= 1
+                    if kids[up] == 0 and metas[up].pins <= 0:
+                        heapq.heappush(heap, (metas[up].last_used, up))
             self._add(txn, LEARNED_BYTES, -freed)
             return EvictedRecords(freed, evicted)
 

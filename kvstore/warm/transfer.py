@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.codec import cache_api, codec
 from kvstore.errors import CodecError, CorruptEntryError, KVStoreError, StoreError
@@ -212,8 +212,14 @@ def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
     return list(tok.encode(prompt))
 
 
+class EntryWriter(Protocol):
+    """Where an import puts the entry: a Store, or the daemon (kvstore.wire.DaemonWriter)."""
+
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta: ...
+
+
 def import_file(
-    store: Store,
+    store: EntryWriter,
     file: Path,
     *,
     model: str,

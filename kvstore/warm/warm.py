@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
+import functools
 import gc
 import logging
 import time
@@ -37,7 +38,7 @@ from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.render import pin_extra, render_prefix
 from kvstore.settings import DEFAULT, FILEHASH_NAME, load_settings
-from kvstore.store.entry import entry_fields, entry_key, pack_tokens
+from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
 from kvstore.store.keys import short_hex
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
@@ -46,6 +47,8 @@ from kvstore.warm.plan import ModelPlan, PlannedPin
 from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
 log = logging.getLogger("kvstore")
+
+MetaEdit = Callable[[EntryMeta], EntryMeta | None]  # Store.edit_meta: an entry's new meta
 
 
 @dataclass
@@ -342,7 +345,7 @@ def _warm_model(
     manifest: Manifest,
     report: WarmReport,
     *,
-    put: Callable[[bytes, bytes, dict], None],
+    put: Callable[[bytes, bytes, dict], object],
     say: Callable[[str], None],
     fetch: Callable | None = None,
     may_load: Callable[[ModelPlan], str | None] | None = None,
@@ -488,9 +491,9 @@ def warm(
     *,
     home: Path,
     progress: Callable[[str], None] | None = None,
-    put: Callable[[bytes, bytes, dict], None] | None = None,
-    delete: Callable[[list[bytes]], None] | None = None,
-    edit: Callable[[dict], int] | None = None,
+    put: Callable[[bytes, bytes, dict], object] | None = None,
+    delete: Callable[[list[bytes]], object] | None = None,
+    edit: Callable[[dict[bytes, MetaEdit]], int] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
@@ -524,7 +527,7 @@ def warm(
     if purge:
         moved = moved_pins(manifest, store, plans)
         if moved:  # same KV, new model name: re-owned, not purged and prefilled again
-            edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
+            edit({k: functools.partial(renamed, spec=spec) for k, spec in moved.items()})
             for k, spec in moved.items():
                 log.info("kept %s under the model's new name %s: same fingerprint and tokens",
                          short_hex(k), spec.path)  # fmt: skip

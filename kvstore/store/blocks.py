@@ -124,13 +124,13 @@ class BlockStore:
     def __init__(self, store: Store, *, block: int = DEFAULT.block_tokens):
         self.store = store
         self.block = block
-        self._dbs: dict[bytes, Any] | None = None
+        self._dbs: dict[bytes, Any] = {}  # name -> the open DB handle (empty until opened)
         self._open()
 
     def _open(self) -> bool:
         """Open the DBs (a read-only Store of an older store may not have them yet: then every
         read is empty until the daemon creates them)."""
-        if self._dbs is not None:
+        if self._dbs:
             return True
         try:
             self._dbs = {
@@ -142,8 +142,8 @@ class BlockStore:
             raise StoreError(f"{self.store.path}: cannot open the learned-block DBs: {e}") from None
         return True
 
-    def _db(self, name: bytes):
-        return self._dbs[name]  # type: ignore[index]
+    def _db(self, name: bytes) -> Any:
+        return self._dbs[name]
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test imports test-lowest lint format docs stress bench bench-quick bench-peer clean
+.PHONY: demo test imports layout types test-lowest lint format docs stress bench bench-quick bench-peer clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,11 +28,18 @@ test: $(STAMP)
 # reads a copy laid out as the wheel installs it: setuptools' build_py copies kvstore/, client/
 # and daemon/ to build/il/kvstore/{,client/,daemon/} (offline, about a second), and lint-imports
 # runs there, where the copy comes first on sys.path.
-imports: $(STAMP)
+imports: layout
+	cd build/il && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
+
+layout: $(STAMP)
 	rm -rf build/il
 	$(PY) -W ignore -c 'import sys; from setuptools import setup; \
 		sys.argv = ["setup.py", "-q", "build_py", "--build-lib", "build/il"]; setup()'
-	cd build/il && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
+
+# mypy ([tool.mypy] in pyproject.toml) over kvstore, kvstore.client and kvstore.daemon, in the
+# same wheel layout as `imports` (mypy, too, finds packages where Python finds them).
+types: layout
+	cd build/il && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml
 
 # The lowest supported mlx / mlx-lm (pyproject's floors) in a second venv; `make test` gets the
 # highest. `.ci/run` runs both.

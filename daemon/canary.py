@@ -24,6 +24,7 @@ from pathlib import Path
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity import codehash
 from kvstore.pins.manifest import load_manifest
+from kvstore.store.keys import fingerprint_of
 from kvstore.store.store import Store
 from kvstore.warm import canary
 
@@ -60,7 +61,7 @@ def check_at_boot(store: Store, home: Path, manifest_paths: list[Path]) -> list:
                     log.log(logging.ERROR if result.error else logging.INFO, "upgrade canary: %s",
                             canary.describe(result))  # fmt: skip
                     continue
-                fingerprint = bytes.fromhex(result.key)[:16]
+                fingerprint = fingerprint_of(bytes.fromhex(result.key))
                 stale = [m.key for m in store.metas(fingerprint, errors=[])]
                 store.delete(stale)
                 log.warning(

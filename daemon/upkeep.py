@@ -427,9 +427,9 @@ class Upkeep:
         return evicted
 
     def _evict_records(self, to_bytes: int, setting: str, budget: int) -> list[str]:
-        freed = self.blocks.evict_learned(to_bytes)
+        freed, records = self.blocks.evict_learned_records(to_bytes)
         out = []
-        for r in self.blocks.evicted if freed else []:
+        for r in records if freed else []:
             out.append(r.key.hex())
             metrics.EVICTIONS.labels(reason="learned_budget").inc()
             log.info("evicted learned record %s [%d, %d) (%d bytes): over the budget %s=%d",

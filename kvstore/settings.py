@@ -1,6 +1,6 @@
 """One settings table (units in comments) and where the home lives.
 
-Precedence: DEFAULTS < `settings.toml` in the home < command line / environment.
+Precedence: DEFAULT (the `Settings` table) < `settings.toml` in the home < command line / env.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ import errno
 import os
 import stat
 import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import KVStoreError
 
@@ -18,27 +21,42 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-DEFAULTS: dict[str, object] = {
-    "max_bytes": 8 * 2**30,  # 8 GiB: byte budget of the store; LRU evicts unpinned entries above it
-    "map_size": 64 * 2**20,  # 64 MiB: initial LMDB map size; doubled on MapFullError
-    "max_map_size": 1 * 2**40,  # 1 TiB: growth cap of the LMDB map
-    "max_frame_bytes": 64 * 2**20,  # 64 MiB: largest socket frame accepted
-    "header_timeout": 5.0,  # seconds to receive a frame's header once a connection opens
-    "idle_timeout": 60.0,  # seconds a connection may stay silent between frames
-    "max_connections": 32,  # concurrent socket connections served
-    "debounce": 0.5,  # seconds: file events are collected this long before re-hashing
-    "poll_interval": 5.0,  # seconds between re-hash passes when no file observer can run
-    "reader_check_interval": 60.0,  # seconds between LMDB reader_check() passes in the daemon
-    "version_check_interval": 30.0,  # seconds between reads of the installed mlx/mlx-lm versions
-    "memory_check_interval": 15.0,  # seconds between checks whether a deferred warm now fits
-    "max_pin_tokens": 32768,  # tokens: a longer pin is refused before its prefill (one line)
-    "learn": True,  # serve learns recurring prefixes (PersistentPromptCache: learn=False)
-    "learn_min_requests": 2,  # distinct requests that must share a prefix before it is learned
-    "block_tokens": 256,  # tokens per learned block record (cut at multiples, plus exact ends)
-    "learned_max_bytes": 2 * 2**30,  # 2 GiB: learned data's own budget inside max_bytes (LRU)
-    "learn_write_bytes_per_day": 4 * 2**30,  # 4 GiB/day of learned writes, then learning pauses
-    "max_snapshots_per_prefix": 2,  # state-layer models: learned whole-cache entries per chain
-}
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting and its default (the one table): the keys `settings.toml` may hold."""
+
+    max_bytes: int = 8 * 2**30  # bytes (8 GiB): the store's budget; LRU evicts unpinned above it
+    map_size: int = 64 * 2**20  # bytes (64 MiB): initial LMDB map size; doubled on MapFullError
+    max_map_size: int = 1 * 2**40  # bytes (1 TiB): growth cap of the LMDB map
+    max_frame_bytes: int = 64 * 2**20  # bytes (64 MiB): largest socket frame accepted
+    header_timeout: float = 5.0  # s to receive a frame's header once a connection opens
+    idle_timeout: float = 60.0  # s a connection may stay silent between frames
+    max_connections: int = 32  # concurrent socket connections served
+    debounce: float = 0.5  # s: file events are collected this long before re-hashing
+    poll_interval: float = 5.0  # s between re-hash passes when no file observer can run
+    reader_check_interval: float = 60.0  # s between LMDB reader_check() passes in the daemon
+    version_check_interval: float = 30.0  # s between reads of the installed mlx/mlx-lm versions
+    memory_check_interval: float = 15.0  # s between checks whether a deferred warm now fits
+    max_pin_tokens: int = 32768  # tokens: a longer pin is refused before its prefill (one line)
+    learn: bool = True  # serve learns recurring prefixes (PersistentPromptCache: learn=False)
+    learn_min_requests: int = 2  # distinct requests that must share a prefix before it is learned
+    block_tokens: int = 256  # tokens per learned block record (cut at multiples, plus exact ends)
+    learned_max_bytes: int = 2 * 2**30  # bytes (2 GiB): learned data's budget inside max_bytes
+    learn_write_bytes_per_day: int = 4 * 2**30  # bytes/day (4 GiB) learned, then learning pauses
+    max_snapshots_per_prefix: int = 2  # state-layer models: learned whole-cache entries per chain
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, object]) -> Settings:
+        """The settings in `mapping` (a `load_settings` result), other keys (`remote`) dropped."""
+        names = {f.name for f in fields(cls)}
+        known: dict[str, Any] = {k: v for k, v in mapping.items() if k in names}
+        return cls(**known)
+
+
+DEFAULT = Settings()
+# The same table as a plain map (load_settings merges into a copy; `stats` shows it).
+DEFAULTS: dict[str, object] = asdict(DEFAULT)
 
 # The unit each setting is in, for `kvstore stats` to show it in (--json gives the raw numbers).
 UNITS: dict[str, str] = {

@@ -22,6 +22,7 @@ from kvstore.cli.options import (
 )
 from kvstore.errors import counted
 from kvstore.pins.registry import canonical
+from kvstore.store.keys import fingerprint_of, short_hex
 from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
 
 
@@ -97,7 +98,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
         )
         for m in sorted(metas, key=lambda m: (m.model, m.label)):
             click.echo(
-                f"{m.key.hex()[32:44]:14} {m.label[:16]:16} {m.ntokens:6d} "
+                f"{short_hex(m.key):14} {m.label[:16]:16} {m.ntokens:6d} "
                 f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
                 f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
                 # a clock-bound pin (its template prints the date) holds for one local day
@@ -134,7 +135,7 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
                         "kind": "learned",
                         "key": r.key.hex(),
                         "model": r.extra.get("model", ""),
-                        "fingerprint": r.key[:16].hex(),
+                        "fingerprint": fingerprint_of(r.key).hex(),
                         "label": r.label,
                         "start": r.start,
                         "end": r.end,
@@ -158,9 +159,11 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
         f"{'KEY':14} {'LABEL':16} {'START':>6} {'END':>6} {'SIZE':>10} {'HITS':>4} "
         f"{'LAST USED':>10}  MODEL"
     )
-    for r in sorted(records, key=lambda r: (r.extra.get("model", ""), r.key[:16], r.end)):
+    for r in sorted(
+        records, key=lambda r: (r.extra.get("model", ""), fingerprint_of(r.key), r.end)
+    ):
         click.echo(
-            f"{r.key.hex()[32:44]:14} {r.label[:16]:16} {r.start:6d} {r.end:6d} "
+            f"{short_hex(r.key):14} {r.label[:16]:16} {r.start:6d} {r.end:6d} "
             f"{human_size(r.nbytes):>10} {r.hits:4d} {_age(r.last_used):>10}  "
             f"{Path(r.extra.get('model', '?')).name}" + ("" if r.key in extended else "  end")
         )
@@ -300,7 +303,7 @@ def _report_unknown(unknown: list[dict]) -> None:
     n = len(unknown)
     click.echo(f"kept {counted(n, 'entry')} whose staleness is unknown here:")
     for u in unknown:
-        click.echo(f"  {u['key'][32:44]} {u['label'][:16]:16} {u['model']}: {u['reason']}")
+        click.echo(f"  {short_hex(u['key'])} {u['label'][:16]:16} {u['model']}: {u['reason']}")
 
 
 @click.command()
@@ -526,7 +529,7 @@ def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
         for r in results:
             click.echo(("ok    " if r.ok else "error " if r.error else "DIFFERS ") + describe(r))
             if not r.ok and not r.error:
-                differs.append((manifest, bytes.fromhex(r.key)[:16]))
+                differs.append((manifest, fingerprint_of(bytes.fromhex(r.key))))
     if repair and differs:
         _rewarm(home, differs)
     return len(differs)
@@ -582,7 +585,7 @@ def _deep_entries(home: Path, *, repair: bool) -> int:
         results = check_entries(store, metas, home=home)
     differs = []
     for r in results:
-        what = f"entry {r.label!r} ({r.key[32:44]}, {r.tokens} tokens) of {r.model}"
+        what = f"entry {r.label!r} ({short_hex(r.key)}, {r.tokens} tokens) of {r.model}"
         if r.error:
             click.echo(f"error   {what}: could not be checked: {r.error}")
         elif r.ok:

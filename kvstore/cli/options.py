@@ -17,6 +17,7 @@ import click
 
 from kvstore.errors import KVStoreError, counted
 from kvstore.settings import ensure_home, home_problem, resolve_home
+from kvstore.store.keys import digest_hex
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
 
@@ -148,7 +149,7 @@ def resolve_keys(
         t = t.lower()
         if not re.fullmatch(r"[0-9a-f]+", t):
             raise click.ClickException(f"key {t!r} is not hex")
-        hits = [k for k in all_keys if k.startswith(t) or k[32:].startswith(t)]
+        hits = [k for k in all_keys if k.startswith(t) or digest_hex(k).startswith(t)]
         if len(hits) != 1:
             found = f"no {what}" if not hits else counted(len(hits), what)
             raise click.ClickException(f"key {t!r} matches {found}; give more hex digits")

@@ -17,7 +17,7 @@ import click
 from kvstore.cli.options import home_option, human_size, open_store, user_errors
 from kvstore.errors import RemoteError, counted
 from kvstore.fleet.settings import REMOTE_SAMPLE
-from kvstore.store.entry import FINGERPRINT_BYTES
+from kvstore.store.keys import fingerprint_of, short_hex
 from kvstore.wire.daemon_client import connect_writer
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
@@ -115,7 +115,7 @@ def status_cmd(as_json: bool, home: Path) -> None:
         remote.check()
         objs = list(remote.objects())
         data.update(reachable=True, objects=len(objs), bytes=sum(o.size for o in objs))
-        data["models"] = len({o.key[:FINGERPRINT_BYTES] for o in objs})
+        data["models"] = len({fingerprint_of(o.key) for o in objs})
         recs = list(remote.records())
         data.update(records=len(recs), records_bytes=sum(o.size for o in recs))
         data["other_format_versions"] = remote.other_versions()
@@ -164,7 +164,7 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
         with open_store(home) as store:
             local = {m.key: m for m in store.metas(errors=[])}
     rows = [
-        {"key": o.key.hex(), "fingerprint": o.key[:FINGERPRINT_BYTES].hex(), "object": o.name,
+        {"key": o.key.hex(), "fingerprint": fingerprint_of(o.key).hex(), "object": o.name,
          "nbytes": o.size, "modified": o.modified, "local": o.key in local,
          "label": local[o.key].label if o.key in local else None}
         for o in objs
@@ -175,7 +175,7 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
     click.echo(f"{'KEY':14} {'FINGERPRINT':14} {'SIZE':>10} {'MODIFIED':19}  LOCAL")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["modified"]))
-        click.echo(f"{r['key'][32:44]:14} {r['fingerprint'][:12]:14} "
+        click.echo(f"{short_hex(r['key']):14} {r['fingerprint'][:12]:14} "
                    f"{human_size(r['nbytes']):>10} {when:19}  {r['label'] or '-'}")  # fmt: skip
     click.echo(f"{counted(len(rows), 'object')}, {human_size(sum(r['nbytes'] for r in rows))}")
 
@@ -340,7 +340,7 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
     objs = sorted([*remote.objects(), *remote.records()], key=lambda o: o.modified)
     now = time.time()
     victims = [o for o in objs if (age is not None and now - o.modified > age)
-               or o.key[:FINGERPRINT_BYTES] in fps]  # fmt: skip
+               or fingerprint_of(o.key) in fps]  # fmt: skip
     gone = {o.name for o in victims}
     kept = sum(o.size for o in objs if o.name not in gone)
     for o in objs:  # oldest first, until within the byte budget

@@ -17,7 +17,8 @@ from kvstore.cli.options import (
     resolve_keys,
     user_errors,
 )
-from kvstore.wire.daemon_client import DaemonWriter, connect_writer
+from kvstore.store.keys import digest_hex
+from kvstore.wire.daemon_client import DaemonClient, DaemonWriter, connect_writer
 
 
 @click.command(name="export")
@@ -69,7 +70,7 @@ def export_cmd(key: str, file: Path, model: str | None, home: Path) -> None:
 def _matches(keys: list[bytes], text: str) -> list[bytes]:
     """The keys `text` names as resolve_keys reads it (a prefix of the key or of its hash half)."""
     t = text.lower()
-    return [k for k in keys if k.hex().startswith(t) or k.hex()[32:].startswith(t)]
+    return [k for k in keys if k.hex().startswith(t) or digest_hex(k).startswith(t)]
 
 
 @click.command(name="import")
@@ -125,7 +126,7 @@ def import_cmd(
         reader = open_store(home) if client is not None else None
         try:
             meta = import_file(
-                DaemonWriter(client) if client is not None else store,
+                DaemonWriter(store) if isinstance(store, DaemonClient) else store,
                 file,
                 model=model,
                 tokens_file=tokens_file,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.fleet.objects import Remote, verify_record
 from kvstore.store.blocks import BlockStore
-from kvstore.store.entry import FINGERPRINT_BYTES
+from kvstore.store.keys import fingerprint_of
 
 if TYPE_CHECKING:
     from kvstore.store.store import Store
@@ -73,7 +73,7 @@ def pull_records(
     block = blocks.cut_at()
     fetched = failed = 0
     for o in remote.records(fingerprint):
-        if o.key in have or o.key[:FINGERPRINT_BYTES] != fingerprint:
+        if o.key in have or fingerprint_of(o.key) != fingerprint:
             continue
         try:
             data, _ = remote.fetch(o.key, name=o.name)

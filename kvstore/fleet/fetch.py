@@ -94,7 +94,9 @@ class WarmFetcher:
     def prefill_rate(self, model: str) -> float | None:
         return ledger_rate(self.ledger, model) or self.queue.rate(f"prefill_tps:{model}")
 
-    def __call__(self, plan: ModelPlan, pp: PlannedPin) -> tuple[bytes | None, list, str]:
+    def __call__(
+        self, plan: ModelPlan, pp: PlannedPin
+    ) -> tuple[bytes | memoryview | None, list, str]:
         if self._down:
             return None, [], f"remote unavailable ({self._down})"
         try:

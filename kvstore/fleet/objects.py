@@ -27,7 +27,8 @@ import xxhash
 from kvstore.codec import codec
 from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
 from kvstore.fleet.settings import RemoteSettings
-from kvstore.store.entry import FINGERPRINT_BYTES, KEY_BYTES, EntryMeta
+from kvstore.store.entry import EntryMeta
+from kvstore.store.keys import KEY_BYTES, digest_of, fingerprint_of, pack_key
 
 if TYPE_CHECKING:
     from kvstore.store.blocks import BlockMeta
@@ -61,7 +62,7 @@ def version_prefix(rs: RemoteSettings, version: int = FORMAT_VERSION) -> str:
 
 
 def object_name(rs: RemoteSettings, key: bytes) -> str:
-    return f"{version_prefix(rs)}{key[:FINGERPRINT_BYTES].hex()}/{key[FINGERPRINT_BYTES:].hex()}"
+    return f"{version_prefix(rs)}{fingerprint_of(key).hex()}/{digest_of(key).hex()}"
 
 
 def parse_object_name(rs: RemoteSettings, name: str) -> bytes | None:
@@ -69,7 +70,7 @@ def parse_object_name(rs: RemoteSettings, name: str) -> bytes | None:
     rest = name.removeprefix(version_prefix(rs))
     fp, _, h = rest.partition("/")
     try:
-        key = bytes.fromhex(fp) + bytes.fromhex(h)
+        key = pack_key(bytes.fromhex(fp), bytes.fromhex(h))
     except ValueError:
         return None
     return key if rest != name and len(key) == KEY_BYTES else None
@@ -81,7 +82,7 @@ RECORDS_DIR = "blocks"
 
 def record_name(rs: RemoteSettings, key: bytes) -> str:
     """The object name of a learned record (key = fingerprint + H(end))."""
-    fp, h = key[:FINGERPRINT_BYTES].hex(), key[FINGERPRINT_BYTES:].hex()
+    fp, h = fingerprint_of(key).hex(), digest_of(key).hex()
     return f"{version_prefix(rs)}{fp}/{RECORDS_DIR}/{h}"
 
 
@@ -92,7 +93,7 @@ def parse_record_name(rs: RemoteSettings, name: str) -> bytes | None:
     if rest == name or len(parts) != 3 or parts[1] != RECORDS_DIR:
         return None
     try:
-        key = bytes.fromhex(parts[0]) + bytes.fromhex(parts[2])
+        key = pack_key(bytes.fromhex(parts[0]), bytes.fromhex(parts[2]))
     except ValueError:
         return None
     return key if len(key) == KEY_BYTES else None
@@ -103,17 +104,17 @@ def _framed(data: bytes | bytearray, magic: bytes, where: str) -> tuple[memoryvi
     checked; views, so a 1 GB object is not copied again."""
     if len(data) < HEADER.size:
         raise RemoteError("corrupt", f"{where}: {len(data)} bytes, shorter than its header")
-    data = memoryview(data)
-    got, version, meta_len = HEADER.unpack_from(data)
+    view = memoryview(data)
+    got, version, meta_len = HEADER.unpack_from(view)
     if got != magic:
         raise RemoteError("corrupt", f"{where}: not a kvstore object of this kind (bad magic)")
     if version != FORMAT_VERSION:
         raise RemoteError(
             "version", f"{where}: format version {version}, this kvstore reads {FORMAT_VERSION}"
         )
-    if meta_len > min(MAX_META_BYTES, len(data) - HEADER.size):
+    if meta_len > min(MAX_META_BYTES, len(view) - HEADER.size):
         raise RemoteError("corrupt", f"{where}: meta length {meta_len} runs past the object")
-    return data[HEADER.size : HEADER.size + meta_len], data[HEADER.size + meta_len :]
+    return view[HEADER.size : HEADER.size + meta_len], view[HEADER.size + meta_len :]
 
 
 def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False) -> None:
@@ -167,8 +168,8 @@ def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes
         raise RemoteError("corrupt", f"{where}: {len(prefix) // 4} tokens before a record at "
                                      f"{meta.start}")  # fmt: skip
     tokens = prefix + meta.tokens
-    fp = key[:FINGERPRINT_BYTES]
-    if position_hash(fp, tokens, meta.end, block) != key[FINGERPRINT_BYTES:]:
+    fp = fingerprint_of(key)
+    if position_hash(fp, tokens, meta.end, block) != digest_of(key):
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
     _check_blob(blob, meta, where, record=True)
     return meta, tokens, block, blob
@@ -190,7 +191,7 @@ def verify_object(
         meta = EntryMeta.unpack(key, bytes(meta_bytes))
     except CorruptEntryError as e:
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
-    if xxhash.xxh3_128(meta.tokens).digest() != key[FINGERPRINT_BYTES:]:
+    if xxhash.xxh3_128(meta.tokens).digest() != digest_of(key):
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
     if tokens is not None and meta.tokens != tokens:
         raise RemoteError("corrupt", f"{where}: its tokens are not the pin's")

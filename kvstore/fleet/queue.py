@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import msgpack
@@ -25,7 +26,8 @@ from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
 from kvstore.fleet.blocks import upload_record
 from kvstore.fleet.objects import Remote
 from kvstore.store.blocks import BlockStore
-from kvstore.store.lmdbenv import ENVS, close_env, open_env
+from kvstore.store.entry import EntryMeta
+from kvstore.store.lmdbenv import close_env, gate_of, open_env
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore")
@@ -46,7 +48,7 @@ class UploadQueue:
             self.env = open_env(self.path, readonly=False, map_size=8 * 2**20, max_readers=126)
         except lmdb.Error as e:
             raise StoreError(f"{self.path}: cannot open the upload queue: {e}") from None
-        self._gate = ENVS[str(self.path.resolve())][3]
+        self._gate = gate_of(self.path)
         self._rates = self.env.open_db(b"rates")
         self._tables = {
             "entry": (self.env.open_db(b"queue"), self.env.open_db(b"done")),
@@ -58,7 +60,7 @@ class UploadQueue:
             close_env(self.path)
             self.env = None
 
-    def _write(self, fn: Callable) -> object:
+    def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         with self._gate.exclusive():
             while True:
                 try:
@@ -69,7 +71,7 @@ class UploadQueue:
                 except lmdb.Error as e:
                     raise StoreError(f"{self.path}: upload queue write failed: {e}") from None
 
-    def _read(self, fn: Callable) -> object:
+    def _read(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         for _ in range(3):
             try:
                 with self._gate.txn(), self.env.begin() as txn:
@@ -216,7 +218,7 @@ class Uploader(threading.Thread):
         self._cause: str | None = None  # the failure last logged: one line per cause, not per try
         self.uploaded = 0
 
-    def notify(self, meta: object = None) -> None:
+    def notify(self, meta: EntryMeta | None = None) -> None:
         """Store.on_commit hook: queue the key (one small local write) and wake the worker."""
         self._queue_keys([meta.key] if meta is not None else [], "entry")
 
@@ -265,8 +267,11 @@ class Uploader(threading.Thread):
             self._wake.wait(IDLE_SECONDS)
 
     def _drain(self) -> None:
-        for kind, upload, where in (("entry", upload_one, self.store),
-                                    ("record", upload_one_record, self.blocks)):  # fmt: skip
+        kinds: tuple[tuple[str, Callable[..., str], Any], ...] = (
+            ("entry", upload_one, self.store),
+            ("record", upload_one_record, self.blocks),
+        )
+        for kind, upload, where in kinds:
             for key in self.queue.pending(kind):
                 if self._stop_event.is_set():
                     return

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +19,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-# Units in comments; every key the table may hold. `endpoint` and `bucket` are required.
-REMOTE_DEFAULTS: dict[str, Any] = {
-    "endpoint": "",  # http(s)://host:port of the S3 API (SeaweedFS, AWS S3, Ceph RGW, R2)
-    "bucket": "",
-    "prefix": "",  # optional key prefix inside the bucket (a team, a fleet)
-    "region": "us-east-1",
-    "credentials": "",  # TOML file with access_key_id, secret_access_key; must be 0600
-    "ca_bundle": "",  # PEM file of the CA that signed an https endpoint's certificate (a LAN CA)
-    "upload": True,  # write-behind upload of every local commit
-    "download": True,  # read-through when warming, and `kvstore remote pull`
-    "fetch_deadline": 30.0,  # seconds: a fetch still running after this is dropped (prefill)
-    "connect_timeout": 2.0,  # seconds to open a connection to the endpoint
-    "read_timeout": 10.0,  # seconds a socket read may stall
-    "max_bytes": 100 * 2**30,  # 100 GiB: the bucket's byte budget, held by `remote gc`
-    "multipart_threshold": 64 * 2**20,  # 64 MiB: larger blobs upload in parts
-    "part_size": 16 * 2**20,  # 16 MiB per part (S3's minimum is 5 MiB)
-    "retry_interval": 30.0,  # seconds the uploader waits after the remote failed
-}
 
 
 # The least a [remote] table holds: `kvstore remote --help` shows it, a missing table points to it
@@ -55,22 +36,24 @@ class RemoteSettingsError(KVStoreError):
 
 @dataclass(frozen=True)
 class RemoteSettings:
-    endpoint: str
-    bucket: str
-    prefix: str = ""
+    """The [remote] table (units in comments). `endpoint` and `bucket` are required."""
+
+    endpoint: str = ""  # http(s)://host:port of the S3 API (SeaweedFS, AWS S3, Ceph RGW, R2)
+    bucket: str = ""
+    prefix: str = ""  # optional key prefix inside the bucket (a team, a fleet)
     region: str = "us-east-1"
-    credentials: str = ""
-    ca_bundle: str = ""
-    upload: bool = True
-    download: bool = True
-    fetch_deadline: float = 30.0
-    connect_timeout: float = 2.0
-    read_timeout: float = 10.0
-    max_bytes: int = 100 * 2**30
-    multipart_threshold: int = 64 * 2**20
-    part_size: int = 16 * 2**20
-    retry_interval: float = 30.0
-    access_key_id: str | None = field(default=None, repr=False)
+    credentials: str = ""  # TOML file with access_key_id, secret_access_key; must be 0600
+    ca_bundle: str = ""  # PEM file of the CA that signed an https endpoint's certificate (a LAN CA)
+    upload: bool = True  # write-behind upload of every local commit
+    download: bool = True  # read-through when warming, and `kvstore remote pull`
+    fetch_deadline: float = 30.0  # seconds: a fetch still running after this is dropped (prefill)
+    connect_timeout: float = 2.0  # seconds to open a connection to the endpoint
+    read_timeout: float = 10.0  # seconds a socket read may stall
+    max_bytes: int = 100 * 2**30  # bytes (100 GiB): the bucket's budget, held by `remote gc`
+    multipart_threshold: int = 64 * 2**20  # bytes (64 MiB): larger blobs upload in parts
+    part_size: int = 16 * 2**20  # bytes (16 MiB) per part (S3's minimum is 5 MiB)
+    retry_interval: float = 30.0  # seconds the uploader waits after the remote failed
+    access_key_id: str | None = field(default=None, repr=False)  # from `credentials`, never shown
     secret_access_key: str | None = field(default=None, repr=False)
 
     def shown(self) -> dict[str, Any]:
@@ -80,6 +63,12 @@ class RemoteSettings:
         out["secret_access_key"] = "(set)" if self.secret_access_key else None
         return out
 
+
+SECRETS = ("access_key_id", "secret_access_key")  # read from the credentials file, not the table
+# Every key the table may hold, and its default: RemoteSettings' fields less the secrets.
+REMOTE_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in fields(RemoteSettings) if f.name not in SECRETS
+}
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
     k: (int, float) if isinstance(v, float) else type(v) for k, v in REMOTE_DEFAULTS.items()

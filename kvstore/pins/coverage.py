@@ -107,7 +107,8 @@ def _find_end(text: str, needle: str, start: int, stop: int) -> int:
 
 def _tool_leaves(tool: dict) -> tuple[str | None, list[str]]:
     """The tool's name and every string it carries (names, descriptions, enum values)."""
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    inner = tool.get("function")
+    fn: dict = inner if isinstance(inner, dict) else tool
     name = fn.get("name") if isinstance(fn.get("name"), str) else None
     leaves: list[str] = []
 
@@ -152,26 +153,31 @@ def locate_parts(
         parts.append(Part(name, after, where, content))
     named = [(t, *_tool_leaves(t)) for t in tools or ()]
     starts = []
-    for _, name, _ in named:
-        at = text.find(name, 0, user_at) if name else -1
+    for _, tool_name, _ in named:
+        at = text.find(tool_name, 0, user_at) if tool_name else -1
         starts.append(at)
-    for k, (_, name, leaves) in enumerate(named):
-        label = f"tool {name!r}" if name else f"tool #{k}"
+    for k, (_, tool_name, leaves) in enumerate(named):
+        label = f"tool {tool_name!r}" if tool_name else f"tool #{k}"
         start = starts[k]
         if start < 0:
-            after = text.find(name, user_at) if name else -1
+            after = text.find(tool_name, user_at) if tool_name else -1
             where = "after_user" if after >= 0 else "not_rendered"
             parts.append(
-                Part(label, after + len(name or "") if after >= 0 else -1, where, name or "")
+                Part(
+                    label,
+                    after + len(tool_name or "") if after >= 0 else -1,
+                    where,
+                    tool_name or "",
+                )
             )
             continue
         later = [s for s in starts if s > start]
         stop = min(later) if later else user_at
-        end = start + len(name or "")
+        end = start + len(tool_name or "")
         for leaf in leaves:
             e = _find_end(text, leaf, start, stop)
             end = max(end, e)
-        parts.append(Part(label, end, "before_user", name or ""))
+        parts.append(Part(label, end, "before_user", tool_name or ""))
     return parts
 
 

@@ -18,16 +18,24 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lmdb
 import msgpack
 import xxhash
 
 from kvstore.errors import CorruptEntryError, StoreError
-from kvstore.settings import DEFAULTS
+from kvstore.settings import DEFAULT
 from kvstore.store.chain import chain_hashes, is_cut, packed, position_hash
-from kvstore.store.entry import FINGERPRINT_BYTES, SCHEMA_VERSION, seal
+from kvstore.store.entry import SCHEMA_VERSION, seal
+from kvstore.store.keys import (
+    FINGERPRINT_BYTES,
+    digest_of,
+    fingerprint_of,
+    kids_row,
+    pack_key,
+    parse_kids_row,
+)
 
 if TYPE_CHECKING:
     from kvstore.store.store import Store
@@ -105,19 +113,24 @@ def common_tokens(a: bytes, b: bytes) -> int:
     return lo
 
 
+class EvictedRecords(NamedTuple):
+    freed: int  # bytes
+    records: list[BlockMeta]  # the records evicted, in eviction order
+
+
 class BlockStore:
     """A view over an open Store: its environment, its `_read` / `_write` helpers."""
 
-    def __init__(self, store: Store, *, block: int = int(DEFAULTS["block_tokens"])):  # type: ignore[call-overload]
+    def __init__(self, store: Store, *, block: int = DEFAULT.block_tokens):
         self.store = store
         self.block = block
-        self._dbs: dict[bytes, Any] | None = None
+        self._dbs: dict[bytes, Any] = {}  # name -> the open DB handle (empty until opened)
         self._open()
 
     def _open(self) -> bool:
         """Open the DBs (a read-only Store of an older store may not have them yet: then every
         read is empty until the daemon creates them)."""
-        if self._dbs is not None:
+        if self._dbs:
             return True
         try:
             self._dbs = {
@@ -129,8 +142,8 @@ class BlockStore:
             raise StoreError(f"{self.store.path}: cannot open the learned-block DBs: {e}") from None
         return True
 
-    def _db(self, name: bytes):
-        return self._dbs[name]  # type: ignore[index]
+    def _db(self, name: bytes) -> Any:
+        return self._dbs[name]
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -158,7 +171,7 @@ class BlockStore:
                 k = bytes(k)
                 if not k.startswith(parent):
                     break
-                out.append(k[:FINGERPRINT_BYTES] + k[len(parent) :])
+                out.append(parse_kids_row(k).child)
         return out
 
     def lookup(
@@ -184,7 +197,7 @@ class BlockStore:
             blobs = self._db(b"bblob")
             while p < n:
                 full, partial, best = None, None, 0
-                for key in self._kids(txn, fingerprint + hp):
+                for key in self._kids(txn, pack_key(fingerprint, hp)):
                     try:
                         meta = self._unpack_meta(txn, key)
                     except CorruptEntryError as e:
@@ -199,9 +212,9 @@ class BlockStore:
                             corrupt.append(CorruptEntryError(key, _truncated(meta, len(blob))))
                         continue  # missing or truncated: never served
                     if meta.end <= n and (full is None or meta.end > full.end):
-                        if meta.tokens == data[4 * p : 4 * meta.end] and key[
-                            FINGERPRINT_BYTES:
-                        ] == position_hash(fingerprint, data, meta.end, self.block, hashes):
+                        if meta.tokens == data[4 * p : 4 * meta.end] and digest_of(
+                            key
+                        ) == position_hash(fingerprint, data, meta.end, self.block, hashes):
                             full = meta
                             continue
                     j = common_tokens(meta.tokens, data[4 * p :])
@@ -209,7 +222,7 @@ class BlockStore:
                         partial, best = meta, j
                 if full is not None:
                     chain.append(full)
-                    p, hp = full.end, full.key[FINGERPRINT_BYTES:]
+                    p, hp = full.end, digest_of(full.key)
                     continue
                 if partial is not None:
                     chain.append(partial)
@@ -268,7 +281,7 @@ class BlockStore:
         not hash to its keys (nothing partial: an export is all of it or nothing)."""
         if not self._open():
             raise StoreError(f"no learned record {key.hex()}")
-        fp = key[:FINGERPRINT_BYTES]
+        fp = fingerprint_of(key)
 
         def walk(txn) -> tuple[list[BlockMeta], int]:
             parents: dict[bytes, list[bytes]] = {}  # H(end) -> [H(start)] of this model's rows
@@ -278,8 +291,8 @@ class BlockStore:
                     k = bytes(k)
                     if not k.startswith(fp):
                         break
-                    h0, h1 = k[FINGERPRINT_BYTES:-16], k[-16:]
-                    parents.setdefault(h1, []).append(h0)
+                    row = parse_kids_row(k)
+                    parents.setdefault(digest_of(row.child), []).append(digest_of(row.parent))
             chain: list[BlockMeta] = []
             at = key
             while True:
@@ -291,8 +304,9 @@ class BlockStore:
                     break
                 ups = [
                     m
-                    for h in parents.get(at[FINGERPRINT_BYTES:], [])
-                    if (m := self._get_meta(txn, fp + h)) is not None and m.end == meta.start
+                    for h in parents.get(digest_of(at), [])
+                    if (m := self._get_meta(txn, pack_key(fp, h))) is not None
+                    and m.end == meta.start
                 ]
                 if not ups:
                     raise StoreError(
@@ -306,7 +320,7 @@ class BlockStore:
         data = b"".join(m.tokens for m in chain)
         hashes = chain_hashes(fp, data, block)
         for m in chain:
-            if m.key[FINGERPRINT_BYTES:] != position_hash(fp, data, m.end, block, hashes):
+            if digest_of(m.key) != position_hash(fp, data, m.end, block, hashes):
                 raise StoreError(f"learned record {m.key.hex()}: its tokens do not hash to its key")
         return chain
 
@@ -349,7 +363,8 @@ class BlockStore:
             return set()
         return self.store._read(
             lambda txn: {
-                bytes(k[: 2 * 16]) for k in txn.cursor(self._db(b"kids")).iternext(values=False)
+                parse_kids_row(k).parent
+                for k in txn.cursor(self._db(b"kids")).iternext(values=False)
             }
         )
 
@@ -362,7 +377,8 @@ class BlockStore:
         def fn(txn):
             keys = [bytes(k) for k in txn.cursor(self._db(b"bmeta")).iternext(values=False)]
             parents = {
-                bytes(k[: 2 * 16]) for k in txn.cursor(self._db(b"kids")).iternext(values=False)
+                parse_kids_row(k).parent
+                for k in txn.cursor(self._db(b"kids")).iternext(values=False)
             }
             return {
                 "records": len(keys),
@@ -381,54 +397,75 @@ class BlockStore:
         deletes the bad records and the links to them, in one write transaction."""
         if not self._open():
             return 0, []
-        from kvstore.codec.blocks import inspect
-        from kvstore.errors import CodecError
-
         problems: dict[bytes, str] = {}
 
         def scan(txn):
             problems.clear()  # a read retried after a map resize starts over
-            metas: dict[bytes, BlockMeta] = {}
-            rows = 0
-            for k, v in txn.cursor(self._db(b"bmeta")):
-                rows += 1
-                k = bytes(k)
-                try:
-                    metas[k] = BlockMeta.unpack(k, bytes(v))
-                except CorruptEntryError as e:
-                    problems[k] = e.reason
-            blob_keys = set()
-            for k, blob in txn.cursor(self._db(b"bblob")):
-                k = bytes(k)
-                blob_keys.add(k)
-                m = metas.get(k)
-                if m is None:
-                    if k not in problems:
-                        problems[k] = "record blob without meta"
-                    continue
-                why = _blob_problem(m, blob)
-                if why is None:
-                    try:
-                        inspect(bytes(blob), m.ntokens, name="record blob")
-                    except CodecError as e:
-                        why = str(e)
-                if why is not None:
-                    problems[k] = why
-            for k in metas.keys() - blob_keys:
-                problems[k] = "record meta without blob"
+            metas, rows = self._check_records(txn, problems)
             links = [bytes(k) for k in txn.cursor(self._db(b"kids")).iternext(values=False)]
             return metas, rows, links, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
         metas, rows, links, block = self.store._read(scan, buffers=True)
+        self._check_links(metas, links, block, problems)
+        out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
+        if repair and out:
+            self._drop(problems, links)
+        return rows, out
+
+    def _check_records(self, txn, problems: dict[bytes, str]) -> tuple[dict[bytes, BlockMeta], int]:
+        """Every record's meta and blob, each problem filed under its key in `problems`: the
+        readable metas and how many meta rows there are."""
+        from kvstore.codec.blocks import inspect
+        from kvstore.errors import CodecError
+
+        metas: dict[bytes, BlockMeta] = {}
+        rows = 0
+        for k, v in txn.cursor(self._db(b"bmeta")):
+            rows += 1
+            k = bytes(k)
+            try:
+                metas[k] = BlockMeta.unpack(k, bytes(v))
+            except CorruptEntryError as e:
+                problems[k] = e.reason
+        blob_keys = set()
+        for k, blob in txn.cursor(self._db(b"bblob")):
+            k = bytes(k)
+            blob_keys.add(k)
+            m = metas.get(k)
+            if m is None:
+                if k not in problems:
+                    problems[k] = "record blob without meta"
+                continue
+            why = _blob_problem(m, blob)
+            if why is None:
+                try:
+                    inspect(bytes(blob), m.ntokens, name="record blob")
+                except CodecError as e:
+                    why = str(e)
+            if why is not None:
+                problems[k] = why
+        for k in metas.keys() - blob_keys:
+            problems[k] = "record meta without blob"
+        return metas, rows
+
+    def _check_links(
+        self,
+        metas: dict[bytes, BlockMeta],
+        links: list[bytes],
+        block: int,
+        problems: dict[bytes, str],
+    ) -> None:
+        """The chains: each record reached from position 0 through good records, at the position
+        it starts at, its tokens hashing to its key; the rest filed in `problems`."""
         children: dict[bytes, list[bytes]] = {}  # fingerprint + H(start) -> record keys
         for link in links:
-            child = link[:FINGERPRINT_BYTES] + link[2 * 16 :]
-            children.setdefault(link[: 2 * 16], []).append(child)
+            parent, child = parse_kids_row(link)
+            children.setdefault(parent, []).append(child)
             if child not in metas and child not in problems:
                 problems[child] = "a chain link to a record that is not stored"
         reached: set[bytes] = set()
-        for fp in {k[:FINGERPRINT_BYTES] for k in metas}:
-            todo = [(fp + chain_hashes(fp, b"", block)[0], 0, b"")]
+        for fp in {fingerprint_of(k) for k in metas}:
+            todo = [(pack_key(fp, chain_hashes(fp, b"", block)[0]), 0, b"")]
             while todo:  # depth first from position 0, through good records only
                 parent, at, data = todo.pop()
                 for child in children.get(parent, []):
@@ -441,7 +478,7 @@ class BlockStore:
                         )
                         continue
                     grown = data + m.tokens
-                    if child[FINGERPRINT_BYTES:] != position_hash(fp, grown, m.end, block):
+                    if digest_of(child) != position_hash(fp, grown, m.end, block):
                         problems[child] = "its tokens do not hash to its key"
                         continue
                     reached.add(child)
@@ -452,23 +489,23 @@ class BlockStore:
                     f"record [{m.start}, {m.end}) cannot be served: no chain of good records "
                     "from position 0 reaches it"
                 )
-        out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
-        if repair and out:
 
-            def fn(txn) -> None:
-                freed = 0
-                for k in problems:
-                    meta, raw = self._get_meta(txn, k), txn.get(k, db=self._db(b"bblob"))
-                    freed += meta.nbytes if meta is not None else len(raw or b"")
-                    txn.delete(k, db=self._db(b"bmeta"))
-                    txn.delete(k, db=self._db(b"bblob"))
-                for link in links:  # the links to a dropped record (those from it go with it)
-                    if link[:FINGERPRINT_BYTES] + link[2 * 16 :] in problems:
-                        txn.delete(link, db=self._db(b"kids"))
-                self._add(txn, LEARNED_BYTES, -freed)
+    def _drop(self, problems: dict[bytes, str], links: list[bytes]) -> None:
+        """Delete the bad records and the links to them (check's repair), in one transaction."""
 
-            self.store._write(fn)
-        return rows, out
+        def fn(txn) -> None:
+            freed = 0
+            for k in problems:
+                meta, raw = self._get_meta(txn, k), txn.get(k, db=self._db(b"bblob"))
+                freed += meta.nbytes if meta is not None else len(raw or b"")
+                txn.delete(k, db=self._db(b"bmeta"))
+                txn.delete(k, db=self._db(b"bblob"))
+            for link in links:  # the links to a dropped record (those from it go with it)
+                if parse_kids_row(link).child in problems:
+                    txn.delete(link, db=self._db(b"kids"))
+            self._add(txn, LEARNED_BYTES, -freed)
+
+        self.store._write(fn)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -505,7 +542,9 @@ class BlockStore:
             classes = inspect(blob, end - start, name=f"record [{start}, {end})")
             h0 = position_hash(fingerprint, data, start, self.block, hashes)
             h1 = position_hash(fingerprint, data, end, self.block, hashes)
-            rows.append((start, end, blob, classes, fingerprint + h0, fingerprint + h1))
+            rows.append(
+                (start, end, blob, classes, pack_key(fingerprint, h0), pack_key(fingerprint, h1))
+            )
         now = time.time()
         day_key = b"day:" + (day or today()).encode()
         from kvstore.codec.codec import CODEC_VERSION
@@ -538,7 +577,7 @@ class BlockStore:
                 )  # fmt: skip
                 txn.put(key, meta.pack(), db=self._db(b"bmeta"))
                 txn.put(key, blob, db=self._db(b"bblob"))
-                txn.put(parent + key[FINGERPRINT_BYTES:], b"", db=self._db(b"kids"))
+                txn.put(kids_row(parent, key), b"", db=self._db(b"kids"))
                 written += len(blob)
             self._add(txn, LEARNED_BYTES, written)
             self._add(txn, day_key, written)
@@ -586,16 +625,16 @@ class BlockStore:
         txn.delete(key, db=self._db(b"bmeta"))
         txn.delete(key, db=self._db(b"bblob"))
         if parent is not None:
-            txn.delete(parent + key[FINGERPRINT_BYTES:], db=self._db(b"kids"))
+            txn.delete(kids_row(parent, key), db=self._db(b"kids"))
         elif meta is not None:  # the kids row needs H(start): scan this fingerprint's rows
-            fp = key[:FINGERPRINT_BYTES]
+            fp = fingerprint_of(key)
             cur = txn.cursor(self._db(b"kids"))
             if cur.set_range(fp):
                 for k in cur.iternext(values=False):
                     k = bytes(k)
                     if not k.startswith(fp):
                         break
-                    if k[2 * 16 :] == key[FINGERPRINT_BYTES:]:
+                    if parse_kids_row(k).child == key:
                         txn.delete(k, db=self._db(b"kids"))
                         break
         return size
@@ -629,7 +668,9 @@ class BlockStore:
                 meta = self._get_meta(txn, m.key)
                 if meta is None or meta.pins > 0 or self._kids(txn, m.key):
                     break
-                parent = fingerprint + position_hash(fingerprint, data, m.start, self.block, hashes)
+                parent = pack_key(
+                    fingerprint, position_hash(fingerprint, data, m.start, self.block, hashes)
+                )
                 freed += self._delete(txn, m.key, parent)
                 dropped.append(m)
             self._add(txn, LEARNED_BYTES, -freed)
@@ -638,17 +679,21 @@ class BlockStore:
         return self.store._write(fn)
 
     def evict_learned(self, max_bytes: int) -> int:
-        """Least recently used leaf records (nothing stored extends them) go first, never a
-        record with pins > 0, until learned bytes <= max_bytes; returns bytes freed."""
-        if not self._open():
-            return 0
-        self.evicted: list[BlockMeta] = []
+        """`evict_learned_records`' bytes freed."""
+        return self.evict_learned_records(max_bytes).freed
 
-        def fn(txn):
-            self.evicted = []  # a retried transaction starts over
+    def evict_learned_records(self, max_bytes: int) -> EvictedRecords:
+        """Least recently used leaf records (nothing stored extends them) go first, never a
+        record with pins > 0, until learned bytes <= max_bytes; returns the bytes freed and the
+        records evicted (one write transaction: a retried one starts over)."""
+        if not self._open():
+            return EvictedRecords(0, [])
+
+        def fn(txn) -> EvictedRecords:
+            evicted: list[BlockMeta] = []
             total = self._stat_int(txn, LEARNED_BYTES)
             if total <= max_bytes:
-                return 0
+                return EvictedRecords(0, evicted)
             metas: dict[bytes, BlockMeta] = {}
             for k, v in txn.cursor(self._db(b"bmeta")):
                 try:
@@ -659,7 +704,7 @@ class BlockStore:
             parent_of: dict[bytes, bytes] = {}
             for k in txn.cursor(self._db(b"kids")).iternext(values=False):
                 k = bytes(k)
-                parent, child = k[:32], k[:FINGERPRINT_BYTES] + k[32:]
+                parent, child = parse_kids_row(k)
                 kids[parent] = kids.get(parent, 0) + 1
                 parent_of[child] = parent
             heap = [(m.last_used, k) for k, m in metas.items() if not kids.get(k) and m.pins <= 0]
@@ -668,15 +713,15 @@ class BlockStore:
             while heap and total - freed > max_bytes:
                 _, k = heapq.heappop(heap)
                 m = metas[k]
-                parent = parent_of.get(k)
-                freed += self._delete(txn, k, parent)
-                self.evicted.append(m)
-                if parent is not None and parent in metas:
-                    kids[parent] -= 1
-                    if kids[parent] == 0 and metas[parent].pins <= 0:
-                        heapq.heappush(heap, (metas[parent].last_used, parent))
+                up = parent_of.get(k)
+                freed += self._delete(txn, k, up)
+                evicted.append(m)
+                if up is not None and up in metas:
+                    kids[up] -= 1
+                    if kids[up] == 0 and metas[up].pins <= 0:
+                        heapq.heappush(heap, (metas[up].last_used, up))
             self._add(txn, LEARNED_BYTES, -freed)
-            return freed
+            return EvictedRecords(freed, evicted)
 
         return self.store._write(fn)
 
@@ -693,10 +738,10 @@ def learned_summary(
         "records": s["records"],
         "chains": s["chains"],
         "bytes": s["bytes"],
-        "budget": int(settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"])),
+        "budget": int(settings.get("learned_max_bytes", DEFAULT.learned_max_bytes)),
         "written_today": s["written_today"],
         "write_budget": int(
-            settings.get("learn_write_bytes_per_day", DEFAULTS["learn_write_bytes_per_day"])
+            settings.get("learn_write_bytes_per_day", DEFAULT.learn_write_bytes_per_day)
         ),
         "paused": paused,
         "snapshots": len(snaps),

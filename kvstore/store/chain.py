@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import xxhash
 
 from kvstore.store.entry import pack_tokens
+from kvstore.store.keys import HASH_BYTES as HASH_BYTES
 
 CHAIN_SEED = b"kvstore-chain-v1"
-HASH_BYTES = 16
 
 TokensLike = Sequence[int] | bytes
 

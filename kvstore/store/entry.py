@@ -15,8 +15,9 @@ where the model resolved (`model_location`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,9 @@ import xxhash
 from kvstore.errors import CorruptEntryError
 from kvstore.identity.model import DEFAULT_QUANTIZED_KV_START as DEFAULT_QUANTIZED_KV_START
 from kvstore.identity.model import ModelIdentity
-
-FINGERPRINT_BYTES = 16
-KEY_BYTES = 32
+from kvstore.store.keys import FINGERPRINT_BYTES as FINGERPRINT_BYTES
+from kvstore.store.keys import KEY_BYTES as KEY_BYTES
+from kvstore.store.keys import digest_of, fingerprint_of
 
 
 # -- keys ----------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ class EntryMeta:
             raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
         if problem := meta.type_error():
             raise CorruptEntryError(key, f"unreadable meta ({problem})")
-        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != key[:FINGERPRINT_BYTES]:
+        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != fingerprint_of(key):
             raise CorruptEntryError(key, "meta does not match its key or token count")
         if not tokens_match_key(key, meta.tokens):
             raise CorruptEntryError(key, "its tokens do not hash to its key")
@@ -280,7 +281,7 @@ def seal(body: bytes) -> bytes:
 
 def tokens_match_key(key: bytes, tokens: bytes) -> bool:
     """The key's second half is the xxh3-128 of the packed token ids ."""
-    return packed_prefix_hash(tokens) == key[FINGERPRINT_BYTES:]
+    return packed_prefix_hash(tokens) == digest_of(key)
 
 
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
@@ -289,6 +290,54 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "last_used": (int, float), "hits": int, "nbytes": int, "checksum": int, "codec": int,
     "classes": list, "extra": dict,
 }  # fmt: skip
+
+
+# -- what a put gives ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PutFields:
+    """The meta fields a put sets (Store.put's keywords, DaemonClient.put's `fields` map); the
+    store adds the rest (key, sizes, checksum, times)."""
+
+    tokens: bytes  # packed uint32 token ids of the prefix
+    label: str
+    pinned: bool
+    model: str  # model path as given
+    template_hash: bytes | None
+    classes: list[str]  # the cache class of each layer
+    extra: dict[str, Any]  # what the model was made with, where the entry came from, ...
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as Store.put takes them (and DaemonClient.put sends them), in that order."""
+        # not asdict: that would deep-copy extra
+        return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
+
+
+def entry_fields(
+    tokens: Sequence[int] | bytes,
+    *,
+    label: str,
+    pinned: bool,
+    model: str,
+    template_hash: bytes | None,
+    classes: list[str],
+    state: Mapping[str, Any] | None = None,
+    source: str,
+    extra: Mapping[str, Any] | None = None,
+    **more: Any,
+) -> PutFields:
+    """An entry's put fields, built one way everywhere: `extra` holds the model's identity state
+    (`ModelIdentity.state`), then `source`, then `more` in the order given, then `extra` (which
+    may override any of them in place)."""
+    packed = tokens if isinstance(tokens, bytes) else pack_tokens(tokens)
+    return PutFields(
+        tokens=packed,
+        label=label,
+        pinned=pinned,
+        model=model,
+        template_hash=template_hash,
+        classes=classes,
+        extra={**(state or {}), "source": source, **more, **(extra or {})},
+    )
 
 
 # -- where the model resolved --------------------------------------------------------------------

@@ -11,6 +11,7 @@ import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,9 +61,24 @@ class Gate:
                 self._cond.notify_all()
 
 
+@dataclass
+class HeldEnv:
+    """An environment this process holds open, shared by every Store of its path."""
+
+    env: lmdb.Environment
+    refs: int  # Stores (and queues) of this path that have not closed it yet
+    readonly: bool
+    gate: Gate
+
+
 # LMDB allows one open environment per file per process: Stores of one path share it (and its
 # resize gate).
-ENVS: dict[str, list] = {}  # resolved path -> [env, refcount, readonly, gate]
+ENVS: dict[str, HeldEnv] = {}  # resolved path -> the environment held for it
+
+
+def gate_of(path: Path) -> Gate:
+    """The resize gate of the environment held open for `path` (open_env first)."""
+    return ENVS[str(path.resolve())].gate
 
 
 # An environment must not be used across fork(): a child starts with none.
@@ -150,10 +166,10 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
     key = str(path.resolve())
     held = ENVS.get(key)
     if held is not None:
-        if held[2] and not readonly:
+        if held.readonly and not readonly:
             raise StoreError(f"{path}: already open read-only in this process; close it first")
-        held[1] += 1
-        return held[0]
+        held.refs += 1
+        return held.env
     check_file_length(path)  # before the map: a short file would be a SIGBUS, not an error
     env = lmdb.open(
         key,
@@ -166,7 +182,7 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
         metasync=True,
         max_readers=max_readers,
     )
-    ENVS[key] = [env, 1, readonly, Gate()]
+    ENVS[key] = HeldEnv(env, 1, readonly, Gate())
     return env
 
 
@@ -175,10 +191,10 @@ def close_env(path: Path) -> None:
     held = ENVS.get(key)
     if held is None:
         return
-    held[1] -= 1
-    if held[1] <= 0:
+    held.refs -= 1
+    if held.refs <= 0:
         del ENVS[key]
-        held[0].close()
+        held.env.close()
 
 
 def space_hint(path: Path) -> str:

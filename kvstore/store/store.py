@@ -23,11 +23,10 @@ import lmdb
 
 from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
-from kvstore.settings import DEFAULTS, STORE_DIR
+from kvstore.settings import DEFAULT, STORE_DIR
 from kvstore.store.entry import (
     _META_FIELDS,
     CHUNK_SUMS_KEY,
-    FINGERPRINT_BYTES,
     KEY_BYTES,
     EntryMeta,
     blob_checksum,
@@ -35,10 +34,11 @@ from kvstore.store.entry import (
     tokens_match_key,
     with_model_location,
 )
+from kvstore.store.keys import fingerprint_of
 from kvstore.store.lmdbenv import (
-    ENVS,
     close_env,
     damaged_hint,
+    gate_of,
     lmdb_errno,
     open_env,
     space_hint,
@@ -54,8 +54,8 @@ class Store:
         home: str | Path,
         *,
         readonly: bool = False,
-        map_size: int = DEFAULTS["map_size"],
-        max_map_size: int = DEFAULTS["max_map_size"],
+        map_size: int = DEFAULT.map_size,
+        max_map_size: int = DEFAULT.max_map_size,
         max_readers: int = 256,
     ):
         self.path = Path(home) / STORE_DIR
@@ -76,7 +76,7 @@ class Store:
             self.env = open_env(
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
-            self._gate = ENVS[str(self.path.resolve())][3]
+            self._gate = gate_of(self.path)
             self._meta = self.env.open_db(b"meta", create=not readonly)
             self._blob = self.env.open_db(b"blob", create=not readonly)
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError) as e:
@@ -312,7 +312,7 @@ class Store:
             label=fields.get("label", ""),
             pinned=fields.get("pinned", False),
             model=fields.get("model", ""),
-            fingerprint=key[:FINGERPRINT_BYTES],
+            fingerprint=fingerprint_of(key),
             template_hash=fields.get("template_hash") or b"",
             created=now,
             last_used=now,

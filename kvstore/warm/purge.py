@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstore.pins.manifest import Manifest, ModelSpec
+from kvstore.store.keys import short_hex
 from kvstore.store.ownership import manifest_owner, owners, released
 from kvstore.store.store import Store
 from kvstore.warm.plan import ModelPlan
@@ -23,7 +24,7 @@ class Purged:
     def shown_key(self) -> str:
         """The key as `kvstore ls` shows it: the start of its prefix-hash half (the first half is
         the model's fingerprint, the same for every entry of one model)."""
-        return self.key[32:44]
+        return short_hex(self.key)
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.codec import cache_api, codec
 from kvstore.errors import CodecError, CorruptEntryError, KVStoreError, StoreError
@@ -19,7 +19,7 @@ from kvstore.identity.fingerprint import (
 )
 from kvstore.identity.model import DEFAULT_KV_GROUP_SIZE, ModelIdentity
 from kvstore.settings import FILEHASH_NAME
-from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
+from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.importfit import check_fits
 
@@ -212,8 +212,14 @@ def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
     return list(tok.encode(prompt))
 
 
+class EntryWriter(Protocol):
+    """Where an import puts the entry: a Store, or the daemon (kvstore.wire.DaemonWriter)."""
+
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta: ...
+
+
 def import_file(
-    store: Store,
+    store: EntryWriter,
     file: Path,
     *,
     model: str,
@@ -242,6 +248,62 @@ def import_file(
     except CodecError as e:
         raise KVStoreError(f"not a valid prompt-cache file: {e}") from None  # e names the file
     model_dir = resolve_model_path(model)
+    tokens = _import_tokens(
+        metadata, file, model_dir, tokens_file=tokens_file, prompt=prompt, model_config=model_config
+    )
+    check_fits(
+        cache,
+        metadata,
+        file=Path(file),
+        model=model,
+        model_dir=model_dir,
+        adapter=adapter,
+        model_config=model_config,
+    )
+    identity = _file_identity(cache, model, adapter, model_config)
+    fp = model_fingerprint(
+        replace(identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
+    )
+    _check_layout(cache, tokens, file, model, fp.layout)
+    key = entry_key(fp.digest, tokens)
+    keep = _stored(reader if reader is not None else store, key, tokens, file)
+    checked = None
+    if not trust:
+        checked = _check_kv(cache, tokens, file, identity, model_dir, fp)
+    metadata = {
+        "model": metadata.get("model", model),
+        "tokenizer_config": metadata.get("tokenizer_config", "{}"),
+    }
+    blob = codec.encode(cache, metadata)
+    state = identity.state
+    del state["quantized_kv_start"]  # where the file's KV began to be quantized is not known
+    fields = entry_fields(
+        tokens,
+        label=keep.label if keep is not None else label,
+        pinned=keep.pinned if keep is not None else pin,
+        model=model,
+        template_hash=template_hash(model_dir),
+        classes=codec.cache_classes(cache),
+        state=state,
+        source="import",
+        **({"trusted": True, "checked": False} if trust else {"checked": True, "check": checked}),
+        # its blob went bad: the import replaces it, in the entry's own name
+        extra={k: keep.extra[k] for k in _KEPT if k in keep.extra} if keep is not None else None,
+    )
+    return store.put(key, blob, **fields.as_kwargs())
+
+
+def _import_tokens(
+    metadata: dict[str, str],
+    file: Path,
+    model_dir: Path,
+    *,
+    tokens_file: Path | None,
+    prompt: str | None,
+    model_config: dict | None,
+) -> list[int]:
+    """The token ids an import stores the file under (--tokens, --prompt, or the ids an export
+    wrote in its metadata), checked against the model's vocabulary."""
     if tokens_file is not None and prompt is not None:
         raise KVStoreError("give at most one of --tokens TOKENS.json or --prompt TEXT")
     source = str(tokens_file or "--prompt")
@@ -264,37 +326,35 @@ def import_file(
 
     try:  # ids past the model's vocabulary: no prefill of this model could have made the file
         vocab = config_vocab_size(effective_config(model_dir, model_config))
-        tokens = list(check_token_ids(tokens, vocab, what=source))
+        return list(check_token_ids(tokens, vocab, what=source))
     except ValueError as e:
         raise KVStoreError(str(e)) from None
-    check_fits(
-        cache,
-        metadata,
-        file=Path(file),
-        model=model,
-        model_dir=model_dir,
-        adapter=adapter,
-        model_config=model_config,
-    )
+
+
+def _file_identity(
+    cache: list, model: str, adapter: str | None, model_config: dict | None
+) -> ModelIdentity:
+    """The model identity the file's KV was made with (its KV quantization read from the cache)."""
     quantized = [c for c in cache if type(c).__name__ == "QuantizedKVCache"]
-    identity = ModelIdentity(
+    return ModelIdentity(
         model,
         adapter,
         kv_bits=quantized[0].bits if quantized else None,
         kv_group_size=quantized[0].group_size if quantized else DEFAULT_KV_GROUP_SIZE,
         model_config=model_config,
     )
-    fp = model_fingerprint(
-        replace(identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
-    )
+
+
+def _check_layout(cache: list, tokens: list[int], file: Path, model: str, layout: tuple) -> None:
+    """The file's cache layout is the model's, and it holds as many tokens as were given."""
     # the file's layout, with quantized layers read back as the plain KVCache the model makes
     got = tuple(
         ("KVCache",) if type(c).__name__ == "QuantizedKVCache" else describe_cache(c) for c in cache
     )
-    if got != fp.layout:
+    if got != layout:
         raise KVStoreError(
             f"{file}: cache layout {[g[0] for g in got]} does not match model {model!r} "
-            f"({[g[0] for g in fp.layout]}); was it made with another model?"
+            f"({[g[0] for g in layout]}); was it made with another model?"
         )
     held = codec.cache_tokens(cache)
     if held != len(tokens) and not (held is None and codec.keeps_no_offset(cache)):
@@ -302,37 +362,6 @@ def import_file(
             f"{file}: the cache holds {held} tokens but the given prompt has {len(tokens)}; "
             "pass the exact prompt (or --tokens) it was made from"
         )
-    key = entry_key(fp.digest, tokens)
-    keep = _stored(reader if reader is not None else store, key, tokens, file)
-    checked = None
-    if not trust:
-        checked = _check_kv(cache, tokens, file, identity, model_dir, fp)
-    metadata = {
-        "model": metadata.get("model", model),
-        "tokenizer_config": metadata.get("tokenizer_config", "{}"),
-    }
-    blob = codec.encode(cache, metadata)
-    state = identity.state
-    del state["quantized_kv_start"]  # where the file's KV began to be quantized is not known
-    extra = {
-        **state,
-        "source": "import",
-        **({"trusted": True, "checked": False} if trust else {"checked": True, "check": checked}),
-    }
-    if keep is not None:  # its blob went bad: the import replaces it, in the entry's own name
-        label, pin = keep.label, keep.pinned
-        extra.update({k: keep.extra[k] for k in _KEPT if k in keep.extra})
-    return store.put(
-        key,
-        blob,
-        tokens=pack_tokens(tokens),
-        label=label,
-        pinned=pin,
-        model=model,
-        template_hash=template_hash(model_dir),
-        classes=codec.cache_classes(cache),
-        extra=extra,
-    )
 
 
 # What an import that replaces a damaged entry keeps of it: whose it is and where it came from.

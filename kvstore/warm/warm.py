@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 import errno
+import functools
 import gc
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
 
 from kvstore.codec import codec
 from kvstore.errors import (
@@ -37,8 +37,9 @@ from kvstore.identity.modelconfig import effective_config
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.render import pin_extra, render_prefix
-from kvstore.settings import DEFAULTS, FILEHASH_NAME, load_settings
-from kvstore.store.entry import entry_key, pack_tokens
+from kvstore.settings import DEFAULT, FILEHASH_NAME, load_settings
+from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
+from kvstore.store.keys import short_hex
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
 from kvstore.warm import memory
@@ -46,6 +47,8 @@ from kvstore.warm.plan import ModelPlan, PlannedPin
 from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
 log = logging.getLogger("kvstore")
+
+MetaEdit = Callable[[EntryMeta], EntryMeta | None]  # Store.edit_meta: an entry's new meta
 
 
 @dataclass
@@ -157,7 +160,7 @@ class PrefillBounds:
     context), the memory available for it (`available_memory`, read before each prefill), and
     how often a long prefill says how far it is (`progress_every`, seconds)."""
 
-    max_pin_tokens: int = cast(int, DEFAULTS["max_pin_tokens"])
+    max_pin_tokens: int = DEFAULT.max_pin_tokens
     available_memory: Callable[[], int | None] | None = None  # None: kvstore.warm.memory's reader
     progress_every: float = 2.0  # a terminal; the daemon's log takes one every 10 s
 
@@ -216,7 +219,7 @@ def over_limit(plan: ModelPlan, pp: PlannedPin, max_pin_tokens: int) -> str | No
 
 def max_pin_tokens(settings: dict) -> int:
     """The max_pin_tokens setting, checked: a positive integer."""
-    n = settings.get("max_pin_tokens", DEFAULTS["max_pin_tokens"])
+    n = settings.get("max_pin_tokens", DEFAULT.max_pin_tokens)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise KVStoreError(f"settings.toml: max_pin_tokens must be a positive integer, got {n!r}")
     return n
@@ -275,22 +278,20 @@ def pin_fields(
     plan: ModelPlan, pp: PlannedPin, *, classes: list[str], manifest: Path | None = None
 ) -> dict:
     """The meta fields Store.put takes for a manifest pin (prefilled here or fetched)."""
-    return dict(
-        tokens=pack_tokens(pp.pin.tokens),
+    return entry_fields(
+        pp.pin.tokens,
         label=pp.pin.name,
         pinned=True,
         model=plan.spec.path,
         template_hash=plan.template_hash,
         classes=classes,
-        extra={
-            **plan.spec.identity.state,
-            "source": "manifest",
-            "manifest": str(manifest) if manifest else None,
-            "owners": [manifest_owner(manifest)] if manifest else [],
-            "runtime": runtime_versions(),
-            **_pin_extra(pp),
-        },
-    )
+        state=plan.spec.identity.state,
+        source="manifest",
+        manifest=str(manifest) if manifest else None,
+        owners=[manifest_owner(manifest)] if manifest else [],
+        runtime=runtime_versions(),
+        extra=_pin_extra(pp),
+    ).as_kwargs()
 
 
 def _pin_extra(pp: PlannedPin) -> dict:
@@ -344,7 +345,7 @@ def _warm_model(
     manifest: Manifest,
     report: WarmReport,
     *,
-    put: Callable[[bytes, bytes, dict], None],
+    put: Callable[[bytes, bytes, dict], object],
     say: Callable[[str], None],
     fetch: Callable | None = None,
     may_load: Callable[[ModelPlan], str | None] | None = None,
@@ -490,9 +491,9 @@ def warm(
     *,
     home: Path,
     progress: Callable[[str], None] | None = None,
-    put: Callable[[bytes, bytes, dict], None] | None = None,
-    delete: Callable[[list[bytes]], None] | None = None,
-    edit: Callable[[dict], int] | None = None,
+    put: Callable[[bytes, bytes, dict], object] | None = None,
+    delete: Callable[[list[bytes]], object] | None = None,
+    edit: Callable[[dict[bytes, MetaEdit]], int] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
@@ -526,10 +527,10 @@ def warm(
     if purge:
         moved = moved_pins(manifest, store, plans)
         if moved:  # same KV, new model name: re-owned, not purged and prefilled again
-            edit({k: lambda m, spec=spec: renamed(m, spec) for k, spec in moved.items()})
+            edit({k: functools.partial(renamed, spec=spec) for k, spec in moved.items()})
             for k, spec in moved.items():
                 log.info("kept %s under the model's new name %s: same fingerprint and tokens",
-                         k.hex()[32:44], spec.path)  # fmt: skip
+                         short_hex(k), spec.path)  # fmt: skip
         stale = stale_pins(manifest, store, plans)
         report.purged = [p for p in stale if not p.released]
         report.released = [p for p in stale if p.released]

@@ -29,10 +29,10 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ProtocolError
-from kvstore.settings import DEFAULTS
+from kvstore.settings import DEFAULT
 
 HEADER = struct.Struct(">I")
-MAX_FRAME_BYTES: int = DEFAULTS["max_frame_bytes"]  # type: ignore[assignment]
+MAX_FRAME_BYTES: int = DEFAULT.max_frame_bytes
 CHUNK_BYTES = 4 * 2**20  # 4 MiB: a put streams larger blobs in frames of this size
 
 

@@ -107,6 +107,19 @@ def test_learned_lru_evicts_leaves_oldest_first_never_pinned(tmp_path):
         assert blocks.written_today(today()) == s["written_today"]
 
 
+def test_evict_learned_records_returns_what_it_evicted(tmp_path):
+    a = list(range(1, 601))
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        blocks.put_records(FP, a, records(kv(600), 0, 600), label="x")
+        before = {m.key: m for m in blocks.records()}
+        assert blocks.evict_learned_records(blocks.learned_bytes()) == (0, [])
+        freed, gone = blocks.evict_learned_records(0)
+        assert freed == sum(m.nbytes for m in before.values()) and blocks.records() == []
+        assert [m.end for m in gone] == [600, 512, 256]  # leaf first
+        assert {m.key for m in gone} == set(before) and not hasattr(blocks, "evicted")
+
+
 def _flip(store, blocks, key: bytes, db: bytes, at: int = -5) -> None:
     raw = bytearray(store._read(lambda t: bytes(t.get(key, db=blocks._db(db)))))
     raw[at] ^= 0xFF

@@ -76,17 +76,14 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
     if learned:
         _ls_learned(as_json, model, label, home)
         return
-    if not (home / "store" / "data.mdb").is_file():
-        metas, errors = [], []
-    else:
+    errors: list = []
+    metas = []
+    if (home / "store" / "data.mdb").is_file():
+        from kvstore.ops import entries
+        from kvstore.wire.messages import LsRequest
+
         with open_store(home) as store:
-            errors: list = []
-            metas = store.metas(errors=errors)
-    metas = [
-        m
-        for m in metas
-        if (model is None or m.model == model) and (label is None or m.label == label)
-    ]
+            metas = entries.ls(store, LsRequest(model=model, label=label), errors)
     if as_json:
         click.echo(json.dumps([m.to_json() for m in metas], indent=1))
     else:
@@ -515,20 +512,17 @@ def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
 def _rewarm(home: Path, differs: list) -> None:
     """Drop each differing model's entries and warm its manifest again (through the daemon when
     one runs: it is the writer)."""
+    from kvstore.ops.route import Route
     from kvstore.warm.warm import warm
 
     with open_store(home) as store:
         keys = [m.key for _, fp in differs for m in store.metas(fp, errors=[])]
-    client = connect_writer(home)
-    if client is not None:
-        with client:
-            client.request("evict", keys=keys)
-            for manifest in {m.path: m for m, _ in differs}.values():
-                client.warm(manifest.path)
-    else:
-        with open_store(home, write=True) as store:
-            store.delete(keys)
-            for manifest in {m.path: m for m, _ in differs}.values():
+    with Route(home) as route, _store_here(route, home) as store:
+        _evict_keys(route, store, home, keys)
+        for manifest in {m.path: m for m, _ in differs}.values():
+            if route.client is not None:
+                route.client.warm(manifest.path)
+            else:
                 warm(manifest, store, home=home, progress=progress)
     click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")
 
@@ -571,11 +565,27 @@ def _deep_entries(home: Path, *, repair: bool) -> int:
             click.echo(f"DIFFERS {what}: {r.detail}")
             differs.append(bytes.fromhex(r.key))
     if repair and differs:
-        client = connect_writer(home)
-        if client is not None:
-            with client:
-                client.request("evict", keys=differs)
-        else:
-            with open_store(home, write=True) as store:
-                store.delete(differs)
+        from kvstore.ops.route import Route
+
+        with Route(home) as route, _store_here(route, home) as store:
+            _evict_keys(route, store, home, differs)
     return len(differs)
+
+
+def _store_here(route, home: Path):
+    """The store, open for writing, when this process is the writer; else nothing (the daemon
+    writes)."""
+    from contextlib import nullcontext
+
+    return open_store(home, write=True) if route.local else nullcontext()
+
+
+def _evict_keys(route, store, home: Path, keys: list[bytes]) -> None:
+    """Evict these entries: the `evict` operation, in the daemon when one runs, else here."""
+    from kvstore.ops import entries
+    from kvstore.wire.messages import EvictRequest
+
+    if not keys:
+        return
+    req = EvictRequest(keys=list(keys))
+    route.run("evict", req, lambda: entries.evict(store, req, home=home, watched=set()))

@@ -22,7 +22,7 @@ from kvstore.cli.options import (
 )
 from kvstore.errors import counted
 from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
-from kvstore.wire.messages import Empty, Owned, Unknown
+from kvstore.wire.messages import Owned, RepairReply, Unknown
 
 
 def _age(ts: float) -> str:
@@ -424,9 +424,9 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     from kvstore.store.blocks import BlockStore
 
     with Route(home, connect=repair) as route:  # never write beside a daemon
-        if not route.local:
+        if route.client is not None:
             progress(f"repairing through the daemon for {home}; it checks every entry")
-            reply = route.run("repair", Empty(), lambda: None, timeout=None)
+            reply: RepairReply = route.client.op("repair", timeout=None)
         else:
             with open_store(home, write=repair) as store:
                 bar = (

@@ -50,7 +50,7 @@ def check_put_fields(fields: dict[str, Any]) -> None:
         kind, what = _PUT_FIELDS[name]
         if not isinstance(value, kind):
             raise ValueError(f"field {name!r} must be {what}, not {type(value).__name__}")
-        if name == "classes" and not all(isinstance(c, str) for c in value):
+        if name == "classes" and not all(isinstance(c, str) for c in fields[name]):
             raise ValueError(f"field {name!r} must be {what}")
         if name == "extra" and not _simple(value):
             raise ValueError(f"field {name!r} must be {what}")

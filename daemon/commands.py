@@ -30,7 +30,7 @@ from kvstore.ops import put as put_ops
 from kvstore.ops import stats as stats_ops
 from kvstore.pins.manifest import load_manifest
 from kvstore.pins.registry import canonical, register
-from kvstore.store.ledger import Ledger, validate
+from kvstore.store.ledger import Ledger
 from kvstore.store.store import Store
 from kvstore.wire import protocol
 from kvstore.wire.codes import ErrorCode
@@ -39,6 +39,7 @@ from kvstore.wire.messages import (
     PROTOCOL_VERSION,
     EvictRequest,
     LearnRequest,
+    LsReply,
     LsRequest,
     ManifestRemoveReply,
     ManifestRemoveRequest,
@@ -47,6 +48,7 @@ from kvstore.wire.messages import (
     PutBlocksRequest,
     PutReply,
     PutRequest,
+    RecordRequest,
     TouchBlocksRequest,
     TouchRequest,
     WarmRequest,
@@ -132,7 +134,8 @@ class Commands:
         }
 
     def cmd_ls(self, args: dict, conn: Connection) -> list[dict[str, Any]]:
-        return [m.to_json() for m in entries.ls(self.store, LsRequest.from_wire(args))]
+        found = entries.ls(self.store, LsRequest.from_wire(args))
+        return LsReply([m.to_json() for m in found]).to_wire()
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -246,7 +249,7 @@ class Commands:
         return {"touched": self.write("touch", lambda: entries.touch(self.store, keys))}
 
     def cmd_record(self, args: dict, conn: Connection) -> dict[str, Any]:
-        records = validate(args.get("records"))
+        records = RecordRequest.from_wire(args).records
         return {"recorded": self.write("record", lambda: self.ledger.append(records))}
 
     # -- learned prefixes (kvstore.daemon.learn) ------------------------------------------------

@@ -105,6 +105,12 @@ class StatsReply(Message):
         data["learned"] = self.learned
         return data
 
+    @classmethod
+    def from_wire(cls, d: Any) -> StatsReply:
+        d = dict(d) if isinstance(d, dict) else {}
+        tables = {k: d.pop(k) for k in ("settings", "daemon", "ledger", "learned") if k in d}
+        return cls(store=d, **tables)
+
     def to_local_json(self) -> dict[str, Any]:
         """What `kvstore stats --json` prints when it read the store itself (its key order)."""
         data = dict(self.store)
@@ -123,6 +129,18 @@ class LsRequest(Message):
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> LsRequest:
         return cls(model=arg(d, "model", str), label=arg(d, "label", str))
+
+
+@dataclass(frozen=True)
+class LsReply(Message):
+    entries: list[dict[str, Any]] = field(default_factory=list)  # EntryMeta.to_json() each
+
+    def to_wire(self) -> list[dict[str, Any]]:
+        return list(self.entries)
+
+    @classmethod
+    def from_wire(cls, d: Any) -> LsReply:
+        return cls(entries=list(d) if isinstance(d, list) else [])
 
 
 EVICT_FILTERS = ("keys", "label", "model", "unpinned", "stale", "all", "to_size")
@@ -292,6 +310,17 @@ class TouchReply(Message):
 
 
 @dataclass(frozen=True)
+class RecordRequest(Message):
+    records: list[dict[str, Any]] = field(default_factory=list)  # kvstore.store.ledger records
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> RecordRequest:
+        from kvstore.store.ledger import validate
+
+        return cls(records=validate(d.get("records")))
+
+
+@dataclass(frozen=True)
 class RecordReply(Message):
     recorded: int = 0
 
@@ -434,12 +463,11 @@ class TouchBlocksReply(Message):
     touched: int = 0  # records still stored
 
 
-# name -> (Request, Reply). `record` takes ledger records (kvstore.store.ledger.validate checks
-# them); `reload` answers as `warm` does.
+# name -> (Request, Reply); `reload` answers as `warm` does.
 OPS: dict[str, tuple[type[Message], type[Message]]] = {
     "ping": (Empty, PingReply),
     "stats": (Empty, StatsReply),
-    "ls": (LsRequest, Message),
+    "ls": (LsRequest, LsReply),
     "manifests": (Empty, ManifestsReply),
     "put": (PutRequest, PutReply),
     "evict": (EvictRequest, EvictReply),
@@ -447,7 +475,7 @@ OPS: dict[str, tuple[type[Message], type[Message]]] = {
     "warm": (WarmRequest, WarmReply),
     "manifest_remove": (ManifestRemoveRequest, ManifestRemoveReply),
     "touch": (TouchRequest, TouchReply),
-    "record": (Empty, RecordReply),
+    "record": (RecordRequest, RecordReply),
     "reload": (Empty, WarmReply),
     "shutdown": (Empty, ShutdownReply),
     "learn": (LearnRequest, LearnReply),

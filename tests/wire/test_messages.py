@@ -126,3 +126,9 @@ def test_an_error_whose_text_looks_legacy_but_whose_code_differs_is_that_code(tm
     finally:
         t.join(10)
         listener.close()
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_every_operations_reply_reads_back_what_it_wrote(name):
+    reply = OPS[name][1]()
+    assert type(reply).from_wire(reply.to_wire()) == reply

@@ -42,6 +42,8 @@ from kvstore.client import modelthread
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
+from kvstore.wire.codes import ErrorCode
+from kvstore.wire.messages import LearnReply, PutBlocksReply
 
 log = logging.getLogger("kvstore.client")
 
@@ -491,7 +493,7 @@ class Learner:
         try:
             client.request("touch_blocks", fingerprint=fingerprint, keys=keys)
         except KVStoreError as e:
-            if "unknown command" not in str(e):
+            if getattr(e, "code", None) is not ErrorCode.UNKNOWN_OP:
                 raise
             self._no_touch = True  # an older daemon: its LRU orders by writes only
 
@@ -514,7 +516,7 @@ class Learner:
                 extra=target.extra,
             )
         except KVStoreError as e:
-            if "unknown command" in str(e):
+            if getattr(e, "code", None) is ErrorCode.UNKNOWN_OP:
                 self._unsupported = True
                 log.warning(
                     "kvstore: the daemon of %s does not learn prefixes (an older version); "
@@ -525,12 +527,13 @@ class Learner:
             raise
         self.reported += 1
         metrics.LEARN_REPORTS.inc()
-        paused = reply.get("paused")
+        reply = LearnReply.from_wire(reply)
+        paused = reply.paused
         metrics.LEARN_PAUSED.set(1 if paused else 0)
         if paused and not self._paused_said:
             self._paused_said = True
             log.warning("kvstore: %s", paused)
-        at = [int(p) for p in reply.get("snapshot_at") or [] if 0 < int(p) <= len(prompt)]
+        at = [p for p in reply.snapshot_at if 0 < p <= len(prompt)]
         if at:
             with self._lock:
                 held = {(m, t): c for m, t, c in self._segments}
@@ -551,7 +554,7 @@ class Learner:
                     bounds.popitem(last=False)
             for prefix, segment in ready:
                 self._send_snapshot(client, target, prefix, segment)
-        want = [(int(s), int(e)) for s, e in reply.get("want") or []]
+        want = [(s, e) for s, e in reply.want]
         if want and sliceable:
             self._send_records(client, target, prompt, cache, want)
 
@@ -573,8 +576,9 @@ class Learner:
                 model=target.model,
                 extra=target.extra,
             )
-            self.records_sent += int(reply.get("stored", len(batch)))
-            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(reply.get("bytes", 0)))
+            done = PutBlocksReply.from_wire({"stored": len(batch), **(reply or {})})
+            self.records_sent += int(done.stored)
+            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
 
         for start, end in want:  # on the write-behind's thread and mlx stream
             if end > len(prompt):

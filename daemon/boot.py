@@ -41,7 +41,7 @@ def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = 
     if isinstance(booted, int):
         return booted
     daemon, lock_fd = booted
-    daemon.metrics_port = metrics_port  # served from serve(); off when None
+    daemon.metrics.port = metrics_port  # served from serve(); off when None
     try:
         return daemon.serve()
     except Exception:

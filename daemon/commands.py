@@ -1,124 +1,96 @@
-"""The daemon's socket commands: `cmd_<name>(args, conn)` returns a result or raises.
+"""The daemon's socket commands: `cmd_<name>(args, conn)` decodes a request
+(kvstore.wire.messages), calls its operation (kvstore.ops, or the daemon's learning part) and
+returns the encoded reply, or raises.
 
 Reads (ping, stats, ls) use the store directly from the connection's thread; every write is a job
 on the one writer thread, and the handler waits for it. A raised KVStoreError, ValueError or
-TypeError becomes an error reply naming what was wrong.
+TypeError becomes an error reply naming what was wrong, with its code (kvstore.wire.codes).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from kvstore.codec import codec
+from kvstore import metrics
 from kvstore.daemon.connection import Connection
+from kvstore.daemon.learn import Learning
 from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.daemon.writer import Writer
-from kvstore.errors import CodecError, KVStoreError
+from kvstore.errors import KVStoreError
+from kvstore.ops import entries, verify
+from kvstore.ops import manifests as manifest_ops
+from kvstore.ops import put as put_ops
+from kvstore.ops import stats as stats_ops
 from kvstore.pins.manifest import load_manifest
-from kvstore.pins.registry import canonical, register, unregister
-from kvstore.store.entry import KEY_BYTES, blob_checksum, tokens_match_key
-from kvstore.store.eviction import select_for_eviction
-from kvstore.store.ledger import Ledger, validate
-from kvstore.store.ownership import owning_manifests
+from kvstore.pins.registry import canonical, register
+from kvstore.store.ledger import Ledger
 from kvstore.store.store import Store
+from kvstore.wire import protocol
+from kvstore.wire.codes import ErrorCode
+from kvstore.wire.messages import (
+    OPS,
+    PROTOCOL_VERSION,
+    EvictRequest,
+    LearnRequest,
+    LsReply,
+    LsRequest,
+    ManifestRemoveReply,
+    ManifestRemoveRequest,
+    ManifestsReply,
+    PingReply,
+    PutBlocksRequest,
+    PutReply,
+    PutRequest,
+    RecordRequest,
+    TouchBlocksRequest,
+    TouchRequest,
+    WarmRequest,
+)
 
 log = logging.getLogger("kvstore.daemon")
 
-_EVICT_FILTERS = ("keys", "label", "model", "unpinned", "stale", "all", "to_size")
 
+class DaemonControl(Protocol):
+    """What the commands need of the daemon process itself (kvstore.daemon.server.Daemon)."""
 
-def _want(
-    args: dict[str, Any],
-    name: str,
-    kind: type | tuple[type, ...],
-    default: Any = None,
-    *,
-    required: bool = False,
-) -> Any:
-    """One argument of a request, type-checked: bad input is an error reply, not a crash."""
-    if name not in args or args[name] is None:
-        if required:
-            raise ValueError(f"argument {name!r} is required")
-        return default
-    value = args[name]
-    if not isinstance(value, kind):
-        raise ValueError(f"argument {name!r} must be {kind}, not {type(value).__name__}")
-    return value
+    home: Path
+    started: float
+    manifests: list[Path]
+    fixed_manifests: frozenset[Path]
 
-
-_PUT_FIELDS: dict[str, tuple[type, str]] = {
-    "label": (str, "str"),
-    "model": (str, "str"),
-    "pinned": (bool, "bool"),
-    "template_hash": (bytes, "bytes"),
-    "classes": (list, "a list of str"),
-    "extra": (dict, "a map with str keys and msgpack-simple values"),
-}
-_SIMPLE = (type(None), bool, int, float, str, bytes)
-_MAX_DEPTH = 8
-
-
-def _simple(value: Any, depth: int = 0) -> bool:
-    """A value msgpack stores and reads back as itself: scalars, bytes, and lists or str-keyed
-    maps of those (nested at most _MAX_DEPTH deep)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return -(2**63) <= value < 2**64
-    if isinstance(value, _SIMPLE):
-        return True
-    if depth >= _MAX_DEPTH:
-        return False
-    if isinstance(value, list):
-        return all(_simple(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _simple(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def check_put_fields(fields: dict[str, Any]) -> None:
-    """The meta fields of a put, type-checked before anything is queued; raises ValueError
-    naming the first bad field (`tokens` is checked with the key)."""
-    for name, value in fields.items():
-        if name == "tokens":
-            continue
-        if name not in _PUT_FIELDS:
-            raise ValueError(f"field {name!r} is not one a put may set ({', '.join(_PUT_FIELDS)})")
-        kind, what = _PUT_FIELDS[name]
-        if not isinstance(value, kind):
-            raise ValueError(f"field {name!r} must be {what}, not {type(value).__name__}")
-        if name == "classes" and not all(isinstance(c, str) for c in value):
-            raise ValueError(f"field {name!r} must be {what}")
-        if name == "extra" and not _simple(value):
-            raise ValueError(f"field {name!r} must be {what}")
+    def watcher_mode(self) -> str: ...
+    def request_stop(self, reason: str) -> None: ...
+    def reload(self, cause: str) -> Future: ...
+    def watch(self, manifest: Path) -> None: ...
+    def unwatch(self, manifest: Path) -> bool: ...
 
 
 class Commands:
-    """Mixed into the Daemon, which provides these attributes."""
+    """The handlers, over the daemon's parts."""
 
-    home: Path
-    store: Store
-    writer: Writer
-    upkeep: Upkeep
-    ledger: Ledger
-    settings: dict[str, Any]
-    manifests: list[Path]
-    started: float
-    stopping: threading.Event
-    watcher_mode: Callable[[], str]
-    request_stop: Callable[[str], None]
-    reload: Callable[[str], Future]
-    watch: Callable[[Path], None]
-    unwatch: Callable[[Path], bool]
-    fixed_manifests: frozenset[Path]
-    after_put: Callable[[Any], None]
-    learned_stats: Callable[[list], dict[str, Any]]
+    def __init__(
+        self,
+        store: Store,
+        writer: Writer,
+        upkeep: Upkeep,
+        ledger: Ledger,
+        learning: Learning,
+        settings: dict[str, Any],
+        control: DaemonControl,
+    ):
+        self.store, self.writer, self.upkeep, self.ledger = store, writer, upkeep, ledger
+        self.learning, self.settings, self.control = learning, settings, control
+
+    @property
+    def home(self) -> Path:
+        return self.control.home
 
     def write(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the writer thread and wait for it (`dispatch` logs a failure)."""
@@ -127,34 +99,43 @@ class Commands:
     # -- reads --------------------------------------------------------------------------------
 
     def cmd_ping(self, args: dict, conn: Connection) -> dict[str, Any]:
-        return {"pid": os.getpid(), "home": str(self.home), "uptime": time.time() - self.started}
+        return PingReply(
+            pid=os.getpid(),
+            home=str(self.home),
+            uptime=time.time() - self.control.started,
+            protocol=PROTOCOL_VERSION,
+            ops=list(OPS),
+        ).to_wire()
 
     def cmd_stats(self, args: dict, conn: Connection) -> dict[str, Any]:
-        data = self.store.stats()
-        data["settings"] = dict(self.settings)
-        data["daemon"] = {
+        reply = stats_ops.stats(
+            self.store,
+            self.upkeep.blocks,
+            settings=self.settings,
+            ledger=self.ledger.stats(),
+            paused=self.learning.paused,
+            daemon=self._daemon_state(),
+        )
+        if reply.learned is not None:
+            metrics.set_learned(reply.learned)
+        return reply.to_wire()
+
+    def _daemon_state(self) -> dict[str, Any]:
+        return {
             "pid": os.getpid(),
-            "uptime": time.time() - self.started,
+            "uptime": time.time() - self.control.started,
             "rss": rss_bytes(),
             "peak_rss": peak_rss_bytes(),
-            "watcher": self.watcher_mode(),
-            "manifests": [str(p) for p in self.manifests],
+            "watcher": self.control.watcher_mode(),
+            "manifests": [str(p) for p in self.control.manifests],
             "writing": self.writer.current,
             "last_warm": self.upkeep.last_warm,
             "deferred": dict(self.upkeep.deferred),  # warms waiting for memory to load a model
         }
-        data["ledger"] = self.ledger.stats()
-        data["learned"] = self.learned_stats(self.store.metas(errors=[]))
-        return data
 
     def cmd_ls(self, args: dict, conn: Connection) -> list[dict[str, Any]]:
-        model = _want(args, "model", str)
-        label = _want(args, "label", str)
-        return [
-            m.to_json()
-            for m in self.store.metas(errors=[])
-            if (model is None or m.model == model) and (label is None or m.label == label)
-        ]
+        found = entries.ls(self.store, LsRequest.from_wire(args))
+        return LsReply([m.to_json() for m in found]).to_wire()
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -162,49 +143,24 @@ class Commands:
         """An entry, inline or streamed as `{"data": bytes}` frames; verified before commit."""
         # A streamed put that fails midway leaves chunk frames unread: close rather than parse them.
         conn.close_after_reply = args.get("blob") is None
-        key = _want(args, "key", bytes, required=True)
-        fields = dict(_want(args, "fields", dict, required=True))
-        nbytes = _want(args, "nbytes", int, required=True)
-        checksum = _want(args, "checksum", int, required=True)
-        tokens = fields.get("tokens")
-        if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % 4:
-            raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
-        check_put_fields(fields)
-        # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
-        if not tokens_match_key(key, tokens):
-            raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
-        budget = int(self.settings["max_bytes"])
-        if not 0 < nbytes <= budget:
-            raise ValueError(f"put {key.hex()}: {nbytes} bytes is outside 1..max_bytes={budget}")
-        blob = args.get("blob")
+        req = PutRequest.from_wire(args)
+        put_ops.check_request(req, max_bytes=int(self.settings["max_bytes"]))
+        blob = req.blob
         if blob is None:  # grows to at most nbytes (itself at most max_bytes, checked above)
-            blob = conn.receive_stream(nbytes)
+            blob = conn.receive_stream(req.nbytes)
             conn.close_after_reply = False
         elif not isinstance(blob, bytes):
             raise ValueError("argument 'blob' must be bytes")
-        if len(blob) != nbytes or blob_checksum(blob) != checksum:
-            raise ValueError(f"put {key.hex()}: blob length or checksum does not match")
+        blob = put_ops.check_blob(req, blob)
 
         def job():
             # Decoded here, on the writer (main) thread: see kvstore.daemon.writer on mlx and
             # threads.
-            try:
-                cache, _ = codec.decode(blob, name=f"put {key.hex()}")
-            except CodecError as e:
-                raise ValueError(str(e)) from None
-            # The KV must cover exactly the entry's tokens: more or fewer would be served as the
-            # prefix it claims to be. (A pure state-space cache keeps no offset to compare.)
-            held, ntokens = codec.cache_tokens(cache), len(tokens) // 4
-            if held != ntokens and not (held is None and codec.keeps_no_offset(cache)):
-                what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"
-                raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")
-            del cache
-            # Located by the client (DaemonClient.put): our cwd and HF_HOME are not its own.
-            meta = self.store.put(key, blob, locate=False, **fields)
-            self.after_put(meta)  # kvstore.daemon.learn: write budget, snapshot cap
+            meta = put_ops.put(self.store, req, blob)
+            self.learning.after_put(meta)  # kvstore.daemon.learn: write budget, snapshot cap
             log.info(
                 "put %s %r of %s: %d tokens, %d bytes",
-                key.hex(),
+                req.key.hex(),
                 meta.label,
                 meta.model,
                 meta.ntokens,
@@ -214,105 +170,53 @@ class Commands:
             return meta
 
         meta = self.write("put", job)
-        return {"key": meta.key, "meta": meta.pack()}
+        return PutReply(key=meta.key, meta=meta.pack()).to_wire()
 
     def cmd_evict(self, args: dict, conn: Connection) -> dict[str, Any]:
         """The filters of `kvstore evict`; full 32-byte keys (the CLI resolves hex prefixes)."""
-        keys = _want(args, "keys", list, [])
-        if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
-            raise ValueError(f"argument 'keys' must be a list of {KEY_BYTES}-byte keys")
-        # to_size=0 is a filter ("down to 0 bytes"), not its absence.
-        if not any(args.get(f) for f in _EVICT_FILTERS if f != "to_size") and (
-            args.get("to_size") is None
-        ):
-            raise ValueError(f"name what to evict: one of {', '.join(_EVICT_FILTERS)}")
-        label, model = _want(args, "label", str), _want(args, "model", str)
-        to_size = _want(args, "to_size", int)
+        req = EvictRequest.from_wire(args)
 
         def job():
-            unknown: list = []
-            victims = select_for_eviction(
-                self.store.metas(errors=[]),
-                keys=keys,
-                label=label,
-                model=model,
-                unpinned=bool(args.get("unpinned")),
-                stale=bool(args.get("stale")),
-                everything=bool(args.get("all")),
-                to_size=to_size,
-                home=self.home,
-                unknown=unknown,
-            )
-            n = self.store.delete(m.key for m in victims)
-            for m, why in unknown:
-                log.warning(
-                    "evict --stale kept %s %r of %s: %s", m.key.hex(), m.label, m.model, why
-                )
-            for m in victims:
-                log.info(
-                    "evicted %s %r of %s (%d bytes): requested",
-                    m.key.hex(),
-                    m.label,
-                    m.model,
-                    m.nbytes,
-                )
-            watched = {canonical(p) for p in self.manifests}
-            owned = [
-                {"label": m.label, "model": m.model, "manifest": path,
-                 "watched": canonical(path) in watched}
-                for m in victims
-                for path in owning_manifests(m)
-            ]  # fmt: skip
-            for o in owned:  # evicted all the same: the next reconcile of that manifest re-warms
-                log.info(
-                    "evicted pin %r is kept by manifest %s (%s)",
-                    o["label"],
-                    o["manifest"],
-                    "re-warmed at its next reconcile" if o["watched"] else "not watched",
-                )
-            return {
-                "evicted": n,
-                "bytes": sum(m.nbytes for m in victims),
-                "owned": owned,
-                "keys": [m.key.hex() for m in victims],
-                "unknown": [
-                    {"key": m.key.hex(), "label": m.label, "model": m.model, "reason": why}
-                    for m, why in unknown
-                ],
-            }
+            watched = {canonical(p) for p in self.control.manifests}
+            return entries.evict(self.store, req, home=self.home, watched=watched)
 
-        return self.write("evict", job)
+        done = self.write("evict", job)
+        for m, why in done.unknown:
+            log.warning("evict --stale kept %s %r of %s: %s", m.key.hex(), m.label, m.model, why)
+        for m in done.victims:
+            log.info(
+                "evicted %s %r of %s (%d bytes): requested", m.key.hex(), m.label, m.model, m.nbytes
+            )
+        for o in done.owned:  # evicted all the same: the next reconcile of that manifest re-warms
+            log.info(
+                "evicted pin %r is kept by manifest %s (%s)",
+                o.label,
+                o.manifest,
+                "re-warmed at its next reconcile" if o.watched else "not watched",
+            )
+        return done.reply().to_wire()
 
     def cmd_repair(self, args: dict, conn: Connection) -> dict[str, Any]:
         """`kvstore verify --repair`: check every entry and learned record and delete the bad
         ones, as one writer job (it decodes, so it runs on the main thread too)."""
-
-        def job():
-            entries = len(self.store.keys())
-            problems = self.store.check(repair=True)
-            for p in problems:
-                log.warning("repair: deleted entry %s: %s", p.key.hex(), p.reason)
-            records, bad = self.upkeep.blocks.check(repair=True)
-            for p in bad:
-                log.warning("repair: deleted learned record %s: %s", p.key.hex(), p.reason)
-            return {
-                "entries": entries,
-                "problems": [{"key": p.key, "reason": p.reason} for p in problems],
-                "records": records,
-                "record_problems": [{"key": p.key, "reason": p.reason} for p in bad],
-            }
-
-        return self.write("repair", job)
+        reply = self.write(
+            "repair", lambda: verify.check(self.store, self.upkeep.blocks, repair=True)
+        )
+        for p in reply.problems:
+            log.warning("repair: deleted entry %s: %s", p.key.hex(), p.reason)
+        for p in reply.record_problems:
+            log.warning("repair: deleted learned record %s: %s", p.key.hex(), p.reason)
+        return reply.to_wire()
 
     def cmd_warm(self, args: dict, conn: Connection) -> dict[str, Any]:
         """Reconcile one manifest (or, without one, every manifest the daemon watches). A manifest
         warmed here is watched from then on, so its pins stay true."""
-        given = _want(args, "manifest", str)
+        given = WarmRequest.from_wire(args).manifest
         if given is None:
-            return {"reports": self.reload("warm request").result()}
+            return {"reports": self.control.reload("warm request").result()}
         path = Path(given).expanduser().absolute()
         manifest = load_manifest(path)  # a bad manifest is the caller's error, not a log line
-        self.watch(path)
+        self.control.watch(path)
         try:  # and from every later start too
             if register(self.home, manifest.path):
                 log.info("registered manifest %s: reconciled and watched at every start", path)
@@ -326,52 +230,64 @@ class Commands:
 
     def cmd_manifests(self, args: dict, conn: Connection) -> dict[str, Any]:
         """The manifests watched now, and which of them the daemon was started with."""
-        return {
-            "watched": [str(p) for p in self.manifests],
-            "fixed": sorted(str(p) for p in self.fixed_manifests),
-        }
+        return ManifestsReply(
+            watched=[str(p) for p in self.control.manifests],
+            fixed=sorted(str(p) for p in self.control.fixed_manifests),
+        ).to_wire()
 
     def cmd_manifest_remove(self, args: dict, conn: Connection) -> dict[str, Any]:
         """`kvstore manifests remove PATH`: forget a registered manifest and stop watching it
         (unless it is the manifest this daemon was started with). Its pins stay stored."""
-        target = canonical(_want(args, "path", str, required=True))
-        removed = unregister(self.home, target)
-        fixed = target in self.fixed_manifests
-        unwatched = False if fixed else self.unwatch(target)
-        return {"removed": removed, "unwatched": unwatched, "still_watched": fixed}
+        req = ManifestRemoveRequest.from_wire(args)
+        target, removed = manifest_ops.remove(self.home, req.path)
+        fixed = target in self.control.fixed_manifests
+        unwatched = False if fixed else self.control.unwatch(target)
+        return ManifestRemoveReply(removed, unwatched, fixed).to_wire()
 
     def cmd_touch(self, args: dict, conn: Connection) -> dict[str, Any]:
-        keys = _want(args, "keys", list, required=True)
-        if not all(isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys):
-            raise ValueError(f"argument 'keys' must be a list of {KEY_BYTES}-byte keys")
-        return {"touched": self.write("touch", lambda: self.store.touch(keys))}
+        keys = TouchRequest.from_wire(args).keys
+        return {"touched": self.write("touch", lambda: entries.touch(self.store, keys))}
 
     def cmd_record(self, args: dict, conn: Connection) -> dict[str, Any]:
-        records = validate(args.get("records"))
+        records = RecordRequest.from_wire(args).records
         return {"recorded": self.write("record", lambda: self.ledger.append(records))}
+
+    # -- learned prefixes (kvstore.daemon.learn) ------------------------------------------------
+
+    def cmd_learn(self, args: dict, conn: Connection) -> dict[str, Any]:
+        return self.learning.learn(LearnRequest.from_wire(args)).to_wire()
+
+    def cmd_put_blocks(self, args: dict, conn: Connection) -> dict[str, Any]:
+        return self.learning.put_blocks(PutBlocksRequest.from_wire(args)).to_wire()
+
+    def cmd_touch_blocks(self, args: dict, conn: Connection) -> dict[str, Any]:
+        return self.learning.touch_blocks(TouchBlocksRequest.from_wire(args)).to_wire()
 
     # -- process ------------------------------------------------------------------------------
 
     def cmd_reload(self, args: dict, conn: Connection) -> dict[str, Any]:
         """Re-read settings and every manifest, and reconcile (what SIGHUP does)."""
-        return {"reports": self.reload("reload request").result()}
+        return {"reports": self.control.reload("reload request").result()}
 
     def cmd_shutdown(self, args: dict, conn: Connection) -> dict[str, Any]:
-        self.request_stop("shutdown request")
+        self.control.request_stop("shutdown request")
         return {"pid": os.getpid()}
 
     def dispatch(self, msg: dict[str, Any], conn: Connection) -> dict[str, Any]:
         cmd, args = msg.get("cmd"), msg.get("args", {})
         handler = getattr(self, f"cmd_{cmd}", None) if isinstance(cmd, str) else None
         if handler is None:
-            return {"ok": False, "error": f"unknown command {cmd!r}"}
+            return protocol.error(f"unknown command {cmd!r}", ErrorCode.UNKNOWN_OP)
         if not isinstance(args, dict):
-            return {"ok": False, "error": f"{cmd}: args must be a map"}
+            return protocol.error(f"{cmd}: args must be a map", ErrorCode.BAD_ARGUMENT)
         try:
             return {"ok": True, "result": handler(args, conn)}
         except (KVStoreError, ValueError, TypeError) as e:
             log.warning("%s: %s", cmd, e)
-            return {"ok": False, "error": f"{cmd}: {e}"}
+            code = ErrorCode.REFUSED if isinstance(e, KVStoreError) else ErrorCode.BAD_ARGUMENT
+            return protocol.error(f"{cmd}: {e}", code)
         except Exception as e:  # a bug must cost one request, never the daemon
             log.exception("%s failed", cmd)
-            return {"ok": False, "error": f"{cmd}: internal error: {type(e).__name__}: {e}"}
+            return protocol.error(
+                f"{cmd}: internal error: {type(e).__name__}: {e}", ErrorCode.INTERNAL
+            )

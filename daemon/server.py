@@ -29,6 +29,7 @@ from kvstore.daemon.lifecycle import (
     cred_layout,
     rss_bytes,
 )
+from kvstore.daemon.metrics_port import MetricsPort
 from kvstore.daemon.upkeep import Upkeep, watched_files
 from kvstore.daemon.writer import Writer
 from kvstore.errors import KVStoreError, ProtocolError, counted
@@ -37,15 +38,20 @@ from kvstore.settings import STORE_DIR, load_settings
 from kvstore.store.ledger import Ledger
 from kvstore.store.store import Store
 from kvstore.wire import protocol
+from kvstore.wire.codes import ErrorCode
+from kvstore.wire.messages import READS
 
 log = logging.getLogger("kvstore.daemon")
 
-_READS = frozenset({"ping", "stats", "ls", "manifests"})  # not worth a log line each
 # How long shutdown waits for woken connection threads; well inside the 5 s service managers allow.
 CONN_JOIN_SECONDS = 2.5
 
 
-class Daemon(Commands, Learning):
+class Daemon:
+    """The daemon process: it holds its parts (store, writer, upkeep, ledger, learning, the
+    commands over them, the metrics port) and is their DaemonControl (kvstore.daemon.commands).
+    """
+
     def __init__(
         self,
         home: Path,
@@ -59,7 +65,6 @@ class Daemon(Commands, Learning):
         metrics_port: int | None = None,
     ):
         self.home = home
-        self.metrics_port = metrics_port
         self.store = store
         self.settings = settings
         self.manifests = manifests
@@ -76,7 +81,22 @@ class Daemon(Commands, Learning):
         # Clock-bound pins (a template that prints the date) are re-warmed across midnight.
         self.daywatch = DayWatch(self.upkeep, lambda: list(self.manifests), self.writer.submit)
         self.ledger = Ledger(home)
-        self.init_learning()
+        self.learning = Learning(
+            store,
+            self.upkeep.blocks,
+            self.ledger,
+            settings,
+            lambda name, fn: self.writer.submit(name, fn, reported=True).result(),
+            enforce_budget=self.upkeep.enforce_budget,
+            drop_learned_under=self.upkeep.drop_learned_under,
+            uploader=lambda: self.upkeep.uploader,
+        )
+        self.commands = Commands(
+            store, self.writer, self.upkeep, self.ledger, self.learning, settings, control=self
+        )
+        self.metrics = MetricsPort(
+            metrics_port, lambda: self.learning.learned_stats(store.metas(errors=[]))
+        )
         self.watcher: Any = None
         self._watcher_lock = threading.Lock()
         self._layout = cred_layout()
@@ -173,7 +193,7 @@ class Daemon(Commands, Learning):
             ", ".join(map(str, self.manifests)) or "none",
             rss_bytes() / 2**20,
         )
-        self.start_metrics(self.metrics_port)
+        self.metrics.start()
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
@@ -188,7 +208,7 @@ class Daemon(Commands, Learning):
         finally:
             self.request_stop("error")  # no-op after a signal; stops the acceptor after a bug
             acceptor.join()
-            self.stop_metrics()
+            self.metrics.stop()
             self._shutdown()
         return exits.INTERNAL if self.stop_reason == "error" else exits.OK
 
@@ -284,7 +304,10 @@ class Daemon(Commands, Learning):
             log.warning("refused a connection: %d open, the cap is max_connections=%d", cap, cap)
             try:
                 sock.settimeout(1.0)
-                protocol.send(sock, protocol.error(f"too many connections (max_connections={cap})"))
+                protocol.send(
+                    sock,
+                    protocol.error(f"too many connections (max_connections={cap})", ErrorCode.BUSY),
+                )
             except OSError:
                 pass
             sock.close()
@@ -301,15 +324,15 @@ class Daemon(Commands, Learning):
                     log.warning("connection closed: %s", e)
                     try:  # the stream is out of step now: say why, then hang up
                         sock.settimeout(1.0)
-                        protocol.send(sock, protocol.error(str(e)))
+                        protocol.send(sock, protocol.error(str(e), ErrorCode.PROTOCOL))
                     except OSError:
                         pass
                     return
                 if msg is None:
                     return
-                if msg.get("cmd") not in _READS:
+                if msg.get("cmd") not in READS:
                     log.info("request %s", msg.get("cmd"))
-                conn.reply(self.dispatch(msg, conn))
+                conn.reply(self.commands.dispatch(msg, conn))
                 if conn.close_after_reply:
                     return
         except OSError:

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
 )
 from kvstore.learn import MIN_LCP
+from kvstore.ops.warm import report_to_wire
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
@@ -105,17 +105,6 @@ def watched_files(manifest_paths: list[Path]) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
-def report_dict(report: WarmReport, manifest: Manifest) -> dict[str, Any]:
-    d = asdict(report)
-    d.update(
-        manifest=str(manifest.path),
-        warmed=report.warmed,
-        failed=len(report.failed),
-        deferred=len(report.deferred),
-    )
-    return d
-
-
 class Upkeep:
     """The warm/reconcile and budget jobs; owned by the daemon, run on its writer thread."""
 
@@ -127,9 +116,10 @@ class Upkeep:
         stopping: threading.Event,
         *,
         clock: Callable[[], dt.datetime] = local_now,
+        blocks: BlockStore | None = None,
     ):
         self.store = store
-        self.blocks = BlockStore(
+        self.blocks = blocks or BlockStore(
             store, block=int(settings.get("block_tokens", DEFAULTS["block_tokens"]))
         )  # learned records
         self.clock = clock  # the local time pins render for (clock-bound pins); tests move it
@@ -213,21 +203,6 @@ class Upkeep:
         if self.fetcher is not None:
             self.fetcher.start()
         short: dict[str, int] = {}  # model path -> bytes its load needs, for models deferred
-
-        def may_load(plan) -> str | None:
-            """The daemon must not double a model's memory: no load unless it fits now."""
-            need = memory_to_load(plan.model_dir, plan.spec.identity.adapter)
-            avail = lifecycle.available_memory_bytes()  # looked up here: tests patch it
-            if avail is None or avail >= need:
-                return None
-            short[plan.spec.path] = need
-            return (
-                f"not enough memory to load model {plan.spec.path!r}: it needs about "
-                f"{need / 2**20:.0f} MiB (weights + margin), {avail / 2**20:.0f} MiB is available; "
-                f"warm deferred, retried when memory allows (checked every "
-                f"{float(self.settings['memory_check_interval']):g}s)"
-            )
-
         with RssSampler() as rss, stop_when(self.stopping.is_set):
             try:
                 report = warm(
@@ -238,21 +213,14 @@ class Upkeep:
                     purge=purge,
                     now=now,
                     fetch=self.fetcher,
-                    may_load=may_load,
+                    may_load=lambda plan: self._may_load(plan, short),
                     bounds=self.bounds,
                 )
             except PrefillStopped as e:
                 raise WarmCancelled(f"the daemon is stopping: {e}") from None
             if report.models_loaded:
                 trim_heap()  # kvstore.warm.warm released the model; hand its freed pages back too
-        present = sum(p.status == "present" for p in report.pins)
-        for p in report.pins:  # where each pin's KV came from
-            if p.status not in ("failed", "deferred"):
-                source = {"warmed": "prefilled", "present": "already present"}.get(
-                    p.status, p.status
-                )
-                why = f" ({p.remote})" if p.remote else ""
-                log.info("warm: pin %r of %s: %s%s", p.name, p.model, source, why)
+        self._log_pins(report)
         if self.fetcher is not None:
             self.fetcher.record(report)
         for p in report.pins:  # a pin stores its prefix: learned records of it are dropped
@@ -260,6 +228,44 @@ class Upkeep:
                 meta = self.store.get_meta(bytes.fromhex(p.key))
                 if meta is not None:
                     self.drop_learned_under(meta)
+        self._after_warm(report, manifest, cause, short, rss)
+        self.enforce_budget()
+        return report_to_wire(report, manifest)
+
+    def _may_load(self, plan: Any, short: dict[str, int]) -> str | None:
+        """The daemon must not double a model's memory: no load unless it fits now."""
+        need = memory_to_load(plan.model_dir, plan.spec.identity.adapter)
+        avail = lifecycle.available_memory_bytes()  # looked up here: tests patch it
+        if avail is None or avail >= need:
+            return None
+        short[plan.spec.path] = need
+        return (
+            f"not enough memory to load model {plan.spec.path!r}: it needs about "
+            f"{need / 2**20:.0f} MiB (weights + margin), {avail / 2**20:.0f} MiB is available; "
+            f"warm deferred, retried when memory allows (checked every "
+            f"{float(self.settings['memory_check_interval']):g}s)"
+        )
+
+    @staticmethod
+    def _log_pins(report: WarmReport) -> None:
+        for p in report.pins:  # where each pin's KV came from
+            if p.status not in ("failed", "deferred"):
+                source = {"warmed": "prefilled", "present": "already present"}.get(
+                    p.status, p.status
+                )
+                why = f" ({p.remote})" if p.remote else ""
+                log.info("warm: pin %r of %s: %s%s", p.name, p.model, source, why)
+
+    def _after_warm(
+        self,
+        report: WarmReport,
+        manifest: Manifest,
+        cause: str,
+        short: dict[str, int],
+        rss: RssSampler,
+    ) -> None:
+        """The warm's summary line, its failures, its deferred models and `last_warm`."""
+        present = sum(p.status == "present" for p in report.pins)
         log.info(
             "warm %s done in %.2fs: %d warmed, %d fetched, %d present, %d failed, %d purged, "
             "%s loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
@@ -294,8 +300,6 @@ class Upkeep:
             "rss_peak": rss.peak,
             "rss_after": rss.after,
         }
-        self.enforce_budget()
-        return report_dict(report, manifest)
 
     def _note_deferred(self, manifest: str, report: WarmReport, short: dict[str, int]) -> None:
         """Remember a warm deferred for memory; said once in the log, not at every retry."""

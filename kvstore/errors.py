@@ -94,7 +94,12 @@ class ProtocolError(KVStoreError):
 
 
 class DaemonError(KVStoreError):
-    """The daemon answered a request with an error."""
+    """The daemon answered a request with an error; `code` is its kvstore.wire.codes.ErrorCode
+    (None: none given, or one this version does not know)."""
+
+    def __init__(self, message: str, *, code: Any = None):
+        self.code = code
+        super().__init__(message)
 
 
 class PrefillStopped(KVStoreError):

@@ -21,9 +21,9 @@ from kvstore.cli.options import (
     wait_option,
 )
 from kvstore.errors import counted
-from kvstore.pins.registry import canonical
 from kvstore.store.keys import fingerprint_of, short_hex
 from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
+from kvstore.wire.messages import Owned, RepairReply, Unknown
 
 
 def _age(ts: float) -> str:
@@ -77,17 +77,14 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
     if learned:
         _ls_learned(as_json, model, label, home)
         return
-    if not (home / "store" / "data.mdb").is_file():
-        metas, errors = [], []
-    else:
+    errors: list = []
+    metas = []
+    if (home / "store" / "data.mdb").is_file():
+        from kvstore.ops import entries
+        from kvstore.wire.messages import LsRequest
+
         with open_store(home) as store:
-            errors: list = []
-            metas = store.metas(errors=errors)
-    metas = [
-        m
-        for m in metas
-        if (model is None or m.model == model) and (label is None or m.label == label)
-    ]
+            metas = entries.ls(store, LsRequest(model=model, label=label), errors)
     if as_json:
         click.echo(json.dumps([m.to_json() for m in metas], indent=1))
     else:
@@ -199,86 +196,42 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
         raise click.UsageError(
             "name what to evict: KEY..., --label, --model, --unpinned, --stale, --to-size or --all"
         )
-    from kvstore.store.eviction import select_for_eviction  # the store's own modules: not for ls
-    from kvstore.store.ownership import owning_manifests
+    from kvstore.ops import entries
+    from kvstore.ops.route import Route
+    from kvstore.wire.messages import EvictRequest
 
     existing_home(home, "evict")
     size = parse_size(to_size) if to_size else None
-    client = connect_writer(home, wait=wait)
-    if client is not None:  # the daemon is the writer: it selects and deletes in one job
-        with client, open_store(home) as store:
-            resolved = resolve_keys(store, keys) if keys else []
-            res = client.request(
-                "evict",
-                keys=list(resolved),
-                label=label,
-                model=model,
-                unpinned=unpinned,
-                stale=stale,
-                all=everything,
-                to_size=size,
-            )
-        n = res["evicted"]
-        click.echo(f"evicted {counted(n, 'entry')}, {human_size(res['bytes'])}")
-        _report_owned(res.get("owned") or [], daemon=True)
-        _report_unknown(res.get("unknown") or [])
-        return
-    with open_store(home, write=True) as store:
-        resolved = resolve_keys(store, keys) if keys else ()
-        metas = store.metas(errors=[])
-        unknown: list = []
-        victims = select_for_eviction(
-            metas,
-            keys=resolved,
+    # The daemon is the writer when one runs: it selects and deletes in one job.
+    with Route(home, wait=wait) as route, open_store(home, write=route.local) as store:
+        req = EvictRequest(
+            keys=list(resolve_keys(store, keys)) if keys else [],
             label=label,
             model=model,
             unpinned=unpinned,
             stale=stale,
-            everything=everything,
+            all=everything,
             to_size=size,
-            home=home,
-            unknown=unknown,
         )
-        n = store.delete(m.key for m in victims)
-    click.echo(f"evicted {counted(n, 'entry')}, {human_size(sum(m.nbytes for m in victims))}")
-    started = _started_manifests(home)
-    _report_owned(
-        [
-            {"label": m.label, "model": m.model, "manifest": path,
-             "watched": canonical(path) in started}
-            for m in victims
-            for path in owning_manifests(m)
-        ],
-        daemon=False,
-    )  # fmt: skip
-    _report_unknown(
-        [{"key": m.key.hex(), "label": m.label, "model": m.model, "reason": r} for m, r in unknown]
-    )
+        reply = route.run(
+            "evict",
+            req,
+            lambda: entries.evict(
+                store, req, home=home, watched=entries.started_manifests(home)
+            ).reply(),
+        )
+    click.echo(f"evicted {counted(reply.evicted, 'entry')}, {human_size(reply.bytes)}")
+    _report_owned(reply.owned, daemon=not route.local)
+    _report_unknown(reply.unknown)
 
 
-def _started_manifests(home: Path) -> set[Path]:
-    """The manifests a daemon started for this home reconciles: the registered ones and the
-    home's manifest.toml."""
-    from kvstore.errors import KVStoreError
-    from kvstore.pins.registry import registered
-    from kvstore.settings import MANIFEST_NAME
-
-    try:
-        paths = {r.path for r in registered(home)}
-    except KVStoreError:
-        paths = set()
-    if (home / MANIFEST_NAME).is_file():
-        paths.add(canonical(home / MANIFEST_NAME))
-    return paths
-
-
-def _report_owned(owned: list[dict], *, daemon: bool) -> None:
+def _report_owned(owned: list[Owned], *, daemon: bool) -> None:
     """An evicted pin that a manifest still names comes back when that manifest is reconciled:
     say which manifest, and when. Evict does not re-warm it at once: it is how space is freed or
     a suspect entry dropped, and a re-warm loads the model."""
     for o in owned:
-        name, path = o["label"], o["manifest"]
-        if not o["watched"]:
+        name, path = o.label, o.manifest
+        if not o.watched:
             click.echo(
                 f"pin {name!r} came from manifest {path}, which no daemon watches: it stays "
                 f"evicted until `kvstore warm --manifest {path}`"
@@ -296,14 +249,14 @@ def _report_owned(owned: list[dict], *, daemon: bool) -> None:
         )
 
 
-def _report_unknown(unknown: list[dict]) -> None:
+def _report_unknown(unknown: list[Unknown]) -> None:
     """--stale never deletes what it cannot judge: say which entries were kept, and why."""
     if not unknown:
         return
     n = len(unknown)
     click.echo(f"kept {counted(n, 'entry')} whose staleness is unknown here:")
     for u in unknown:
-        click.echo(f"  {short_hex(u['key'])} {u['label'][:16]:16} {u['model']}: {u['reason']}")
+        click.echo(f"  {short_hex(u.key)} {u.label[:16]:16} {u.model}: {u.reason}")
 
 
 @click.command()
@@ -319,31 +272,12 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
     kvstore stats
     kvstore stats --json | jq .ledger
     """
-    from kvstore.settings import load_settings
-
     silent: DaemonNotAnswering | None = None  # the store is read directly; exits 1 after
     try:
         client = connect_writer(home, timeout=10, wait=wait)
     except DaemonNotAnswering as e:
         client, silent = None, e
-    if client is not None:
-        with client:
-            data = client.request("stats")
-    elif not (home / "store" / "data.mdb").is_file():
-        data = {"path": str(home / "store"), "entries": 0, "bytes": 0}
-    else:
-        from kvstore.store.blocks import BlockStore, learned_summary
-
-        with open_store(home) as store:
-            data = store.stats()
-            data["learned"] = learned_summary(
-                BlockStore(store), store.metas(errors=[]), load_settings(home)
-            )
-    if "ledger" not in data:
-        from kvstore.store.ledger import Ledger
-
-        data["ledger"] = Ledger(home).stats()
-    data.setdefault("settings", load_settings(home))
+    data = _stats_data(home, client)
     if silent is not None:
         data["daemon"] = {"pid": silent.pid, "answers": False}
     if as_json:
@@ -354,7 +288,45 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
     for k, v in data.items():
         if not isinstance(v, dict):
             click.echo(f"{k:14} {human_size(v) if 'bytes' in k or k == 'map_size' else v}")
-    daemon = data.get("daemon")
+    _echo_daemon(data.get("daemon"), silent)
+    _echo_learned(data.get("learned"))
+    _echo_ledger((data.get("ledger") or {}).get("by_model_label") or [])
+    click.echo("settings:")
+    rows = _setting_rows(data["settings"])
+    width = max((len(k) for k, _ in rows), default=0)
+    for k, v in rows:
+        click.echo(f"  {k:{width}}  {v}")
+    if silent is not None:
+        raise click.ClickException(str(silent))
+
+
+def _stats_data(home: Path, client) -> dict:
+    """The `stats` operation: answered by the daemon when one does, else read here (the same
+    operation, kvstore.ops.stats, without the daemon's own state)."""
+    from kvstore.ops import stats as stats_ops
+    from kvstore.settings import load_settings
+    from kvstore.store.ledger import Ledger
+
+    if client is not None:
+        with client:
+            data = client.call("stats")
+        if "ledger" not in data:  # an older daemon
+            data["ledger"] = Ledger(home).stats()
+        data.setdefault("settings", load_settings(home))
+        return data
+    if not (home / "store" / "data.mdb").is_file():
+        reply = stats_ops.empty(home, settings=load_settings(home), ledger=Ledger(home).stats())
+        return reply.to_local_json()
+    from kvstore.store.blocks import BlockStore
+
+    with open_store(home) as store:
+        reply = stats_ops.stats(
+            store, BlockStore(store), settings=load_settings(home), ledger=Ledger(home).stats()
+        )
+    return reply.to_local_json()
+
+
+def _echo_daemon(daemon: dict | None, silent: DaemonNotAnswering | None) -> None:
     if silent is not None:
         click.echo(f"daemon         pid {silent.pid}: holds this store but does not answer")
     elif daemon:
@@ -366,7 +338,10 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
             click.echo(f"deferred       warm of {manifest}: {d['reason']}")
     else:
         click.echo("daemon         not running")
-    if learned := data.get("learned"):
+
+
+def _echo_learned(learned: dict | None) -> None:
+    if learned:
         click.echo(
             f"learned        {learned['records']} records ({learned['chains']} chains), "
             f"{human_size(learned['bytes'] + learned.get('snapshot_bytes', 0))} of "
@@ -375,26 +350,23 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
         )
         if learned.get("paused"):
             click.echo(f"               {learned['paused']}")
-    rows = (data.get("ledger") or {}).get("by_model_label") or []
-    if rows:
+
+
+def _echo_ledger(rows: list[dict]) -> None:
+    """The prefill ledger, per model and label."""
+    if not rows:
+        return
+    click.echo(
+        f"\n{'MODEL':20} {'LABEL':14} {'CALLS':>6} {'PROMPT':>8} {'CACHED':>8} "
+        f"{'PREFILLED':>9} {'PREFILL S':>9} {'SAVED S~':>8}"
+    )
+    for r in rows:
         click.echo(
-            f"\n{'MODEL':20} {'LABEL':14} {'CALLS':>6} {'PROMPT':>8} {'CACHED':>8} "
-            f"{'PREFILLED':>9} {'PREFILL S':>9} {'SAVED S~':>8}"
+            f"{Path(r['model']).name[:20]:20} {r['label'][:14]:14} {r['calls']:6d} "
+            f"{r['prompt_tokens']:8d} {r['cached_tokens']:8d} "
+            f"{r['prefilled_tokens']:9d} {r['prefill_s']:9.2f} "
+            f"{r['saved_s']:8.2f}"
         )
-        for r in rows:
-            click.echo(
-                f"{Path(r['model']).name[:20]:20} {r['label'][:14]:14} {r['calls']:6d} "
-                f"{r['prompt_tokens']:8d} {r['cached_tokens']:8d} "
-                f"{r['prefilled_tokens']:9d} {r['prefill_s']:9.2f} "
-                f"{r['saved_s']:8.2f}"
-            )
-    click.echo("settings:")
-    rows = _setting_rows(data["settings"])
-    width = max((len(k) for k, _ in rows), default=0)
-    for k, v in rows:
-        click.echo(f"  {k:{width}}  {v}")
-    if silent is not None:
-        raise click.ClickException(str(silent))
 
 
 def _setting_rows(settings: dict, prefix: str = "") -> list[tuple[str, str]]:
@@ -450,28 +422,29 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     if not (home / "store" / "data.mdb").is_file():
         click.echo(f"no store in {home}: nothing to verify")
         return
-    client = connect_writer(home) if repair else None  # never write beside a daemon
-    if client is not None:
-        progress(f"repairing through the daemon for {home}; it checks every entry")
-        with client:
-            res = client.call("repair", timeout=None)
-        n = res["entries"]
-        problems = [(bytes(p["key"]).hex(), p["reason"]) for p in res["problems"]]
-        records = res.get("records", 0)  # an older daemon checks entries only
-        bad_records = [(bytes(p["key"]).hex(), p["reason"]) for p in res.get("record_problems", [])]
-    else:
-        from kvstore.store.blocks import BlockStore
+    from kvstore.ops import verify as verify_ops
+    from kvstore.ops.route import Route
+    from kvstore.store.blocks import BlockStore
 
-        with open_store(home, write=repair) as store:
-            n = len(store.keys())
-            bar = (
-                (lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total))
-                if tty()
-                else None
-            )
-            problems = [(p.key.hex(), p.reason) for p in store.check(repair=repair, progress=bar)]
-            records, found = BlockStore(store).check(repair=repair)
-            bad_records = [(p.key.hex(), p.reason) for p in found]
+    with Route(home, connect=repair) as route:  # never write beside a daemon
+        if route.client is not None:
+            progress(f"repairing through the daemon for {home}; it checks every entry")
+            reply: RepairReply = route.client.op("repair", timeout=None)
+        else:
+            with open_store(home, write=repair) as store:
+                bar = (
+                    (
+                        lambda i, total: click.echo(
+                            f"\rverified {i}/{total}", err=True, nl=i == total
+                        )
+                    )
+                    if tty()
+                    else None
+                )
+                reply = verify_ops.check(store, BlockStore(store), repair=repair, progress=bar)
+    n, records = reply.entries, reply.records  # an older daemon checks entries only
+    problems = [(p.key.hex(), p.reason) for p in reply.problems]
+    bad_records = [(p.key.hex(), p.reason) for p in reply.record_problems]
     for key, reason in problems:
         click.echo(f"bad entry {key}: {reason}")
     for key, reason in bad_records:
@@ -503,6 +476,10 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     click.echo(
         f"{counted(n, 'entry')} ok" + (f", {counted(records, 'learned record')} ok" * bool(records))
     )
+
+
+def _progress_bar():
+    return lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total)
 
 
 def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
@@ -538,20 +515,17 @@ def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
 def _rewarm(home: Path, differs: list) -> None:
     """Drop each differing model's entries and warm its manifest again (through the daemon when
     one runs: it is the writer)."""
+    from kvstore.ops.route import Route
     from kvstore.warm.warm import warm
 
     with open_store(home) as store:
         keys = [m.key for _, fp in differs for m in store.metas(fp, errors=[])]
-    client = connect_writer(home)
-    if client is not None:
-        with client:
-            client.request("evict", keys=keys)
-            for manifest in {m.path: m for m, _ in differs}.values():
-                client.warm(manifest.path)
-    else:
-        with open_store(home, write=True) as store:
-            store.delete(keys)
-            for manifest in {m.path: m for m, _ in differs}.values():
+    with Route(home) as route, _store_here(route, home) as store:
+        _evict_keys(route, store, home, keys)
+        for manifest in {m.path: m for m, _ in differs}.values():
+            if route.client is not None:
+                route.client.warm(manifest.path)
+            else:
                 warm(manifest, store, home=home, progress=progress)
     click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")
 
@@ -594,11 +568,27 @@ def _deep_entries(home: Path, *, repair: bool) -> int:
             click.echo(f"DIFFERS {what}: {r.detail}")
             differs.append(bytes.fromhex(r.key))
     if repair and differs:
-        client = connect_writer(home)
-        if client is not None:
-            with client:
-                client.request("evict", keys=differs)
-        else:
-            with open_store(home, write=True) as store:
-                store.delete(differs)
+        from kvstore.ops.route import Route
+
+        with Route(home) as route, _store_here(route, home) as store:
+            _evict_keys(route, store, home, differs)
     return len(differs)
+
+
+def _store_here(route, home: Path):
+    """The store, open for writing, when this process is the writer; else nothing (the daemon
+    writes)."""
+    from contextlib import nullcontext
+
+    return open_store(home, write=True) if route.local else nullcontext()
+
+
+def _evict_keys(route, store, home: Path, keys: list[bytes]) -> None:
+    """Evict these entries: the `evict` operation, in the daemon when one runs, else here."""
+    from kvstore.ops import entries
+    from kvstore.wire.messages import EvictRequest
+
+    if not keys:
+        return
+    req = EvictRequest(keys=list(keys))
+    route.run("evict", req, lambda: entries.evict(store, req, home=home, watched=set()))

@@ -24,7 +24,7 @@ from kvstore.cli.options import (
     user_errors,
     wait_option,
 )
-from kvstore.wire.daemon_client import connect_writer, warm_report
+from kvstore.wire.daemon_client import connect_writer
 
 
 class _PluginGroup(click.Group):
@@ -79,9 +79,9 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     \b
     kvstore warm --manifest pins.toml
     """
+    from kvstore.ops import warm as warm_ops
     from kvstore.pins.manifest import load_manifest
     from kvstore.settings import MANIFEST_NAME
-    from kvstore.warm.warm import warm as do_warm
 
     manifest = manifest or home / MANIFEST_NAME
     m = load_manifest(manifest)
@@ -89,18 +89,15 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
         progress(f"warming through the daemon for {home}; its log shows the progress")
         with client:
-            report = warm_report(client.warm(m.path))
+            report = warm_ops.report_from_wire(client.warm(m.path))
     else:
-        from kvstore.fleet.tier import warm_tier
 
         def warn(msg: str) -> None:
             click.echo(f"warning: {msg}", err=True)
 
         with _held_log() as held:
-            with open_store(home, write=True) as store, warm_tier(home, store, warn=warn) as fetch:
-                report = do_warm(m, store, home=home, progress=progress, fetch=fetch)
-                if fetch is not None:
-                    fetch.record(report)
+            with open_store(home, write=True) as store:
+                report = warm_ops.warm(m, store, home=home, progress=progress, warn=warn)
         said = [p.error or "" for p in report.pins] + [p.warning or "" for p in report.pins]
         said.append(report.stopped or "")
         for msg in held:  # what the report below does not say already

@@ -12,8 +12,8 @@ import click
 
 from kvstore.cli.options import home_option, user_errors
 from kvstore.errors import counted
-from kvstore.pins.registry import canonical, registered, unregister
-from kvstore.wire.daemon_client import connect, connect_writer
+from kvstore.pins.registry import canonical, registered
+from kvstore.wire.daemon_client import connect
 
 
 @click.group(invoke_without_command=True)
@@ -80,14 +80,19 @@ def remove(path: Path, home: Path) -> None:
     \b
     kvstore manifests remove pins.toml
     """
+    from kvstore.ops import manifests as manifest_ops
+    from kvstore.ops.route import Route
+    from kvstore.wire.messages import ManifestRemoveReply, ManifestRemoveRequest
+
     target = canonical(path)
-    client = connect_writer(home)
-    if client is not None:
-        with client:
-            res = client.request("manifest_remove", path=str(target))
-        removed, still = res["removed"], res["still_watched"]
-    else:
-        removed, still = unregister(home, target), False
+    with Route(home) as route:
+        client = route.client
+        reply = route.run(
+            "manifest_remove",
+            ManifestRemoveRequest(str(target)),
+            lambda: ManifestRemoveReply(removed=manifest_ops.remove(home, target)[1]),
+        )
+    removed, still = reply.removed, reply.still_watched
     if still:
         click.echo(
             (f"forgot {target}, but " if removed else f"{target}: ")

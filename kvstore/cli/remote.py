@@ -230,12 +230,9 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     """Fetch every entry and learned block record of the manifest's models that this box lacks
     (pins and the rest), verified in full before it is stored. Nothing is prefilled."""
     from kvstore.fleet.blocks import pull_records
-    from kvstore.fleet.fetch import WarmFetcher, foreign_fields, other_runtime
-    from kvstore.fleet.objects import verify_object
+    from kvstore.fleet.fetch import WarmFetcher
     from kvstore.fleet.queue import UploadQueue
-    from kvstore.settings import MANIFEST_NAME, load_settings
-    from kvstore.store.blocks import BlockStore
-    from kvstore.warm.warm import pin_fields
+    from kvstore.settings import MANIFEST_NAME
 
     remote = _remote(home)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
@@ -244,62 +241,14 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     fetched = failed = absent = learned = 0
     try:
         with open_store(home, write=client is None) as store:
-
-            def put(key, blob, fields):
-                if client is not None:
-                    client.put(key, blob, fields)
-                else:
-                    store.put(key, blob, **fields)
-
-            def put_records(fp, tokens, rows, label, extra):
-                if client is not None:
-                    client.request(
-                        "put_blocks", fingerprint=fp, tokens=tokens, label=label,
-                        records=[{"start": s, "end": e, "blob": b} for s, e, b in rows],
-                        model=extra["model"], extra=extra,
-                    )  # fmt: skip
-                else:
-                    block = int(load_settings(home)["block_tokens"])
-                    BlockStore(store, block=block).put_records(
-                        fp, tokens, rows, label=label, extra=extra
-                    )
-
+            put, put_records = _writers(client, store, home)
             fetcher = WarmFetcher(remote, queue, always=True)
             for plan in _plans(home, manifest, model, store):
                 have = set(store.keys())
-                for pp in plan.pins:
-                    if pp.key in have:
-                        continue
-                    blob, classes, note = fetcher(plan, pp)
-                    if blob is None:
-                        click.echo(f"not fetched {pp.pin.name}: {note}", err=True)
-                        absent += note == "not on the remote"
-                        failed += note != "not on the remote"
-                        continue
-                    fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-                    fields["extra"]["origin"] = "remote"
-                    put(pp.key, blob, fields)
-                    have.add(pp.key)
-                    fetched += 1
-                    click.echo(f"fetched  {pp.pin.name:20} {human_size(len(blob))}")
-                for o in remote.objects(plan.fingerprint.digest):  # runtime pins, chains
-                    if o.key in have:
-                        continue
-                    try:
-                        data, _ = remote.fetch(o.key)
-                        meta, blob = verify_object(o.key, data)
-                    except RemoteError as e:
-                        click.echo(f"warning: {e}; not stored", err=True)
-                        failed += 1
-                        continue
-                    if other := other_runtime(meta):
-                        click.echo(f"not fetched {meta.label}: {other}", err=True)
-                        failed += 1
-                        continue
-                    put(o.key, blob, foreign_fields(meta, plan))
-                    queue.done(o.key, "fetched")
-                    fetched += 1
-                    click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")
+                got, no, bad = _pull_pins(plan, manifest, fetcher, put, have)
+                fetched, absent, failed = fetched + got, absent + no, failed + bad
+                got, bad = _pull_objects(plan, remote, queue, put, have)
+                fetched, failed = fetched + got, failed + bad
                 got, bad = pull_records(
                     remote, store, plan.fingerprint.digest, model=plan.spec.path,
                     extra=plan.spec.identity.state, put=put_records, say=click.echo,
@@ -363,3 +312,81 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
         queue.close()
     aborted_text = f", {counted(aborted, 'stale multipart upload')} aborted" if aborted else ""
     click.echo(f"{counted(n, 'object')} deleted, {human_size(kept)} kept{aborted_text}")
+
+
+def _writers(client, store, home: Path):
+    """`put(key, blob, fields)` and `put_records(fp, tokens, rows, label, extra)`: through the
+    daemon when one runs (it is the writer), else the same operations on the store here."""
+    from kvstore.ops import put as put_ops
+    from kvstore.settings import load_settings
+    from kvstore.store.blocks import BlockStore
+    from kvstore.wire.messages import PutBlocksRequest, Record
+
+    def put(key, blob, fields):
+        if client is not None:
+            client.put(key, blob, fields)
+        else:
+            store.put(key, blob, **fields)
+
+    def put_records(fp, tokens, rows, label, extra):
+        req = PutBlocksRequest(
+            fingerprint=fp, tokens=tokens, records=[Record(s, e, b) for s, e, b in rows],
+            label=label, model=extra["model"], extra=extra,
+        )  # fmt: skip
+        if client is not None:
+            client.op("put_blocks", req)
+        else:
+            block = int(load_settings(home)["block_tokens"])
+            put_ops.put_blocks(BlockStore(store, block=block), req)
+
+    return put, put_records
+
+
+def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int, int]:
+    """The manifest's pins of this plan that this box lacks: (fetched, absent, failed)."""
+    from kvstore.warm.warm import pin_fields
+
+    fetched = absent = failed = 0
+    for pp in plan.pins:
+        if pp.key in have:
+            continue
+        blob, classes, note = fetcher(plan, pp)
+        if blob is None:
+            click.echo(f"not fetched {pp.pin.name}: {note}", err=True)
+            absent += note == "not on the remote"
+            failed += note != "not on the remote"
+            continue
+        fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
+        fields["extra"]["origin"] = "remote"
+        put(pp.key, blob, fields)
+        have.add(pp.key)
+        fetched += 1
+        click.echo(f"fetched  {pp.pin.name:20} {human_size(len(blob))}")
+    return fetched, absent, failed
+
+
+def _pull_objects(plan, remote, queue, put, have: set) -> tuple[int, int]:
+    """The model's other objects on the remote (runtime pins, chains): (fetched, failed)."""
+    from kvstore.fleet.fetch import foreign_fields, other_runtime
+    from kvstore.fleet.objects import verify_object
+
+    fetched = failed = 0
+    for o in remote.objects(plan.fingerprint.digest):
+        if o.key in have:
+            continue
+        try:
+            data, _ = remote.fetch(o.key)
+            meta, blob = verify_object(o.key, data)
+        except RemoteError as e:
+            click.echo(f"warning: {e}; not stored", err=True)
+            failed += 1
+            continue
+        if other := other_runtime(meta):
+            click.echo(f"not fetched {meta.label}: {other}", err=True)
+            failed += 1
+            continue
+        put(o.key, blob, foreign_fields(meta, plan))
+        queue.done(o.key, "fetched")
+        fetched += 1
+        click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")
+    return fetched, failed

@@ -21,6 +21,8 @@ from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.settings import LOCK_NAME, SOCKET_NAME, resolve_home
 from kvstore.store.entry import EntryMeta, blob_checksum
 from kvstore.wire import protocol
+from kvstore.wire.codes import ErrorCode, code_of, legacy_code
+from kvstore.wire.messages import OPS, Message, PingReply
 
 # sun_path holds 104 bytes on macOS and the BSDs, 108 on Linux, NUL terminator included.
 SUN_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
@@ -129,13 +131,29 @@ class DaemonClient:
         if msg is None:
             raise DaemonError(f"{self.path}: the daemon closed the connection")
         if not msg.get("ok"):
-            raise DaemonError(str(msg.get("error", "the daemon refused the request")))
+            text = str(msg.get("error", "the daemon refused the request"))
+            # A daemon of protocol version 1 sends no code: its text is read, here only.
+            code = code_of(msg["code"]) if "code" in msg else legacy_code(text)
+            raise DaemonError(text, code=code)
         return msg.get("result")
+
+    def op(self, name: str, request: Message | None = None, *, timeout: float | None = -1.0):
+        """One operation of kvstore.wire.messages.OPS: its request sent, its reply typed."""
+        result = self.call(name, request.to_wire() if request is not None else {}, timeout=timeout)
+        return OPS[name][1].from_wire(result)
 
     # -- commands -----------------------------------------------------------------------------
 
     def ping(self) -> dict[str, Any]:
         return self.request("ping")
+
+    info: PingReply | None = None  # what the daemon answered to connect()'s ping
+
+    def supports(self, name: str) -> bool | None:
+        """Whether the daemon has this operation (None: its ping did not say, version 1)."""
+        if self.info is None or self.info.protocol < 2:
+            return None
+        return name in self.info.ops
 
     def put(self, key: bytes, blob: bytes, fields: dict[str, Any]) -> EntryMeta:
         """Store an entry through the daemon; blobs over one chunk stream in CHUNK_BYTES frames.
@@ -162,8 +180,8 @@ class DaemonClient:
         return EntryMeta.unpack(res["key"], res["meta"])
 
     def warm(self, manifest: str | Path) -> dict[str, Any]:
-        """Reconcile a manifest in the daemon and return its report (as a dict; see
-        `warm_report`). Waits for the warm, however long it takes."""
+        """Reconcile a manifest in the daemon and return its report (as a map; see
+        kvstore.ops.warm `report_from_wire`). Waits for the warm, however long it takes."""
         res = self.call("warm", {"manifest": str(Path(manifest).absolute())}, timeout=None)
         return res["reports"][0]
 
@@ -202,10 +220,10 @@ def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonC
             client.send({"cmd": "ping", "args": {}})
         except DaemonError:
             pass  # a refusal is sent and the socket closed at once: its reason may be waiting
-        client.reply(timeout=2.0)
+        client.info = PingReply.from_wire(client.reply(timeout=2.0))
     except DaemonError as e:
         client.close()
-        if BUSY in str(e):
+        if e.code is ErrorCode.BUSY:
             raise DaemonError(f"daemon at {path} is busy ({BUSY}); try again") from None
         return None  # it went away (stopping) or is not a daemon of ours
     except OSError:
@@ -267,18 +285,3 @@ def connect_writer(
         if time.monotonic() >= deadline:
             raise DaemonNotAnswering(pid, resolve_home(home))
         time.sleep(0.2)
-
-
-def warm_report(data: dict[str, Any]):
-    """A daemon's warm report (a dict on the wire) back as a kvstore.warm.warm.WarmReport."""
-    from kvstore.warm.warm import PinResult, Purged, WarmReport
-
-    return WarmReport(
-        pins=[PinResult(**p) for p in data.get("pins", [])],
-        purged=[Purged(**p) for p in data.get("purged", [])],
-        released=[Purged(**p) for p in data.get("released", [])],
-        adopted=data.get("adopted", 0),
-        models_loaded=data.get("models_loaded", 0),
-        seconds=data.get("seconds", 0.0),
-        stopped=data.get("stopped"),
-    )

@@ -2,21 +2,12 @@
 
 A frame is a 4-byte big-endian payload length, then that many bytes of msgpack holding one map.
 Requests are `{"cmd": name, "args": {...}}`; replies are `{"ok": True, "result": ...}` or
-`{"ok": False, "error": message}`. Every malformed frame raises ProtocolError, the one error type
-for bad frames; a claimed length over the cap is refused before anything is allocated for it.
+`{"ok": False, "error": message, "code": code}`. Every malformed frame raises ProtocolError, the
+one error type for bad frames; a claimed length over the cap is refused before anything is
+allocated for it.
 
-Learned prefixes (daemon/learn.py; tokens are packed little-endian uint32, fingerprints 16 bytes):
-  learn {fingerprint, tokens (the request's prompt), sliceable: bool, model: str,
-         label: str|None, extra: map}
-    -> {want: [[start, end], ...] (records to send, cut at block_tokens; [] if none),
-        snapshot_at: [p, ...] (state layouts: boundaries to put as learned entries),
-        paused: str|None (why learning is paused; the client says it once)}
-  put_blocks {fingerprint, tokens (at least to the last record's end),
-              records: [{start, end, blob}], label, model, extra}
-    -> {stored: records accepted, bytes: bytes newly written} (sent after the commit)
-  touch_blocks {fingerprint, keys: [fingerprint + H(end), ...] (records a client restored)}
-    -> {touched: records still stored} (their last_used and hits: the learned LRU's order)
-A learned snapshot is an ordinary `put` with pinned=False, label "learned", extra.learned=True.
+What the requests and replies hold, and the error codes: kvstore.wire.messages and
+kvstore.wire.codes (the one definition).
 """
 
 from __future__ import annotations
@@ -127,5 +118,9 @@ def ok(result: Any = None) -> dict[str, Any]:
     return {"ok": True, "result": result}
 
 
-def error(message: str) -> dict[str, Any]:
-    return {"ok": False, "error": message}
+def error(message: str, code: str | None = None) -> dict[str, Any]:
+    """An error reply; `code` (a kvstore.wire.codes.ErrorCode) is what a client matches."""
+    reply: dict[str, Any] = {"ok": False, "error": message}
+    if code is not None:
+        reply["code"] = str(getattr(code, "value", code))
+    return reply

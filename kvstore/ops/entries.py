@@ -1,0 +1,97 @@
+"""Listing, evicting and touching entries."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.pins.registry import canonical
+from kvstore.store.entry import EntryMeta
+from kvstore.store.store import Store
+from kvstore.wire.messages import EvictReply, EvictRequest, LsRequest, Owned, Unknown
+
+
+def ls(store: Store, req: LsRequest, errors: list | None = None) -> list[EntryMeta]:
+    """The stored entries, by the request's model and label (None: any)."""
+    return [
+        m
+        for m in store.metas(errors=[] if errors is None else errors)
+        if (req.model is None or m.model == req.model)
+        and (req.label is None or m.label == req.label)
+    ]
+
+
+@dataclass
+class Evicted:
+    """What an evict deleted (`victims`), kept (`unknown`: meta and why) and which manifests still
+    name an evicted pin (`owned`)."""
+
+    victims: list[EntryMeta] = field(default_factory=list)
+    unknown: list[tuple[EntryMeta, str]] = field(default_factory=list)
+    owned: list[Owned] = field(default_factory=list)
+    deleted: int = 0
+
+    def reply(self) -> EvictReply:
+        return EvictReply(
+            evicted=self.deleted,
+            bytes=sum(m.nbytes for m in self.victims),
+            owned=list(self.owned),
+            keys=[m.key.hex() for m in self.victims],
+            unknown=[Unknown(m.key.hex(), m.label, m.model, why) for m, why in self.unknown],
+        )
+
+
+def evict(store: Store, req: EvictRequest, *, home: Path, watched: set[Path]) -> Evicted:
+    """Select by the request's filters (AND), delete, and say which manifests own an evicted pin
+    (`watched`: the canonical manifests a daemon reconciles)."""
+    from kvstore.store.eviction import select_for_eviction  # the store's own modules: not for ls
+    from kvstore.store.ownership import owning_manifests
+
+    out = Evicted()
+    out.victims = select_for_eviction(
+        store.metas(errors=[]),
+        keys=req.keys,
+        label=req.label,
+        model=req.model,
+        unpinned=req.unpinned,
+        stale=req.stale,
+        everything=req.all,
+        to_size=req.to_size,
+        home=home,
+        unknown=out.unknown,
+    )
+    out.deleted = store.delete(m.key for m in out.victims)
+    out.owned = [
+        Owned(m.label, m.model, path, canonical(path) in watched)
+        for m in out.victims
+        for path in owning_manifests(m)
+    ]
+    return out
+
+
+def started_manifests(home: Path) -> set[Path]:
+    """The manifests a daemon started for this home reconciles: the registered ones and the
+    home's manifest.toml."""
+    from kvstore.errors import KVStoreError
+    from kvstore.pins.registry import registered
+    from kvstore.settings import MANIFEST_NAME
+
+    try:
+        paths = {r.path for r in registered(home)}
+    except KVStoreError:
+        paths = set()
+    if (home / MANIFEST_NAME).is_file():
+        paths.add(canonical(home / MANIFEST_NAME))
+    return paths
+
+
+def delete_keys(store: Store, keys: Iterable[bytes]) -> int:
+    """Delete these entries (a `--deep --repair` that found them differ)."""
+    return store.delete(keys)
+
+
+def touch(store: Store, keys: list[bytes]) -> Any:
+    """Entries used now (their last_used and hits)."""
+    return store.touch(keys)

@@ -1,0 +1,111 @@
+"""`put` (one entry, verified before commit) and `put_blocks` (learned records)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.errors import CodecError
+from kvstore.store.blocks import BlockStore
+from kvstore.store.chain import chain_hashes, position_hash
+from kvstore.store.entry import KEY_BYTES, EntryMeta, blob_checksum, tokens_match_key
+from kvstore.store.store import Store
+from kvstore.wire.messages import PutBlocksRequest, PutRequest
+
+_PUT_FIELDS: dict[str, tuple[type, str]] = {
+    "label": (str, "str"),
+    "model": (str, "str"),
+    "pinned": (bool, "bool"),
+    "template_hash": (bytes, "bytes"),
+    "classes": (list, "a list of str"),
+    "extra": (dict, "a map with str keys and msgpack-simple values"),
+}
+_SIMPLE = (type(None), bool, int, float, str, bytes)
+_MAX_DEPTH = 8
+
+
+def _simple(value: Any, depth: int = 0) -> bool:
+    """A value msgpack stores and reads back as itself: scalars, bytes, and lists or str-keyed
+    maps of those (nested at most _MAX_DEPTH deep)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(2**63) <= value < 2**64
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth >= _MAX_DEPTH:
+        return False
+    if isinstance(value, list):
+        return all(_simple(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _simple(v, depth + 1) for k, v in value.items())
+    return False
+
+
+def check_put_fields(fields: dict[str, Any]) -> None:
+    """The meta fields of a put, type-checked before anything is queued; raises ValueError
+    naming the first bad field (`tokens` is checked with the key)."""
+    for name, value in fields.items():
+        if name == "tokens":
+            continue
+        if name not in _PUT_FIELDS:
+            raise ValueError(f"field {name!r} is not one a put may set ({', '.join(_PUT_FIELDS)})")
+        kind, what = _PUT_FIELDS[name]
+        if not isinstance(value, kind):
+            raise ValueError(f"field {name!r} must be {what}, not {type(value).__name__}")
+        if name == "classes" and not all(isinstance(c, str) for c in fields[name]):
+            raise ValueError(f"field {name!r} must be {what}")
+        if name == "extra" and not _simple(value):
+            raise ValueError(f"field {name!r} must be {what}")
+
+
+def check_request(req: PutRequest, *, max_bytes: int) -> None:
+    """The key, fields and size of a put, before its blob is read."""
+    key, tokens = req.key, req.fields.get("tokens")
+    if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % 4:
+        raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
+    check_put_fields(req.fields)
+    # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
+    if not tokens_match_key(key, tokens):
+        raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
+    if not 0 < req.nbytes <= max_bytes:
+        raise ValueError(f"put {key.hex()}: {req.nbytes} bytes is outside 1..max_bytes={max_bytes}")
+
+
+def check_blob(req: PutRequest, blob: Any) -> Any:
+    """The blob (inline or streamed) is the one the request announced."""
+    if len(blob) != req.nbytes or blob_checksum(blob) != req.checksum:
+        raise ValueError(f"put {req.key.hex()}: blob length or checksum does not match")
+    return blob
+
+
+def check_kv(req: PutRequest, blob: bytes) -> None:
+    """The blob decodes, and its KV covers exactly the entry's tokens: more or fewer would be
+    served as the prefix it claims to be (a pure state-space cache keeps no offset to compare).
+    Decodes: run it on the main thread (kvstore.daemon.writer on mlx and threads)."""
+    from kvstore.codec import codec
+
+    key = req.key
+    try:
+        cache, _ = codec.decode(blob, name=f"put {key.hex()}")
+    except CodecError as e:
+        raise ValueError(str(e)) from None
+    held, ntokens = codec.cache_tokens(cache), len(req.fields["tokens"]) // 4
+    if held != ntokens and not (held is None and codec.keeps_no_offset(cache)):
+        what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"
+        raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")
+
+
+def put(store: Store, req: PutRequest, blob: bytes) -> EntryMeta:
+    """Check the KV, then store it (the model was located by the putting client)."""
+    check_kv(req, blob)
+    return store.put(req.key, blob, locate=False, **req.fields)
+
+
+def put_blocks(blocks: BlockStore, req: PutBlocksRequest) -> tuple[int, list[bytes]]:
+    """Store learned records; returns the bytes newly written and the records' keys."""
+    fp, data = req.fingerprint, req.tokens
+    rows = [(r.start, r.end, r.blob) for r in req.records]
+    written = blocks.put_records(
+        fp, data, rows, label=req.label, extra={"model": req.model, **req.extra}
+    )
+    hashes = chain_hashes(fp, data, blocks.block)
+    keys = [fp + position_hash(fp, data, e, blocks.block, hashes) for _, e, _ in rows]
+    return written, keys

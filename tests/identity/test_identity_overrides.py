@@ -7,6 +7,7 @@ tokens; before the fix it fingerprinted like the file's config and hydrated that
 from __future__ import annotations
 
 import mlx.core as mx
+import pytest
 from helpers import CLASSIFY, assert_same_kv, manifest_for
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache
@@ -114,7 +115,7 @@ def test_serve_gives_model_config_to_the_served_models_load_only(llama_path, kv_
 
     from mlx_lm import server
 
-    from kvstore.client.serve.hooks import patched_server
+    from kvstore.client.serve.hooks import ServeError, patched_server
 
     seen = []
 
@@ -129,9 +130,7 @@ def test_serve_gives_model_config_to_the_served_models_load_only(llama_path, kv_
             provider.reset = lambda: None
             provider.cli_args = mock.Mock(trust_remote_code=False)
             provider._tokenizer_config = {}
-            try:
+            with pytest.raises(ServeError, match="stop here"):  # a load failure names its cause
                 provider._load(str(llama_path))
-            except RuntimeError:
-                pass
             assert server.load is fake_load  # restored after the load
     assert seen == [(str(llama_path), OVERRIDE)]

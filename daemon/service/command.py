@@ -118,8 +118,8 @@ def service_paths(spec: ServiceSpec) -> list[tuple[str, Path]]:
                 out.append((f"model {model.path}", resolve_model_path(model.path)))
             except KVStoreError:
                 pass
-            if model.adapter:
-                out.append((f"adapter {model.adapter}", Path(model.adapter).expanduser()))
+            if adapter := model.identity.adapter:
+                out.append((f"adapter {adapter}", Path(adapter).expanduser()))
     return out
 
 

@@ -448,6 +448,22 @@ def test_install_outside_protected_paths_warns_nothing(fake_launchd, tmp_path):
     assert "warning" not in result.output
 
 
+def test_install_warns_about_a_manifest_models_protected_paths(fake_launchd, tmp_path, user_home):
+    """The manifest's models and adapters are read by the daemon too: each one under a protected
+    location is named."""
+    docs = user_home / "Documents"
+    model, adapter = docs / "model", docs / "adapter"
+    model.mkdir(parents=True)
+    adapter.mkdir()
+    manifest = tmp_path / "pins.toml"
+    manifest.write_text(f'[[model]]\npath = "{model}"\nadapter = "{adapter}"\n')
+    result = cli("service", "install", "--dry-run", "-m", manifest)
+    assert result.exit_code == 0, result.output
+    assert f"the model {model} {model} is under ~/Documents" in result.output
+    assert f"the adapter {adapter} {adapter} is under ~/Documents" in result.output
+    assert "the manifest" not in result.output
+
+
 # -- systemd status through a fake systemctl --------------------------------------------------
 
 

@@ -103,11 +103,12 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         for msg in held:  # what the report below does not say already
             if not any(msg in s for s in said):
                 click.echo(msg, err=True)
-    for p in report.purged:
-        click.echo(f"purged   {p.label:20} {p.shown_key}  {p.model}: {p.cause}")
-    for p in report.released:
+    for gone in report.purged:
+        click.echo(f"purged   {gone.label:20} {gone.shown_key}  {gone.model}: {gone.cause}")
+    for gone in report.released:
         click.echo(
-            f"released {p.label:20} {p.shown_key}  {p.model}: {p.cause} (kept: other owners)"
+            f"released {gone.label:20} {gone.shown_key}  {gone.model}: {gone.cause}"
+            " (kept: other owners)"
         )
     for p in report.pins:
         # where the pin's KV came from: prefilled here, already present, or fetched (fleet tier)
@@ -115,7 +116,7 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         line = f"{source:9} {p.name:20} {p.tokens:6d} tokens  {p.model}"
         if p.status in ("warmed", "fetched"):
             line += f"  ({human_size(p.nbytes)}, {p.seconds:.2f}s)"
-        if getattr(p, "valid_date", None):  # the template prints the date: re-warmed daily
+        if p.valid_date:  # the template prints the date: re-warmed daily
             line += f"  valid {p.valid_date}"
         if p.remote:
             line += f"  [remote: {p.remote}]"

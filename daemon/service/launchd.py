@@ -24,6 +24,7 @@ import click
 
 from kvstore.daemon import exits
 from kvstore.daemon.logs import CRASH_LOG_NAME
+from kvstore.daemon.service import ServiceStatus
 
 LABEL = "dev.kvstore.daemon"  # one per user: reinstalling with another home replaces it
 THROTTLE_INTERVAL = 10  # s between launches of a crashing job (launchd.plist(5); also the default)
@@ -212,9 +213,9 @@ def parse_print(text: str) -> dict[str, str]:
     return {k: m.group(1).strip() for k, rx in _FIELDS.items() if (m := rx.search(text))}
 
 
-def status() -> dict[str, object]:
+def status() -> ServiceStatus:
     done = launchctl("print", target())
-    info: dict[str, object] = {"manager": f"launchd {target()}", "loaded": done.rc == 0}
+    info: ServiceStatus = {"manager": f"launchd {target()}", "loaded": done.rc == 0}
     if done.rc == 0:
         fields = parse_print(done.out)
         info["state"] = fields.get("state")

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from kvstore.daemon import exits
+from kvstore.daemon.service import ServiceStatus
 
 UNIT_NAME = "kvstore.service"
 SYSTEMCTL = ["systemctl", "--user"]
@@ -113,10 +114,10 @@ def parse_show(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
 
 
-def status() -> dict[str, object]:
+def status() -> ServiceStatus:
     p = _run("show", "-p", ",".join(SHOW), UNIT_NAME, check=False)
     props = parse_show(p.stdout) if p.returncode == 0 else {}
-    info: dict[str, object] = {
+    info: ServiceStatus = {
         "manager": f"systemd --user {UNIT_NAME}",
         "loaded": props.get("LoadState") == "loaded",
         "state": f"{props.get('ActiveState', '?')} ({props.get('SubState', '?')})",

@@ -68,11 +68,20 @@ EXITS: dict[str, ExitRule] = {
     ),
 }
 
+
+def _status(condition: str) -> int:
+    """The status the daemon exits with for `condition`, one it does exit for."""
+    code = EXITS[condition].code
+    if code is None:
+        raise ValueError(f"the daemon does not exit for {condition!r}")
+    return code
+
+
 OK = 0
-LOCK_HELD = EXITS["lock_held"].code
-INTERNAL = EXITS["internal"].code
-TRANSIENT_IO = EXITS["transient_io"].code
-CONFIG = EXITS["config"].code
+LOCK_HELD = _status("lock_held")
+INTERNAL = _status("internal")
+TRANSIENT_IO = _status("transient_io")
+CONFIG = _status("config")
 
 # Supervisors that restart every non-zero exit, so `config` waits for SIGTERM instead of exiting.
 PARK_UNDER = frozenset({"launchd"})

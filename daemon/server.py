@@ -363,7 +363,7 @@ class Daemon:
                 pass
         for t in conns.values():
             t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t for t in conns.values() if t.is_alive()]
+        stuck: list[object] = [t for t in conns.values() if t.is_alive()]  # counted, below
         if not self.upkeep.stop_remote():  # it reads the store: same rule as a connection
             stuck.append("the fleet uploader")
         if stuck:

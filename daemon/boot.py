@@ -17,7 +17,7 @@ from kvstore.daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, p
 from kvstore.daemon.server import Daemon
 from kvstore.errors import KVStoreError, transient
 from kvstore.pins.registry import canonical, registered
-from kvstore.settings import MANIFEST_NAME, ensure_home, load_settings
+from kvstore.settings import MANIFEST_NAME, Settings, ensure_home, load_settings
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -75,11 +75,12 @@ def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
         fixed = tuple(manifests)
         manifests += registered_manifests(home, manifests)
         settings = load_settings(home)
+        typed = Settings.of(settings)
         store = Store(  # opening it runs reader_check
-            home, map_size=int(settings["map_size"]), max_map_size=int(settings["max_map_size"])
+            home, map_size=int(typed.map_size), max_map_size=int(typed.max_map_size)
         )
         try:
-            listener, path = bind_socket(home, backlog=int(settings["max_connections"]))
+            listener, path = bind_socket(home, backlog=int(typed.max_connections))
         except BaseException:
             store.close()
             raise

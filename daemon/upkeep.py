@@ -307,7 +307,8 @@ class Upkeep:
             if self.deferred.pop(manifest, None) is not None:
                 log.info("warm of %s no longer deferred", manifest)
             return
-        reasons = list(dict.fromkeys(p.error for p in report.deferred))
+        # each deferred pin's error says why (the memory it needs), so none is left out here
+        reasons = list(dict.fromkeys(p.error for p in report.deferred if p.error))
         first = manifest not in self.deferred
         self.deferred[manifest] = {
             "since": self.deferred.get(manifest, {}).get("since", time.time()),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import click
 
@@ -34,9 +36,13 @@ def _age(ts: float) -> str:
     return f"{s:.0f}s ago"
 
 
+class _Decoder(Protocol):  # what _previews uses of an mlx-lm tokenizer
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
 def _previews(metas) -> dict[bytes, str]:
     """First tokens of each entry, decoded with its model's tokenizer when that loads."""
-    tokenizers: dict[str, object] = {}
+    tokenizers: dict[str, _Decoder | None] = {}
     out = {}
     for m in metas:
         if m.model not in tokenizers:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import click
 
@@ -14,6 +15,13 @@ from kvstore.cli.options import home_option, user_errors
 from kvstore.errors import counted
 from kvstore.pins.registry import canonical, registered
 from kvstore.wire.daemon_client import connect
+
+
+class _Row(TypedDict):  # one registered manifest, as `--json` prints it
+    path: str
+    added: float  # time.time() when it was registered
+    present: bool
+    watched: bool | None  # None: no daemon to ask
 
 
 @click.group(invoke_without_command=True)
@@ -40,7 +48,7 @@ def manifests(ctx: click.Context, as_json: bool, home: Path) -> None:
             res = client.request("manifests")
         watched = {canonical(p) for p in res["watched"]}
         fixed = [p for p in res["fixed"] if Path(p) not in {r.path for r in entries}]
-    rows = [
+    rows: list[_Row] = [
         {
             "path": str(r.path),
             "added": r.added,

@@ -8,7 +8,7 @@ import unicodedata
 from pathlib import Path
 
 
-def path_key(path: str | bytes) -> str:
+def path_key(path: str | bytes | os.PathLike[str]) -> str:
     """How an event path is matched against watched ones: real path (macOS reports /private/var
     for /var), NFC (HFS+ and FSEvents may hand back NFD), case-folded (APFS and HFS+ are
     case-insensitive by default). Folding on a case-sensitive volume only over-matches, and an

@@ -302,9 +302,9 @@ class Watcher(threading.Thread):
                 self._on_change(changed)
             except Exception:
                 log.exception("watcher: handling a change of %s failed", sorted(map(str, changed)))
-            paths = self._query_paths()
-            if paths is not None:
-                self._set_paths(paths)
+            listed = self._query_paths()
+            if listed is not None:
+                self._set_paths(listed)
         if self.mode == "watchdog":
             # Also after a quiet check: a watched directory may have appeared or vanished.
             try:

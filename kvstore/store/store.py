@@ -449,6 +449,8 @@ class Store:
                     self.load(k)
                 else:
                     meta = self.get_meta(k)
+                    if meta is None:  # deleted since keys() (another writer): as load() says
+                        raise KeyError(k.hex())
                     blob = self.read_blob(k)
                     if blob_checksum(blob) != meta.checksum:
                         raise CorruptEntryError(k, "blob checksum mismatch")

@@ -19,6 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check kvstore daemon client tests bench
 	$(MAKE) imports
+	$(MAKE) types
 	$(PY) -m pytest -q tests
 
 # The import contracts in pyproject.toml ([tool.importlinter]: the core imports neither the client

@@ -27,8 +27,10 @@ from typing import Any
 
 from mlx_lm.models import cache as mlc
 
+from kvstore import mlxlm
+
 # True with mlx-lm 0.31 (`meta_state` and `from_state(state, meta_state)`), False with 0.32.
-META_STATE: bool = hasattr(mlc._BaseCache, "meta_state")
+META_STATE: bool = mlxlm.has_meta_state()
 
 # The stored state of each class, in order: 0.32's `state` tuple, attribute by attribute.
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -70,9 +72,7 @@ def from_state(name: str, st: list, classes: dict[str, type]) -> Any:
         return cls.from_state(st)
     # 0.31's setters drop what its meta_state does not carry (KVCache's offset is the keys'
     # length): set the attributes 0.32's setter sets, on an object made as from_state makes it.
-    obj = cls.__new__(cls)
-    for f, v in zip(FIELDS[name], st, strict=True):
-        setattr(obj, f, v)
+    obj = mlxlm.new_cache(cls, FIELDS[name], st)
     if name == "ConcatenateKVCache":
         obj.offset = obj.keys.shape[-2]
     return obj

@@ -277,7 +277,7 @@ def _assistant(text: str) -> dict:
 def _tool_call_turns(tools: list[dict] | None, rounds: int) -> list[dict]:
     """One user message, then `rounds` tool calls and their results, as an OpenAI client sends
     them and mlx_lm.server hands them to the template (arguments parsed, None content as "")."""
-    from mlx_lm.server import process_message_content
+    from kvstore import mlxlm
 
     tool = (tools or [{}])[0]
     fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
@@ -288,7 +288,7 @@ def _tool_call_turns(tools: list[dict] | None, rounds: int) -> list[dict]:
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
         turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
         turns.append({"role": "tool", "tool_call_id": call_id, "content": LATER_TURN_ANSWER})
-    process_message_content(turns)
+    mlxlm.process_message_content(turns)
     return turns
 
 
@@ -389,10 +389,10 @@ class _CharIndex:
 
 
 def _offset_ends(tokenizer: Any, text: str, ids: list[int], special: bool) -> list[int] | None:
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from kvstore import mlxlm
 
     # The wrapper's own __call__ is not the transformers one; ask the tokenizer it wraps.
-    backend = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    backend = mlxlm.tokenizer_backend(tokenizer)
     try:
         enc = backend(text, add_special_tokens=special, return_offsets_mapping=True)
         if _as_ids(enc["input_ids"]) != ids:

@@ -35,13 +35,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore import metrics
 from kvstore.client import modelthread
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.identity.model import ModelIdentity
 
 log = logging.getLogger("kvstore.client")
 
@@ -71,6 +74,7 @@ class LearnTarget:
     files_ok: Callable[[], bool] | None = None  # False: the weights changed; store nothing
     template_hash: bytes | None = None  # computed on the worker when first needed
     sliceable: bool | None = None  # the layout can be cut into block records
+    identity: ModelIdentity | None = None  # the served model's (serve persists system prefixes)
 
     def template(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
@@ -608,23 +612,26 @@ class Learner:
                        prompt_end: bool = False) -> None:  # fmt: skip
         from kvstore.codec import codec
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
-        from kvstore.store.entry import entry_key, pack_tokens
+        from kvstore.store.entry import entry_fields, entry_key
 
         if target.files_ok is not None and not target.files_ok():
             return
         if target.template_hash is None:
             target.template_hash = template_hash(resolve_model_path(target.model))
         blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
-        fields = dict(
-            tokens=pack_tokens(prefix),
+        fields = entry_fields(
+            prefix,
             label="learned",
             pinned=False,
             model=target.model,
             template_hash=target.template_hash,
             classes=codec.cache_classes(cache),
-            extra={**target.extra, "source": "learned", "learned": True, "prompt_end": prompt_end},
+            state=target.extra,
+            source="learned",
+            learned=True,
+            prompt_end=prompt_end,
         )
-        client.put(entry_key(target.fingerprint, prefix), blob, fields)
+        client.put(entry_key(target.fingerprint, prefix), blob, fields.as_kwargs())
         self.snapshots_sent += 1
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(len(blob))
 

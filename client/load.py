@@ -109,13 +109,7 @@ def load(
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
-    # the first request's forward extends a copy of a stored prefix: warm on the largest one up
-    # to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the request it spares)
-    read_entries = [
-        e for e in (prefetched.entries if prefetched is not None else [])
-        if e[0].nbytes <= WARM_ENTRY_BYTES
-    ]  # fmt: skip
-    largest = max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
+    largest = _warm_entry(prefetched)
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
         **cache_options,
@@ -123,6 +117,17 @@ def load(
     if warm:
         first_call(model, tokenizer, largest)
     return model, tokenizer, cache
+
+
+def _warm_entry(prefetched: Prefetched | None) -> list | None:
+    """The stored KV the warm-up's forward extends a copy of, as the first request's does."""
+    # the largest one up to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the
+    # request it spares)
+    read_entries = [
+        e for e in (prefetched.entries if prefetched is not None else [])
+        if e[0].nbytes <= WARM_ENTRY_BYTES
+    ]  # fmt: skip
+    return max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
 
 
 def first_call(model: Any, tokenizer: Any, entry: list | None = None) -> None:

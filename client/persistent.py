@@ -21,6 +21,7 @@ from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
+from kvstore import mlxlm
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
 from kvstore.client.learn import Learner, LearnTarget, Provenance
 from kvstore.client.stats import StatsRecorder
@@ -97,11 +98,11 @@ class PinnedPromptCache(LRUPromptCache):
         return cache, rest
 
     def __len__(self) -> int:
-        return len(self._lru) + len(self._pins)
+        return mlxlm.lru_len(self) + len(self._pins)
 
     @property
     def nbytes(self) -> int:
-        return self._n_bytes + self.pinned_nbytes
+        return mlxlm.lru_nbytes(self) + self.pinned_nbytes
 
     @property
     def pinned_nbytes(self) -> int:
@@ -130,11 +131,10 @@ class PinnedPromptCache(LRUPromptCache):
         # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
         # are not in its byte count: count them in first so its budget check sees true numbers.
         for _, entry in shadowed:
-            self._n_bytes += entry.nbytes
-            self._n_bytes_by_type[entry.cache_type] += entry.nbytes
+            mlxlm.lru_count(self, entry, +1)
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         for t, entry in shadowed:
-            self._trie.add(model, list(t), entry)
+            mlxlm.trie_add(self, model, t, entry)
         if self.learner is not None and not self._restoring:
             self.learner.inserted(model, tokens, prompt_cache)
         return True
@@ -142,13 +142,11 @@ class PinnedPromptCache(LRUPromptCache):
     def attach_pin(self, model: Any, tokens: Sequence[int], cache: list, pin: Any) -> None:
         """Keep `cache`, the KV of exactly `tokens`, as a pin (`pin` says which, for the owner)."""
         tokens = tuple(tokens)
-        entry = LRUPromptCache.CacheEntry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
-        prev = self._trie.add(model, list(tokens), entry)
+        entry = mlxlm.cache_entry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
+        prev = mlxlm.trie_add(self, model, tokens, entry)
         if prev is not None and (model, tokens) not in self._pins:
             # an LRU entry of the same tokens: take it off the LRU's books
-            self._n_bytes -= prev.nbytes
-            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
-            self._lru.remove(model, list(tokens))
+            mlxlm.lru_forget(self, model, tokens, prev)
         self._pins[(model, tokens)] = (pin, entry)
 
 
@@ -239,24 +237,26 @@ class PersistentPromptCache(PinnedPromptCache):
         )
         self._template_hash: bytes | None = None
         self.fingerprint: bytes | None = None
-        if bad_argument is not None:
-            log.warning("%s", bad_argument)
-            self.report = HydrateReport(warning=bad_argument)
-            self._hydrating = False
-            return
-        try:
-            if (
-                prefetched is None
-            ):  # else read already, while the weights loaded (kvstore.client.load)
-                prefetched = prefetch(self.identity, home=home, model=model)
-            self._fp = prefetched.fingerprint
-            self.report: HydrateReport = insert(self, self.model_key, prefetched)
-        finally:
-            self._hydrating = False
+        self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:
             self._attach_learner()
+
+    def _hydrate(
+        self, prefetched: Prefetched | None, home: str | Path | None, bad_argument: str | None
+    ) -> HydrateReport:
+        """Insert the stored entries of this model (read now unless `prefetched`); the report."""
+        try:
+            if bad_argument is not None:
+                log.warning("%s", bad_argument)
+                return HydrateReport(warning=bad_argument)
+            if prefetched is None:  # else read already, while the weights loaded (client.load)
+                prefetched = prefetch(self.identity, home=home, model=self.model)
+            self._fp = prefetched.fingerprint
+            return insert(self, self.model_key, prefetched)
+        finally:
+            self._hydrating = False
 
     def _attach_learner(self) -> None:
         """Learn this process's recurring prefixes; restore from the store on a memory miss."""
@@ -429,9 +429,9 @@ class PersistentPromptCache(PinnedPromptCache):
     def _find(self, ids: tuple[int, ...]) -> tuple[str, list | None]:
         """The KV of exactly these tokens from memory (no copy: the pin takes the entry over) or
         the store; (source, None) when neither has it."""
-        found = self._trie.search(self.model_key, list(ids))
+        found = mlxlm.trie_search(self, self.model_key, ids)
         if found.exact is not None:
-            return "memory", self._trie.get(self.model_key, list(ids)).prompt_cache
+            return "memory", mlxlm.trie_get(self, self.model_key, ids).prompt_cache
         if self.fingerprint is None:
             return "", None
         from kvstore.store.entry import entry_key, pack_tokens
@@ -478,29 +478,27 @@ class PersistentPromptCache(PinnedPromptCache):
         from kvstore.codec import codec
         from kvstore.identity.codehash import runtime_versions
         from kvstore.identity.fingerprint import template_hash
-        from kvstore.store.entry import entry_key, pack_tokens
+        from kvstore.store.entry import entry_fields, entry_key
 
         if not self._files_hold_these_weights():
             return
         if self._template_hash is None:
             self._template_hash = template_hash(self.model_path)
         blob = codec.encode(cache, {"model": self.model_path, "tokenizer_config": "{}"})
-        fields = dict(
-            tokens=pack_tokens(tokens),
+        fields = entry_fields(
+            tokens,
             label=label,
             pinned=pinned,
             model=self.model_path,
             template_hash=self._template_hash,
             classes=codec.cache_classes(cache),
-            extra={
-                **self.identity.state,
-                "source": "pin" if pinned else "chain",
-                "owners": ["app"],
-                "runtime": runtime_versions(),
-                **extra,
-            },
+            state=self.identity.state,
+            source="pin" if pinned else "chain",
+            owners=["app"],
+            runtime=runtime_versions(),
+            extra=extra,
         )
-        client.put(entry_key(self.fingerprint, tokens), blob, fields)
+        client.put(entry_key(self.fingerprint, tokens), blob, fields.as_kwargs())
 
     def _files_hold_these_weights(self) -> bool:
         """Whether the files still are the fingerprinted ones (a stat each; a re-fingerprint

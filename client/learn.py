@@ -102,6 +102,7 @@ class Provenance:
         self._prefixes: OrderedDict[tuple[Any, tuple[int, ...]], None] = OrderedDict()
         self._cap = cap
         self._lock = threading.Lock()
+        self.counting = True  # False: requests are not counted (serve's warm-up requests)
 
     def note_store(self, model: Any, tokens: Sequence[int]) -> None:
         with self._lock:
@@ -125,6 +126,8 @@ class Provenance:
 
     def count(self, model: Any, tokens: Sequence[int], served_mem: int, restored: int) -> None:
         """Add one request to kvstore_prompt_tokens_total."""
+        if not self.counting:
+            return
         if restored:
             store, memory = restored, 0
         else:
@@ -359,9 +362,9 @@ class Learner:
 
         if cache is None:
             cache = target.template()
-        ids = mx.array(list(ids), dtype=mx.uint32)
-        for i in range(0, len(ids), target.prefill_step):
-            target.model_obj(ids[i : i + target.prefill_step][None], cache=cache)
+        arr = mx.array(list(ids), dtype=mx.uint32)
+        for i in range(0, len(arr), target.prefill_step):
+            target.model_obj(arr[i : i + target.prefill_step][None], cache=cache)
             mx.eval([cache_api.state(c) for c in cache])
         return cache
 
@@ -482,12 +485,11 @@ class Learner:
             self._touched_sent = time.monotonic()
         for fp, keys in batches.items():
             keys = list(dict.fromkeys(keys))
-            self.writer.submit(
-                Job(
-                    f"{len(keys)} learned record hits",
-                    lambda c, fp=fp, k=keys: self._touch(c, fp, k),
-                )
-            )
+            self.writer.submit(Job(f"{len(keys)} learned record hits", self._toucher(fp, keys)))
+
+    def _toucher(self, fingerprint: bytes, keys: list[bytes]) -> Callable[[Any], None]:
+        """The write-behind job's work: touch these records of `fingerprint`."""
+        return lambda client: self._touch(client, fingerprint, keys)
 
     def _touch(self, client: Any, fingerprint: bytes, keys: list[bytes]) -> None:
         if self._no_touch:
@@ -553,8 +555,8 @@ class Learner:
                         bounds[p] = prefix
                 while len(bounds) > BOUNDARIES:
                     bounds.popitem(last=False)
-            for prefix, segment in ready:
-                self._send_snapshot(client, target, prefix, segment)
+            for snap, segment in ready:
+                self._send_snapshot(client, target, snap, segment)
         want = [(int(s), int(e)) for s, e in reply.get("want") or []]
         if want and sliceable:
             self._send_records(client, target, prompt, cache, want)

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
@@ -30,6 +30,9 @@ from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
+
+if TYPE_CHECKING:
+    from kvstore.identity.fingerprint import Fingerprint
 
 log = logging.getLogger("kvstore.client")
 
@@ -220,13 +223,20 @@ class PersistentPromptCache(PinnedPromptCache):
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
         self._hits_sent = time.monotonic()
         self._hydrating = True
-        self._fp = None  # the Fingerprint, with the files it hashed: re-checked before each store
+        # the Fingerprint, with the files it hashed: re-checked before each store
+        self._fp: Fingerprint | None = None
         self._files_warned = False  # the files changed since: said once, nothing stored after
         # no writer (nothing sent anywhere) without a usable home
         self._writer = WriteBehind(self.home) if self.home is not None else None
         # Unsent stats and pins still reach the daemon when the app exits without close().
         ref = weakref.ref(self)
-        self._at_exit = lambda: (c := ref()) is not None and c.close()
+
+        def at_exit() -> None:
+            c = ref()
+            if c is not None:
+                c.close()
+
+        self._at_exit = at_exit
         atexit.register(self._at_exit)
         self.stats = (
             StatsRecorder(
@@ -262,6 +272,8 @@ class PersistentPromptCache(PinnedPromptCache):
         """Learn this process's recurring prefixes; restore from the store on a memory miss."""
         from kvstore.identity.codehash import runtime_versions
 
+        if self.home is None or self.fingerprint is None:
+            return  # (never: attached only with a usable home and a fingerprint)
         self.learner = Learner(self.home, writer=self._writer)
         self.learner.add_target(
             self.model_key,
@@ -372,7 +384,7 @@ class PersistentPromptCache(PinnedPromptCache):
             ids, warning = rendered.tokens, rendered.warning
             extra = pin_extra(rendered, dict(kwargs))
         else:
-            ids = tuple(tokens)
+            ids = tuple(tokens or ())  # given: messages is None
         from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
         # an id past the embedding would crash the process in mlx, not raise
@@ -432,7 +444,7 @@ class PersistentPromptCache(PinnedPromptCache):
         found = mlxlm.trie_search(self, self.model_key, ids)
         if found.exact is not None:
             return "memory", mlxlm.trie_get(self, self.model_key, ids).prompt_cache
-        if self.fingerprint is None:
+        if self.fingerprint is None or self.home is None:
             return "", None
         from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
@@ -480,7 +492,7 @@ class PersistentPromptCache(PinnedPromptCache):
         from kvstore.identity.fingerprint import template_hash
         from kvstore.store.entry import entry_fields, entry_key
 
-        if not self._files_hold_these_weights():
+        if self.fingerprint is None or not self._files_hold_these_weights():
             return
         if self._template_hash is None:
             self._template_hash = template_hash(self.model_path)
@@ -505,7 +517,7 @@ class PersistentPromptCache(PinnedPromptCache):
         only when one changed). When not, the KV in memory is the old weights': filed under the
         fingerprint it would never be hydrated by a process loading the files as they are now,
         and must never be filed under theirs. Said once; nothing is stored after."""
-        if self._fp is None or not self._fp.changed_files():
+        if self._fp is None or self.home is None or not self._fp.changed_files():
             return True
         from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
         from kvstore.settings import FILEHASH_NAME

@@ -228,12 +228,11 @@ def _prompt_ids(model: Any, tokenizer: Any, prompt: str | Sequence[int]) -> list
     if isinstance(prompt, str):
         bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
         special = bos is None or not prompt.startswith(bos)
-        prompt = tokenizer.encode(prompt, add_special_tokens=special)
-    else:  # the app's own ids: one past the embedding would crash the process in mlx
-        from kvstore.warm.prefill import check_token_ids, model_vocab_size
+        return list(tokenizer.encode(prompt, add_special_tokens=special))
+    # the app's own ids: one past the embedding would crash the process in mlx
+    from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
-        prompt = check_token_ids(prompt, model_vocab_size(model), what="prompt")
-    return list(prompt)
+    return list(check_token_ids(prompt, model_vocab_size(model), what="prompt"))
 
 
 def _cache_for(

@@ -111,7 +111,7 @@ def has_meta_state() -> bool:
     return hasattr(mlc._BaseCache, "meta_state")
 
 
-def new_cache(cls: type, fields: Sequence[str], values: Sequence[Any]) -> Any:
+def new_cache(cls: Any, fields: Sequence[str], values: Sequence[Any]) -> Any:
     """A cache object made as mlx-lm's from_state makes it (no __init__), `fields` set directly
     (0.31's setters drop what its meta_state does not carry)."""
     obj = cls.__new__(cls)
@@ -125,7 +125,7 @@ def temporal_order(c: Any, v: Any) -> Any:
     return c._temporal_order(v)
 
 
-def model_classes(config: dict) -> tuple[type, type]:
+def model_classes(config: dict) -> tuple[Any, Any]:
     """(model class, its args class) mlx-lm builds for `config`."""
     from mlx_lm.utils import _get_classes
 

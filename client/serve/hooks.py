@@ -431,10 +431,6 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
-def _no_count(*args: Any) -> None:
-    """Provenance.count during a warm-up request: /metrics counts requests only."""
-
-
 def _cause(e: BaseException, model_path: Any = None) -> str:
     """Why a model did not load, in one line: a local path that is not a directory says so (not
     the hub's complaint about a repo id); else the exception's first line, named by its type."""
@@ -538,14 +534,14 @@ class _ServerCache(PinnedPromptCache):
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         if self.hooks.warming:  # a warm-up request: not counted, not reported, not a hit
-            learner, self.provenance.count = self.learner, _no_count
+            learner, self.provenance.counting = self.learner, False
             learning = learner is not None and learner.learn
             if learner is not None:
                 learner.learn = False
             try:
                 return super().fetch_nearest_cache(model, tokens)
             finally:
-                del self.provenance.count
+                self.provenance.counting = True
                 if learner is not None:
                     learner.learn = learning
         cache, rest = super().fetch_nearest_cache(model, tokens)

@@ -63,7 +63,7 @@ def state(c: Any) -> list:
 def from_state(name: str, st: list, classes: dict[str, type]) -> Any:
     """A cache object of the installed mlx-lm from a state in the stored form; `classes` maps the
     allowed class names to classes (never `globals()` on stored text)."""
-    cls = classes[name]
+    cls: Any = classes[name]
     if name == "CacheList":
         return cls(*(from_state(n, s, classes) for s, n in st))
     if name == "ConcatenateKVCache" and st[0] is None:
@@ -149,7 +149,7 @@ def _legacy_one(name: str, st: Any, meta: Any, fail: Callable[[str], Exception],
     else:
         got = {}
     first = keys[0] if isinstance(keys, list) and keys else keys
-    shape = getattr(first, "shape", ())
+    shape: tuple[int, ...] = getattr(first, "shape", ())
     held = shape[2] if len(shape) == 4 else 0  # a malformed state fails the codec's checks after
     if name == "KVCache":
         got["offset"] = held  # 0.31 rebuilds the offset from the keys

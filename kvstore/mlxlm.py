@@ -208,7 +208,7 @@ def server_problems(server: Any, cache_cls: type) -> list[str]:
     for name in ("main", "run", "ModelProvider", "LRUPromptCache", "ResponseGenerator"):
         if not hasattr(server, name):
             problems.append(f"mlx_lm.server.{name} is missing")
-    provider = getattr(server, "ModelProvider", None)
+    provider: Any = getattr(server, "ModelProvider", None)
     for name in ("_load", "load"):
         if provider is not None and not callable(getattr(provider, name, None)):
             problems.append(f"ModelProvider.{name} is missing")
@@ -221,7 +221,7 @@ def server_problems(server: Any, cache_cls: type) -> list[str]:
             problems.append("LRUPromptCache.insert_cache has no cache_type keyword")
     try:
         run_src = inspect.getsource(server.run)
-        load_src = inspect.getsource(provider._load)  # type: ignore[union-attr]
+        load_src = inspect.getsource(provider._load)
     except (AttributeError, OSError, TypeError):
         run_src = load_src = ""
     generator = getattr(server, "ResponseGenerator", None)

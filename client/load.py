@@ -27,11 +27,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
+from kvstore.client.hydrate import Prefetched, check_arguments, given_identity, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.codec import idle_cores
 from kvstore.errors import KVStoreError
-from kvstore.identity.model import ModelIdentity
 
 log = logging.getLogger("kvstore.client")
 
@@ -71,7 +70,7 @@ def load(
 
     read: dict[str, Prefetched] = {}
     # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache
-    identity = ModelIdentity(
+    identity = given_identity(
         model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
     )  # as given: checked below, and said once by the cache when wrong
     try:

@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvstore import mlxlm
-from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
+from kvstore.client.hydrate import (
+    HydrateReport,
+    Prefetched,
+    check_arguments,
+    given_identity,
+    insert,
+    prefetch,
+)
 from kvstore.client.learn import Learner, LearnTarget, Provenance
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
@@ -204,7 +211,7 @@ class PersistentPromptCache(PinnedPromptCache):
         self.model_path = str(model_path)
         self.model_key = self.model_path if model_key is None else model_key
         if identity is None:  # as given: checked below (a wrong type is the one warning)
-            identity = ModelIdentity(
+            identity = given_identity(
                 model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
             )
         # the model as the entries are keyed: what every hydrate, prefill and store here uses

@@ -198,6 +198,8 @@ class _Headers:
 
     def put(self, mv: memoryview, legacy: bool, header: Header) -> None:
         key = self._key(mv, legacy)
+        if key is None:
+            return  # never read back: `get` has no key for it either
         with self._lock:
             self._seen[key] = header
             if len(self._seen) > self.MAX:

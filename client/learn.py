@@ -35,16 +35,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore import metrics
 from kvstore.client import modelthread
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
-
-if TYPE_CHECKING:
-    from kvstore.identity.model import ModelIdentity
 
 log = logging.getLogger("kvstore.client")
 
@@ -74,7 +71,7 @@ class LearnTarget:
     files_ok: Callable[[], bool] | None = None  # False: the weights changed; store nothing
     template_hash: bytes | None = None  # computed on the worker when first needed
     sliceable: bool | None = None  # the layout can be cut into block records
-    identity: ModelIdentity | None = None  # the served model's (serve persists system prefixes)
+    identity: Any = None  # the served model's ModelIdentity (serve persists system prefixes)
 
     def template(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
@@ -548,15 +545,15 @@ class Learner:
                     while len(ends) > PROMPT_ENDS:
                         ends.popitem(last=False)
                 for p in at:
-                    prefix = tuple(prompt[:p])
-                    if (model, prefix) in held:  # in memory already: send it, no split
-                        ready.append((list(prefix), held[(model, prefix)]))
+                    cut = tuple(prompt[:p])
+                    if (model, cut) in held:  # in memory already: send it, no split
+                        ready.append((list(cut), held[(model, cut)]))
                     else:
-                        bounds[p] = prefix
+                        bounds[p] = cut
                 while len(bounds) > BOUNDARIES:
                     bounds.popitem(last=False)
-            for snap, segment in ready:
-                self._send_snapshot(client, target, snap, segment)
+            for prefix, segment in ready:
+                self._send_snapshot(client, target, prefix, segment)
         want = [(int(s), int(e)) for s, e in reply.get("want") or []]
         if want and sliceable:
             self._send_records(client, target, prompt, cache, want)

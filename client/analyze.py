@@ -177,20 +177,21 @@ def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
             for c, g in zip(calls, groups)
         ]
         return out, len(static), len(groups[0])
+    turns = [c.messages or () for c in calls]  # none is None here
     # Messages align by position while every call has the same role there.
     aligned = 0
-    for column in zip(*(c.messages for c in calls), strict=False):
+    for column in zip(*turns, strict=False):
         if any(m.get("role") != column[0].get("role") for m in column):
             break
         aligned += 1
     statics = [
-        _static_lines([c.messages[i]["content"].splitlines(keepends=True) for c in calls])
+        _static_lines([t[i]["content"].splitlines(keepends=True) for t in turns])
         for i in range(aligned)
     ]
     out = []
-    for c in calls:
+    for c, msgs in zip(calls, turns):
         head, moved = [], []
-        for i, m in enumerate(c.messages):
+        for i, m in enumerate(msgs):
             lines = m["content"].splitlines(keepends=True)
             static = statics[i] if i < aligned else []
             if static:
@@ -199,7 +200,7 @@ def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
         if moved:
             head.append({"role": "user", "content": "".join(moved)})
         out.append(Capture(c.stage, c.line, messages=tuple(head), tools=c.tools))
-    n_lines = sum(len(m["content"].splitlines()) for m in calls[0].messages)
+    n_lines = sum(len(m["content"].splitlines()) for m in turns[0])
     return out, sum(len(s) for s in statics), n_lines
 
 
@@ -210,9 +211,10 @@ def _measure(renderer: Renderer, calls: list[Capture]) -> tuple[list[str], list 
     return texts, [renderer.tokens(t, raw_text=c.text is not None) for t, c in zip(texts, calls)]
 
 
-def _share(stable: int, lengths: Sequence[int]) -> float:
+def _share(stable: int | None, lengths: Sequence[int]) -> float:
+    """`stable` (None: none, with no token counts) over the mean of `lengths`."""
     mean = sum(lengths) / len(lengths)
-    return stable / mean if mean else 1.0
+    return (stable or 0) / mean if mean else 1.0
 
 
 def analyze_stage(stage: str, calls: list[Capture], renderer: Renderer) -> StageReport:
@@ -268,7 +270,7 @@ def shared_messages(calls: list[Capture]) -> tuple[list[dict], tuple | None]:
     if any(c.messages is None for c in calls):
         return [], None
     out = []
-    for column in zip(*(c.messages[:-1] for c in calls), strict=False):
+    for column in zip(*((c.messages or ())[:-1] for c in calls), strict=False):
         if any(m != column[0] for m in column):
             break
         out.append(dict(column[0]))

@@ -60,6 +60,21 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
     )
 
 
+def given_identity(
+    model_path: Any,
+    adapter_path: Any,
+    kv_bits: Any,
+    kv_group_size: Any,
+    quantized_kv_start: Any,
+    model_config: Any,
+) -> ModelIdentity:
+    """The identity as an app's keyword arguments give it, types unchecked (`check_arguments`
+    checks them, and gives the identity with its paths as str)."""
+    return ModelIdentity(
+        model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
+    )
+
+
 def check_arguments(identity: ModelIdentity, *, home: Any = None) -> tuple[Path, ModelIdentity]:
     """The resolved home and the identity with its paths as str; KVStoreError naming the first
     argument of the wrong type (hydrate, load and PersistentPromptCache build `identity` from
@@ -248,7 +263,7 @@ def hydrate(
     type (`home=123`) is the report's one warning, logged, and nothing is inserted.
     """
     if prefetched is None:
-        identity = ModelIdentity(
+        identity = given_identity(
             model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
         )  # as given: prefetch checks it (a wrong type is the report's warning)
         prefetched = prefetch(identity, home=home, model=model)

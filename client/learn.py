@@ -73,6 +73,7 @@ class LearnTarget:
     files_ok: Callable[[], bool] | None = None  # False: the weights changed; store nothing
     template_hash: bytes | None = None  # computed on the worker when first needed
     sliceable: bool | None = None  # the layout can be cut into block records
+    identity: Any = None  # the served model's ModelIdentity (serve persists system prefixes)
 
     def template(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
@@ -100,6 +101,7 @@ class Provenance:
         self._prefixes: OrderedDict[tuple[Any, tuple[int, ...]], None] = OrderedDict()
         self._cap = cap
         self._lock = threading.Lock()
+        self.counting = True  # False: requests are not counted (serve's warm-up requests)
 
     def note_store(self, model: Any, tokens: Sequence[int]) -> None:
         with self._lock:
@@ -123,6 +125,8 @@ class Provenance:
 
     def count(self, model: Any, tokens: Sequence[int], served_mem: int, restored: int) -> None:
         """Add one request to kvstore_prompt_tokens_total."""
+        if not self.counting:
+            return
         if restored:
             store, memory = restored, 0
         else:
@@ -357,9 +361,9 @@ class Learner:
 
         if cache is None:
             cache = target.template()
-        ids = mx.array(list(ids), dtype=mx.uint32)
-        for i in range(0, len(ids), target.prefill_step):
-            target.model_obj(ids[i : i + target.prefill_step][None], cache=cache)
+        arr = mx.array(list(ids), dtype=mx.uint32)
+        for i in range(0, len(arr), target.prefill_step):
+            target.model_obj(arr[i : i + target.prefill_step][None], cache=cache)
             mx.eval([cache_api.state(c) for c in cache])
         return cache
 
@@ -480,12 +484,11 @@ class Learner:
             self._touched_sent = time.monotonic()
         for fp, keys in batches.items():
             keys = list(dict.fromkeys(keys))
-            self.writer.submit(
-                Job(
-                    f"{len(keys)} learned record hits",
-                    lambda c, fp=fp, k=keys: self._touch(c, fp, k),
-                )
-            )
+            self.writer.submit(Job(f"{len(keys)} learned record hits", self._toucher(fp, keys)))
+
+    def _toucher(self, fingerprint: bytes, keys: list[bytes]) -> Callable[[Any], None]:
+        """The write-behind job's work: touch these records of `fingerprint`."""
+        return lambda client: self._touch(client, fingerprint, keys)
 
     def _touch(self, client: Any, fingerprint: bytes, keys: list[bytes]) -> None:
         if self._no_touch:
@@ -545,11 +548,11 @@ class Learner:
                     while len(ends) > PROMPT_ENDS:
                         ends.popitem(last=False)
                 for p in at:
-                    prefix = tuple(prompt[:p])
-                    if (model, prefix) in held:  # in memory already: send it, no split
-                        ready.append((list(prefix), held[(model, prefix)]))
+                    cut = tuple(prompt[:p])
+                    if (model, cut) in held:  # in memory already: send it, no split
+                        ready.append((list(cut), held[(model, cut)]))
                     else:
-                        bounds[p] = prefix
+                        bounds[p] = cut
                 while len(bounds) > BOUNDARIES:
                     bounds.popitem(last=False)
             for prefix, segment in ready:
@@ -612,23 +615,26 @@ class Learner:
                        prompt_end: bool = False) -> None:  # fmt: skip
         from kvstore.codec import codec
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
-        from kvstore.store.entry import entry_key, pack_tokens
+        from kvstore.store.entry import entry_fields, entry_key
 
         if target.files_ok is not None and not target.files_ok():
             return
         if target.template_hash is None:
             target.template_hash = template_hash(resolve_model_path(target.model))
         blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
-        fields = dict(
-            tokens=pack_tokens(prefix),
+        fields = entry_fields(
+            prefix,
             label="learned",
             pinned=False,
             model=target.model,
             template_hash=target.template_hash,
             classes=codec.cache_classes(cache),
-            extra={**target.extra, "source": "learned", "learned": True, "prompt_end": prompt_end},
+            state=target.extra,
+            source="learned",
+            learned=True,
+            prompt_end=prompt_end,
         )
-        client.put(entry_key(target.fingerprint, prefix), blob, fields)
+        client.put(entry_key(target.fingerprint, prefix), blob, fields.as_kwargs())
         self.snapshots_sent += 1
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(len(blob))
 

@@ -27,11 +27,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
+from kvstore.client.hydrate import Prefetched, check_arguments, given_identity, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.codec import idle_cores
 from kvstore.errors import KVStoreError
-from kvstore.identity.model import ModelIdentity
 
 log = logging.getLogger("kvstore.client")
 
@@ -71,7 +70,7 @@ def load(
 
     read: dict[str, Prefetched] = {}
     # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache
-    identity = ModelIdentity(
+    identity = given_identity(
         model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
     )  # as given: checked below, and said once by the cache when wrong
     try:
@@ -109,13 +108,7 @@ def load(
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
-    # the first request's forward extends a copy of a stored prefix: warm on the largest one up
-    # to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the request it spares)
-    read_entries = [
-        e for e in (prefetched.entries if prefetched is not None else [])
-        if e[0].nbytes <= WARM_ENTRY_BYTES
-    ]  # fmt: skip
-    largest = max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
+    largest = _warm_entry(prefetched)
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
         **cache_options,
@@ -123,6 +116,17 @@ def load(
     if warm:
         first_call(model, tokenizer, largest)
     return model, tokenizer, cache
+
+
+def _warm_entry(prefetched: Prefetched | None) -> list | None:
+    """The stored KV the warm-up's forward extends a copy of, as the first request's does."""
+    # the largest one up to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the
+    # request it spares)
+    read_entries = [
+        e for e in (prefetched.entries if prefetched is not None else [])
+        if e[0].nbytes <= WARM_ENTRY_BYTES
+    ]  # fmt: skip
+    return max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
 
 
 def first_call(model: Any, tokenizer: Any, entry: list | None = None) -> None:

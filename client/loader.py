@@ -111,7 +111,7 @@ def check_weights_match(model: Any, fp: Fingerprint) -> None:
             p = params.get(name)
             if name == "__metadata__" or p is None or p.ndim < 2 or not isinstance(info, dict):
                 continue
-            dtype = DTYPES.get(info.get("dtype"), (None, None))[1]
+            dtype = DTYPES.get(info.get("dtype", ""), (None, None))[1]
             begin, end = info.get("data_offsets", (0, 0))
             if dtype == p.dtype and tuple(info.get("shape", ())) == p.shape and end > begin:
                 candidates.append((name, path, 8 + n + begin, end - begin))

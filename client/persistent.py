@@ -17,11 +17,19 @@ import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
+from kvstore import mlxlm
+from kvstore.client.hydrate import (
+    HydrateReport,
+    Prefetched,
+    check_arguments,
+    given_identity,
+    insert,
+    prefetch,
+)
 from kvstore.client.learn import Learner, LearnTarget, Provenance
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
@@ -29,6 +37,9 @@ from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
+
+if TYPE_CHECKING:
+    from kvstore.identity.fingerprint import Fingerprint
 
 log = logging.getLogger("kvstore.client")
 
@@ -97,11 +108,11 @@ class PinnedPromptCache(LRUPromptCache):
         return cache, rest
 
     def __len__(self) -> int:
-        return len(self._lru) + len(self._pins)
+        return mlxlm.lru_len(self) + len(self._pins)
 
     @property
     def nbytes(self) -> int:
-        return self._n_bytes + self.pinned_nbytes
+        return mlxlm.lru_nbytes(self) + self.pinned_nbytes
 
     @property
     def pinned_nbytes(self) -> int:
@@ -130,11 +141,10 @@ class PinnedPromptCache(LRUPromptCache):
         # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
         # are not in its byte count: count them in first so its budget check sees true numbers.
         for _, entry in shadowed:
-            self._n_bytes += entry.nbytes
-            self._n_bytes_by_type[entry.cache_type] += entry.nbytes
+            mlxlm.lru_count(self, entry, +1)
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         for t, entry in shadowed:
-            self._trie.add(model, list(t), entry)
+            mlxlm.trie_add(self, model, t, entry)
         if self.learner is not None and not self._restoring:
             self.learner.inserted(model, tokens, prompt_cache)
         return True
@@ -142,13 +152,11 @@ class PinnedPromptCache(LRUPromptCache):
     def attach_pin(self, model: Any, tokens: Sequence[int], cache: list, pin: Any) -> None:
         """Keep `cache`, the KV of exactly `tokens`, as a pin (`pin` says which, for the owner)."""
         tokens = tuple(tokens)
-        entry = LRUPromptCache.CacheEntry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
-        prev = self._trie.add(model, list(tokens), entry)
+        entry = mlxlm.cache_entry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
+        prev = mlxlm.trie_add(self, model, tokens, entry)
         if prev is not None and (model, tokens) not in self._pins:
             # an LRU entry of the same tokens: take it off the LRU's books
-            self._n_bytes -= prev.nbytes
-            self._n_bytes_by_type[prev.cache_type] -= prev.nbytes
-            self._lru.remove(model, list(tokens))
+            mlxlm.lru_forget(self, model, tokens, prev)
         self._pins[(model, tokens)] = (pin, entry)
 
 
@@ -203,7 +211,7 @@ class PersistentPromptCache(PinnedPromptCache):
         self.model_path = str(model_path)
         self.model_key = self.model_path if model_key is None else model_key
         if identity is None:  # as given: checked below (a wrong type is the one warning)
-            identity = ModelIdentity(
+            identity = given_identity(
                 model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
             )
         # the model as the entries are keyed: what every hydrate, prefill and store here uses
@@ -222,13 +230,20 @@ class PersistentPromptCache(PinnedPromptCache):
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
         self._hits_sent = time.monotonic()
         self._hydrating = True
-        self._fp = None  # the Fingerprint, with the files it hashed: re-checked before each store
+        # the Fingerprint, with the files it hashed: re-checked before each store
+        self._fp: Fingerprint | None = None
         self._files_warned = False  # the files changed since: said once, nothing stored after
         # no writer (nothing sent anywhere) without a usable home
         self._writer = WriteBehind(self.home) if self.home is not None else None
         # Unsent stats and pins still reach the daemon when the app exits without close().
         ref = weakref.ref(self)
-        self._at_exit = lambda: (c := ref()) is not None and c.close()
+
+        def at_exit() -> None:
+            c = ref()
+            if c is not None:
+                c.close()
+
+        self._at_exit = at_exit
         atexit.register(self._at_exit)
         self.stats = (
             StatsRecorder(
@@ -239,29 +254,33 @@ class PersistentPromptCache(PinnedPromptCache):
         )
         self._template_hash: bytes | None = None
         self.fingerprint: bytes | None = None
-        if bad_argument is not None:
-            log.warning("%s", bad_argument)
-            self.report = HydrateReport(warning=bad_argument)
-            self._hydrating = False
-            return
-        try:
-            if (
-                prefetched is None
-            ):  # else read already, while the weights loaded (kvstore.client.load)
-                prefetched = prefetch(self.identity, home=home, model=model)
-            self._fp = prefetched.fingerprint
-            self.report: HydrateReport = insert(self, self.model_key, prefetched)
-        finally:
-            self._hydrating = False
+        self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:
             self._attach_learner()
 
+    def _hydrate(
+        self, prefetched: Prefetched | None, home: str | Path | None, bad_argument: str | None
+    ) -> HydrateReport:
+        """Insert the stored entries of this model (read now unless `prefetched`); the report."""
+        try:
+            if bad_argument is not None:
+                log.warning("%s", bad_argument)
+                return HydrateReport(warning=bad_argument)
+            if prefetched is None:  # else read already, while the weights loaded (client.load)
+                prefetched = prefetch(self.identity, home=home, model=self.model)
+            self._fp = prefetched.fingerprint
+            return insert(self, self.model_key, prefetched)
+        finally:
+            self._hydrating = False
+
     def _attach_learner(self) -> None:
         """Learn this process's recurring prefixes; restore from the store on a memory miss."""
         from kvstore.identity.codehash import runtime_versions
 
+        if self.home is None or self.fingerprint is None:
+            return  # (never: attached only with a usable home and a fingerprint)
         self.learner = Learner(self.home, writer=self._writer)
         self.learner.add_target(
             self.model_key,
@@ -372,7 +391,7 @@ class PersistentPromptCache(PinnedPromptCache):
             ids, warning = rendered.tokens, rendered.warning
             extra = pin_extra(rendered, dict(kwargs))
         else:
-            ids = tuple(tokens)
+            ids = tuple(tokens or ())  # given: messages is None
         from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
         # an id past the embedding would crash the process in mlx, not raise
@@ -429,10 +448,10 @@ class PersistentPromptCache(PinnedPromptCache):
     def _find(self, ids: tuple[int, ...]) -> tuple[str, list | None]:
         """The KV of exactly these tokens from memory (no copy: the pin takes the entry over) or
         the store; (source, None) when neither has it."""
-        found = self._trie.search(self.model_key, list(ids))
+        found = mlxlm.trie_search(self, self.model_key, ids)
         if found.exact is not None:
-            return "memory", self._trie.get(self.model_key, list(ids)).prompt_cache
-        if self.fingerprint is None:
+            return "memory", mlxlm.trie_get(self, self.model_key, ids).prompt_cache
+        if self.fingerprint is None or self.home is None:
             return "", None
         from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
@@ -478,36 +497,34 @@ class PersistentPromptCache(PinnedPromptCache):
         from kvstore.codec import codec
         from kvstore.identity.codehash import runtime_versions
         from kvstore.identity.fingerprint import template_hash
-        from kvstore.store.entry import entry_key, pack_tokens
+        from kvstore.store.entry import entry_fields, entry_key
 
-        if not self._files_hold_these_weights():
+        if self.fingerprint is None or not self._files_hold_these_weights():
             return
         if self._template_hash is None:
             self._template_hash = template_hash(self.model_path)
         blob = codec.encode(cache, {"model": self.model_path, "tokenizer_config": "{}"})
-        fields = dict(
-            tokens=pack_tokens(tokens),
+        fields = entry_fields(
+            tokens,
             label=label,
             pinned=pinned,
             model=self.model_path,
             template_hash=self._template_hash,
             classes=codec.cache_classes(cache),
-            extra={
-                **self.identity.state,
-                "source": "pin" if pinned else "chain",
-                "owners": ["app"],
-                "runtime": runtime_versions(),
-                **extra,
-            },
+            state=self.identity.state,
+            source="pin" if pinned else "chain",
+            owners=["app"],
+            runtime=runtime_versions(),
+            extra=extra,
         )
-        client.put(entry_key(self.fingerprint, tokens), blob, fields)
+        client.put(entry_key(self.fingerprint, tokens), blob, fields.as_kwargs())
 
     def _files_hold_these_weights(self) -> bool:
         """Whether the files still are the fingerprinted ones (a stat each; a re-fingerprint
         only when one changed). When not, the KV in memory is the old weights': filed under the
         fingerprint it would never be hydrated by a process loading the files as they are now,
         and must never be filed under theirs. Said once; nothing is stored after."""
-        if self._fp is None or not self._fp.changed_files():
+        if self._fp is None or self.home is None or not self._fp.changed_files():
             return True
         from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
         from kvstore.settings import FILEHASH_NAME

@@ -179,17 +179,8 @@ def stream_generate(
     GenerationResponse objects; the transcript is inserted back into the cache at the end.
     """
     import mlx_lm
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-    if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
-        special = bos is None or not prompt.startswith(bos)
-        prompt = tokenizer.encode(prompt, add_special_tokens=special)
-    else:  # the app's own ids: one past the embedding would crash the process in mlx
-        from kvstore.warm.prefill import check_token_ids, model_vocab_size
-
-        prompt = check_token_ids(prompt, model_vocab_size(model), what="prompt")
-    tokens = list(prompt)
+    tokens = _prompt_ids(model, tokenizer, prompt)
     if model_key is None:
         model_key = getattr(prompt_cache, "model_key", None)
     if stats is None:
@@ -199,20 +190,7 @@ def stream_generate(
         for name in ("kv_bits", "kv_group_size", "quantized_kv_start"):
             kwargs.setdefault(name, getattr(identity, name))
 
-    cache, rest = None, tokens
-    if prompt_cache is not None:
-        if model_key is None:
-            raise ValueError("stream_generate: pass model_key for a plain LRUPromptCache")
-        cache, rest = prompt_cache.fetch_nearest_cache(model_key, tokens)
-    if cache is not None and not rest:
-        # An exact hit: mlx-lm needs one token to sample from, so re-run the last one.
-        if can_trim_prompt_cache(cache):
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
-        else:
-            cache, rest = None, tokens
-    if cache is None:
-        cache = make_prompt_cache(model)
+    cache, rest = _cache_for(prompt_cache, model_key, model, tokens)
     generated: list[int] = []
     prefill_s = decode_s = 0.0
     t0 = time.perf_counter()
@@ -242,6 +220,43 @@ def stream_generate(
                 transcript = transcript[:held]
             if held == len(transcript) or (held is None and codec.keeps_no_offset(cache)):
                 prompt_cache.insert_cache(model_key, transcript, cache)
+
+
+def _prompt_ids(model: Any, tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+    """The prompt's token ids: a string encoded as mlx_lm.stream_generate encodes it, the app's
+    own ids checked against the model's vocabulary."""
+    if isinstance(prompt, str):
+        bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
+        special = bos is None or not prompt.startswith(bos)
+        return list(tokenizer.encode(prompt, add_special_tokens=special))
+    # the app's own ids: one past the embedding would crash the process in mlx
+    from kvstore.warm.prefill import check_token_ids, model_vocab_size
+
+    return list(check_token_ids(prompt, model_vocab_size(model), what="prompt"))
+
+
+def _cache_for(
+    prompt_cache: Any, model_key: Any, model: Any, tokens: list[int]
+) -> tuple[list, list[int]]:
+    """(the cache to generate with, the tokens it still has to prefill): the nearest one
+    `prompt_cache` holds, else a fresh one."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    cache, rest = None, tokens
+    if prompt_cache is not None:
+        if model_key is None:
+            raise ValueError("stream_generate: pass model_key for a plain LRUPromptCache")
+        cache, rest = prompt_cache.fetch_nearest_cache(model_key, tokens)
+    if cache is not None and not rest:
+        # An exact hit: mlx-lm needs one token to sample from, so re-run the last one.
+        if can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            rest = tokens[-1:]
+        else:
+            cache, rest = None, tokens
+    if cache is None:
+        cache = make_prompt_cache(model)
+    return cache, rest
 
 
 def generate(

@@ -161,13 +161,15 @@ def make_tiny_model(
 
     `tokenizer` holds extra `write_tokenizer` arguments (a family's control tokens, BOS, corpus).
     """
-    from mlx_lm.utils import _get_classes, save_model
+    from mlx_lm.utils import save_model
+
+    from kvstore import mlxlm
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
     path = Path(path)
     config = ARCHITECTURES[arch]
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = mlxlm.model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     mx.eval(model.parameters())

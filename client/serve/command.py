@@ -90,9 +90,7 @@ def _stop_on_sigterm():
 
 def _drain(hooks) -> None:
     """Send what the learner and the persister still hold; log what made it."""
-    from kvstore.settings import DEFAULTS
-
-    timeout = float(DEFAULTS.get("learn_drain_s", LEARN_DRAIN_S))
+    timeout = LEARN_DRAIN_S  # not a setting (the store's settings have no learn_drain_s)
     learner = hooks.learner
     if learner is not None:
         pending = learner.writer.pending

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import inspect
 import json
 import logging
 import secrets
@@ -44,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore import mlxlm
 from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
@@ -77,40 +76,7 @@ class ServeError(KVStoreError):
 
 def check_server_shape(server: Any) -> None:
     """Fail with one clear message when mlx_lm.server no longer looks like 0.31-0.32's."""
-    problems = []
-    for name in ("main", "run", "ModelProvider", "LRUPromptCache", "ResponseGenerator"):
-        if not hasattr(server, name):
-            problems.append(f"mlx_lm.server.{name} is missing")
-    provider = getattr(server, "ModelProvider", None)
-    for name in ("_load", "load"):
-        if provider is not None and not callable(getattr(provider, name, None)):
-            problems.append(f"ModelProvider.{name} is missing")
-    lru = getattr(server, "LRUPromptCache", None)
-    if lru is not None and not issubclass(PinnedPromptCache, lru):
-        problems.append("mlx_lm.server.LRUPromptCache is not mlx_lm.models.cache's")
-    if lru is not None:
-        params = inspect.signature(lru.insert_cache).parameters
-        if "cache_type" not in params:
-            problems.append("LRUPromptCache.insert_cache has no cache_type keyword")
-    try:
-        run_src = inspect.getsource(server.run)
-        load_src = inspect.getsource(provider._load)
-    except (AttributeError, OSError, TypeError):
-        run_src = load_src = ""
-    generator = getattr(server, "ResponseGenerator", None)
-    if generator is not None and not callable(getattr(generator, "_tokenize", None)):
-        problems.append("ResponseGenerator._tokenize is missing")
-    if "ResponseGenerator(" not in run_src:
-        problems.append("mlx_lm.server.run no longer builds its ResponseGenerator by that name")
-    if "LRUPromptCache(" not in run_src:
-        problems.append("mlx_lm.server.run no longer builds its LRUPromptCache by that name")
-    if "self.model_key =" not in load_src:
-        problems.append("ModelProvider._load no longer sets model_key")
-    http = getattr(server, "_run_http_server", None)
-    if http is None or "handler_class" not in inspect.signature(http).parameters:
-        problems.append("mlx_lm.server._run_http_server has no handler_class parameter")
-    if not callable(getattr(getattr(server, "APIHandler", None), "do_GET", None)):
-        problems.append("mlx_lm.server.APIHandler.do_GET is missing")
+    problems = mlxlm.server_problems(server, PinnedPromptCache)
     if problems:
         import mlx_lm
 
@@ -152,7 +118,7 @@ class _Hooks:
         self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
-        self.targets: dict[Any, dict[str, Any]] = {}  # model_key -> what a persisted entry needs
+        self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
 
     def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
         """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
@@ -414,32 +380,31 @@ class _Hooks:
             )
         if report.fingerprint:
             self._check_template_args(report.fingerprint, args)
-        if self.learner is not None and report.fingerprint:
-            from kvstore.identity.codehash import runtime_versions
+        if report.fingerprint and (self.learner is not None or self.persister is not None):
+            target = self._target(provider, identity, bytes.fromhex(report.fingerprint))
+            if self.learner is not None:
+                self.learner.add_target(key, target)
+            if self.persister is not None:
+                self.targets[key] = target
 
-            self.learner.add_target(
-                key,
-                LearnTarget(
-                    fingerprint=bytes.fromhex(report.fingerprint),
-                    model=str(model_path),
-                    model_obj=provider.model,
-                    extra={
-                        **identity.state,
-                        "owners": ["serve"],
-                        "runtime": runtime_versions(),
-                    },
-                    kv_bits=identity.kv_bits,
-                    prefill_step=getattr(args, "prefill_step_size", 2048) or 2048,
-                ),
-            )
-        if self.persister is not None and report.fingerprint:
-            from kvstore.identity.fingerprint import resolve_model_path, template_hash
+    def _target(self, provider: Any, identity: ModelIdentity, fingerprint: bytes) -> LearnTarget:
+        """The loaded model as learning and --persist-system-prompts file its entries."""
+        from kvstore.identity.codehash import runtime_versions
+        from kvstore.identity.fingerprint import resolve_model_path, template_hash
 
-            self.targets[key] = dict(
-                fingerprint=bytes.fromhex(report.fingerprint),
-                identity=identity,
-                template_hash=template_hash(resolve_model_path(model_path)),
-            )
+        model_path, args = provider.model_key[0], provider.cli_args
+        persisting = self.persister is not None
+        return LearnTarget(
+            fingerprint=fingerprint,
+            model=str(model_path),
+            model_obj=provider.model,
+            extra={**identity.state, "owners": ["serve"], "runtime": runtime_versions()},
+            kv_bits=identity.kv_bits,
+            prefill_step=getattr(args, "prefill_step_size", 2048) or 2048,
+            # persisted entries need it now; learning computes it on its worker when first needed
+            template_hash=template_hash(resolve_model_path(model_path)) if persisting else None,
+            identity=identity,
+        )
 
     def _check_template_args(self, fingerprint: str, args: Any) -> None:
         from kvstore.store.store import Store
@@ -466,14 +431,6 @@ class _Hooks:
                 log.warning("kvstore: not persisting a system prefix: %s", e)
 
 
-def _no_count(*args: Any) -> None:
-    """Provenance.count during a warm-up request: /metrics counts requests only."""
-
-
-# what ModelProvider._load resets and sets (mlx-lm 0.31 has no processor)
-_PROVIDER_STATE = ("model_key", "model", "tokenizer", "processor", "draft_model", "is_batchable")
-
-
 def _cause(e: BaseException, model_path: Any = None) -> str:
     """Why a model did not load, in one line: a local path that is not a directory says so (not
     the hub's complaint about a repo id); else the exception's first line, named by its type."""
@@ -485,6 +442,13 @@ def _cause(e: BaseException, model_path: Any = None) -> str:
 
 
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
+    """The classes serve installs in `server`: model provider, prompt cache, response
+    generator and HTTP handler, each calling `hooks`."""
+    cache = type("PersistentServerCache", (_ServerCache,), {"hooks": hooks})
+    return _provider(server, hooks), cache, _generator(server, hooks), _handler(server, hooks)
+
+
+def _provider(server: Any, hooks: _Hooks) -> type:
     class PersistentModelProvider(server.ModelProvider):
         def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
             # The store's entries are read on a second thread while the weights load (as
@@ -501,20 +465,13 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                     daemon=True,
                 )
                 reader.start()
-            plain = server.load
-            if hooks.model_config:  # mlx_lm.server has no model_config option: give it to this load
-
-                def load(path, *a, **kw2):
-                    if path == model_path:
-                        kw2["model_config"] = {**(kw2.get("model_config") or {}),
-                                               **hooks.model_config}  # fmt: skip
-                    return plain(path, *a, **kw2)
-
-                server.load = load
-            held = {n: getattr(self, n) for n in _PROVIDER_STATE if hasattr(self, n)}
+            held = mlxlm.provider_state(self)
             last = held.get("model_key")
+            # mlx_lm.server has no model_config option: give it to this load
+            config = mlxlm.load_with_config(server, model_path, hooks.model_config)
             try:
-                super()._load(model_path, adapter_path, draft_model_path, **kw)
+                with config:
+                    super()._load(model_path, adapter_path, draft_model_path, **kw)
             except Exception as e:
                 why = f"cannot load model {model_path}: {_cause(e, model_path)}"
                 if last is None and model_path == getattr(self.cli_args, "model", None):
@@ -529,7 +486,6 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                     why + (f"; still serving {last[0]}" if last is not None else "")
                 ) from None
             finally:
-                server.load = plain
                 if reader is not None:
                     reader.join()
             entries = read.get("entries")
@@ -542,88 +498,96 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                 entries = None  # read under other files: hydrate re-reads (and refuses) with it
             hooks.on_load(self, entries)
 
-    class PersistentServerCache(PinnedPromptCache):
-        """The server's prompt cache; stored pins of the loaded model are kept as pins."""
+    return PersistentModelProvider
 
-        # Hits on stored entries reach the daemon as the library's do (touch, batched every
-        # HIT_BATCH_S through the write-behind; restored learned records through the learner).
-        _record_hit = PersistentPromptCache._record_hit
-        _send_hits = PersistentPromptCache._send_hits
 
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
-            self.learner = hooks.learner
-            self._writer = hooks.writer
-            self.fingerprint: bytes | None = None  # the loaded model's, once hydrated
-            self._hit_model: Any = None
-            self._hydrated: set[tuple[int, ...]] = set()  # tokens of entries the store holds
-            self._offered: set[tuple[int, ...]] = set()  # sent to the daemon (persisted)
-            self._hits: list[bytes] = []
-            self._hits_sent = time.monotonic()
-            hooks.cache = self
+class _ServerCache(PinnedPromptCache):
+    """The server's prompt cache; stored pins of the loaded model are kept as pins. Its
+    subclass in `_subclasses` sets `hooks`, the server's."""
 
-        def served_by_store(self, model: Any, fingerprint: str | None, tokens: set) -> None:
-            """The loaded model's stored entries (hydrated): a fetch they serve is a hit."""
-            self.fingerprint = bytes.fromhex(fingerprint) if fingerprint else None
-            self._hit_model = model
-            self._hydrated = set(tokens)
-            self._offered = set()
+    hooks: _Hooks
 
-        def fetch_nearest_cache(self, model: Any, tokens: list[int]):
-            if hooks.warming:  # a warm-up request: not counted, not reported, not a hit
-                learner, self.provenance.count = self.learner, _no_count
-                learning = learner is not None and learner.learn
+    # Hits on stored entries reach the daemon as the library's do (touch, batched every
+    # HIT_BATCH_S through the write-behind; restored learned records through the learner).
+    _record_hit = PersistentPromptCache._record_hit
+    _send_hits = PersistentPromptCache._send_hits
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
+        self.learner = self.hooks.learner
+        self._writer = self.hooks.writer
+        self.fingerprint: bytes | None = None  # the loaded model's, once hydrated
+        self._hit_model: Any = None
+        self._hydrated: set[tuple[int, ...]] = set()  # tokens of entries the store holds
+        self._offered: set[tuple[int, ...]] = set()  # sent to the daemon (persisted)
+        self._hits: list[bytes] = []
+        self._hits_sent = time.monotonic()
+        self.hooks.cache = self
+
+    def served_by_store(self, model: Any, fingerprint: str | None, tokens: set) -> None:
+        """The loaded model's stored entries (hydrated): a fetch they serve is a hit."""
+        self.fingerprint = bytes.fromhex(fingerprint) if fingerprint else None
+        self._hit_model = model
+        self._hydrated = set(tokens)
+        self._offered = set()
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        if self.hooks.warming:  # a warm-up request: not counted, not reported, not a hit
+            learner, self.provenance.counting = self.learner, False
+            learning = learner is not None and learner.learn
+            if learner is not None:
+                learner.learn = False
+            try:
+                return super().fetch_nearest_cache(model, tokens)
+            finally:
+                self.provenance.counting = True
                 if learner is not None:
-                    learner.learn = False
-                try:
-                    return super().fetch_nearest_cache(model, tokens)
-                finally:
-                    del self.provenance.count
-                    if learner is not None:
-                        learner.learn = learning
-            cache, rest = super().fetch_nearest_cache(model, tokens)
-            if cache is not None and model == self._hit_model and len(rest) < len(tokens):
-                self._record_hit(tokens, len(tokens) - len(rest))
-            return cache, rest
+                    learner.learn = learning
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and model == self._hit_model and len(rest) < len(tokens):
+            self._record_hit(tokens, len(tokens) - len(rest))
+        return cache, rest
 
-        def flush_hits(self) -> None:
-            """Send the hits held back (the server's timer, and its stop)."""
-            if self._hits or (self.learner is not None and self.learner._touched):
-                self._send_hits()
+    def flush_hits(self) -> None:
+        """Send the hits held back (the server's timer, and its stop)."""
+        if self._hits or (self.learner is not None and self.learner._touched):
+            self._send_hits()
 
-        def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
-            """The next inserts of these entries' tokens become pins. Pins of other models are
-            let go: the server holds one model, and loading one again hydrates them again."""
-            for m, tokens in [k for k in self._pins if k[0] != model]:
-                self._trie.pop(m, list(tokens))
-                del self._pins[(m, tokens)]
-            self._to_pin = {(model, tuple(meta.token_ids())): meta.label for meta in metas}
+    def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
+        """The next inserts of these entries' tokens become pins. Pins of other models are
+        let go: the server holds one model, and loading one again hydrates them again."""
+        for m, tokens in [k for k in self._pins if k[0] != model]:
+            mlxlm.trie_pop(self, m, tokens)
+            del self._pins[(m, tokens)]
+        self._to_pin = {(model, tuple(meta.token_ids())): meta.label for meta in metas}
 
-        def pins_of(self, model: Any) -> dict[tuple[int, ...], int]:
-            """This model's pins: tokens -> bytes of KV."""
-            return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
+    def pins_of(self, model: Any) -> dict[tuple[int, ...], int]:
+        """This model's pins: tokens -> bytes of KV."""
+        return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
 
-        def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
-            if hooks.warming:
-                return False  # a warm-up request's KV: thrown away
-            if self._restoring and model == self._hit_model:
-                self._hydrated.add(tuple(tokens))  # read from the store: its uses are hits
-            label = self._to_pin.pop((model, tuple(tokens)), None)
-            if label is not None:
-                self.attach_pin(model, tokens, prompt_cache, label)
-                return True
-            if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
-                return False
-            hooks.on_insert(model, tokens, prompt_cache, cache_type)
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
+        if self.hooks.warming:
+            return False  # a warm-up request's KV: thrown away
+        if self._restoring and model == self._hit_model:
+            self._hydrated.add(tuple(tokens))  # read from the store: its uses are hits
+        label = self._to_pin.pop((model, tuple(tokens)), None)
+        if label is not None:
+            self.attach_pin(model, tokens, prompt_cache, label)
             return True
+        if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
+            return False
+        self.hooks.on_insert(model, tokens, prompt_cache, cache_type)
+        return True
 
-        def stats_by_type(self) -> dict[str, dict[str, int]]:
-            # what mlx_lm.server logs per request: pins are not in any of the LRU's types
-            stats = super().stats_by_type()
-            stats["pinned"] = {"n_sequences": len(self._pins), "n_bytes": self.pinned_nbytes}
-            return stats
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        # what mlx_lm.server logs per request: pins are not in any of the LRU's types
+        stats = super().stats_by_type()
+        stats["pinned"] = {"n_sequences": len(self._pins), "n_bytes": self.pinned_nbytes}
+        return stats
 
+
+def _generator(server: Any, hooks: _Hooks) -> type:
     class StableSegmentGenerator(server.ResponseGenerator):
         def generate(self, request, generation_args, *a: Any, **kw: Any):
             ctx, responses = super().generate(request, generation_args, *a, **kw)
@@ -645,6 +609,10 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                 log.warning("kvstore: keeping mlx-lm's system segment: %s", e)
                 return out
 
+    return StableSegmentGenerator
+
+
+def _handler(server: Any, hooks: _Hooks) -> type:
     class KVStoreHandler(server.APIHandler):
         """mlx-lm's handler, plus `GET /metrics` and a `/health` that is 503 until ready."""
 
@@ -677,7 +645,7 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
                 return
             super().do_GET()
 
-    return PersistentModelProvider, PersistentServerCache, StableSegmentGenerator, KVStoreHandler
+    return KVStoreHandler
 
 
 @contextlib.contextmanager
@@ -701,14 +669,6 @@ def patched_server(
     hooks = _Hooks(home, persist, model_config, learn=learn)
     if hooks_out is not None:
         hooks_out.append(hooks)
-    provider_cls, cache_cls, generator_cls, handler_cls = _subclasses(server, hooks)
-    saved = server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator
-    saved_http = server._run_http_server
-    server.ModelProvider, server.LRUPromptCache = provider_cls, cache_cls
-    server._run_http_server = functools.partial(saved_http, handler_class=handler_cls)
-    server.ResponseGenerator = generator_cls  # per-request stats; --persist-system-prompts' cut
-    try:
+    # the generator: per-request stats and --persist-system-prompts' cut
+    with mlxlm.installed(server, *_subclasses(server, hooks)):
         yield server
-    finally:
-        server.ModelProvider, server.LRUPromptCache, server.ResponseGenerator = saved
-        server._run_http_server = saved_http

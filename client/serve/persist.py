@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.learn import LearnTarget
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.errors import KVStoreError
 
@@ -31,9 +32,9 @@ class SystemPromptPersister:
         self.sent = 0
 
     def offer(
-        self, target: dict[str, Any], tokens: Sequence[int], cache: list, extra: dict | None = None
+        self, target: LearnTarget, tokens: Sequence[int], cache: list, extra: dict | None = None
     ) -> None:
-        ident = (target["fingerprint"], tuple(tokens))
+        ident = (target.fingerprint, tuple(tokens))
         if ident in self.seen:
             return
         self.seen.add(ident)
@@ -50,34 +51,34 @@ class SystemPromptPersister:
             self.seen.discard(ident)  # offered again the next time the server inserts it
 
     def _send(
-        self, client: Any, target: dict[str, Any], tokens: list[int], cache: list, extra: dict
+        self, client: Any, target: LearnTarget, tokens: list[int], cache: list, extra: dict
     ) -> None:
         from kvstore.codec import codec
         from kvstore.identity.codehash import runtime_versions
-        from kvstore.store.entry import entry_key, pack_tokens
+        from kvstore.store.entry import entry_fields, entry_key, pack_tokens
         from kvstore.store.store import Store
 
-        key = entry_key(target["fingerprint"], tokens)
+        key = entry_key(target.fingerprint, tokens)
         with contextlib.suppress(KVStoreError), Store(self.home, readonly=True) as store:
             meta = store.get_meta(key)
             if meta is not None and meta.tokens == pack_tokens(tokens):
                 return  # hydrated or persisted before
-        identity = target["identity"]
+        identity = target.identity
+        if identity is None:
+            raise ValueError("a system prefix needs the served model's identity")
         blob = codec.encode(cache, {"model": identity.path, "tokenizer_config": "{}"})
-        fields = dict(
-            tokens=pack_tokens(tokens),
+        fields = entry_fields(
+            tokens,
             label="system",
             pinned=False,
             model=identity.path,
-            template_hash=target["template_hash"],
+            template_hash=target.template_hash,
             classes=codec.cache_classes(cache),
-            extra={
-                **identity.state,
-                "source": "serve",
-                "runtime": runtime_versions(),
-                **extra,
-            },
+            state=identity.state,
+            source="serve",
+            runtime=runtime_versions(),
+            extra=extra,
         )
-        client.put(key, blob, fields)
+        client.put(key, blob, fields.as_kwargs())
         self.sent += 1
         log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), identity.path)

@@ -27,8 +27,10 @@ from typing import Any
 
 from mlx_lm.models import cache as mlc
 
+from kvstore import mlxlm
+
 # True with mlx-lm 0.31 (`meta_state` and `from_state(state, meta_state)`), False with 0.32.
-META_STATE: bool = hasattr(mlc._BaseCache, "meta_state")
+META_STATE: bool = mlxlm.has_meta_state()
 
 # The stored state of each class, in order: 0.32's `state` tuple, attribute by attribute.
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -61,7 +63,7 @@ def state(c: Any) -> list:
 def from_state(name: str, st: list, classes: dict[str, type]) -> Any:
     """A cache object of the installed mlx-lm from a state in the stored form; `classes` maps the
     allowed class names to classes (never `globals()` on stored text)."""
-    cls = classes[name]
+    cls: Any = classes[name]
     if name == "CacheList":
         return cls(*(from_state(n, s, classes) for s, n in st))
     if name == "ConcatenateKVCache" and st[0] is None:
@@ -70,9 +72,7 @@ def from_state(name: str, st: list, classes: dict[str, type]) -> Any:
         return cls.from_state(st)
     # 0.31's setters drop what its meta_state does not carry (KVCache's offset is the keys'
     # length): set the attributes 0.32's setter sets, on an object made as from_state makes it.
-    obj = cls.__new__(cls)
-    for f, v in zip(FIELDS[name], st, strict=True):
-        setattr(obj, f, v)
+    obj = mlxlm.new_cache(cls, FIELDS[name], st)
     if name == "ConcatenateKVCache":
         obj.offset = obj.keys.shape[-2]
     return obj
@@ -149,7 +149,7 @@ def _legacy_one(name: str, st: Any, meta: Any, fail: Callable[[str], Exception],
     else:
         got = {}
     first = keys[0] if isinstance(keys, list) and keys else keys
-    shape = getattr(first, "shape", ())
+    shape: tuple[int, ...] = getattr(first, "shape", ())
     held = shape[2] if len(shape) == 4 else 0  # a malformed state fails the codec's checks after
     if name == "KVCache":
         got["offset"] = held  # 0.31 rebuilds the offset from the keys

@@ -80,8 +80,8 @@ def keeps_no_offset(cache: list) -> bool:
 def _normalize_one(c: Any) -> Any:
     name = type(c).__name__
     # An exact type match: a subclass stored under its own name would not decode.
-    if ALLOWED_CLASSES.get(name) is not type(c):
-        raise CodecError(f"encode: unsupported cache class {type(c).__module__}.{name}")
+    if ALLOWED_CLASSES.get(name) is not (cls := type(c)):
+        raise CodecError(f"encode: unsupported cache class {cls.__module__}.{name}")
     if name == "CacheList":
         return mlc.CacheList(*(_normalize_one(x) for x in c.caches))
     state = cache_api.state(c)
@@ -192,12 +192,14 @@ class _Headers:
         key = self._key(mv, legacy)
         with self._lock:
             hit = self._seen.get(key) if key else None
-            if hit is not None:
+            if hit is not None and key:
                 self._seen.move_to_end(key)
             return hit
 
     def put(self, mv: memoryview, legacy: bool, header: Header) -> None:
         key = self._key(mv, legacy)
+        if key is None:
+            return  # never read back: `get` has no key for it either
         with self._lock:
             self._seen[key] = header
             if len(self._seen) > self.MAX:

@@ -141,8 +141,8 @@ class _DataStream:
     closed = False
 
     def __init__(self, n: int, fill: Callable[[np.ndarray], bool]):
-        head = json.dumps({"data": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}})
-        head = head.encode() + b" " * (-len(head) % 8)
+        text = json.dumps({"data": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}})
+        head = text.encode() + b" " * (-len(text) % 8)
         self.head = struct.pack("<Q", len(head)) + head
         self.n, self.fill, self.pos, self.ok = n, fill, 0, False
 

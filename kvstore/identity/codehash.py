@@ -168,7 +168,7 @@ def kv_code_files(config: dict, *, adapter: bool = False, kv_bits: int | None = 
         names |= set(module_closure_digest((ADAPTER_MODULE,), ADAPTER_PACKAGES)[1])
     files = [f for f in map(_module_file, sorted(names)) if f is not None]
     extra = [utils.__file__] + ([generate.__file__] if kv_bits else [])
-    return files + [Path(f) for f in extra]
+    return files + [Path(f) for f in extra if f is not None]
 
 
 def runtime_versions() -> dict[str, str]:

@@ -210,7 +210,7 @@ def describe_cache(c) -> tuple:
 def build_architecture(config: dict, model_dir: Path):
     """The model object mlx-lm would build from `config`, without its weights: mlx arrays are lazy,
     so instantiating the architecture without evaluating it allocates nothing."""
-    from mlx_lm.utils import _get_classes
+    from kvstore import mlxlm
 
     if config.get("model_file") is not None:
         raise ModelError(
@@ -218,7 +218,7 @@ def build_architecture(config: dict, model_dir: Path):
             "(model=...) so its layout is read from it"
         )
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = mlxlm.model_classes(config)
         return model_class(args_class.from_dict(config))
     except Exception as e:
         raise ModelError(f"{model_dir}: cannot build the model from its config: {e}") from None

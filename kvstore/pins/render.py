@@ -186,8 +186,10 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
 
     later = {kind: _later_turn(req, kind, tokens, now) for kind in coverage.LATER_TURN_KINDS}
     later_reach = {k: None if t is None else chars.end_of(t.shared) for k, t in later.items()}
+    later_text = {k: t.text for k, t in later.items() if t is not None}
 
-    parts, lost, later_lost = [], [], []
+    parts, later_lost = [], []
+    lost: list[tuple[PartCoverage, str]] = []
     for part, end in zip(located, ends, strict=True):
         covered = part.where == "before_user" and reach >= part.end_char
         ok = {
@@ -196,10 +198,10 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
         reason = None if covered else _reason(part, keep, keep_req, keep_time)
         pc = PartCoverage(part.name, end, covered, ok["chat"], reason, ok["tool"])
         parts.append(pc)
-        if not covered:
+        if reason is not None:  # not covered
             lost.append((pc, reason))
         elif False in ok.values():
-            why = {k: _later_reason(part, later[k].text, k) for k, v in ok.items() if v is False}
+            why = {k: _later_reason(part, later_text[k], k) for k, v in ok.items() if v is False}
             later_lost.append((pc, why))
     warnings = []
     if lost:
@@ -277,10 +279,11 @@ def _assistant(text: str) -> dict:
 def _tool_call_turns(tools: list[dict] | None, rounds: int) -> list[dict]:
     """One user message, then `rounds` tool calls and their results, as an OpenAI client sends
     them and mlx_lm.server hands them to the template (arguments parsed, None content as "")."""
-    from mlx_lm.server import process_message_content
+    from kvstore import mlxlm
 
     tool = (tools or [{}])[0]
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    function = tool.get("function")
+    fn = function if isinstance(function, dict) else tool
     name = fn.get("name") if isinstance(fn.get("name"), str) else "lookup"
     turns = [_user(CHAT_PROBES[0])]
     for call_id in TOOL_CALL_IDS[:rounds]:
@@ -288,7 +291,7 @@ def _tool_call_turns(tools: list[dict] | None, rounds: int) -> list[dict]:
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
         turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
         turns.append({"role": "tool", "tool_call_id": call_id, "content": LATER_TURN_ANSWER})
-    process_message_content(turns)
+    mlxlm.process_message_content(turns)
     return turns
 
 
@@ -389,10 +392,10 @@ class _CharIndex:
 
 
 def _offset_ends(tokenizer: Any, text: str, ids: list[int], special: bool) -> list[int] | None:
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from kvstore import mlxlm
 
     # The wrapper's own __call__ is not the transformers one; ask the tokenizer it wraps.
-    backend = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    backend = mlxlm.tokenizer_backend(tokenizer)
     try:
         enc = backend(text, add_special_tokens=special, return_offsets_mapping=True)
         if _as_ids(enc["input_ids"]) != ids:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.mlxlm import temporal_order
+
 ROUNDOFFS = 8  # the tolerance, in unit roundoffs of the KV dtype (see the module docstring)
 
 
@@ -34,7 +36,7 @@ def _live(c: Any) -> tuple[list, float]:
         # filled in one pass holds max_size - 1 + S, one filled token by token max_size)
         n = min(c.offset, c.max_size - 1)
         arrays = [
-            c._temporal_order(v)[..., -n:, :] if n else v[..., :0, :] for v in (c.keys, c.values)
+            temporal_order(c, v)[..., -n:, :] if n else v[..., :0, :] for v in (c.keys, c.values)
         ]
         return [a.astype(mx.float32) for a in arrays], _roundoff(arrays[0].dtype)
     live = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.learned import Server, _kv, _wait_daemon, free_port
+from bench.learned import Server, _kv, free_port, running_daemon
 from bench.stages import STAGES, write_manifest
 
 TARGET = 1.1  # a stage's first request costs at most this times its steady request
@@ -102,20 +101,9 @@ def run(quick: bool = True, *, restarts: int | None = None, requests: int | None
         manifest = write_manifest(root, model)
         subprocess.run(_kv("warm", "--home", str(home), "--manifest", str(manifest)), env=env,
                        check=True, capture_output=True)  # fmt: skip
-        log = root / "daemon.log"
-        with log.open("ab") as out:
-            daemon = subprocess.Popen(_kv("daemon", "--home", str(home)), stdout=out,
-                                      stderr=subprocess.STDOUT, env=env)  # fmt: skip
-        try:
-            _wait_daemon(home, daemon, log)
+        with running_daemon(home, root / "daemon.log", env):
             starts = [one_start(root, home, model, env, _users(requests, k), k)
                       for k in range(restarts)]  # fmt: skip
-        finally:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     stages = {}

@@ -32,6 +32,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.stages import REQUEST, STAGES
@@ -197,6 +199,28 @@ def _daemon_stats(home: Path) -> dict:
         return c.request("stats")
 
 
+def _stop_daemon(daemon: subprocess.Popen) -> None:
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+
+
+@contextmanager
+def running_daemon(home: Path, log: Path, env: dict) -> Iterator[subprocess.Popen]:
+    """A real `kvstore daemon` on `home`, its output appended to `log`, answering before the
+    body runs and stopped (SIGTERM, then kill) after it."""
+    with log.open("ab") as out:
+        daemon = subprocess.Popen(_kv("daemon", "--home", str(home)), stdout=out,
+                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        _wait_daemon(home, daemon, log)
+        yield daemon
+    finally:
+        _stop_daemon(daemon)
+
+
 def _wait_daemon(home: Path, daemon: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while True:
@@ -312,11 +336,7 @@ def restart(arch: str, root: Path, turns: int) -> dict:
         # the whole conversation: the last turn, served after the restart, is learned too
         out["bytes"] = _chat_bytes(home, model, ids(chat[-1]), learned, arch == "llama")
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        _stop_daemon(daemon)
         daemon_log.close()
     return out
 
@@ -594,12 +614,7 @@ def peer(root: Path) -> dict:
     out: dict = {"model": "tiny llama", "venv": venv, "restarts": PEER_RESTARTS}
     runs: dict[str, list] = {"kvstore": [], **{v: [] for v in variants}}
     errors: dict[str, str] = {}
-    log = root / "daemon-peer.log"
-    with log.open("ab") as f:
-        daemon = subprocess.Popen(_kv("daemon", "--home", str(home)), stdout=f,
-                                  stderr=subprocess.STDOUT, env=env)  # fmt: skip
-    try:
-        _wait_daemon(home, daemon, log)
+    with running_daemon(home, root / "daemon-peer.log", env):
         for phase in ["before", *range(PEER_RESTARTS)]:
             for name in runs:
                 if name in errors:
@@ -622,12 +637,6 @@ def peer(root: Path) -> dict:
                     lines = [x for x in str(e).splitlines() if "Error" in x or "error" in x]
                     errors[name] = (lines[-1] if lines else str(e).splitlines()[0])[:400]
                     print(f"  peer {name}: {errors[name]}")
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
     for name, rows in runs.items():
         if name in errors:
             out[name] = {"error": errors[name]}

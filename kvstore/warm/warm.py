@@ -357,19 +357,7 @@ def _warm_model(
     A pin longer than `bounds` allow fails before anything loads; one whose prefill needs more
     memory than is available fails before its prefill; the others warm."""
     spec = plan.spec
-    for name, error in plan.failed:
-        report.pins.append(PinResult(spec.path, name, "", 0, "failed", error=error))
-        log.error("%s", error)
-    missing = []
-    for pp in plan.pins:
-        if pp.pin.warning:
-            log.warning("%s", pp.pin.warning)
-        if pp.present:
-            report.pins.append(_result(pp, "present", warning=pp.pin.warning))
-        elif why := over_limit(plan, pp, bounds.max_pin_tokens):
-            _fail(report, pp, why)  # before any fetch, load or prefill
-        else:
-            missing.append(pp)
+    missing = _missing_pins(plan, report, bounds)
     if report.stopped:
         _unwarmed(report, missing)
         return
@@ -396,42 +384,75 @@ def _warm_model(
         return
     report.models_loaded += 1
     try:
-        for i, pp in enumerate(missing, 1):
-            n = len(pp.pin.tokens)
-            if why := _short_of_memory(model, plan, pp, bounds):
-                _fail(report, pp, why)
-                continue
-            say(f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: prefilling {n:,} tokens")
-            t = time.perf_counter()
-            on_chunk = PrefillProgress(say, pp.pin.name, bounds.progress_every)
-            try:
-                blob, fields = encode_pin(
-                    model, plan, pp, manifest=manifest.path, on_chunk=on_chunk
-                )
-            except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
-                _fail(
-                    report, pp, f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}"
-                )
-                continue
-            try:
-                put(pp.key, blob, fields)
-            except KVStoreError as e:  # the map cap: say so, go on; a full disk: stop
-                msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
-                if _stop(report, pp, msg, e):
-                    _unwarmed(report, missing[i:])
-                    return
-                continue
-            dt = time.perf_counter() - t
-            report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
-                                       warning=pp.pin.warning,
-                                       remote=notes.get(pp.key)))  # fmt: skip
-            say(
-                f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
-                f"{n:,} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
-            )
+        _prefill_pins(model, plan, manifest, missing, report, put=put, say=say, bounds=bounds,
+                      notes=notes)  # fmt: skip
     finally:
         del model
         release_model()
+
+
+def _missing_pins(plan: ModelPlan, report: WarmReport, bounds: PrefillBounds) -> list[PlannedPin]:
+    """The pins of `plan` to fetch or prefill; the others (failed to render, present, over the
+    length bounds) go into the report as they are."""
+    for name, error in plan.failed:
+        report.pins.append(PinResult(plan.spec.path, name, "", 0, "failed", error=error))
+        log.error("%s", error)
+    missing = []
+    for pp in plan.pins:
+        if pp.pin.warning:
+            log.warning("%s", pp.pin.warning)
+        if pp.present:
+            report.pins.append(_result(pp, "present", warning=pp.pin.warning))
+        elif why := over_limit(plan, pp, bounds.max_pin_tokens):
+            _fail(report, pp, why)  # before any fetch, load or prefill
+        else:
+            missing.append(pp)
+    return missing
+
+
+def _prefill_pins(
+    model,
+    plan: ModelPlan,
+    manifest: Manifest,
+    missing: list[PlannedPin],
+    report: WarmReport,
+    *,
+    put: Callable[[bytes, bytes, dict], object],
+    say: Callable[[str], None],
+    bounds: PrefillBounds,
+    notes: dict[bytes, str],
+) -> None:
+    """Prefill and put each missing pin with the loaded model, in order; a full disk stops the
+    rest (reported unwarmed)."""
+    spec = plan.spec
+    for i, pp in enumerate(missing, 1):
+        n = len(pp.pin.tokens)
+        if why := _short_of_memory(model, plan, pp, bounds):
+            _fail(report, pp, why)
+            continue
+        say(f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: prefilling {n:,} tokens")
+        t = time.perf_counter()
+        on_chunk = PrefillProgress(say, pp.pin.name, bounds.progress_every)
+        try:
+            blob, fields = encode_pin(model, plan, pp, manifest=manifest.path, on_chunk=on_chunk)
+        except (ValueError, RuntimeError) as e:  # mlx rejects e.g. a bad kv_group_size
+            _fail(report, pp, f"model {spec.path!r}: prefill of pin {pp.pin.name!r} failed: {e}")
+            continue
+        try:
+            put(pp.key, blob, fields)
+        except KVStoreError as e:  # the map cap: say so, go on; a full disk: stop
+            msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
+            if _stop(report, pp, msg, e):
+                _unwarmed(report, missing[i:])
+                return
+            continue
+        dt = time.perf_counter() - t
+        report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
+                                   warning=pp.pin.warning, remote=notes.get(pp.key)))  # fmt: skip
+        say(
+            f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
+            f"{n:,} tokens, {len(blob) / 2**20:.1f} MiB in {dt:.2f}s"
+        )
 
 
 def _short_of_memory(model, plan: ModelPlan, pp: PlannedPin, bounds: PrefillBounds) -> str | None:

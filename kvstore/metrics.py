@@ -47,6 +47,12 @@ LEARN_DROPPED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+FLEET_REFUSED = Counter(
+    "kvstore_fleet_refused",
+    "Objects pulled from the fleet tier and refused, by reason (unauthentic: MAC missing or wrong)",
+    ["reason"],
+    registry=REGISTRY,
+)
 
 for _source in ("memory", "store", "prefill"):  # shown at 0 before the first request
     PROMPT_TOKENS.labels(source=_source)

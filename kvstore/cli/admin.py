@@ -108,6 +108,8 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
                 + (f"  valid {m.valid_date}" if m.valid_date else "")
                 # imported with --trust: never compared with a re-prefill
                 + ("  trusted, unchecked" if m.trusted else "")
+                # fetched from the fleet: the box that computed it
+                + (f"  from {m.extra['uploader']}" if m.extra.get("uploader") else "")
             )
         click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:

@@ -121,16 +121,25 @@ def status_cmd(as_json: bool, home: Path) -> None:
         data["other_format_versions"] = remote.other_versions()
     except RemoteError as e:
         data["error"] = str(e)
+    from kvstore.fleet.fetch import UNAUTHENTICATED
+
+    data["authenticated"] = bool(rs.fleet_keys)
     queue = UploadQueue(home)
     try:
         data["queue"] = queue.counts()
         data["rates"] = {n: queue.rate(n) for n in ("fetch_bps", "upload_bps")}
+        data["refused"] = queue.refusals()
     finally:
         queue.close()
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
     click.echo(f"remote         {remote.where()}")
+    click.echo(f"box            {rs.box_id}")
+    if not data["authenticated"]:
+        click.echo(f"warning: {UNAUTHENTICATED}", err=True)
+    refused = ", ".join(f"{n} {c}" for c, n in sorted(data["refused"].items())) or "none"
+    click.echo(f"refused        {refused}")
     click.echo(f"reachable      {'yes' if data['reachable'] else 'no: ' + data.get('error', '')}")
     if data["reachable"]:
         click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
@@ -166,17 +175,19 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
     rows = [
         {"key": o.key.hex(), "fingerprint": fingerprint_of(o.key).hex(), "object": o.name,
          "nbytes": o.size, "modified": o.modified, "local": o.key in local,
-         "label": local[o.key].label if o.key in local else None}
-        for o in objs
+         "label": local[o.key].label if o.key in local else None,
+         "uploader": remote.uploader(o.name)}  # as its S3 metadata says (the MAC covers the copy
+        for o in objs                          # in the object, checked when it is fetched)
     ]  # fmt: skip
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
-    click.echo(f"{'KEY':14} {'FINGERPRINT':14} {'SIZE':>10} {'MODIFIED':19}  LOCAL")
+    click.echo(f"{'KEY':14} {'FINGERPRINT':14} {'SIZE':>10} {'MODIFIED':19}  {'UPLOADER':16} LOCAL")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["modified"]))
         click.echo(f"{short_hex(r['key']):14} {r['fingerprint'][:12]:14} "
-                   f"{human_size(r['nbytes']):>10} {when:19}  {r['label'] or '-'}")  # fmt: skip
+                   f"{human_size(r['nbytes']):>10} {when:19}  {r['uploader'] or '-':16} "
+                   f"{r['label'] or '-'}")  # fmt: skip
     click.echo(f"{counted(len(rows), 'object')}, {human_size(sum(r['nbytes'] for r in rows))}")
 
 
@@ -252,6 +263,7 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                 got, bad = pull_records(
                     remote, store, plan.fingerprint.digest, model=plan.spec.path,
                     extra=plan.spec.identity.state, put=put_records, say=click.echo,
+                    refused=queue.refused,
                 )  # fmt: skip
                 learned += got
                 failed += bad
@@ -263,6 +275,48 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     click.echo(f"{fetched} fetched{more}, {absent} not on the remote, {failed} failed")
     if failed:
         raise click.ClickException(f"{failed} entr(ies) could not be fetched (see above)")
+
+
+@remote_group.group(name="key")
+def key_group() -> None:
+    """The fleet key: every object this box uploads carries an HMAC-SHA256 under it, and every
+    object it pulls must carry one under it (or under fleet_key_previous during a rotation)."""
+
+
+@key_group.command(name="new")
+@home_option
+@user_errors
+def key_new_cmd(home: Path) -> None:
+    """Make a fleet key in the [remote] credentials file (0600); a key already there becomes
+    fleet_key_previous (a rotation: its objects stay accepted until that line is removed).
+    Then copy the two lines it prints into the credentials file of every other box."""
+    import secrets
+
+    from kvstore.fleet.settings import FLEET_KEY_BYTES, credentials_path, read_credentials
+
+    rs = _settings(home)
+    if not rs.credentials:
+        raise click.ClickException(
+            f"{home / 'settings.toml'}: [remote] names no credentials file to keep the key in"
+        )
+    path = credentials_path(rs.credentials, home / "settings.toml")
+    old = read_credentials(path)
+    lines = [ln for ln in path.read_text().splitlines()
+             if not ln.strip().startswith(("fleet_key", "fleet_key_previous"))]  # fmt: skip
+    new = secrets.token_hex(FLEET_KEY_BYTES)
+    keep = [f'fleet_key = "{new}"']
+    if old.fleet_keys:
+        keep.append(f'fleet_key_previous = "{old.fleet_keys[0].hex()}"')
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.touch(mode=0o600)
+    tmp.chmod(0o600)
+    tmp.write_text("\n".join([*lines, *keep]) + "\n")
+    tmp.replace(path)
+    click.echo(f"fleet key written to {path}" + (" (the old one kept as fleet_key_previous)"
+                                                if old.fleet_keys else ""))  # fmt: skip
+    click.echo("copy these lines into the credentials file of every other box of the fleet:")
+    for line in keep:
+        click.echo(f"  {line}")
 
 
 @remote_group.command(name="gc")
@@ -350,14 +404,14 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int,
     for pp in plan.pins:
         if pp.key in have:
             continue
-        blob, classes, note = fetcher(plan, pp)
+        blob, classes, note, uploader = fetcher(plan, pp)
         if blob is None:
             click.echo(f"not fetched {pp.pin.name}: {note}", err=True)
             absent += note == "not on the remote"
             failed += note != "not on the remote"
             continue
         fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-        fields["extra"]["origin"] = "remote"
+        fields["extra"].update(origin="remote", uploader=uploader)
         put(pp.key, blob, fields)
         have.add(pp.key)
         fetched += 1
@@ -367,7 +421,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int,
 
 def _pull_objects(plan, remote, queue, put, have: set) -> tuple[int, int]:
     """The model's other objects on the remote (runtime pins, chains): (fetched, failed)."""
-    from kvstore.fleet.fetch import foreign_fields, other_runtime
+    from kvstore.fleet.fetch import REFUSALS, foreign_fields, other_runtime
     from kvstore.fleet.objects import verify_object
 
     fetched = failed = 0
@@ -376,8 +430,10 @@ def _pull_objects(plan, remote, queue, put, have: set) -> tuple[int, int]:
             continue
         try:
             data, _ = remote.fetch(o.key)
-            meta, blob = verify_object(o.key, data)
+            meta, blob, prov = verify_object(o.key, data, keys=remote.settings.fleet_keys)
         except RemoteError as e:
+            if e.cause in REFUSALS:
+                queue.refused(e)
             click.echo(f"warning: {e}; not stored", err=True)
             failed += 1
             continue
@@ -385,7 +441,7 @@ def _pull_objects(plan, remote, queue, put, have: set) -> tuple[int, int]:
             click.echo(f"not fetched {meta.label}: {other}", err=True)
             failed += 1
             continue
-        put(o.key, blob, foreign_fields(meta, plan))
+        put(o.key, blob, foreign_fields(meta, plan, prov.box))
         queue.done(o.key, "fetched")
         fetched += 1
         click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")

@@ -64,10 +64,12 @@ def pull_records(
     extra: dict,
     put: Callable[[bytes, bytes, list[tuple[int, int, bytes]], str, dict], None],
     say: Callable[[str], None],
+    refused: Callable[[RemoteError], None] = lambda e: None,
 ) -> tuple[int, int]:
     """Fetch the records of `fingerprint` this box lacks, verified in full, and store them with
     `put(fingerprint, chain tokens, [(start, end, blob)], label, extra)`; `model` and `extra` are
-    this box's identity of the model (as its manifest names it). Returns (fetched, failed)."""
+    this box's identity of the model (as its manifest names it); `refused` counts an object
+    refused (corrupt, unauthentic). Returns (fetched, failed)."""
     blocks = BlockStore(store)
     have = {m.key for m in blocks.records()}
     block = blocks.cut_at()
@@ -77,11 +79,14 @@ def pull_records(
             continue
         try:
             data, _ = remote.fetch(o.key, name=o.name)
-            meta, tokens, cut, blob = verify_record(o.key, data)
+            v = verify_record(o.key, data, keys=remote.settings.fleet_keys)
         except RemoteError as e:
+            if e.cause in ("corrupt", "unauthentic", "version"):
+                refused(e)
             say(f"warning: {e}; not stored")
             failed += 1
             continue
+        meta, tokens, cut, blob = v.meta, v.tokens, v.block, v.blob
         if cut != block:
             say(f"warning: learned record {o.key.hex()} was cut at {cut} tokens, this store at "
                 f"{block}; not stored")  # fmt: skip
@@ -89,7 +94,8 @@ def pull_records(
             continue
         theirs = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
         put(fingerprint, tokens, [(meta.start, meta.end, bytes(blob))], meta.label,
-            {**theirs, **extra, "model": model, "origin": "remote"})  # fmt: skip
+            {**theirs, **extra, "model": model, "origin": "remote",
+             "uploader": v.provenance.box})  # fmt: skip
         have.add(o.key)
         fetched += 1
         say(f"fetched  learned [{meta.start}, {meta.end}) {meta.label:11} {len(blob)} bytes")

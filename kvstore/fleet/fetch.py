@@ -37,6 +37,13 @@ _OUTAGES = (
 )  # the remote is off for this warm
 
 
+REFUSALS = ("corrupt", "unauthentic", "version")  # the object, not the remote, is at fault
+UNAUTHENTICATED = (
+    "no fleet_key in the credentials file: what this box pulls is unauthenticated (anyone who "
+    "can write to the bucket can make it serve their KV); `kvstore remote key new` makes one"
+)
+
+
 @dataclass
 class Choice:
     fetch: bool
@@ -72,8 +79,9 @@ def ledger_rate(ledger: Ledger | None, model: str) -> float | None:
 
 
 class WarmFetcher:
-    """The `fetch` callable kvstore.warm.warm.warm takes: (plan, pin) -> (blob, cache classes, note)
-    where a None blob means "prefill it", and the note says why either way."""
+    """The `fetch` callable kvstore.warm.warm.warm takes: (plan, pin) -> (blob, cache classes,
+    note, uploader) where a None blob means "prefill it", the note says why either way, and the
+    uploader is the box that computed a fetched blob."""
 
     def __init__(
         self,
@@ -86,6 +94,8 @@ class WarmFetcher:
         self.remote, self.queue, self.ledger = remote, queue, ledger
         self.always = always  # `remote pull`: fetch whatever the cost
         self._down: str | None = None  # an outage seen in this warm: prefill the rest
+        if not remote.settings.fleet_keys:
+            log.warning("remote: %s", UNAUTHENTICATED)
 
     def start(self) -> None:
         """A new warm: an outage seen in the last one is asked about again."""
@@ -96,36 +106,44 @@ class WarmFetcher:
 
     def __call__(
         self, plan: ModelPlan, pp: PlannedPin
-    ) -> tuple[bytes | memoryview | None, list, str]:
+    ) -> tuple[bytes | memoryview | None, list, str, str | None]:
         if self._down:
-            return None, [], f"remote unavailable ({self._down})"
+            return None, [], f"remote unavailable ({self._down})", None
         try:
             nbytes = self.remote.head(pp.key)
             if nbytes is None:
-                return None, [], "not on the remote"
+                return None, [], "not on the remote", None
             choice = self.choose(plan, pp, nbytes)
             if not choice.fetch:
                 log.info(
                     "remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, choice.reason
                 )
-                return None, [], choice.reason
+                return None, [], choice.reason, None
             data, seconds = self.remote.fetch(pp.key)
-            meta, blob = verify_object(pp.key, data, tokens=pack_tokens(pp.pin.tokens))
+            meta, blob, prov = verify_object(
+                pp.key,
+                data,
+                tokens=pack_tokens(pp.pin.tokens),
+                keys=self.remote.settings.fleet_keys,
+            )
             if other := other_runtime(meta):
                 log.info("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, other)
-                return None, [], other
+                return None, [], other, None
         except RemoteError as e:
             if e.cause in _OUTAGES:
                 self._down = e.cause
+            elif e.cause in REFUSALS:
+                self.queue.refused(e)
             log.error(
                 "remote: pin %r of %s: %s; prefilling instead", pp.pin.name, plan.spec.path, e
             )
-            return None, [], f"remote failed ({e.cause})"
+            return None, [], f"remote failed ({e.cause})", None
         self.queue.measured("fetch_bps", len(data) / max(seconds, 1e-6))
         self.queue.done(pp.key, "fetched")  # the remote has it: never queued for upload
         note = f"{len(data) / 2**20:.1f} MiB in {seconds:.2f}s ({choice.reason})"
-        log.info("remote: pin %r of %s: fetched %s", pp.pin.name, plan.spec.path, note)
-        return blob, meta.classes, note
+        log.info("remote: pin %r of %s: fetched %s from %s", pp.pin.name, plan.spec.path, note,
+                 prov.box)  # fmt: skip
+        return blob, meta.classes, note, prov.box
 
     def choose(self, plan: ModelPlan, pp: PlannedPin, nbytes: int) -> Choice:
         if self.always:
@@ -164,7 +182,7 @@ def other_runtime(meta: EntryMeta) -> str | None:
 _THAT_BOX = ("model_dir", "adapter_dir", "owners", "manifest", PINNED_BEFORE)
 
 
-def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
+def foreign_fields(meta: EntryMeta, plan: ModelPlan, uploader: str) -> dict:
     """The Store.put fields for an object another box stored (a runtime pin, a chain), fetched
     for `plan`'s model: its own extra without that box's locations and manifest owners, so the
     put records where the model resolves here and no manifest of this box is taken to own it;
@@ -176,7 +194,7 @@ def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
     if meta.source == "manifest":
         extra["source"] = "remote"  # the manifest that stored it is another box's
     # same fingerprint: the model as this box's manifest names it
-    extra.update(plan.spec.identity.state, owners=[APP], origin="remote")
+    extra.update(plan.spec.identity.state, owners=[APP], origin="remote", uploader=uploader)
     return dict(
         tokens=meta.tokens,
         label=meta.label,
@@ -188,4 +206,4 @@ def foreign_fields(meta: EntryMeta, plan: ModelPlan) -> dict:
     )
 
 
-Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str]]
+Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str, str | None]]

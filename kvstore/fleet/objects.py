@@ -10,10 +10,20 @@ Learned block records are objects too, one per record, under `.../<fingerprint h
 hex>` (entry listings skip them: that name is not an entry key). Their meta is the record's
 sealed BlockMeta plus the tokens before its start and the block size it was cut at, so one object
 verifies alone as an entry does: its tokens hash to its key (`verify_record`).
+
+After the blob, both kinds carry a trailer: the provenance (msgpack: the box that computed it,
+its mlx and mlx-lm versions), then TRAILER (magic, provenance length, MAC). The MAC is
+HMAC-SHA256 under the fleet key over everything before it (header, meta, blob, provenance); 32
+zero bytes when the uploader had no key. A box with a key refuses an object whose MAC is missing
+or matches none of its keys (cause "unauthentic"). Objects of older kvstores have no trailer:
+taken when this box has no key, refused when it has one. Older kvstores refuse objects with a
+trailer cleanly: their blob is longer than its meta says ("corrupt"), so they prefill.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import struct
 import time
@@ -40,6 +50,10 @@ MAGIC = b"KVSR"
 HEADER = struct.Struct("<4sHI")  # magic, format version, meta length
 MAX_META_BYTES = 64 * 2**20  # a meta holds token ids: 4 bytes a token
 READ_CHUNK = 1 << 20
+TRAILER_MAGIC = b"KVSM"
+TRAILER = struct.Struct("<4sI32s")  # magic, provenance length, HMAC-SHA256 (zeros: no key)
+NO_MAC = bytes(32)
+MAX_PROVENANCE_BYTES = 4096
 
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}
 _BUCKET_CODES = {"NoSuchBucket"}
@@ -51,6 +65,105 @@ class RemoteObject:
     name: str  # the object's key in the bucket
     size: int
     modified: float  # epoch seconds
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Who computed an object: the uploading box's id and the mlx / mlx-lm it ran. `signed`:
+    its MAC checked under one of this box's keys (False with no key configured)."""
+
+    box: str
+    mlx: str
+    mlx_lm: str
+    signed: bool = False
+
+    @classmethod
+    def unknown(cls) -> Provenance:
+        return cls("an unknown box (no provenance: an older kvstore's object)", "?", "?")
+
+    def shown(self) -> str:
+        return f"{self.box} (mlx {self.mlx}, mlx-lm {self.mlx_lm})"
+
+
+def provenance_of(rs: RemoteSettings) -> bytes:
+    from kvstore.identity.codehash import runtime_versions
+
+    v = runtime_versions()
+    return msgpack.packb({"box": rs.box_id, "mlx": v["mlx"], "mlx_lm": v["mlx_lm"]})
+
+
+class Sealer:
+    """The trailer of one upload, MACed as its bytes stream by in order (a multipart upload
+    reads its blob a part at a time): feed every byte before the trailer, then `trailer()`."""
+
+    def __init__(self, rs: RemoteSettings):
+        self.provenance = provenance_of(rs)
+        self._mac = hmac.new(rs.fleet_keys[0], digestmod=hashlib.sha256) if rs.fleet_keys else None
+        self.size = len(self.provenance) + TRAILER.size
+
+    def feed(self, data: bytes) -> bytes:
+        if self._mac is not None:
+            self._mac.update(data)
+        return data
+
+    def trailer(self) -> bytes:
+        if self._mac is None:
+            mac = NO_MAC
+        else:
+            self._mac.update(self.provenance)
+            mac = self._mac.digest()
+        return self.provenance + TRAILER.pack(TRAILER_MAGIC, len(self.provenance), mac)
+
+
+def seal(rs: RemoteSettings, body: bytes) -> bytes:
+    """The trailer of an object whose bytes before it are `body` (one piece)."""
+    sealer = Sealer(rs)
+    sealer.feed(body)
+    return sealer.trailer()
+
+
+def blob_end(data: bytes | bytearray) -> int:
+    """Where the blob of an object with a trailer ends (the provenance starts)."""
+    _, plen, _ = TRAILER.unpack_from(data, len(data) - TRAILER.size)
+    return len(data) - TRAILER.size - plen
+
+
+def authenticate(
+    data: memoryview, blob_end: int, keys: tuple[bytes, ...], where: str
+) -> Provenance:
+    """The provenance of an object whose blob ends at `blob_end`, its MAC checked when this box
+    has keys; raises RemoteError "unauthentic" (MAC missing or wrong) or "corrupt"."""
+    tail = data[blob_end:]
+    prov: Provenance | None = None
+    mac = NO_MAC
+    if len(tail):
+        if len(tail) < TRAILER.size:
+            raise RemoteError("corrupt", f"{where}: {len(tail)} bytes after its blob")
+        magic, plen, mac = TRAILER.unpack_from(tail, len(tail) - TRAILER.size)
+        if (
+            magic != TRAILER_MAGIC
+            or plen != len(tail) - TRAILER.size
+            or plen > MAX_PROVENANCE_BYTES
+        ):
+            raise RemoteError("corrupt", f"{where}: unreadable trailer after its blob")
+        try:
+            p = msgpack.unpackb(bytes(tail[:plen]), raw=False)
+            prov = Provenance(str(p["box"]), str(p["mlx"]), str(p["mlx_lm"]))
+        except Exception:
+            raise RemoteError("corrupt", f"{where}: unreadable provenance") from None
+    shown = (prov or Provenance.unknown()).shown()
+    if not keys:
+        return prov or Provenance.unknown()
+    if mac == NO_MAC:
+        raise RemoteError("unauthentic", f"{where}: no MAC (uploaded by {shown}); refused, "
+                                         "this box holds a fleet key")  # fmt: skip
+    body = data[: len(data) - TRAILER.size]
+    for k in keys:
+        if hmac.compare_digest(hmac.new(k, body, hashlib.sha256).digest(), mac):
+            assert prov is not None
+            return Provenance(prov.box, prov.mlx, prov.mlx_lm, signed=True)
+    raise RemoteError("unauthentic", f"{where}: MAC does not match this fleet's key (uploaded "
+                                     f"by {shown}); refused")  # fmt: skip
 
 
 def object_root(rs: RemoteSettings) -> str:
@@ -117,6 +230,18 @@ def _framed(data: bytes | bytearray, magic: bytes, where: str) -> tuple[memoryvi
     return view[HEADER.size : HEADER.size + meta_len], view[HEADER.size + meta_len :]
 
 
+def _blob_and_provenance(
+    data: bytes | bytearray, rest: memoryview, meta: Any, keys: tuple[bytes, ...], where: str
+) -> tuple[memoryview, Provenance]:
+    """The blob the meta sizes, and the provenance after it (MAC checked under `keys`); the MAC
+    comes first: nothing of an unauthentic object is decoded."""
+    if len(rest) < meta.nbytes:
+        raise RemoteError("corrupt", f"{where}: blob is {len(rest)} bytes, meta says {meta.nbytes}")
+    view = memoryview(data)
+    end = len(view) - len(rest) + meta.nbytes
+    return rest[: meta.nbytes], authenticate(view, end, keys, where)
+
+
 def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False) -> None:
     """Length and checksum as the meta says, then a full decode holding its token count (and, for
     a learned record, only record classes)."""
@@ -146,16 +271,27 @@ def record_header(meta: BlockMeta, prefix: bytes, block: int) -> bytes:
     return HEADER.pack(RECORD_MAGIC, FORMAT_VERSION, len(packed)) + packed
 
 
-def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes, int, memoryview]:
-    """A fetched record object verified in full: format, meta seal, its tokens (the prefix and
-    its own) hashing to its key under its fingerprint, blob length and checksum, and a full
-    decode holding its token count in record classes. Returns (meta, the chain's packed tokens
-    up to its end, the block size, blob); raises RemoteError ("corrupt" or "version")."""
+@dataclass
+class VerifiedRecord:
+    meta: BlockMeta
+    tokens: bytes  # the chain's packed tokens up to its end
+    block: int  # the block size its chain was cut at
+    blob: memoryview
+    provenance: Provenance
+
+
+def verify_record(
+    key: bytes, data: bytes | bytearray, *, keys: tuple[bytes, ...] = ()
+) -> VerifiedRecord:
+    """A fetched record object verified in full: format, meta seal, MAC under `keys` (when any),
+    its tokens (the prefix and its own) hashing to its key under its fingerprint, blob length and
+    checksum, and a full decode holding its token count in record classes. Raises RemoteError
+    ("corrupt", "version" or "unauthentic")."""
     from kvstore.store.blocks import BlockMeta
     from kvstore.store.chain import position_hash
 
     where = f"remote object for learned record {key.hex()}"
-    head_bytes, blob = _framed(data, RECORD_MAGIC, where)
+    head_bytes, rest = _framed(data, RECORD_MAGIC, where)
     try:
         head = msgpack.unpackb(bytes(head_bytes), raw=False)
         prefix, block = bytes(head["prefix"]), int(head["block"])
@@ -164,6 +300,7 @@ def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
     except Exception as e:
         raise RemoteError("corrupt", f"{where}: unreadable meta ({type(e).__name__})") from None
+    blob, prov = _blob_and_provenance(data, rest, meta, keys, where)
     if len(prefix) != 4 * meta.start or block <= 0:
         raise RemoteError("corrupt", f"{where}: {len(prefix) // 4} tokens before a record at "
                                      f"{meta.start}")  # fmt: skip
@@ -172,7 +309,7 @@ def verify_record(key: bytes, data: bytes | bytearray) -> tuple[BlockMeta, bytes
     if position_hash(fp, tokens, meta.end, block) != digest_of(key):
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
     _check_blob(blob, meta, where, record=True)
-    return meta, tokens, block, blob
+    return VerifiedRecord(meta, tokens, block, blob, prov)
 
 
 def object_header(meta: EntryMeta) -> bytes:
@@ -181,22 +318,28 @@ def object_header(meta: EntryMeta) -> bytes:
 
 
 def verify_object(
-    key: bytes, data: bytes | bytearray, *, tokens: bytes | None = None
-) -> tuple[EntryMeta, memoryview]:
-    """Meta and blob of a fetched object, verified in full (the decode too); raises RemoteError
-    with cause "corrupt" or "version" naming what is wrong. Nothing is stored here."""
+    key: bytes,
+    data: bytes | bytearray,
+    *,
+    tokens: bytes | None = None,
+    keys: tuple[bytes, ...] = (),
+) -> tuple[EntryMeta, memoryview, Provenance]:
+    """Meta, blob and provenance of a fetched object, verified in full (MAC under `keys` when
+    any, the decode too); raises RemoteError with cause "corrupt", "version" or "unauthentic"
+    naming what is wrong. Nothing is stored here."""
     where = f"remote object for entry {key.hex()}"
-    meta_bytes, blob = _framed(data, MAGIC, where)
+    meta_bytes, rest = _framed(data, MAGIC, where)
     try:
         meta = EntryMeta.unpack(key, bytes(meta_bytes))
     except CorruptEntryError as e:
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
+    blob, prov = _blob_and_provenance(data, rest, meta, keys, where)
     if xxhash.xxh3_128(meta.tokens).digest() != digest_of(key):
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
     if tokens is not None and meta.tokens != tokens:
         raise RemoteError("corrupt", f"{where}: its tokens are not the pin's")
     _check_blob(blob, meta, where)
-    return meta, blob
+    return meta, blob, prov
 
 
 class Remote:
@@ -208,7 +351,7 @@ class Remote:
             from botocore.config import Config
         except ImportError:
             raise RemoteError(
-                "unavailable", "the fleet tier needs boto3: pip install 'kvstore[fleet]'"
+                "unavailable", "the fleet tier needs boto3: pip install 'mlx-kvstore[fleet]'"
             ) from None
 
         self.settings = rs
@@ -278,6 +421,14 @@ class Remote:
             if self._status(e) == 404:
                 raise RemoteError("bucket", f"{self.where()}: no such bucket") from None
             raise self._error(e, "checking the bucket") from None
+
+    def uploader(self, name: str) -> str | None:
+        """The box an object's S3 metadata names (unsigned: for listing; None: not recorded)."""
+        try:
+            res = self.client.head_object(Bucket=self.bucket, Key=name)
+        except Exception as e:
+            raise self._error(e, f"looking up {name}") from None
+        return res.get("Metadata", {}).get("box")
 
     def head(self, key: bytes, *, name: str | None = None) -> int | None:
         """The object's size in bytes, or None when the remote does not have it (`name`: another
@@ -393,32 +544,50 @@ class Remote:
     ) -> str:
         if self.head(b"", name=name) is not None:
             return "exists"
-        total = len(header) + nbytes
+        sealer = Sealer(self.settings)
+        total = len(header) + nbytes + sealer.size
+        meta = {
+            "box": self.settings.box_id
+        }  # for `remote ls`, unsigned: the trailer is what counts
         try:
             if total <= self.settings.multipart_threshold:
+                body = header + read_blob(0, nbytes)
                 self.client.put_object(
-                    Bucket=self.bucket, Key=name, Body=header + read_blob(0, nbytes),
-                    IfNoneMatch="*",
+                    Bucket=self.bucket, Key=name, Body=body + seal(self.settings, body),
+                    IfNoneMatch="*", Metadata=meta,
                 )  # fmt: skip
                 return "uploaded"
-            return self._upload_parts(name, header, nbytes, read_blob)
+            return self._upload_parts(name, header, nbytes, read_blob, sealer, meta)
         except Exception as e:
             if self._status(e) == 412:  # someone created it between our HEAD and our create
                 return "exists"
             raise self._error(e, what) from None
 
     def _upload_parts(
-        self, name: str, header: bytes, nbytes: int, read_blob: Callable[[int, int], bytes]
+        self,
+        name: str,
+        header: bytes,
+        nbytes: int,
+        read_blob: Callable[[int, int], bytes],
+        sealer: Sealer,
+        meta: dict[str, str],
     ) -> str:
-        size, total = self.settings.part_size, len(header) + nbytes
-        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=name)["UploadId"]
+        size, blob_end = self.settings.part_size, len(header) + nbytes
+        total = blob_end + sealer.size
+        upload_id = self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=name, Metadata=meta
+        )["UploadId"]
+        trailer = b""
         try:
             parts = []
             for number, start in enumerate(range(0, total, size), 1):
                 stop = min(start + size, total)
-                head = header[start:stop]
-                lo, hi = max(start - len(header), 0), stop - len(header)
-                body = head + (read_blob(lo, hi - lo) if hi > lo else b"")
+                head = sealer.feed(header[start:stop])
+                lo, hi = max(start - len(header), 0), min(stop, blob_end) - len(header)
+                body = head + (sealer.feed(read_blob(lo, hi - lo)) if hi > lo else b"")
+                if stop > blob_end:  # the part that ends the object: the blob is all MACed
+                    trailer = trailer or sealer.trailer()
+                    body += trailer[max(start - blob_end, 0) : stop - blob_end]
                 res = self.client.upload_part(
                     Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=number, Body=body
                 )

@@ -158,6 +158,35 @@ class UploadQueue:
 
         return self._read(fn)
 
+    # -- refusals ------------------------------------------------------------------------------
+
+    def refused(self, e: RemoteError) -> None:
+        """Count an object refused for its cause (the same counter on the metrics port)."""
+        from kvstore import metrics
+
+        metrics.FLEET_REFUSED.labels(reason=e.cause).inc()
+        name = f"refused:{e.cause}".encode()
+
+        def fn(txn):
+            raw = txn.get(name, db=self._rates)
+            txn.put(name, msgpack.packb(1 + (0 if raw is None else int(msgpack.unpackb(raw)))),
+                    db=self._rates)  # fmt: skip
+
+        self._write(fn)
+
+    def refusals(self) -> dict[str, int]:
+        """Objects refused so far, by cause ("unauthentic", "corrupt", ...)."""
+
+        def fn(txn):
+            with txn.cursor(db=self._rates) as cur:
+                return {
+                    bytes(k).decode().removeprefix("refused:"): int(msgpack.unpackb(v))
+                    for k, v in cur
+                    if bytes(k).startswith(b"refused:")
+                }
+
+        return self._read(fn)
+
     # -- measured rates -----------------------------------------------------------------------
 
     def rate(self, name: str) -> float | None:

@@ -55,16 +55,28 @@ class RemoteSettings:
     retry_interval: float = 30.0  # seconds the uploader waits after the remote failed
     access_key_id: str | None = field(default=None, repr=False)  # from `credentials`, never shown
     secret_access_key: str | None = field(default=None, repr=False)
+    # the fleet key(s) every object's MAC is made and checked with (credentials: fleet_key,
+    # fleet_key_previous while a rotation re-uploads); none: objects are taken unauthenticated
+    fleet_keys: tuple[bytes, ...] = field(default=(), repr=False)
+    box_id: str = ""  # this box, named in what it uploads (HOME/box_id, made at first use)
 
     def shown(self) -> dict[str, Any]:
         """What `kvstore stats` and `remote status` show: every setting, never the secret."""
         out = {k: getattr(self, k) for k in REMOTE_DEFAULTS}
         out["access_key_id"] = self.access_key_id
         out["secret_access_key"] = "(set)" if self.secret_access_key else None
+        out["fleet_key"] = "(set)" if self.fleet_keys else None
+        out["fleet_key_previous"] = "(set)" if len(self.fleet_keys) > 1 else None
+        out["box_id"] = self.box_id
         return out
 
 
-SECRETS = ("access_key_id", "secret_access_key")  # read from the credentials file, not the table
+SECRETS = (
+    "access_key_id",
+    "secret_access_key",
+    "fleet_keys",
+    "box_id",
+)  # read from the credentials file, not the table
 # Every key the table may hold, and its default: RemoteSettings' fields less the secrets.
 REMOTE_DEFAULTS: dict[str, Any] = {
     f.name: f.default for f in fields(RemoteSettings) if f.name not in SECRETS
@@ -75,8 +87,35 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def read_credentials(path: Path) -> tuple[str, str]:
-    """access_key_id and secret_access_key from a TOML file that only its owner can read."""
+FLEET_KEY_BYTES = 32  # HMAC-SHA256 key, written as 64 hex digits
+
+
+@dataclass(frozen=True)
+class Credentials:
+    access_key_id: str
+    secret_access_key: str
+    fleet_keys: tuple[bytes, ...]  # fleet_key, then fleet_key_previous when set
+
+
+def _fleet_key(data: dict, name: str, path: Path) -> bytes | None:
+    text = data.get(name)
+    if text is None:
+        return None
+    try:
+        raw = bytes.fromhex(text) if isinstance(text, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != FLEET_KEY_BYTES:
+        raise RemoteSettingsError(
+            f"[remote] credentials {path}: {name} must be {2 * FLEET_KEY_BYTES} hex digits "
+            "(make one with `kvstore remote key new`)"
+        )
+    return raw
+
+
+def read_credentials(path: Path) -> Credentials:
+    """access_key_id, secret_access_key and the fleet key(s) from a TOML file that only its owner
+    can read."""
     try:
         st = path.stat()
     except OSError as e:
@@ -102,10 +141,39 @@ def read_credentials(path: Path) -> tuple[str, str]:
         raise RemoteSettingsError(
             f"[remote] credentials {path}: needs string keys access_key_id and secret_access_key"
         )
-    return key, secret
+    keys = [_fleet_key(data, n, path) for n in ("fleet_key", "fleet_key_previous")]
+    if keys[0] is None and keys[1] is not None:
+        raise RemoteSettingsError(
+            f"[remote] credentials {path}: fleet_key_previous without a fleet_key"
+        )
+    return Credentials(key, secret, tuple(k for k in keys if k is not None))
 
 
-def parse_remote(table: Any, *, source: Path) -> RemoteSettings:
+def credentials_path(credentials: str, source: Path) -> Path:
+    """The credentials file a [remote] table names (relative: beside settings.toml)."""
+    path = Path(credentials).expanduser()
+    return path if path.is_absolute() else source.parent / path
+
+
+def box_id(home: Path) -> str:
+    """This box's id (HOME/box_id), made at first use: what it uploads names it."""
+    import secrets
+
+    path = home / "box_id"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    made = f"box-{secrets.token_hex(6)}"
+    try:
+        with open(path, "x") as f:  # exclusive: two first uses agree on the first one written
+            f.write(made + "\n")
+    except FileExistsError:
+        return path.read_text().strip()
+    return made
+
+
+def parse_remote(table: Any, *, source: Path, box: str = "") -> RemoteSettings:
     """The [remote] table as read from `source`, checked field by field."""
     if not isinstance(table, dict):
         raise RemoteSettingsError(f"{source}: [remote] must be a table")
@@ -127,13 +195,13 @@ def parse_remote(table: Any, *, source: Path) -> RemoteSettings:
     if merged["part_size"] < 5 * 2**20:
         raise RemoteSettingsError(f"{source}: [remote] part_size must be at least 5 MiB (S3)")
     merged["prefix"] = merged["prefix"].strip("/")
-    key = secret = None
-    if merged["credentials"]:
-        path = Path(merged["credentials"]).expanduser()
-        if not path.is_absolute():
-            path = source.parent / path
-        key, secret = read_credentials(path)
-    return RemoteSettings(**merged, access_key_id=key, secret_access_key=secret)
+    if not merged["credentials"]:
+        return RemoteSettings(**merged, box_id=box)
+    c = read_credentials(credentials_path(merged["credentials"], source))
+    return RemoteSettings(
+        **merged, access_key_id=c.access_key_id, secret_access_key=c.secret_access_key,
+        fleet_keys=c.fleet_keys, box_id=box,
+    )  # fmt: skip
 
 
 def remote_settings(settings: dict[str, Any], home: Path) -> RemoteSettings | None:
@@ -141,4 +209,4 @@ def remote_settings(settings: dict[str, Any], home: Path) -> RemoteSettings | No
     table = settings.get("remote")
     if table is None:
         return None
-    return parse_remote(table, source=home / "settings.toml")
+    return parse_remote(table, source=home / "settings.toml", box=box_id(home))

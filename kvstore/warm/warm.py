@@ -490,12 +490,12 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path) -> bool:
     """Whether `fetch` brought this pin from the fleet tier (and it was stored). `fetch` gives
     the verified blob (or None: prefill), its cache classes, and why."""
     t = time.perf_counter()
-    blob, classes, note = fetch(plan, pp)
+    blob, classes, note, uploader = fetch(plan, pp)
     notes[pp.key] = note
     if blob is None:
         return False
     fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-    fields["extra"]["origin"] = "remote"
+    fields["extra"].update(origin="remote", uploader=uploader)
     try:
         put(pp.key, blob, fields)
     except KVStoreError as e:

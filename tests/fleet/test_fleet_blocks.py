@@ -23,7 +23,7 @@ from mlx_lm.models.cache import load_prompt_cache
 
 from kvstore.codec.blocks import slice_record
 from kvstore.errors import RemoteError
-from kvstore.fleet.objects import verify_record
+from kvstore.fleet.objects import blob_end, verify_record
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.store.blocks import BlockStore
 from kvstore.store.chain import cuts
@@ -63,10 +63,11 @@ def test_learned_records_push_and_pull_verified(s3, llama_path, tmp_path):
 
     # every object verifies alone; a flipped byte or another record's key is refused
     data, _ = remote.fetch(objs[0].key, name=objs[0].name)
-    meta, chain_tokens, block, _ = verify_record(objs[0].key, data)
+    v = verify_record(objs[0].key, data)
+    meta, chain_tokens, block = v.meta, v.tokens, v.block
     assert block == 256 and len(chain_tokens) == 4 * meta.end
     bad = bytearray(data)
-    bad[-3] ^= 0xFF
+    bad[blob_end(data) - 3] ^= 0xFF
     with pytest.raises(RemoteError, match="checksum"):
         verify_record(objs[0].key, bad)
     with pytest.raises(RemoteError, match="do not hash to its key"):

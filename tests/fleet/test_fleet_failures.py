@@ -24,7 +24,7 @@ from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher
-from kvstore.fleet.objects import Remote, object_name, verify_object
+from kvstore.fleet.objects import Remote, blob_end, object_name, verify_object
 from kvstore.fleet.queue import Uploader, UploadQueue, upload_one
 from kvstore.fleet.settings import RemoteSettings, remote_settings
 from kvstore.pins.manifest import load_manifest
@@ -136,7 +136,7 @@ def test_a_corrupt_object_is_never_stored(s3, llama_path, tmp_path, caplog):
     client = s3.client()
     name = object_name(rs, metas["classify"].key)
     data = bytearray(client.get_object(Bucket=BUCKET, Key=name)["Body"].read())
-    data[-100] ^= 0xFF  # one flipped bit of KV
+    data[blob_end(data) - 100] ^= 0xFF  # one flipped bit of KV
     client.put_object(Bucket=BUCKET, Key=name, Body=bytes(data))
     other = object_name(rs, metas["synthesize"].key)
     data = bytearray(client.get_object(Bucket=BUCKET, Key=other)["Body"].read())

@@ -406,6 +406,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int,
             continue
         blob, classes, note, uploader = fetcher(plan, pp)
         if blob is None:
+            have.add(pp.key)  # tried: the model's other objects skip it (one refusal, not two)
             click.echo(f"not fetched {pp.pin.name}: {note}", err=True)
             absent += note == "not on the remote"
             failed += note != "not on the remote"

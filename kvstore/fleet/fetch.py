@@ -137,7 +137,8 @@ class WarmFetcher:
             log.error(
                 "remote: pin %r of %s: %s; prefilling instead", pp.pin.name, plan.spec.path, e
             )
-            return None, [], f"remote failed ({e.cause})", None
+            why = f": {e}" if e.cause == "unauthentic" else ""  # names the object and its uploader
+            return None, [], f"remote failed ({e.cause}){why}", None
         self.queue.measured("fetch_bps", len(data) / max(seconds, 1e-6))
         self.queue.done(pp.key, "fetched")  # the remote has it: never queued for upload
         note = f"{len(data) / 2**20:.1f} MiB in {seconds:.2f}s ({choice.reason})"

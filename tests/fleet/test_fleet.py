@@ -252,7 +252,7 @@ def test_without_boto3_a_warm_is_local_and_says_why(s3, llama_path, tmp_path):
     with mock.patch.dict(sys.modules, {"boto3": None}):  # as on a box without the fleet extra
         r = cli("warm", "--manifest", manifest, "--home", home)
     assert r.exit_code == 0 and "2 warmed" in r.output
-    assert "needs boto3: pip install 'kvstore[fleet]'" in r.output
+    assert "needs boto3: pip install 'mlx-kvstore[fleet]'" in r.output
 
 
 # Where features met: found in the review of issues 9-13, each failed before its fix.

@@ -43,6 +43,15 @@ def keyed(home: Path, key: str, previous: str | None = None) -> Path:
     return home
 
 
+def refused_metric() -> float:
+    from kvstore import metrics
+
+    got = metrics.REGISTRY.get_sample_value(
+        "kvstore_fleet_refused_total", {"reason": "unauthentic"}
+    )
+    return got or 0.0
+
+
 def box_id(home: Path) -> str:
     return (home / "box_id").read_text().strip()
 
@@ -110,8 +119,10 @@ def test_tampered_object_is_refused_by_mac_counted_and_prefilled(s3, llama_path,
         key = bytes.fromhex(name.rsplit("/", 2)[1]) + bytes.fromhex(name.rsplit("/", 1)[1])
         client.put_object(Bucket=BUCKET, Key=name, Body=tampered(data, key, keep_trailer=keep))
 
+    before = refused_metric()
     r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=1)
     assert "0 fetched, 0 not on the remote, 2 failed" in r.output, r.output
+    assert refused_metric() == before + 2  # what the daemon's metrics port serves
     assert f"MAC does not match this fleet's key (uploaded by {box_id(a)}" in r.output
     assert "no MAC (uploaded by mallory" in r.output
     with Store(b, readonly=True) as store:

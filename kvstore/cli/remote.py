@@ -129,6 +129,7 @@ def status_cmd(as_json: bool, home: Path) -> None:
         data["queue"] = queue.counts()
         data["rates"] = {n: queue.rate(n) for n in ("fetch_bps", "upload_bps")}
         data["refused"] = queue.refusals()
+        data["quarantined"] = queue.quarantined()
     finally:
         queue.close()
     if as_json:
@@ -140,6 +141,8 @@ def status_cmd(as_json: bool, home: Path) -> None:
         click.echo(f"warning: {UNAUTHENTICATED}", err=True)
     refused = ", ".join(f"{n} {c}" for c, n in sorted(data["refused"].items())) or "none"
     click.echo(f"refused        {refused}")
+    for box, why in sorted(data["quarantined"].items()):
+        click.echo(f"quarantined    {box}: {why} (`kvstore remote release {box}`)")
     click.echo(f"reachable      {'yes' if data['reachable'] else 'no: ' + data.get('error', '')}")
     if data["reachable"]:
         click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
@@ -256,10 +259,14 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
             fetcher = WarmFetcher(remote, queue, always=True)
             for plan in _plans(home, manifest, model, store):
                 have = set(store.keys())
-                got, no, bad = _pull_pins(plan, manifest, fetcher, put, have)
+                check = _Checked(plan, queue, remote.settings.box_id)
+                got, no, bad = _pull_pins(plan, manifest, fetcher, put, have, check)
                 fetched, absent, failed = fetched + got, absent + no, failed + bad
-                got, bad = _pull_objects(plan, remote, queue, put, have)
+                got, bad = _pull_objects(plan, remote, queue, put, have, check)
                 fetched, failed = fetched + got, failed + bad
+                if said := check.said():
+                    click.echo(said)
+                check.check.close()
                 got, bad = pull_records(
                     remote, store, plan.fingerprint.digest, model=plan.spec.path,
                     extra=plan.spec.identity.state, put=put_records, say=click.echo,
@@ -319,14 +326,36 @@ def key_new_cmd(home: Path) -> None:
         click.echo(f"  {line}")
 
 
+@remote_group.command(name="release")
+@click.argument("box")
+@home_option
+@user_errors
+def release_cmd(box: str, home: Path) -> None:
+    """Use a quarantined uploader's objects again (after a look at why: `remote status`)."""
+    from kvstore.fleet.queue import UploadQueue
+
+    queue = UploadQueue(home)
+    try:
+        if not queue.release(box):
+            raise click.ClickException(f"{box} is not quarantined (see `kvstore remote status`)")
+    finally:
+        queue.close()
+    click.echo(f"released {box}: its objects are used again")
+
+
 @remote_group.command(name="gc")
 @click.option("--older-than", default=None, help="Delete objects created longer ago (30d, 12h).")
 @click.option("--model", default=None, help="Delete this model's objects (path or fingerprint).")
 @manifest_option
+@click.option(
+    "--quarantined",
+    is_flag=True,
+    help="Delete the objects of quarantined uploaders, and release them.",
+)
 @click.option("--dry-run", is_flag=True, help="Say what would go; delete nothing.")
 @home_option
 @user_errors
-def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
+def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: Path) -> None:
     """The janitor, the only thing that deletes from the remote: objects (entries and learned
     records) older than a duration, a retired model's objects, then the oldest until the bucket
     is within its [remote] max_bytes; and multipart uploads a crash left behind.
@@ -334,6 +363,7 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
     \b
     kvstore remote gc --older-than 30d
     kvstore remote gc --model 0f3a...   # a retired model's fingerprint
+    kvstore remote gc --quarantined     # what a box that failed the semantic check uploaded
     """
     from kvstore.fleet.queue import UploadQueue
 
@@ -342,8 +372,16 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
     fps = set(_model_fingerprints(home, model, manifest)) if model else set()
     objs = sorted([*remote.objects(), *remote.records()], key=lambda o: o.modified)
     now = time.time()
+    bad: set[str] = set()
+    if quarantined:
+        queue = UploadQueue(home)
+        try:
+            bad = set(queue.quarantined())
+        finally:
+            queue.close()
     victims = [o for o in objs if (age is not None and now - o.modified > age)
-               or fingerprint_of(o.key) in fps]  # fmt: skip
+               or fingerprint_of(o.key) in fps
+               or (bad and remote.uploader(o.name) in bad)]  # fmt: skip
     gone = {o.name for o in victims}
     kept = sum(o.size for o in objs if o.name not in gone)
     for o in objs:  # oldest first, until within the byte budget
@@ -362,6 +400,8 @@ def gc_cmd(older_than, model, manifest, dry_run: bool, home: Path) -> None:
     queue = UploadQueue(home)
     try:
         queue.forget([o.key for o in victims])
+        for box in bad:
+            queue.release(box)
     finally:
         queue.close()
     aborted_text = f", {counted(aborted, 'stale multipart upload')} aborted" if aborted else ""
@@ -396,7 +436,44 @@ def _writers(client, store, home: Path):
     return put, put_records
 
 
-def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int, int]:
+class _Checked:
+    """`remote pull`'s semantic check (kvstore.fleet.check) of what another box computed, before
+    it is stored: a mismatch quarantines its uploader, and then every object of that box is
+    refused here (and by the warm's read-through) until `kvstore remote release`."""
+
+    def __init__(self, plan, queue, me: str):
+        from kvstore.fleet.check import SemanticCheck
+
+        self.check, self.queue, self.me = SemanticCheck(plan), queue, me
+        self.count, self.seconds = 0, 0.0
+
+    def said(self) -> str | None:
+        if not self.count:
+            return None
+        return (f"checked {counted(self.count, 'object')} against this box's model: "
+                f"{self.seconds:.2f}s, model loaded in {self.check.load_seconds:.2f}s")  # fmt: skip
+
+    def refused(self, label: str, token_ids: list[int], blob, uploader: str | None) -> bool:
+        if uploader == self.me:
+            return False  # this box's own KV
+        if uploader and (why := self.queue.quarantined().get(uploader)):
+            click.echo(f"not fetched {label}: uploader {uploader} is quarantined ({why})", err=True)
+            return True
+        verdict = self.check(token_ids, blob)
+        self.count, self.seconds = self.count + 1, self.seconds + verdict.seconds
+        if verdict.ok:
+            return False
+        said = f"refused {label}: its KV is not what this box's model computes ({verdict.what})"
+        if not uploader:  # an older kvstore's object: no box to quarantine
+            click.echo(said, err=True)
+            return True
+        self.queue.quarantine(uploader, f"{label}: {verdict.what} against this box's model")
+        click.echo(f"{said}; every object of {uploader} is quarantined "
+                   f"(`kvstore remote release {uploader}` after a look)", err=True)  # fmt: skip
+        return True
+
+
+def _pull_pins(plan, manifest: Path, fetcher, put, have: set, check) -> tuple[int, int, int]:
     """The manifest's pins of this plan that this box lacks: (fetched, absent, failed)."""
     from kvstore.warm.warm import pin_fields
 
@@ -411,6 +488,10 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int,
             absent += note == "not on the remote"
             failed += note != "not on the remote"
             continue
+        if check.refused(pp.pin.name, list(pp.pin.tokens), blob, uploader):
+            have.add(pp.key)
+            failed += 1
+            continue
         fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
         fields["extra"].update(origin="remote", uploader=uploader)
         put(pp.key, blob, fields)
@@ -420,7 +501,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set) -> tuple[int, int,
     return fetched, absent, failed
 
 
-def _pull_objects(plan, remote, queue, put, have: set) -> tuple[int, int]:
+def _pull_objects(plan, remote, queue, put, have: set, check) -> tuple[int, int]:
     """The model's other objects on the remote (runtime pins, chains): (fetched, failed)."""
     from kvstore.fleet.fetch import REFUSALS, foreign_fields, other_runtime
     from kvstore.fleet.objects import verify_object
@@ -440,6 +521,9 @@ def _pull_objects(plan, remote, queue, put, have: set) -> tuple[int, int]:
             continue
         if other := other_runtime(meta):
             click.echo(f"not fetched {meta.label}: {other}", err=True)
+            failed += 1
+            continue
+        if check.refused(meta.label, meta.token_ids(), blob, prov.box):
             failed += 1
             continue
         put(o.key, blob, foreign_fields(meta, plan, prov.box))

@@ -126,6 +126,9 @@ class WarmFetcher:
                 tokens=pack_tokens(pp.pin.tokens),
                 keys=self.remote.settings.fleet_keys,
             )
+            if why := self.quarantined(prov.box):
+                log.error("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, why)
+                return None, [], why, None
             if other := other_runtime(meta):
                 log.info("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, other)
                 return None, [], other, None
@@ -145,6 +148,12 @@ class WarmFetcher:
         log.info("remote: pin %r of %s: fetched %s from %s", pp.pin.name, plan.spec.path, note,
                  prov.box)  # fmt: skip
         return blob, meta.classes, note, prov.box
+
+    def quarantined(self, box: str) -> str | None:
+        """Why objects `box` uploaded are not used here (quarantined after a semantic check
+        failed: `kvstore remote status`), or None."""
+        why = self.queue.quarantined().get(box)
+        return None if why is None else f"uploader {box} is quarantined ({why})"
 
     def choose(self, plan: ModelPlan, pp: PlannedPin, nbytes: int) -> Choice:
         if self.always:

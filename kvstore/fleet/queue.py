@@ -187,6 +187,31 @@ class UploadQueue:
 
         return self._read(fn)
 
+    # -- quarantine (kvstore.fleet.check) ------------------------------------------------------
+
+    def quarantine(self, box: str, reason: str) -> None:
+        """No object `box` uploaded is used here until `release(box)`."""
+        name = f"quarantine:{box}".encode()
+        self._write(lambda txn: txn.put(name, msgpack.packb(reason), db=self._rates))
+
+    def release(self, box: str) -> bool:
+        """Lift `box`'s quarantine; False when it was not quarantined."""
+        name = f"quarantine:{box}".encode()
+        return bool(self._write(lambda txn: txn.delete(name, db=self._rates)))
+
+    def quarantined(self) -> dict[str, str]:
+        """Quarantined uploaders (box id -> why)."""
+
+        def fn(txn):
+            with txn.cursor(db=self._rates) as cur:
+                return {
+                    bytes(k).decode().removeprefix("quarantine:"): msgpack.unpackb(v)
+                    for k, v in cur
+                    if bytes(k).startswith(b"quarantine:")
+                }
+
+        return self._read(fn)
+
     # -- measured rates -----------------------------------------------------------------------
 
     def rate(self, name: str) -> float | None:

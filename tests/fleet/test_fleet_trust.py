@@ -108,7 +108,6 @@ def test_key_new_writes_the_key_0600_rotates_and_status_never_shows_it(s3, tmp_p
 def test_tampered_object_is_refused_by_mac_counted_and_prefilled(s3, llama_path, tmp_path):
     k = secrets.token_hex(32)
     a, b = keyed(box(tmp_path / "a", s3), k), keyed(box(tmp_path / "b", s3), k)
-    c = box(tmp_path / "c", s3)  # no key: structure alone cannot tell
     manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
     warm_and_push(a, manifest)
     names = objects_of(a)
@@ -134,9 +133,11 @@ def test_tampered_object_is_refused_by_mac_counted_and_prefilled(s3, llama_path,
     assert json.loads(cli("remote", "status", "--json", "--home", b).output)["refused"] == {
         "unauthentic": 4
     }
-    # without a key the same objects pass every structural check: only the MAC refused them
-    r = cli("remote", "pull", "--manifest", manifest, "--home", c, code=0)
-    assert "2 fetched" in r.output
+    # the same objects pass every structural check: only the MAC refused them
+    for name in names.values():
+        data = client.get_object(Bucket=BUCKET, Key=name)["Body"].read()
+        key = bytes.fromhex(name.rsplit("/", 2)[1]) + bytes.fromhex(name.rsplit("/", 1)[1])
+        verify_object(key, data)
 
 
 def test_object_from_a_box_with_another_key_is_refused(s3, llama_path, tmp_path):
@@ -164,6 +165,9 @@ def test_signed_objects_are_served_with_no_prefill_and_name_their_box(s3, llama_
     listed = json.loads(cli("remote", "ls", "--json", "--home", b, code=0).output)
     assert [o["uploader"] for o in listed] == [box_id(a)] * 2
     assert box_id(a) != box_id(b)
+    c = keyed(box(tmp_path / "c", s3), k)  # pull checks each against its own model: they pass
+    r = cli("remote", "pull", "--manifest", manifest, "--home", c, code=0)
+    assert "2 fetched" in r.output and "checked 2 objects against this box's model" in r.output
 
 
 def test_key_rotation_accepts_the_previous_keys_objects(s3, llama_path, tmp_path):
@@ -227,3 +231,46 @@ def test_multipart_objects_carry_a_mac_over_every_part(s3, tmp_path):
     assert prov.signed and prov.box == box_id(a) and len(blob) == meta.nbytes > 10 * 2**20
     with pytest.raises(RemoteError, match="MAC does not match"):
         verify_object(key, data, keys=(secrets.token_bytes(32),))
+
+
+def test_kv_forged_by_a_box_with_the_key_is_refused_by_the_semantic_check(s3, llama_path, tmp_path):
+    k = secrets.token_hex(32)
+    a, b = keyed(box(tmp_path / "a", s3), k), keyed(box(tmp_path / "b", s3), k)
+    manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+    warm_and_push(a, manifest)
+    faulty = remote_of(a).settings  # a member that holds the key signs KV its model got wrong
+    client = s3.client()
+    name = objects_of(a)["classify"]
+    data = client.get_object(Bucket=BUCKET, Key=name)["Body"].read()
+    key = bytes.fromhex(name.rsplit("/", 2)[1]) + bytes.fromhex(name.rsplit("/", 1)[1])
+    forged = tampered(data, key, keep_trailer=True)
+    forged = forged[: blob_end(forged)]
+    client.put_object(
+        Bucket=BUCKET, Key=name, Body=forged + seal(faulty, forged), Metadata={"box": box_id(a)}
+    )
+    assert verify_object(key, forged + seal(faulty, forged), keys=(bytes.fromhex(k),))
+
+    r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=1)
+    assert "0 fetched, 0 not on the remote, 2 failed" in r.output, r.output
+    assert "refused classify: its KV is not what this box's model computes (first 64" in r.output
+    assert f"every object of {box_id(a)} is quarantined" in r.output
+    assert f"not fetched synthesize: uploader {box_id(a)} is quarantined" in r.output
+    with Store(b, readonly=True) as store:
+        assert store.keys() == []  # the forged one refused, the rest of its box's quarantined
+    status = json.loads(cli("remote", "status", "--json", "--home", b, code=0).output)
+    assert list(status["quarantined"]) == [box_id(a)]
+    r = cli("warm", "--manifest", manifest, "--home", b, code=0)  # the warm's fetch refuses too
+    assert "2 warmed, 0 present, 0 failed, 0 fetched" in r.output, r.output
+    assert f"uploader {box_id(a)} is quarantined" in r.output
+    cli("remote", "release", box_id(a), "--home", b, code=0)
+    assert json.loads(cli("remote", "status", "--json", "--home", b).output)["quarantined"] == {}
+    assert "not quarantined" in cli("remote", "release", box_id(a), "--home", b, code=1).output
+    from kvstore.fleet.queue import UploadQueue
+
+    q = UploadQueue(b)
+    q.quarantine(box_id(a), "again")
+    q.close()
+    r = cli("remote", "gc", "--quarantined", "--home", b, code=0)
+    assert "2 objects deleted" in r.output, r.output
+    assert list(remote_of(b).objects()) == []
+    assert json.loads(cli("remote", "status", "--json", "--home", b).output)["quarantined"] == {}

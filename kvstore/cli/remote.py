@@ -270,7 +270,7 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                 got, bad = pull_records(
                     remote, store, plan.fingerprint.digest, model=plan.spec.path,
                     extra=plan.spec.identity.state, put=put_records, say=click.echo,
-                    refused=queue.refused,
+                    refused=queue.refused, quarantined=queue.quarantined,
                 )  # fmt: skip
                 learned += got
                 failed += bad

@@ -65,11 +65,13 @@ def pull_records(
     put: Callable[[bytes, bytes, list[tuple[int, int, bytes]], str, dict], None],
     say: Callable[[str], None],
     refused: Callable[[RemoteError], None] = lambda e: None,
+    quarantined: Callable[[], dict[str, str]] = dict,
 ) -> tuple[int, int]:
     """Fetch the records of `fingerprint` this box lacks, verified in full, and store them with
     `put(fingerprint, chain tokens, [(start, end, blob)], label, extra)`; `model` and `extra` are
     this box's identity of the model (as its manifest names it); `refused` counts an object
-    refused (corrupt, unauthentic). Returns (fetched, failed)."""
+    refused (corrupt, unauthentic); records of a `quarantined()` uploader are refused. Returns
+    (fetched, failed)."""
     blocks = BlockStore(store)
     have = {m.key for m in blocks.records()}
     block = blocks.cut_at()
@@ -87,6 +89,11 @@ def pull_records(
             failed += 1
             continue
         meta, tokens, cut, blob = v.meta, v.tokens, v.block, v.blob
+        if why := quarantined().get(v.provenance.box):
+            say(f"warning: learned record {o.key.hex()}: uploader {v.provenance.box} is "
+                f"quarantined ({why}); not stored")  # fmt: skip
+            failed += 1
+            continue
         if cut != block:
             say(f"warning: learned record {o.key.hex()} was cut at {cut} tokens, this store at "
                 f"{block}; not stored")  # fmt: skip

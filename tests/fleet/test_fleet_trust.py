@@ -160,7 +160,7 @@ def test_signed_objects_are_served_with_no_prefill_and_name_their_box(s3, llama_
         r = cli("warm", "--manifest", manifest, "--home", b, code=0)
     assert "0 warmed, 0 present, 0 failed, 2 fetched" in r.output, r.output
     rows = json.loads(cli("ls", "--json", "--home", b, code=0).output)
-    assert [r["uploader"] for r in rows] == [box_id(a)] * 2
+    assert [r["uploader"] for r in rows] == [box_id(a)] * 2 * 2
     assert {"key", "label", "tokens", "nbytes", "pinned"} <= set(rows[0])  # existing keys kept
     assert f"from {box_id(a)}" in cli("ls", "--home", b, code=0).output
     listed = json.loads(cli("remote", "ls", "--json", "--home", b, code=0).output)
@@ -295,3 +295,40 @@ def test_semantic_check_of_a_final_state_layout_compares_the_whole_entry(s3, hyb
     assert "refused classify: its KV is not what this box's model computes (first 148 of 148" in (
         r.output
     ), r.output
+
+
+def test_learned_records_carry_the_mac_and_honour_the_quarantine(s3, llama_path, tmp_path):
+    from helpers import mlx_lm_prefill
+    from mlx_lm import load
+
+    from kvstore.codec.blocks import slice_record
+    from kvstore.fleet.queue import UploadQueue
+    from kvstore.identity.fingerprint import model_fingerprint
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+
+    k = secrets.token_hex(32)
+    a, b = keyed(box(tmp_path / "a", s3), k), keyed(box(tmp_path / "b", s3), k)
+    other = keyed(box(tmp_path / "other", s3), secrets.token_hex(32))
+    manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+    fp = model_fingerprint(str(llama_path)).digest
+    model, _ = load(str(llama_path))
+    tokens = [(7 * i) % 500 + 3 for i in range(300)]
+    cache = mlx_lm_prefill(model, tokens)
+    with Store(a) as store:
+        rows = [(s, e, slice_record(cache, s, e)) for s, e in cuts(0, len(tokens))]
+        BlockStore(store).put_records(fp, tokens, rows, label="learned",
+                                      extra={"model": str(llama_path)})  # fmt: skip
+    assert "learned records: 2 uploaded" in cli("remote", "push", "--home", a, code=0).output
+    r = cli("remote", "pull", "--manifest", manifest, "--home", other, code=1)
+    assert "learned record" in r.output and "MAC does not match this fleet's key" in r.output
+    q = UploadQueue(b)
+    q.quarantine(box_id(a), "a look")
+    q.close()
+    r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=1)
+    assert f"uploader {box_id(a)} is quarantined (a look); not stored" in r.output, r.output
+    cli("remote", "release", box_id(a), "--home", b, code=0)
+    r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=0)
+    assert "2 learned records" in r.output, r.output
+    rows = json.loads(cli("ls", "--learned", "--json", "--home", b, code=0).output)
+    assert [r["uploader"] for r in rows] == [box_id(a)] * 2

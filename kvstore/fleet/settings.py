@@ -164,12 +164,19 @@ def box_id(home: Path) -> str:
         return path.read_text().strip()
     except FileNotFoundError:
         pass
+    except OSError as e:
+        raise RemoteSettingsError(f"{path}: cannot read this box's id: {e.strerror}") from None
     made = f"box-{secrets.token_hex(6)}"
+    tmp = path.with_name(f".box_id.{os.getpid()}")
     try:
-        with open(path, "x") as f:  # exclusive: two first uses agree on the first one written
-            f.write(made + "\n")
+        tmp.write_text(made + "\n")
+        os.link(tmp, path)  # atomic and exclusive: two first uses agree on the first one linked
     except FileExistsError:
         return path.read_text().strip()
+    except OSError as e:
+        raise RemoteSettingsError(f"{path}: cannot make this box's id: {e.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return made
 
 

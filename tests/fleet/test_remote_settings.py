@@ -35,3 +35,16 @@ def test_the_sample_in_remote_help_is_a_valid_table(kv_home):
     assert shown[start : start + len(sample)] == sample
     settings = parse_remote(tomllib.loads(REMOTE_SAMPLE)["remote"], source=kv_home / "s.toml")
     assert settings.endpoint.startswith("http") and settings.bucket
+
+
+def test_box_id_is_made_once_and_kept_in_the_home(tmp_path):
+    import pytest
+
+    from kvstore.fleet.settings import RemoteSettingsError, box_id
+
+    made = box_id(tmp_path)
+    assert made.startswith("box-") and box_id(tmp_path) == made
+    assert (tmp_path / "box_id").read_text().strip() == made
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["box_id"]  # no temporary left
+    with pytest.raises(RemoteSettingsError, match="cannot make this box's id"):
+        box_id(tmp_path / "missing")

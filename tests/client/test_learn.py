@@ -489,3 +489,31 @@ def test_an_old_whole_cache_snapshot_is_still_served(hybrid, hybrid_path, kv_hom
             assert _source("store") - before == len(t2)
         finally:
             learner.close(timeout=5.0)
+
+
+def test_a_state_only_snapshot_whose_records_are_gone_is_not_served(hybrid, hybrid_path,
+                                                                    kv_home, tmp_path):  # fmt: skip
+    """Its KV layers are block records: when those were evicted, the snapshot is passed over
+    (KeyError from load_entry; the cold tier prefills), never served with empty KV layers."""
+    from helpers import Proc, serving
+
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=4)
+        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
+        try:
+            t2, out2 = _two_turns(hybrid, lru, learner)
+        finally:
+            learner.close(timeout=5.0)
+    with Store(kv_home) as rw:  # the daemon has stopped: this process may write
+        blocks = BlockStore(rw)
+        assert blocks.delete([m.key for m in blocks.records()]) > 0
+        with pytest.raises(KeyError):
+            load_entry(rw, entry_key(FP, t2), pack_tokens(t2))
+    fresh = PinnedPromptCache(max_size=4)
+    learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+    try:
+        before = _source("store")
+        cache, rest = fresh.fetch_nearest_cache(KEY, t2 + out2 + _tokens(30, seed=8))
+        assert cache is None and _source("store") == before  # prefilled, as without a store
+    finally:
+        learner.close(timeout=5.0)

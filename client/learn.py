@@ -87,7 +87,12 @@ class LearnTarget:
             try:
                 from kvstore.codec.blocks import sliceable
 
-                self.sliceable = bool(sliceable(self.template()))
+                template = self.template()
+                # a sliding window wraps past its size: then it keeps only a final window, a
+                # state like an SSM's (its other layers still go as records)
+                self.sliceable = bool(sliceable(template)) and not any(
+                    type(c).__name__ == "RotatingKVCache" for c in template
+                )
             except ImportError:  # a core without block records: entries only
                 self.sliceable = False
         return self.sliceable

@@ -20,7 +20,7 @@ from kvstore.store.store import Store
 from tests.client.test_learn import FP, KEY, _learner_of, _source, _tokens, _two_turns
 
 LAYOUTS = ["qwen3_5", "qwen3_next", "falcon_h1", "nemotron_h", "granitemoehybrid", "lfm2",
-           "kimi_linear", "mamba", "mamba2", "recurrent_gemma"]  # fmt: skip
+           "kimi_linear", "mamba", "mamba2", "recurrent_gemma", "gemma3_text"]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", LAYOUTS)

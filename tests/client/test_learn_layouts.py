@@ -1,8 +1,8 @@
-"""Every state layout the installed mlx-lm builds as a tiny random model (kvstore.tiny): a chat
-learned through a real daemon is restored exactly after a restart. Turn 3 of a restarted app is
-served turn 2's whole prompt from the store (KV records + a state-only snapshot where the layout
-has KV layers, the whole state otherwise), and its cache and logits equal a cold prefill of the
-same split."""
+"""Every state layout the installed mlx-lm builds as a tiny random model (kvstore.tiny), and
+gemma3's sliding windows: a chat learned through a real daemon is restored exactly after a
+restart. Turn 3 of a restarted app is served turn 2's whole prompt from the store (KV records +
+a state-only snapshot where the layout has KV layers, the whole state otherwise), and its cache
+and logits equal a cold prefill of the same split."""
 
 from __future__ import annotations
 

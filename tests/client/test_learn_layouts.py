@@ -61,3 +61,32 @@ def test_a_state_layout_chat_is_restored_exactly_after_a_restart(arch, models_di
             assert mx.array_equal(logits, model(mx.array(rest)[None], cache=cold)).item()
         finally:
             learner.close(timeout=5.0)
+
+
+def test_an_architecture_the_installed_mlx_lm_lacks_is_named_in_one_line(llama_path, kv_home,
+                                                                          tmp_path):  # fmt: skip
+    """`warm` and `kvstore serve` of a model whose architecture this mlx-lm cannot build: one line
+    that names it, no traceback."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from helpers import cli, manifest_for
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_path, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    manifest = manifest_for(tmp_path, model, '[[model.prefix]]\nname = "x"\ntext = "hello"\n')
+    out = cli("warm", "--home", kv_home, "--manifest", manifest, code=1).output
+    said = [line for line in out.splitlines() if "no_such_arch" in line]
+    assert len(said) == 1 and "not supported" in said[0] and "Traceback" not in out
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--home", str(kv_home), "--model", str(model),
+         "--port", "0"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    said = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert proc.returncode != 0 and len(said) == 1, proc.stderr
+    assert "no_such_arch" in said[0] and "not supported" in said[0]
+    assert "Traceback" not in proc.stderr

@@ -517,3 +517,26 @@ def test_a_state_only_snapshot_whose_records_are_gone_is_not_served(hybrid, hybr
         assert cache is None and _source("store") == before  # prefilled, as without a store
     finally:
         learner.close(timeout=5.0)
+
+
+def test_a_state_only_snapshot_exports_as_its_whole_cache(hybrid, hybrid_path, kv_home, tmp_path):
+    """`kvstore export` of a state-only snapshot writes the assembled cache (KV from its records),
+    a file mlx-lm loads, not the state with empty KV layers."""
+    from helpers import Proc, cli, serving
+    from mlx_lm.models.cache import load_prompt_cache
+
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=4)
+        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
+        try:
+            t2, _ = _two_turns(hybrid, lru, learner)
+        finally:
+            learner.close(timeout=5.0)
+    key = entry_key(FP, t2)
+    with Store(kv_home, readonly=True) as ro:
+        assert ro.get_meta(key).extra["kv_layers"]
+        _, whole = load_entry(ro, key, pack_tokens(t2))
+    cli("export", "--home", kv_home, key.hex(), tmp_path / "t2.safetensors", code=0)
+    loaded = load_prompt_cache(str(tmp_path / "t2.safetensors"))
+    assert codec.encode(loaded) == codec.encode(whole)
+    assert all(c.offset == len(t2) for c in loaded if type(c).__name__ == "KVCache")

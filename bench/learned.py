@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -334,7 +335,11 @@ def restart(arch: str, root: Path, turns: int) -> dict:
         finally:
             s.stop()
         # the whole conversation: the last turn, served after the restart, is learned too
-        out["bytes"] = _chat_bytes(home, model, ids(chat[-1]), learned, arch == "llama")
+        if arch == "llama":
+            out["bytes"] = _chat_bytes(home, model, ids(chat[-1]), learned, True)
+        else:
+            daemon_text = (root / f"daemon-{arch}.log").read_text(errors="replace")
+            out["bytes"] = _state_chat_bytes(home, model, ids(chat[-1]), daemon_text)
     finally:
         _stop_daemon(daemon)
         daemon_log.close()
@@ -385,6 +390,91 @@ def _chat_bytes(home: Path, model: Path, final: list[int], learned: dict, record
         "written_per_learned_token_over_kv": (written / learned_tokens / per_token
                                               if learned_tokens else None),
     }  # fmt: skip
+
+
+SNAPSHOT_LINE = re.compile(r"learned snapshot [0-9a-f]+: (\d+) tokens, (\d+) bytes written")
+
+
+def _state_chat_bytes(home: Path, model: Path, final: list[int], daemon_log: str) -> dict:
+    """A state layout (qwen3_5): what the chat stored (its chain's KV records + the snapshots
+    kept on it) against the final prompt's KV + max_snapshots_per_prefix states, and what all
+    learning wrote (records + snapshots, the daemon's daily counter) against what it added: the
+    new tokens' KV + one state per snapshot written (the daemon's log lines count them)."""
+    from kvstore.settings import DEFAULTS
+    from kvstore.store.blocks import BlockStore, is_snapshot
+    from kvstore.store.store import Store
+
+    per_token, fixed = _kv_bytes_per_token(model)
+    cap = int(DEFAULTS["max_snapshots_per_prefix"])
+    snaps_written = [(int(t), int(b)) for t, b in SNAPSHOT_LINE.findall(daemon_log)]
+    store = Store(home, readonly=True)
+    try:
+        blocks = BlockStore(store)
+        snaps = [m for m in store.metas(errors=[]) if is_snapshot(m)]
+        chat = [m for m in snaps if m.token_ids() == final[: m.ntokens]]
+        fp = chat[0].fingerprint if chat else b""
+        chain = blocks.lookup(fp, final) if chat else []
+        record_tokens = sum(m.end - m.start for m in blocks.records())
+        covered = max((m.ntokens for m in chat), default=0)
+        stored = sum(m.nbytes for m in chain if m.end <= covered) + sum(m.nbytes for m in chat)
+        written = blocks.written_today()
+        state_only = all(m.extra.get("kv_layers") for m in chat)
+    finally:
+        store.close()
+    kv_final = per_token * covered + cap * fixed
+    # whole-cache snapshots keep no records to count the new tokens by: no ratio (the shapes
+    # figure gives the old form's cost)
+    added = per_token * record_tokens + len(snaps_written) * fixed if state_only else 0
+    return {
+        "kind": ("KV records + state-only snapshots" if state_only else "whole-cache snapshots")
+        + f" ({len(chat)} kept on the chat's chain)",
+        "kv_bytes_per_token": per_token,
+        "fixed_state_bytes": fixed,
+        "final_prompt_tokens": len(final),
+        "chain_covers_tokens": covered,
+        "chat_stored_bytes": stored,
+        "final_prompt_kv_bytes": kv_final,
+        "stored_over_final_kv": stored / kv_final if covered else float("inf"),
+        "written_bytes": written,
+        "snapshots_written": len(snaps_written),
+        "snapshot_bytes_written": sum(b for _, b in snaps_written),
+        "written_over_added": written / added if added else None,
+    }
+
+
+TURN_TOKENS = 256  # new tokens a chat turn adds in the shapes figure (one block)
+SHAPE_PROMPTS = (1024, 4096, 16384)
+
+
+def hybrid_shapes(prompts: tuple[int, ...] = SHAPE_PROMPTS, turn: int = TURN_TOKENS) -> dict:
+    """Bytes one learned chat turn writes at Qwen3.5-9B's shapes (bench.shapes.HYBRID_9B: random
+    arrays, no model), encoded as the store would: before, a whole-cache snapshot at the turn's
+    end; after, the turn's new tokens as KV block records + a state-only snapshot. And the turns
+    per day the default daily write budget (learn_write_bytes_per_day) then covers."""
+    from bench.shapes import HYBRID_9B, make_cache
+    from kvstore.codec import codec
+    from kvstore.codec.blocks import kv_layers, slice_record, state_part
+    from kvstore.settings import DEFAULTS
+    from kvstore.store.chain import cuts
+
+    budget = int(DEFAULTS["learn_write_bytes_per_day"])
+    out: dict = {"shape": HYBRID_9B.name, "turn_tokens": turn, "write_budget": budget, "rows": []}
+    for n in prompts:
+        cache = make_cache(HYBRID_9B, n)
+        layers = kv_layers(cache)
+        before = len(codec.encode(cache))
+        records = sum(len(slice_record(cache, s, e, layers=layers))
+                      for s, e in cuts(n - turn, n))  # fmt: skip
+        state = len(codec.encode(state_part(cache, layers)))
+        after = records + state
+        added = turn * HYBRID_9B.bytes_per_token + HYBRID_9B.fixed_bytes
+        out["rows"].append({
+            "prompt_tokens": n, "before_bytes": before, "after_bytes": after,
+            "after_over_added": after / added, "turns_per_day_before": budget // before,
+            "turns_per_day_after": budget // after,
+        })  # fmt: skip
+        del cache
+    return out
 
 
 def restore(root: Path, prefix: int, reps: int) -> dict:
@@ -671,8 +761,9 @@ def run(quick: bool, *, turns: int | None = None, prefix: int | None = None) -> 
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        archs = ("llama",) if quick else ("llama", "qwen3_5")
+        archs = ("llama", "qwen3_5")
         res["restart"] = {a: restart(a, root, turns) for a in archs}
+        res["hybrid_shapes"] = hybrid_shapes(SHAPE_PROMPTS if prefix is None else (1024,))
         res["restore"] = restore(root, prefix or (800 if quick else 4096), 5 if quick else 15)
         res["report"] = report(root, 8192 if prefix is None else 1024, 20 if quick else 100)
         res["peer"] = peer(root)
@@ -690,6 +781,16 @@ def _print(res: dict) -> None:
               f"{r['turns']} served {r['chat_next_turn']['served_over_prev_prompt']:.3f} of turn "
               f"{r['turns'] - 1}'s prompt; stored {r['bytes']['stored_over_final_kv']:.3f}x the "
               f"final prompt's KV")  # fmt: skip
+    h = res["hybrid_shapes"]
+    print(
+        f"  one learned chat turn ({h['turn_tokens']} new tokens) at {h['shape']} shapes, "
+        f"bytes written (turns/day in {h['write_budget'] / 2**30:.0f} GiB) before -> after:"
+    )
+    for row in h["rows"]:
+        print(f"    {row['prompt_tokens']:>6} tokens: {row['before_bytes'] / 1e6:.0f} MB "
+              f"({row['turns_per_day_before']}) -> {row['after_bytes'] / 1e6:.1f} MB "
+              f"({row['turns_per_day_after']}), {row['after_over_added']:.3f}x its new KV + one "
+              f"state")  # fmt: skip
     r = res["restore"]
     ms = {k: r[k] * 1e3 for k in ("restore_s", "memory_copy_s", "ttft_store_s", "ttft_memory_s",
                                   "ttft_prefill_s")}  # fmt: skip

@@ -20,6 +20,7 @@ from kvstore.errors import KVStoreError, counted
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.identity.model import ModelIdentity
 from kvstore.settings import FILEHASH_NAME, resolve_home
+from kvstore.store.blocks import load_entry
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 
@@ -156,7 +157,7 @@ def prefetch(
             for meta in sorted(metas, key=lambda m: (m.pinned, m.last_used)):
                 try:
                     _check_stored_ids(meta, vocab)
-                    pre.entries.append(store.load(meta.key, meta.tokens))
+                    pre.entries.append(load_entry(store, meta.key, meta.tokens))
                 except (KVStoreError, ValueError) as e:
                     report.skipped.append(f"{meta.key.hex()}: {e}")
                 except KeyError:

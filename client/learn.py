@@ -57,6 +57,8 @@ METAS_REFRESH_S = 5.0  # seconds between re-reads of the stored entries' list on
 REOPEN_S = 5.0  # seconds between attempts to open a store that is not there yet
 LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never block a request)
 TOUCH_BATCH_S = 5.0  # seconds between batches of restored records' keys sent (touch_blocks)
+# state layouts: a learned boundary stores only the state layers; the KV layers are records
+STATE_ONLY_SNAPSHOTS = True
 
 
 @dataclass
@@ -85,7 +87,12 @@ class LearnTarget:
             try:
                 from kvstore.codec.blocks import sliceable
 
-                self.sliceable = bool(sliceable(self.template()))
+                template = self.template()
+                # a sliding window wraps past its size: then it keeps only a final window, a
+                # state like an SSM's (its other layers still go as records)
+                self.sliceable = bool(sliceable(template)) and not any(
+                    type(c).__name__ == "RotatingKVCache" for c in template
+                )
             except ImportError:  # a core without block records: entries only
                 self.sliceable = False
         return self.sliceable
@@ -264,7 +271,9 @@ class ColdTier:
             return None
         t, meta = best
         try:
-            _, cache = self._store.load(meta.key, meta.tokens)
+            from kvstore.store.blocks import load_entry
+
+            _, cache = load_entry(self._store, meta.key, meta.tokens)
         except KeyError:  # evicted since the list was read
             self._metas.pop(target.fingerprint, None)
             return None
@@ -303,6 +312,7 @@ class Learner:
         self._touched: dict[bytes, list[bytes]] = {}  # fingerprint -> restored records' keys
         self._touched_sent = time.monotonic()
         self._no_touch = False  # an older daemon without touch_blocks
+        self._block = 256  # the store's block_tokens (read from it before records are cut)
 
     def add_target(self, model_key: Any, target: LearnTarget) -> None:
         self.targets[model_key] = target
@@ -611,9 +621,48 @@ class Learner:
         modelthread.call(forward)  # not on this worker: it exits (client/modelthread.py says why)
         self._send_snapshot(client, target, prompt, state, prompt_end=True)
 
+    def _kv_records(self, client, target: LearnTarget, prefix: list, cache: list) -> list[int]:
+        """A state layout's cuttable layers (KVCache, QuantizedKVCache) of `prefix` as block
+        records: the ones the store lacks are sent with put_blocks (shared by every snapshot
+        and chain that covers them). Returns those layers, or [] (the snapshot stays whole:
+        no such layers, or no block records in this store)."""
+        from kvstore.codec.blocks import kv_layers, slice_record
+        from kvstore.store.chain import cuts
+        from kvstore.store.entry import pack_tokens
+
+        layers = kv_layers(cache)
+        if not layers or not STATE_ONLY_SNAPSHOTS or not self.cold._open():
+            return []
+        blocks = self.cold._blocks
+        if blocks is None:
+            return []
+        self._block = blocks.cut_at()
+        data = pack_tokens(prefix)
+        stored = min(blocks.stored_end(target.fingerprint, data), len(prefix))
+        rows: list[dict[str, Any]] = [
+            {"start": s, "end": e, "blob": slice_record(cache, s, e, layers=layers)}
+            for s, e in cuts(stored, len(prefix), self._block)
+        ]
+        for i in range(0, len(rows), 64):  # well under a frame each at any model's KV size
+            batch = rows[i : i + 64]
+            reply = client.request(
+                "put_blocks",
+                fingerprint=target.fingerprint,
+                tokens=pack_tokens(prefix[: batch[-1]["end"]]),
+                records=batch,
+                label=target.label,
+                model=target.model,
+                extra=target.extra,
+            )
+            done = PutBlocksReply.from_wire({"stored": len(batch), **(reply or {})})
+            self.records_sent += int(done.stored)
+            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
+        return layers
+
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list, *,
                        prompt_end: bool = False) -> None:  # fmt: skip
         from kvstore.codec import codec
+        from kvstore.codec.blocks import state_part
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
         from kvstore.store.entry import entry_fields, entry_key
 
@@ -621,6 +670,12 @@ class Learner:
             return
         if target.template_hash is None:
             target.template_hash = template_hash(resolve_model_path(target.model))
+        more: dict[str, Any] = {}
+        layers = self._kv_records(client, target, prefix, cache)
+        if layers:  # the KV layers went as shared records: the snapshot holds the state only
+            cache = state_part(cache, layers)
+            more = {"kv_layers": layers, "kv_block": self._block}
+        classes = codec.cache_classes(cache)
         blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
         fields = entry_fields(
             prefix,
@@ -628,11 +683,12 @@ class Learner:
             pinned=False,
             model=target.model,
             template_hash=target.template_hash,
-            classes=codec.cache_classes(cache),
+            classes=classes,
             state=target.extra,
             source="learned",
             learned=True,
             prompt_end=prompt_end,
+            **more,
         )
         client.put(entry_key(target.fingerprint, prefix), blob, fields.as_kwargs())
         self.snapshots_sent += 1

@@ -453,12 +453,13 @@ class PersistentPromptCache(PinnedPromptCache):
             return "memory", mlxlm.trie_get(self, self.model_key, ids).prompt_cache
         if self.fingerprint is None or self.home is None:
             return "", None
+        from kvstore.store.blocks import load_entry
         from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
 
         try:
             with Store(self.home, readonly=True) as store:
-                _, cache = store.load(entry_key(self.fingerprint, ids), pack_tokens(ids))
+                _, cache = load_entry(store, entry_key(self.fingerprint, ids), pack_tokens(ids))
         except KeyError:
             return "", None
         except KVStoreError as e:  # already said once by hydrate; prefill as if absent

@@ -28,12 +28,32 @@ def sliceable(cache: list) -> bool:
     return bool(cache)
 
 
-def slice_record(cache: list, start: int, end: int) -> bytes:
-    """Every layer's KV positions [start, end) as one record blob."""
+def kv_layers(cache: list) -> list[int]:
+    """The layers of a state layout whose KV can be cut into records (KVCache,
+    QuantizedKVCache); [] when there are none, or when every layer can be (then the whole cache
+    is sliceable)."""
+    out = [i for i, c in enumerate(cache) if type(c).__name__ in RECORD_CLASSES]
+    return out if len(out) < len(cache) else []
+
+
+def state_part(cache: list, layers: list[int]) -> list:
+    """The cache with `layers` emptied (a KVCache holding nothing): what a state-only snapshot
+    stores; its KV layers are block records."""
+    from mlx_lm.models.cache import KVCache
+
+    keep = set(layers)
+    return [KVCache() if i in keep else c for i, c in enumerate(cache)]
+
+
+def slice_record(cache: list, start: int, end: int, *, layers: list[int] | None = None) -> bytes:
+    """Every layer's KV positions [start, end) as one record blob (or only `layers`': a state
+    layout's cuttable layers)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
     from kvstore.codec import codec
 
+    if layers is not None:
+        cache = [cache[i] for i in layers]
     if not sliceable(cache):
         raise CodecError("slice_record: the cache has layers that cannot be sliced")
     out = []

@@ -87,6 +87,13 @@ def check_kv(req: PutRequest, blob: bytes) -> None:
         cache, _ = codec.decode(blob, name=f"put {key.hex()}")
     except CodecError as e:
         raise ValueError(str(e)) from None
+    layers = (req.fields.get("extra") or {}).get("kv_layers") or []
+    if layers:  # a state-only snapshot: its KV layers are block records, stored empty here
+        if not isinstance(layers, list) or not all(
+            isinstance(i, int) and 0 <= i < len(cache) and cache[i].offset == 0 for i in layers
+        ):
+            raise ValueError(f"put {key.hex()}: extra.kv_layers must name empty KV layers")
+        cache = [c for i, c in enumerate(cache) if i not in set(layers)]
     held, ntokens = codec.cache_tokens(cache), len(req.fields["tokens"]) // 4
     if held != ntokens and not (held is None and codec.keeps_no_offset(cache)):
         what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"

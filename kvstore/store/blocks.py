@@ -767,3 +767,37 @@ def _blob_problem(meta: BlockMeta, blob) -> str | None:
     if blob_checksum(blob) != meta.checksum:
         return "record blob checksum mismatch (it was altered)"
     return None
+
+
+def load_entry(store: Store, key: bytes, tokens: bytes | None = None) -> tuple[Any, list]:
+    """`Store.load`, and a state-only snapshot's KV layers put back from its block records: the
+    whole cache an entry serves (an old whole-cache snapshot is served as it is)."""
+    meta, cache = store.load(key, tokens)
+    if meta.extra.get("kv_layers"):
+        cache = fill_kv_layers(store, meta, cache)
+    return meta, cache
+
+
+def fill_kv_layers(store: Store, meta: Any, cache: list) -> list:
+    """A state-only snapshot (extra.kv_layers) with its KV layers put back from the block
+    records of its tokens: the whole cache at its boundary. KeyError when the records no longer
+    cover it (evicted): the snapshot is then not served."""
+    from kvstore.codec.blocks import assemble
+
+    layers = [int(i) for i in meta.extra["kv_layers"]]
+    n = len(meta.tokens) // 4
+    blocks = BlockStore(store, block=int(meta.extra.get("kv_block", DEFAULT.block_tokens)))
+    corrupt: list[CorruptEntryError] = []
+    chain = blocks.lookup(meta.fingerprint, meta.tokens, corrupt=corrupt)
+    if corrupt:
+        raise corrupt[0]
+    if not chain or blocks.served(chain, meta.tokens) < n or chain[-1].end != n:
+        raise KeyError(f"{meta.key.hex()}: its KV records are gone")
+    blobs = blocks.read_blobs(chain, corrupt=corrupt)
+    if len(blobs) < len(chain):
+        raise corrupt[0] if corrupt else KeyError(f"{meta.key.hex()}: its KV records are gone")
+    kv = assemble(blobs, chain, n, [cache[i] for i in layers])
+    out = list(cache)
+    for i, layer in zip(layers, kv, strict=True):
+        out[i] = layer
+    return out

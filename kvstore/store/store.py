@@ -208,7 +208,9 @@ class Store:
         return None if raw is None else EntryMeta.unpack(key, bytes(raw))
 
     def load(self, key: bytes, tokens: bytes | None = None) -> tuple[EntryMeta, list]:
-        """Meta and decoded cache of one entry; `tokens` (packed), if given, must match."""
+        """Meta and decoded cache of one entry; `tokens` (packed), if given, must match. A
+        state-only snapshot (extra.kv_layers) comes with those layers empty: serve it through
+        `kvstore.store.blocks.load_entry`, which puts them back from the block records."""
 
         def fn(txn):
             raw = txn.get(key, db=self._meta)
@@ -270,8 +272,10 @@ class Store:
             raise CorruptEntryError(key, "blob checksum mismatch") from None
         except CodecError as e:
             raise CorruptEntryError(key, str(e)) from None
-        held = codec.cache_tokens(cache)
-        if held != meta.ntokens and not (held is None and codec.keeps_no_offset(cache)):
+        layers = set(meta.extra.get("kv_layers") or ())  # a state-only snapshot's empty KV
+        rest = [c for i, c in enumerate(cache) if i not in layers] if layers else cache
+        held = codec.cache_tokens(rest)
+        if held != meta.ntokens and not (held is None and codec.keeps_no_offset(rest)):
             raise CorruptEntryError(
                 key, f"its KV holds {held} tokens but the entry is {meta.ntokens} tokens"
             )

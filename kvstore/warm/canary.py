@@ -119,7 +119,9 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
                 with loaded_for_check(identity, model_dir, fp) as model:
                     for m, r in todo:
                         try:
-                            _, cache = store.load(m.key, m.tokens)
+                            from kvstore.store.blocks import load_entry
+
+                            _, cache = load_entry(store, m.key, m.tokens)
                             r.detail = kv_check(model, cache, m.token_ids(), what="")
                         except ImportMismatch as e:
                             r.difference, r.detail = float("inf"), str(e)

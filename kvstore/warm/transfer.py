@@ -19,6 +19,7 @@ from kvstore.identity.fingerprint import (
 )
 from kvstore.identity.model import DEFAULT_KV_GROUP_SIZE, ModelIdentity
 from kvstore.settings import FILEHASH_NAME
+from kvstore.store.blocks import load_entry
 from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.importfit import check_fits
@@ -87,7 +88,7 @@ def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
     """Write one entry as a prompt-cache file (`write_file`), with `model` (resolved:
     `exported_model_path`), `tokenizer_config` and `token_ids` (JSON) metadata, so that
     `kvstore import FILE --model M` needs neither --tokens nor --prompt."""
-    meta, _ = store.load(key)  # verifies checksum and decodes before anything is written
+    meta, cache = load_entry(store, key)  # verifies checksum and decodes before anything is written
     folder = file.parent
     if not folder.is_dir():
         raise KVStoreError(
@@ -98,7 +99,13 @@ def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
         TOKEN_IDS_KEY: json.dumps(meta.token_ids(), separators=(",", ":")),
     }
     try:
-        write_file(store.read_blob(key), file, name=key.hex(), metadata=user)
+        if meta.extra.get("kv_layers"):  # a state-only snapshot: the whole cache, assembled
+            from kvstore.codec import codec
+
+            blob = codec.encode(cache)
+        else:
+            blob = store.read_blob(key)
+        write_file(blob, file, name=key.hex(), metadata=user)
     except OSError as e:
         raise KVStoreError(f"{file}: cannot write it: {e.strerror or e}") from None
     return meta

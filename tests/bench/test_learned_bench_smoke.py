@@ -26,6 +26,14 @@ def test_learned_bench_at_its_smallest_size(monkeypatch, capsys):
     assert 0.9 < b["written_per_learned_token_over_kv"] < 2
     assert r["spawn_to_first_answer_s"] > r["spawn_to_ready_s"] > 0
 
+    h = res["restart"]["qwen3_5"]
+    assert h["chat_next_turn"]["served_over_prev_prompt"] == 1
+    hb = h["bytes"]
+    assert hb["kind"].startswith("KV records + state-only snapshots")
+    assert hb["stored_over_final_kv"] <= 1.1 and hb["written_over_added"] <= 1.15
+    (row,) = res["hybrid_shapes"]["rows"]
+    assert row["after_over_added"] <= 1.15 and row["after_bytes"] < row["before_bytes"]
+
     s = res["restore"]
     assert s["restored_exact"]
     for k in ("restore_over_memory_copy", "ttft_store_over_memory", "prefill_over_restore"):

@@ -21,7 +21,7 @@ from kvstore.client.learn import Learner, LearnTarget
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.codec import codec
 from kvstore.codec.blocks import slice_record
-from kvstore.store.blocks import BlockStore
+from kvstore.store.blocks import BlockStore, load_entry
 from kvstore.store.chain import cuts
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
@@ -330,7 +330,7 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
         with Store(kv_home, readonly=True) as ro:
             meta = ro.get_meta(entry_key(FP, t2))
             assert meta is not None, "no snapshot at turn 2's prompt end"
-            _, stored = ro.load(meta.key, meta.tokens)
+            _, stored = load_entry(ro, meta.key, meta.tokens)
         ref = make_prompt_cache(hybrid)
         hybrid(mx.array(t2)[None], cache=ref)
         mx.eval([c.state for c in ref])
@@ -396,3 +396,147 @@ def test_an_app_that_closes_learners_of_a_compiled_model_lives_and_exits_cleanly
         )  # fmt: skip
     assert p.returncode == 0, (p.returncode, p.stdout, p.stderr[-3000:])
     assert p.stdout.split() == ["closed", "0", "closed", "1", "closed", "2", "exiting"]
+
+
+def _kv_bytes(cache: list) -> int:
+    return sum(c.keys.nbytes + c.values.nbytes for c in cache if type(c).__name__ == "KVCache")
+
+
+def _state_bytes(cache: list) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(a.nbytes for c in cache if type(c).__name__ != "KVCache"
+               for _, a in tree_flatten(c.state) if a is not None)  # fmt: skip
+
+
+def test_a_hybrid_chat_stores_its_attention_kv_once_and_each_turn_only_a_state(
+    hybrid, hybrid_path, kv_home, tmp_path
+):
+    """qwen3_5, a real daemon: a turn's end snapshot holds only the state layers (ArraysCache);
+    its KV layers go as shared block records, so the next turn writes its new tokens' KV and
+    one state, not the whole prompt's KV again. After a restart the store serves turn 3 turn 2's
+    whole prompt, assembled from both, and turn 3's logits equal a cold prefill of that split."""
+    from helpers import Proc, serving
+
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=4)
+        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
+        try:
+            t2, out2 = _two_turns(hybrid, lru, learner)
+        finally:
+            learner.close(timeout=5.0)
+        ref = make_prompt_cache(hybrid)
+        hybrid(mx.array(t2)[None], cache=ref)
+        mx.eval([c.state for c in ref])
+        with Store(kv_home, readonly=True) as ro:
+            meta = ro.get_meta(entry_key(FP, t2))
+            assert meta.extra["kv_layers"] == [i for i, c in enumerate(ref)
+                                               if type(c).__name__ == "KVCache"]  # fmt: skip
+            assert meta.nbytes < _state_bytes(ref) + 2**16  # the state, not the KV again
+            assert BlockStore(ro).stored_end(FP, t2) == len(t2)
+            written = BlockStore(ro).written_today()
+        # a restarted app: turn 3 restored from records + the state-only snapshot
+        fresh = PinnedPromptCache(max_size=4)
+        learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+        try:
+            t3 = t2 + out2 + _tokens(30, seed=8)
+            before = _source("store")
+            cache, rest = fresh.fetch_nearest_cache(KEY, t3)
+            assert _source("store") - before == len(t2)  # turn 2's whole prompt from the store
+            assert rest == t3[-1:]  # and split one short of its end, as in memory
+            cold = make_prompt_cache(hybrid)
+            hybrid(mx.array(t2)[None], cache=cold)
+            hybrid(mx.array(t3[len(t2) : -1])[None], cache=cold)
+            for a, b in zip(live_states(cache), live_states(cold), strict=True):
+                assert a.shape == b.shape and mx.array_equal(a, b).item()
+            logits = hybrid(mx.array(rest)[None], cache=cache)
+            want = hybrid(mx.array(rest)[None], cache=cold)
+            assert mx.array_equal(logits, want).item()
+            fresh.insert_cache(KEY, t3, cache)
+            assert learner.drain(20.0)[1] == 0
+        finally:
+            learner.close(timeout=5.0)
+        with Store(kv_home, readonly=True) as ro:
+            added = BlockStore(ro).written_today() - written
+            assert ro.get_meta(entry_key(FP, t3)).extra["kv_layers"]
+        new_kv = _kv_bytes(cold) * (len(t3) - len(t2)) / (len(t3) + 1)
+        assert added <= 1.15 * (new_kv + _state_bytes(cold)) + 2**16, (added, new_kv)
+
+
+def test_an_old_whole_cache_snapshot_is_still_served(hybrid, hybrid_path, kv_home, tmp_path,
+                                                      monkeypatch):  # fmt: skip
+    """A store written before state-only snapshots: its whole-cache snapshot is served as is."""
+    from helpers import Proc, serving
+
+    from kvstore.client import learn as client_learn
+
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        monkeypatch.setattr(client_learn, "STATE_ONLY_SNAPSHOTS", False)
+        lru = PinnedPromptCache(max_size=4)
+        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
+        try:
+            t2, out2 = _two_turns(hybrid, lru, learner)
+        finally:
+            learner.close(timeout=5.0)
+        monkeypatch.setattr(client_learn, "STATE_ONLY_SNAPSHOTS", True)
+        with Store(kv_home, readonly=True) as ro:
+            assert "kv_layers" not in ro.get_meta(entry_key(FP, t2)).extra
+        fresh = PinnedPromptCache(max_size=4)
+        learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+        try:
+            before = _source("store")
+            _turn(hybrid, fresh, t2 + out2 + _tokens(30, seed=8))
+            assert _source("store") - before == len(t2)
+        finally:
+            learner.close(timeout=5.0)
+
+
+def test_a_state_only_snapshot_whose_records_are_gone_is_not_served(hybrid, hybrid_path,
+                                                                    kv_home, tmp_path):  # fmt: skip
+    """Its KV layers are block records: when those were evicted, the snapshot is passed over
+    (KeyError from load_entry; the cold tier prefills), never served with empty KV layers."""
+    from helpers import Proc, serving
+
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=4)
+        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
+        try:
+            t2, out2 = _two_turns(hybrid, lru, learner)
+        finally:
+            learner.close(timeout=5.0)
+    with Store(kv_home) as rw:  # the daemon has stopped: this process may write
+        blocks = BlockStore(rw)
+        assert blocks.delete([m.key for m in blocks.records()]) > 0
+        with pytest.raises(KeyError):
+            load_entry(rw, entry_key(FP, t2), pack_tokens(t2))
+    fresh = PinnedPromptCache(max_size=4)
+    learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+    try:
+        before = _source("store")
+        cache, rest = fresh.fetch_nearest_cache(KEY, t2 + out2 + _tokens(30, seed=8))
+        assert cache is None and _source("store") == before  # prefilled, as without a store
+    finally:
+        learner.close(timeout=5.0)
+
+
+def test_a_state_only_snapshot_exports_as_its_whole_cache(hybrid, hybrid_path, kv_home, tmp_path):
+    """`kvstore export` of a state-only snapshot writes the assembled cache (KV from its records),
+    a file mlx-lm loads, not the state with empty KV layers."""
+    from helpers import Proc, cli, serving
+    from mlx_lm.models.cache import load_prompt_cache
+
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        lru = PinnedPromptCache(max_size=4)
+        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
+        try:
+            t2, _ = _two_turns(hybrid, lru, learner)
+        finally:
+            learner.close(timeout=5.0)
+    key = entry_key(FP, t2)
+    with Store(kv_home, readonly=True) as ro:
+        assert ro.get_meta(key).extra["kv_layers"]
+        _, whole = load_entry(ro, key, pack_tokens(t2))
+    cli("export", "--home", kv_home, key.hex(), tmp_path / "t2.safetensors", code=0)
+    loaded = load_prompt_cache(str(tmp_path / "t2.safetensors"))
+    assert codec.encode(loaded) == codec.encode(whole)
+    assert all(c.offset == len(t2) for c in loaded if type(c).__name__ == "KVCache")

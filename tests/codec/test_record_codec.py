@@ -59,3 +59,33 @@ def test_inspect_refuses_what_is_not_a_record():
         inspect(blob, 9)
     with pytest.raises(CodecError):
         inspect(blob[:-3], 10)
+
+
+def test_a_put_of_a_state_only_snapshot_must_name_empty_kv_layers():
+    """kvstore.ops.put.check_kv: a state-only snapshot (extra.kv_layers) is checked on its other
+    layers; a kv_layers that names a layer holding KV is refused (it would be dropped unseen)."""
+    import mlx.core as mx
+    import pytest
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    from kvstore.codec import codec
+    from kvstore.codec.blocks import state_part
+    from kvstore.ops.put import check_kv
+    from kvstore.wire.messages import PutRequest
+
+    kv = KVCache()
+    kv.update_and_fetch(mx.ones((1, 2, 5, 8)), mx.ones((1, 2, 5, 8)))
+    state = ArraysCache(size=2)
+    state[0], state[1] = mx.ones((1, 3, 8)), mx.ones((1, 2, 4, 4))
+    tokens = bytes(4 * 5)
+
+    def req(blob: bytes, layers: list) -> PutRequest:
+        return PutRequest(key=b"k", fields={"tokens": tokens, "extra": {"kv_layers": layers}})
+
+    ok = codec.encode(state_part([kv, state], [0]))
+    check_kv(req(ok, [0]), ok)
+    whole = codec.encode([kv, state])
+    with pytest.raises(ValueError, match="kv_layers"):
+        check_kv(req(whole, [0]), whole)
+    with pytest.raises(ValueError, match="holds 0 tokens|disagree"):
+        check_kv(req(ok, []), ok)  # without kv_layers, an empty KV layer is a short entry

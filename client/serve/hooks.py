@@ -104,6 +104,7 @@ class _Hooks:
         self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
         self._stats_lock = threading.Lock()
         self.labels: dict[tuple[int, ...], str] = {}  # stored entries' tokens -> label
+        self.decode: Any = None  # the loaded tokenizer's decode (kvstore.reasons' texts)
         self.gauges = LearnedGauges(home)  # /metrics' learned gauges, read from the store
         self._stopped = threading.Event()
         # held-back hits and stats records leave within HIT_BATCH_S even when no request follows
@@ -158,6 +159,9 @@ class _Hooks:
                 prefill_s=prefill_s,
                 decode_s=decode_s,
                 generated_tokens=generated,
+                prompt=prompt,
+                pins=dict(self.labels),
+                decode=self.decode,
             )
 
     def _flush_every(self) -> None:
@@ -597,6 +601,7 @@ def _generator(server: Any, hooks: _Hooks) -> type:
 
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
+            hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
             warm = getattr(request, "_kvstore_warm_up", None)
             if warm is not None:
                 return hooks.warm_tokenize(out, warm)

@@ -1,0 +1,59 @@
+"""What a client process knows for `kvstore.reasons.attribute`: the prompts it saw recently
+(a prefix seen but not stored is `not_learned_yet`), tombstones of evictions it was told of,
+and whether the store could be read. Attribution itself is pure (kvstore.reasons)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from kvstore import metrics
+from kvstore.reasons import Known, Tombstone, attribute
+
+RECENT_PROMPTS = 64
+TOMBSTONES = 256
+
+
+class Attributor:
+    def __init__(self) -> None:
+        self.recent: deque[tuple[int, ...]] = deque()  # arrival order, for dropping the oldest
+        self.sorted: list[tuple[int, ...]] = []  # the same, sorted (kvstore.reasons bisects)
+        self.tombstones: deque[Tombstone] = deque(maxlen=TOMBSTONES)
+        self.unavailable = False
+        self.model_changed = ""
+        self.write_budget = False
+        self._lock = threading.Lock()
+
+    def evicted(self, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> None:
+        with self._lock:
+            self.tombstones.append(Tombstone.of(tokens, by, ts, entry))
+
+    def __call__(
+        self,
+        prompt: Sequence[int],
+        served: int,
+        pins: Mapping[tuple[int, ...], str],
+        decode: Callable[[Sequence[int]], str] | None = None,
+    ) -> list[dict[str, Any]]:
+        with self._lock:
+            known = Known(
+                pins=pins,
+                seen=self.sorted,
+                tombstones=list(self.tombstones),
+                unavailable=self.unavailable and not pins,
+                model_changed=self.model_changed,
+                write_budget=self.write_budget,
+            )
+            spans = attribute(prompt, served, known, decode)
+            t = tuple(prompt)
+            self.recent.append(t)
+            bisect.insort(self.sorted, t)
+            if len(self.recent) > RECENT_PROMPTS:
+                old = self.recent.popleft()
+                del self.sorted[bisect.bisect_left(self.sorted, old)]
+        for s in spans:
+            metrics.PREFILLED_TOKENS.labels(reason=s["reason"]).inc(s["tokens"])
+        return spans

@@ -226,6 +226,7 @@ class PersistentPromptCache(PinnedPromptCache):
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
+        self.stored_labels: dict[tuple[int, ...], str] = {}  # hydrated entries: tokens -> label
         self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
         self._hits_sent = time.monotonic()
@@ -271,6 +272,8 @@ class PersistentPromptCache(PinnedPromptCache):
             if prefetched is None:  # else read already, while the weights loaded (client.load)
                 prefetched = prefetch(self.identity, home=home, model=self.model)
             self._fp = prefetched.fingerprint
+            # the stored entries a `diverged` reason names (kvstore.reasons)
+            self.stored_labels = {tuple(m.token_ids()): m.label for m, _ in prefetched.entries}
             return insert(self, self.model_key, prefetched)
         finally:
             self._hydrating = False

@@ -244,7 +244,7 @@ def stream_generate(
 
 def _pins_of(prompt_cache: Any, model_key: Any) -> dict[tuple[int, ...], str]:
     """The cache's pins of this model: tokens -> label (what a `diverged` reason names)."""
-    out = {}
+    out = dict(getattr(prompt_cache, "stored_labels", None) or {})
     for (m, tokens), (pin, _) in dict(getattr(prompt_cache, "_pins", None) or {}).items():
         if m == model_key:
             out[tuple(tokens)] = str(getattr(pin, "label", None) or getattr(pin, "name", pin))

@@ -62,8 +62,9 @@ def explain(
             key = (m, lab)
             s = stages.get(key)
             if s is None:
-                s = stages[key] = {"model": m, "label": lab, "requests": 0, "prompt_tokens": 0,
-                                   "served_tokens": 0, "prefilled_tokens": 0, "prefilled": {}}  # fmt: skip
+                s = stages[key] = {"model": m, "label": lab, "prefilled": {}}
+                s.update(dict.fromkeys(("requests", "prompt_tokens", "served_tokens",
+                                        "prefilled_tokens"), 0))  # fmt: skip
                 divs[key] = {}
             s["requests"] += 1
             s["prompt_tokens"] += rec["prompt_tokens"]

@@ -192,10 +192,12 @@ def clean(spans: Any) -> list[dict[str, Any]] | None:
         t = s.get("tokens")
         if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             return None
-        keep = {k: v for k, v in s.items() if isinstance(k, str) and isinstance(v, (str, int, float))}
-        for k in ("stored_text", "request_text"):
-            if isinstance(keep.get(k), str):
-                keep[k] = keep[k][: 4 * CONTEXT_CHARS]
+        keep: dict[str, Any] = {}
+        for k, v in s.items():
+            if isinstance(k, str) and isinstance(v, str):
+                keep[k] = v[: 4 * CONTEXT_CHARS]
+            elif isinstance(k, str) and isinstance(v, (int, float)):
+                keep[k] = v
         out.append(keep)
     return out
 

@@ -72,7 +72,8 @@ def test_attribution_is_cheap():
 
 def _rec(i, reasons=None, ts=None):
     r = {"model": "m", "label": "serve", "prompt_tokens": 500, "cached_tokens": 14,
-         "prefilled_tokens": 486, "prefill_s": 0.1, "decode_s": 0.1, "ts": ts or time.time()}  # fmt: skip
+         "prefilled_tokens": 486, "prefill_s": 0.1, "decode_s": 0.1}  # fmt: skip
+    r["ts"] = ts or time.time()
     if reasons is not None:
         r["reasons"] = reasons
     return r
@@ -104,7 +105,11 @@ def test_explain_json_aggregates_divergences(tmp_path):
     assert stage["prefilled"] == {"diverged": 3 * 386, "suffix": 300, "unrecorded": 486}
     (d,) = stage["divergences"]
     assert {k: d[k] for k in ("entry", "position", "requests", "tokens")} == {
-        "entry": "sys", "position": 14, "requests": 3, "tokens": 3 * 386}
+        "entry": "sys",
+        "position": 14,
+        "requests": 3,
+        "tokens": 3 * 386,
+    }
     assert "2026-11-30" in d["stored_text"] and "2026-12-01" in d["request_text"]
     text = CliRunner().invoke(main, ["explain", "--home", str(home)]).output
     assert "diverged from sys at token 14" in text and "4 requests" not in text.split("\n")[0][:0]

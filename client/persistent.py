@@ -31,6 +31,7 @@ from kvstore.client.hydrate import (
     prefetch,
 )
 from kvstore.client.learn import Learner, LearnTarget, Provenance
+from kvstore.client.reasons import after_hydrate
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
@@ -256,6 +257,8 @@ class PersistentPromptCache(PinnedPromptCache):
         self._template_hash: bytes | None = None
         self.fingerprint: bytes | None = None
         self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
+        if self.stats is not None:  # what the reasons of prefilled tokens need from it
+            after_hydrate(self.stats.attribute, self.report, self.home)
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:

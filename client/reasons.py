@@ -5,13 +5,16 @@ and whether the store could be read. Attribution itself is pure (kvstore.reasons
 from __future__ import annotations
 
 import bisect
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
 from kvstore.reasons import Known, Tombstone, attribute
+from kvstore.wire.daemon_client import socket_path
 
 RECENT_PROMPTS = 64
 TOMBSTONES = 256
@@ -24,6 +27,7 @@ class Attributor:
         self.tombstones: deque[Tombstone] = deque(maxlen=TOMBSTONES)
         self.unavailable = False
         self.model_changed = ""
+        self.other_model: list[tuple[tuple[int, ...], str]] = []  # (tokens, what differs)
         self.write_budget = False
         self._lock = threading.Lock()
 
@@ -45,6 +49,7 @@ class Attributor:
                 tombstones=list(self.tombstones),
                 unavailable=self.unavailable and not pins,
                 model_changed=self.model_changed,
+                other_model=self.other_model,
                 write_budget=self.write_budget,
             )
             spans = attribute(prompt, served, known, decode)
@@ -57,3 +62,27 @@ class Attributor:
         for s in spans:
             metrics.PREFILLED_TOKENS.labels(reason=s["reason"]).inc(s["tokens"])
         return spans
+
+
+def after_hydrate(attr: Attributor, report: Any, home: Path | None) -> None:
+    """What hydrating told: entries of this path under another fingerprint (`model_changed`),
+    and a daemon that was there but no longer answers while nothing is stored (`unavailable`)."""
+    attr.other_model = list(getattr(report, "other_model", None) or [])
+    attr.unavailable = home is not None and not getattr(report, "entries", 0) and daemon_gone(home)
+
+
+def daemon_gone(home: Path) -> bool:
+    """The daemon's socket is there (it ran) but nothing accepts on it (killed)."""
+    try:
+        path = socket_path(home)
+    except Exception:
+        return False
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return True
+    return False

@@ -207,7 +207,8 @@ def identity_diff(stored: Mapping[str, Any], running: Mapping[str, Any]) -> str:
     names = {
         "weights": "weights", "config": "effective config", "adapter": "adapter",
         "kv_bits": "KV quantization", "kv_group_size": "KV quantization",
-        "quantized_kv_start": "KV quantization", "mlx_lm": "mlx-lm code", "codec": "codec version",
+        "quantized_kv_start": "KV quantization", "kv_quantization": "KV quantization",
+        "mlx_lm": "mlx-lm code", "codec": "codec version",
     }  # fmt: skip
     found: list[str] = []
     for key in sorted(set(stored) | set(running)):
@@ -215,4 +216,6 @@ def identity_diff(stored: Mapping[str, Any], running: Mapping[str, Any]) -> str:
             word = next((w for k, w in names.items() if k in key), key)
             if word not in found:
                 found.append(word)
+    if "KV quantization" in found and "mlx-lm code" in found:
+        found.remove("mlx-lm code")  # the hashed code follows kv_bits: not told apart then
     return ", ".join(found) or "fingerprint"

@@ -50,6 +50,7 @@ from kvstore.client.persistent import HIT_BATCH_S, PersistentPromptCache, Pinned
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
+from kvstore.client.reasons import after_hydrate
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import WriteBehind
 from kvstore.errors import KVStoreError, counted
@@ -363,6 +364,7 @@ class _Hooks:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
+            after_hydrate(self.stats.attribute, report, self.home)
         pins = self.cache.pins_of(key)
         if pins:
             log.info(

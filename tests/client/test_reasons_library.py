@@ -3,12 +3,17 @@ reasons (kvstore.reasons) on a real chat template."""
 
 from __future__ import annotations
 
+import socket
+
+import mlx_lm
 from helpers import manifest_for
 
 from kvstore.client import PersistentPromptCache, generate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
+from kvstore.tiny import make_tiny_model
 from kvstore.warm.warm import warm
+from kvstore.wire.daemon_client import socket_path
 
 OLD, NEW = "2026-11-30", "2026-12-01"
 
@@ -54,3 +59,70 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
     assert text.index(NEW) <= date_at <= text.index(NEW) + len(NEW)
     assert OLD in d["stored_text"] and NEW in d["request_text"]
     assert "diverged" in call.line() and "router at" in call.line()
+
+
+ROUTER = f"""
+[[model.prefix]]
+name = "router"
+messages = [{{ role = "system", content = "{system(OLD)}" }}]
+"""
+
+
+def _warm(kv_home, tmp_path, model_path, extra: str = "") -> None:
+    with Store(kv_home) as store:
+        manifest = manifest_for(tmp_path, model_path, ROUTER, extra=extra)
+        assert warm(load_manifest(manifest), store, home=kv_home).warmed == 1
+
+
+def _ask(model_path, prompt_of, **kw):
+    model, tokenizer = mlx_lm.load(str(model_path))
+    with PersistentPromptCache(model, tokenizer, model_path, verbose=False, **kw) as cache:
+        generate(cache, model, tokenizer, prompt_of(tokenizer), max_tokens=2)
+        (call,) = cache.stats.calls
+    assert sum(call.prefilled_by_reason().values()) == call.prefilled_tokens
+    return call
+
+
+def _router_request(tokenizer):
+    return chat(tokenizer, system(OLD), "My invoice 2291 was charged twice.")
+
+
+def test_weights_changed_after_the_warm_is_model_changed_naming_the_weights(
+    model_copy, kv_home, tmp_path
+):
+    _warm(kv_home, tmp_path, model_copy)
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    call = _ask(model_copy, _router_request)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "weights" and m["tokens"] > 0
+
+
+def test_kv_bits_changed_is_model_changed_naming_kv_quantization(llama_path, kv_home, tmp_path):
+    _warm(kv_home, tmp_path, llama_path)
+    call = _ask(llama_path, _router_request, kv_bits=8)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "KV quantization"
+
+
+def test_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, kv_home):
+    kv_home.mkdir(parents=True, exist_ok=True)
+    sock = socket_path(kv_home)
+    with socket.socket(socket.AF_UNIX) as s:  # a daemon's socket, left by its SIGKILL
+        s.bind(str(sock))
+    call = _ask(llama_path, _router_request)
+    assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens}
+
+
+def test_a_prefix_seen_once_is_not_learned_yet(llama, llama_path, kv_home):
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False, learn=False) as cache:
+        cache_lru = cache  # the second request differs after the system prompt
+        generate(cache_lru, model, tokenizer, _router_request(tokenizer), max_tokens=2)
+        cache._lru = type(cache._lru)()  # forget it in memory: what the store would hold
+        cache._trie = type(cache._trie)()
+        second = chat(tokenizer, system(OLD), "Reset my password please.")
+        generate(cache, model, tokenizer, second, max_tokens=2)
+        _, call = cache.stats.calls
+    by = call.prefilled_by_reason()
+    assert by.get("not_learned_yet", 0) > 0 and "cold" not in by

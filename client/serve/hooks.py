@@ -47,10 +47,10 @@ from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import HIT_BATCH_S, PersistentPromptCache, PinnedPromptCache
+from kvstore.client.reasons import after_hydrate
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
-from kvstore.client.reasons import after_hydrate
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import WriteBehind
 from kvstore.errors import KVStoreError, counted

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import xxhash

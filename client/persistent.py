@@ -258,7 +258,7 @@ class PersistentPromptCache(PinnedPromptCache):
         self.fingerprint: bytes | None = None
         self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
         if self.stats is not None:  # what the reasons of prefilled tokens need from it
-            after_hydrate(self.stats.attribute, self.report, self.home)
+            after_hydrate(self.stats.attribute, self.report, self.home, self.model_path)
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:

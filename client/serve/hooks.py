@@ -364,7 +364,7 @@ class _Hooks:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
-            after_hydrate(self.stats.attribute, report, self.home)
+            after_hydrate(self.stats.attribute, report, self.home, str(model_path))
         pins = self.cache.pins_of(key)
         if pins:
             log.info(

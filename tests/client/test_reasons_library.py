@@ -6,8 +6,10 @@ from __future__ import annotations
 import socket
 
 import mlx_lm
+from click.testing import CliRunner
 from helpers import manifest_for
 
+from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -126,3 +128,21 @@ def test_a_prefix_seen_once_is_not_learned_yet(llama, llama_path, kv_home):
         _, call = cache.stats.calls
     by = call.prefilled_by_reason()
     assert by.get("not_learned_yet", 0) > 0 and "cold" not in by
+
+
+def test_a_pin_removed_by_kvstore_evict_is_evicted_by_kvstore_evict(llama, llama_path, daemon):
+    model, tokenizer = llama
+    router = [{"role": "system", "content": system(OLD)}]
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home,
+                               verbose=False) as cache:  # fmt: skip
+        cache.pin("router", messages=router)
+        assert cache.flush()
+    out = CliRunner().invoke(main, ["evict", "--label", "router", "--home", str(daemon.home)])
+    assert out.exit_code == 0, out.output
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home,
+                               verbose=False) as cache:  # fmt: skip
+        generate(cache, model, tokenizer, _router_request(tokenizer), max_tokens=2)
+        (call,) = cache.stats.calls
+    (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
+    assert (e["by"], e["entry"]) == ("kvstore evict", "router") and e["tokens"] > 0
+    assert "evicted" in call.line() and "by kvstore evict" in call.line()

@@ -68,7 +68,8 @@ def after_hydrate(
     attr: Attributor, report: Any, home: Path | None, model: str | None = None
 ) -> None:
     """What hydrating told: entries of this path under another fingerprint (`model_changed`),
-    tombstones of this model's evicted entries (`evicted`), and a daemon that was there but no longer answers while nothing is stored (`unavailable`)."""
+    tombstones of this model's evicted entries (`evicted`), and a daemon that was there but no
+    longer answers while nothing is stored (`unavailable`)."""
     attr.other_model = list(getattr(report, "other_model", None) or [])
     if home is not None and model:
         from kvstore.store import tombstones

@@ -28,12 +28,12 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
 )
 from kvstore.learn import MIN_LCP
-from kvstore.store import tombstones
 from kvstore.ops.warm import report_to_wire
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
 from kvstore.settings import DEFAULTS
+from kvstore.store import tombstones
 from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store

@@ -38,8 +38,8 @@ def test_todays_date_in_the_system_header_is_diverged_at_the_date(family_models)
     path = family_models.path("llama3_2")  # strftime_now('%d %b %Y') in the system header
     system = [{"role": "system", "content": SYSTEM_PROMPT}]
     user = system + [{"role": "user", "content": "Where is my order 1042?"}]
-    tokenizer, prompt, d = _diverged(path, {"messages": system},
-                                     lambda tok: request_tokens(tok, user), ask_at=DAY2)  # fmt: skip
+    ask = lambda tok: request_tokens(tok, user)  # noqa: E731
+    tokenizer, prompt, d = _diverged(path, {"messages": system}, ask, ask_at=DAY2)
     assert "30 Nov 2026" in d["stored_text"] and "01 Dec 2026" in d["request_text"]
     # the position is the date's token: the first character that differs is in it
     before = len(tokenizer.decode(prompt[: d["position"]]))

@@ -8,10 +8,12 @@ import re
 import urllib.request
 
 import pytest
+from click.testing import CliRunner
 from helpers import manifest_for, wait_for
-from test_reasons_library import NEW, OLD, system
+from test_reasons_library import NEW, OLD, ROUTER, system
 from test_serve import Server
 
+from kvstore.cli.main import main
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.warm import warm
@@ -60,3 +62,41 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
                  log.read_text)  # fmt: skip
     finally:
         server.stop()
+
+
+def _serve_ask(home, model, log, messages, *extra):
+    server = Server(home, model, log, *extra)
+    try:
+        server.wait_ready()
+        reply = server.chat(messages)
+        prefilled = reply["usage"]["prompt_tokens"] - reply["usage"]["prompt_tokens_details"][
+            "cached_tokens"]  # fmt: skip
+        wait_for(lambda: sum(_prefilled(server).values()) >= prefilled, 30, log.read_text)
+        by = _prefilled(server)
+        assert sum(by.values()) == prefilled
+        return by
+    finally:
+        server.stop()
+
+
+def test_serve_names_evicted_by_kvstore_evict_and_kv_bits_model_changed(
+    llama_path, kv_home, tmp_path
+):
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    manifest = manifest_for(tmp_path, llama_path, ROUTER)
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest), store, home=kv_home)
+    out = CliRunner().invoke(main, ["evict", "--label", "router", "--home", str(kv_home)])
+    assert out.exit_code == 0, out.output
+    log = tmp_path / "evicted.log"
+    by = _serve_ask(kv_home, llama_path, log, messages)
+    assert by["evicted"] > 0, log.read_text()
+    assert re.search(r"evicted \d+ \(by kvstore evict\)", log.read_text())
+
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest), store, home=kv_home)
+    log = tmp_path / "kv-bits.log"
+    by = _serve_ask(kv_home, llama_path, log, messages, "--kv-bits", "8")
+    assert by["model_changed"] > 0, log.read_text()
+    assert re.search(r"model_changed \d+ \(KV quantization\)", log.read_text())

@@ -21,9 +21,12 @@ from kvstore.warm.warm import warm
 pytestmark = pytest.mark.slow
 
 
-def _prefilled(server: Server) -> dict[str, float]:
-    with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
-        text = r.read().decode()
+def _prefilled(server) -> dict[str, float]:
+    if hasattr(server, "url"):
+        with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+    else:  # test_serve_learn's server
+        text = server.get("/metrics")[1].decode()
     pattern = r'kvstore_prefilled_tokens_total\{reason="(\w+)"\} (\S+)'
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text)}
 
@@ -100,3 +103,45 @@ def test_serve_names_evicted_by_kvstore_evict_and_kv_bits_model_changed(
     by = _serve_ask(kv_home, llama_path, log, messages, "--kv-bits", "8")
     assert by["model_changed"] > 0, log.read_text()
     assert re.search(r"model_changed \d+ \(KV quantization\)", log.read_text())
+
+
+def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it(
+    llama_path, kv_home, tmp_path
+):
+    from helpers import Proc, serving
+    from test_serve_learn import Serve, _cached, _shared_tokens, _wait_learned
+
+    other = "You are the writer. Reply in one short friendly sentence."
+    shared = _shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        s = Serve(kv_home, llama_path, log, "--prompt-cache-size", "1")
+        try:
+            s.wait_ready()
+            s.chat("My invoice was charged twice.")  # seen once
+            s.chat("hello", system=other)  # pushes it out of the one-entry memory
+            wait_for(lambda: sum(_prefilled(s).values()) > 0, 30, log.read_text)
+            before = _prefilled(s).get("not_learned_yet", 0)
+            s.chat("Where is my parcel?")  # the same system prompt: seen, not stored yet
+            wait_for(lambda: _prefilled(s).get("not_learned_yet", 0) > before, 30, log.read_text)
+            assert _prefilled(s)["not_learned_yet"] - before >= 0.9 * shared
+            _wait_learned(d)  # seen twice: learned
+            s.chat("hello again", system=other)
+            served = s.chat("Is the blue shirt in stock?")
+            assert _cached(served) >= 0.9 * shared, log.read_text()
+        finally:
+            s.stop()
+
+
+def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, tmp_path):
+    import socket
+
+    from kvstore.wire.daemon_client import socket_path
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:  # what a SIGKILLed daemon leaves: its socket
+        sock.bind(str(socket_path(home)))
+    messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
+    by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
+    assert {k for k, v in by.items() if v} == {"unavailable"}

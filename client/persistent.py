@@ -228,6 +228,7 @@ class PersistentPromptCache(PinnedPromptCache):
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
         self.stored_labels: dict[tuple[int, ...], str] = {}  # hydrated entries: tokens -> label
+        self.stored_dates: dict[tuple[int, ...], str] = {}  # of those, clock-bound: -> ISO day
         self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
         self._hits_sent = time.monotonic()
@@ -258,7 +259,9 @@ class PersistentPromptCache(PinnedPromptCache):
         self.fingerprint: bytes | None = None
         self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
         if self.stats is not None:  # what the reasons of prefilled tokens need from it
-            after_hydrate(self.stats.attribute, self.report, self.home, self.model_path)
+            after_hydrate(
+                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates
+            )
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:
@@ -277,6 +280,9 @@ class PersistentPromptCache(PinnedPromptCache):
             self._fp = prefetched.fingerprint
             # the stored entries a `diverged` reason names (kvstore.reasons)
             self.stored_labels = {tuple(m.token_ids()): m.label for m, _ in prefetched.entries}
+            self.stored_dates = {
+                tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date
+            }
             return insert(self, self.model_key, prefetched)
         finally:
             self._hydrating = False

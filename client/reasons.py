@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
+from kvstore.pins.clock import local_now
 from kvstore.reasons import Known, Tombstone, attribute
 from kvstore.wire.daemon_client import socket_path
 
@@ -28,6 +29,7 @@ class Attributor:
         self.unavailable = False
         self.model_changed = ""
         self.other_model: list[tuple[tuple[int, ...], str]] = []  # (tokens, what differs)
+        self.dated: dict[tuple[int, ...], str] = {}  # clock-bound stored pins: tokens -> ISO day
         self.write_budget = False
         self._lock = threading.Lock()
 
@@ -42,9 +44,17 @@ class Attributor:
         pins: Mapping[tuple[int, ...], str],
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> list[dict[str, Any]]:
+        other_day: list[tuple[tuple[int, ...], str]] = []
+        if self.dated:  # a clock-bound pin of another day: other_date, not diverged
+            today = local_now().date().isoformat()
+            stale = {t for t in pins if self.dated.get(t, today) != today}
+            if stale:
+                other_day = [(t, f"{pins[t]} ({self.dated[t]})") for t in stale]
+                pins = {t: v for t, v in pins.items() if t not in stale}
         with self._lock:
             known = Known(
                 pins=pins,
+                other_day=other_day,
                 seen=self.sorted,
                 tombstones=list(self.tombstones),
                 unavailable=self.unavailable and not pins,
@@ -65,12 +75,17 @@ class Attributor:
 
 
 def after_hydrate(
-    attr: Attributor, report: Any, home: Path | None, model: str | None = None
+    attr: Attributor,
+    report: Any,
+    home: Path | None,
+    model: str | None = None,
+    dated: Mapping[tuple[int, ...], str] | None = None,
 ) -> None:
     """What hydrating told: entries of this path under another fingerprint (`model_changed`),
     tombstones of this model's evicted entries (`evicted`), and a daemon that was there but no
     longer answers while nothing is stored (`unavailable`)."""
     attr.other_model = list(getattr(report, "other_model", None) or [])
+    attr.dated = dict(dated or {})
     if home is not None and model:
         from kvstore.store import tombstones
 

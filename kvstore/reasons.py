@@ -124,7 +124,7 @@ def attribute(
         take(n, "model_changed", differs=known.model_changed)
     for tokens, name in known.other_day:
         at = common_prefix(prompt, tokens)
-        if at > pos:
+        if at < len(tokens):  # what it holds past `at` is another day's
             take(min(len(tokens), n), "other_date", entry=name, position=at)
     for t in sorted(known.tombstones, key=lambda t: -t.length):
         if t.length > pos and t.covers(prompt):

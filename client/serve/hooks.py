@@ -357,6 +357,7 @@ class _Hooks:
             prefetched = prefetch(identity, home=self.home, model=provider.model)
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
         labels = {tuple(meta.token_ids()): meta.label for meta, _ in prefetched.entries}
+        dated = {tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date}
         report = insert(self.cache, key, prefetched)
         self.labels = labels
         self.cache.served_by_store(key, report.fingerprint, set(self.labels))
@@ -364,7 +365,7 @@ class _Hooks:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
-            after_hydrate(self.stats.attribute, report, self.home, str(model_path))
+            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated)
         pins = self.cache.pins_of(key)
         if pins:
             log.info(

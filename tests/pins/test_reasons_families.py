@@ -5,11 +5,16 @@ tool schemas in another order are diverged at the first differing schema."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 
 import mlx_lm
 from template_families import SYSTEM_PROMPT, TOOLS, clock_at, request_tokens
 
 from kvstore.client import PersistentPromptCache, generate
+from kvstore.pins.manifest import load_manifest
+from kvstore.store.store import Store
+from kvstore.warm import warm as warm_module
+from kvstore.warm.warm import warm
 
 DAY1, DAY2 = dt.date(2026, 11, 30), dt.date(2026, 12, 1)
 
@@ -64,3 +69,28 @@ def test_tool_schemas_in_another_order_are_diverged_at_the_first_schema(family_m
     before = len(tokenizer.decode(prompt[: d["position"]]))
     assert text.rfind("{", 0, first_schema) <= before <= first_schema + len("search_products")
     assert "get_order_status" in d["stored_text"] and "search_products" in d["request_text"]
+
+
+def test_a_clock_bound_pin_of_another_day_is_other_date(
+    family_models, kv_home, tmp_path, monkeypatch
+):
+    path = family_models.path("llama3_2")
+    system = [{"role": "system", "content": SYSTEM_PROMPT}]
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        f'[[model]]\npath = "{path}"\n[[model.prefix]]\nname = "shop"\n'
+        f'messages = [{{ role = "system", content = {json.dumps(SYSTEM_PROMPT)} }}]\n'
+    )
+    yesterday = dt.datetime.combine(dt.date.today() - dt.timedelta(days=1), dt.time(12))
+    with monkeypatch.context() as m, Store(kv_home) as store:
+        m.setattr(warm_module, "local_now", lambda: yesterday)  # warmed yesterday
+        warm(load_manifest(manifest), store, home=kv_home)
+    model, tokenizer = mlx_lm.load(str(path))
+    user = system + [{"role": "user", "content": "Where is my order 1042?"}]
+    with PersistentPromptCache(model, tokenizer, path, verbose=False, learn=False) as cache:
+        generate(cache, model, tokenizer, request_tokens(tokenizer, user), max_tokens=2)
+        (call,) = cache.stats.calls
+    by = call.prefilled_by_reason()
+    assert by.get("other_date", 0) > 0 and "diverged" not in by, call.reasons
+    (o,) = [s for s in call.reasons if s["reason"] == "other_date"]
+    assert o["entry"] == f"shop ({yesterday.date().isoformat()})"

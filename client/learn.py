@@ -531,7 +531,7 @@ class Learner:
         self.reported += 1
         metrics.LEARN_REPORTS.inc()
         reply = LearnReply.from_wire(reply)
-        paused = reply.paused
+        paused = self.paused = reply.paused  # also why a seen prefix is write_budget
         metrics.LEARN_PAUSED.set(1 if paused else 0)
         if paused and not self._paused_said:
             self._paused_said = True

@@ -294,6 +294,8 @@ class PersistentPromptCache(PinnedPromptCache):
         if self.home is None or self.fingerprint is None:
             return  # (never: attached only with a usable home and a fingerprint)
         self.learner = Learner(self.home, writer=self._writer)
+        if self.stats is not None:
+            self.stats.attribute.learner = self.learner
         self.learner.add_target(
             self.model_key,
             LearnTarget(

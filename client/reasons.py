@@ -31,6 +31,7 @@ class Attributor:
         self.other_model: list[tuple[tuple[int, ...], str]] = []  # (tokens, what differs)
         self.dated: dict[tuple[int, ...], str] = {}  # clock-bound stored pins: tokens -> ISO day
         self.write_budget = False
+        self.learner: Any = None  # its `paused` (the daemon's last word) says the write budget
         self._lock = threading.Lock()
 
     def evicted(self, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> None:
@@ -60,7 +61,7 @@ class Attributor:
                 unavailable=self.unavailable and not pins,
                 model_changed=self.model_changed,
                 other_model=self.other_model,
-                write_budget=self.write_budget,
+                write_budget=self.write_budget or _write_budget(self.learner),
             )
             spans = attribute(prompt, served, known, decode)
             t = tuple(prompt)
@@ -72,6 +73,10 @@ class Attributor:
         for s in spans:
             metrics.PREFILLED_TOKENS.labels(reason=s["reason"]).inc(s["tokens"])
         return spans
+
+
+def _write_budget(learner: Any) -> bool:
+    return "learn_write_bytes_per_day" in str(getattr(learner, "paused", None) or "")
 
 
 def after_hydrate(

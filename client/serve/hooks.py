@@ -366,6 +366,7 @@ class _Hooks:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
             after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated)
+            self.stats.attribute.learner = self.learner
         pins = self.cache.pins_of(key)
         if pins:
             log.info(

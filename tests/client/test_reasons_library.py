@@ -7,7 +7,7 @@ import socket
 
 import mlx_lm
 from click.testing import CliRunner
-from helpers import manifest_for
+from helpers import Proc, manifest_for, serving, wait_for
 
 from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
@@ -116,18 +116,50 @@ def test_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, kv_h
     assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens}
 
 
-def test_a_prefix_seen_once_is_not_learned_yet(llama, llama_path, kv_home):
+OTHER = "You are the writer. Reply in one short friendly sentence. " * 12
+SHOP = system(OLD) + " You are a careful assistant for a hardware shop." * 12
+
+
+def _learning(model, tokenizer, cache, user: str, sys: str = SHOP):
+    generate(cache, model, tokenizer, chat(tokenizer, sys, user), max_tokens=2)
+    return cache.stats.calls[-1]
+
+
+def test_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it(
+    llama, llama_path, daemon
+):
     model, tokenizer = llama
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False, learn=False) as cache:
-        cache_lru = cache  # the second request differs after the system prompt
-        generate(cache_lru, model, tokenizer, _router_request(tokenizer), max_tokens=2)
-        cache._lru = type(cache._lru)()  # forget it in memory: what the store would hold
-        cache._trie = type(cache._trie)()
-        second = chat(tokenizer, system(OLD), "Reset my password please.")
-        generate(cache, model, tokenizer, second, max_tokens=2)
-        _, call = cache.stats.calls
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, max_size=1,
+                               learn=True, verbose=False) as cache:  # fmt: skip
+        first = _learning(model, tokenizer, cache, "My invoice 2291 was charged twice.")
+        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
+        _learning(model, tokenizer, cache, "hello", OTHER)  # pushes it out of the memory
+        second = _learning(model, tokenizer, cache, "Where is my parcel?")
+        assert second.prefilled_by_reason().get("not_learned_yet", 0) > 0, second.reasons
+        # seen twice: learned; the next request with it is served it from the store
+        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
+        _learning(model, tokenizer, cache, "hello again", OTHER)
+        third = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    assert third.cached_tokens >= second.prefilled_by_reason()["not_learned_yet"] - 32
+
+
+def test_learning_paused_by_the_write_budget_is_write_budget(llama, llama_path, tmp_path):
+    model, tokenizer = llama
+    home = tmp_path / "budget-home"
+    home.mkdir()
+    (home / "settings.toml").write_text("learn_write_bytes_per_day = 1\n")
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, max_size=1,
+                                   learn=True, verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user, OTHER)  # learned: the budget is spent
+            wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
+            _learning(model, tokenizer, cache, "one")
+            wait_for(lambda: "learn_write_bytes_per_day" in str(cache.learner.paused), 10, d.text)
+            _learning(model, tokenizer, cache, "two", OTHER)
+            call = _learning(model, tokenizer, cache, "three")
     by = call.prefilled_by_reason()
-    assert by.get("not_learned_yet", 0) > 0 and "cold" not in by
+    assert by.get("write_budget", 0) > 0 and "not_learned_yet" not in by, call.reasons
 
 
 def test_a_pin_removed_by_kvstore_evict_is_evicted_by_kvstore_evict(llama, llama_path, daemon):

@@ -145,3 +145,20 @@ def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path
     messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
     by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
     assert {k for k, v in by.items() if v} == {"unavailable"}
+
+
+def test_serve_weights_changed_after_the_warm_is_model_changed_naming_the_weights(
+    model_copy, kv_home, tmp_path
+):
+    from kvstore.tiny import make_tiny_model
+
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, model_copy, ROUTER)), store, home=kv_home)
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    log = tmp_path / "serve.log"
+    by = _serve_ask(kv_home, model_copy, log, messages)
+    assert by["model_changed"] > 0, log.read_text()
+    assert re.search(r"model_changed \d+ \(weights\)", log.read_text())

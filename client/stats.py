@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class LabelSummary:
     prefilled_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    prefilled: dict[str, int] = field(default_factory=dict)  # reason -> tokens (kvstore.reasons)
 
     @property
     def saved_s(self) -> float:
@@ -145,6 +146,8 @@ class StatsRecorder:
             s.prefilled_tokens += c.prefilled_tokens
             s.prefill_s += c.prefill_s
             s.decode_s += c.decode_s
+            for reason, n in c.prefilled_by_reason().items():
+                s.prefilled[reason] = s.prefilled.get(reason, 0) + n
         return out
 
     def flush(self, timeout: float = 10.0) -> bool:

@@ -61,6 +61,7 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
     assert text.index(NEW) <= date_at <= text.index(NEW) + len(NEW)
     assert OLD in d["stored_text"] and NEW in d["request_text"]
     assert "diverged" in call.line() and "router at" in call.line()
+    assert cache.stats.summary()["classify"].prefilled == by
 
 
 ROUTER = f"""

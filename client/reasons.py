@@ -76,7 +76,7 @@ class Attributor:
 
 
 def _write_budget(learner: Any) -> bool:
-    return "learn_write_bytes_per_day" in str(getattr(learner, "paused", None) or "")
+    return getattr(learner, "paused_by", None) == "write_budget"
 
 
 def after_hydrate(

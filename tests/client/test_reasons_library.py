@@ -156,7 +156,7 @@ def test_learning_paused_by_the_write_budget_is_write_budget(llama, llama_path, 
                 _learning(model, tokenizer, cache, user, OTHER)  # learned: the budget is spent
             wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
             _learning(model, tokenizer, cache, "one")
-            wait_for(lambda: "learn_write_bytes_per_day" in str(cache.learner.paused), 10, d.text)
+            wait_for(lambda: cache.learner.paused_by == "write_budget", 10, d.text)
             _learning(model, tokenizer, cache, "two", OTHER)
             call = _learning(model, tokenizer, cache, "three")
     by = call.prefilled_by_reason()

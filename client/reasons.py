@@ -14,17 +14,18 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore.pins.clock import local_now
-from kvstore.reasons import Known, Tombstone, attribute
+from kvstore.reasons import Known, Tombstone, attribute, seen_key
 from kvstore.wire.daemon_client import socket_path
 
 RECENT_PROMPTS = 64
+RECENT_TOKENS = 16384  # of each: a longer shared prefix than this reads as suffix past it
 TOMBSTONES = 256
 
 
 class Attributor:
     def __init__(self) -> None:
-        self.recent: deque[tuple[int, ...]] = deque()  # arrival order, for dropping the oldest
-        self.sorted: list[tuple[int, ...]] = []  # the same, sorted (kvstore.reasons bisects)
+        self.recent: deque[bytes] = deque()  # seen_keys in arrival order, to drop the oldest
+        self.sorted: list[bytes] = []  # the same, sorted (kvstore.reasons bisects)
         self.tombstones: deque[Tombstone] = deque(maxlen=TOMBSTONES)
         self.unavailable = False
         self.model_changed = ""
@@ -64,7 +65,7 @@ class Attributor:
                 write_budget=self.write_budget or _write_budget(self.learner),
             )
             spans = attribute(prompt, served, known, decode)
-            t = tuple(prompt)
+            t = seen_key(prompt, RECENT_TOKENS)  # 4 bytes a token: 64 prompts stay small
             self.recent.append(t)
             bisect.insort(self.sorted, t)
             if len(self.recent) > RECENT_PROMPTS:

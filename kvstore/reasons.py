@@ -8,8 +8,10 @@ length), so attributing a request against a few dozen candidates stays far under
 
 from __future__ import annotations
 
+import array
 import bisect
 import hashlib
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,9 +21,11 @@ REASONS = ("suffix", "diverged", "model_changed", "other_date", "evicted", "not_
 CONTEXT_CHARS = 40  # decoded text on each side of a divergence
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences (binary search on slices)."""
-    a, b = tuple(a), tuple(b)
+def common_prefix(a: Sequence[int] | bytes, b: Sequence[int] | bytes) -> int:
+    """Length of the longest common prefix of two token sequences, or of two byte strings
+    (binary search on slices: compares at C speed)."""
+    if not (isinstance(a, bytes) and isinstance(b, bytes)):
+        a, b = tuple(a), tuple(b)
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi
@@ -32,6 +36,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def seen_key(tokens: Sequence[int], limit: int | None = None) -> bytes:
+    """Tokens as big-endian uint32 bytes: 4 bytes a token, and sorted as the tokens sort."""
+    a = array.array("I", tokens[:limit] if limit is not None else tokens)
+    if sys.byteorder == "little":
+        a.byteswap()
+    return a.tobytes()
 
 
 def prefix_hash(tokens: Sequence[int]) -> str:
@@ -66,7 +78,7 @@ class Known:
     other_model: Sequence[tuple[Sequence[int], str]] = ()  # (tokens, what differs)
     model_changed: str = ""  # this path stored under another fingerprint: what differs
     tombstones: Sequence[Tombstone] = ()
-    seen: Sequence[tuple[int, ...]] = ()  # recent prompts of this model, sorted (bisect)
+    seen: Sequence[bytes] = ()  # recent prompts of this model as `seen_key`s, sorted (bisect)
     corrupt: Sequence[tuple[Sequence[int], str]] = ()  # failed their checks
     unavailable: bool = False  # the store cannot be read / the daemon is down, nothing stored
     write_budget: bool = False  # learning paused by the daily write budget
@@ -130,9 +142,10 @@ def attribute(
         if t.length > pos and t.covers(prompt):
             take(t.length, "evicted", by=t.by, ts=t.ts, entry=t.entry)
     # the seen prompt sharing the longest prefix sits next to the prompt in sorted order
-    i = bisect.bisect_left(known.seen, tuple(prompt))
+    key = seen_key(prompt)
+    i = bisect.bisect_left(known.seen, key)
     near = known.seen[max(0, i - 1) : i + 1]
-    seen_at = max((common_prefix(prompt, s) for s in near), default=0)
+    seen_at = max((common_prefix(key, s) // 4 for s in near), default=0)
     take(seen_at, "write_budget" if known.write_budget else "not_learned_yet")
     nothing = not (known.pins or known.chains or known.seen or known.other_day
                    or known.other_model or known.tombstones)  # fmt: skip

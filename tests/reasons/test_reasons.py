@@ -11,7 +11,7 @@ import msgpack
 from click.testing import CliRunner
 
 from kvstore.cli.main import main
-from kvstore.reasons import Known, Tombstone, attribute, by_reason, identity_diff
+from kvstore.reasons import Known, Tombstone, attribute, by_reason, identity_diff, seen_key
 from kvstore.store.ledger import LEDGER_NAME, Ledger, validate
 
 SYS = list(range(1000, 1400))
@@ -41,7 +41,7 @@ def test_served_pin_leaves_only_suffix():
 
 def test_seen_once_is_not_learned_yet_or_write_budget():
     prompt = SYS + [5, 6]
-    seen = [tuple(SYS + [9])]
+    seen = [seen_key(SYS + [9])]
     assert attribute(prompt, 0, Known(seen=seen))[0] == {"reason": "not_learned_yet", "tokens": 400}
     assert attribute(prompt, 0, Known(seen=seen, write_budget=True))[0]["reason"] == "write_budget"
 
@@ -64,7 +64,7 @@ def test_unavailable_and_model_changed():
 
 def test_attribution_is_cheap():
     prompt = SYS[:14] + [7] + SYS[15:] * 5
-    seen = sorted(tuple(range(5000 + i, 7000)) for i in range(64))
+    seen = sorted(seen_key(range(5000 + i, 7000)) for i in range(64))
     known = Known(pins={tuple(SYS * 5): "sys"}, seen=seen)
     per = timeit.timeit(lambda: attribute(prompt, 14, known), number=200) / 200
     assert per < 1e-4, per

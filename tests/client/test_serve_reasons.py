@@ -162,3 +162,39 @@ def test_serve_weights_changed_after_the_warm_is_model_changed_naming_the_weight
     by = _serve_ask(kv_home, model_copy, log, messages)
     assert by["model_changed"] > 0, log.read_text()
     assert re.search(r"model_changed \d+ \(weights\)", log.read_text())
+
+
+def test_serve_tool_schemas_in_another_order_are_diverged_at_the_first_schema(kv_home, tmp_path):
+    import json
+
+    from pins.template_families import SYSTEM_PROMPT, TOOLS, make_family_model
+
+    path = make_family_model(tmp_path / "qwen2_5", "qwen2_5")  # tools in the system turn
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    prefixes = (
+        '[[model.prefix]]\nname = "shop"\ntools = "tools.json"\n'
+        f'messages = [{{ role = "system", content = {json.dumps(SYSTEM_PROMPT)} }}]\n'
+    )
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, path, prefixes)), store, home=kv_home)
+    log = tmp_path / "serve.log"
+    server = Server(kv_home, path, log)
+    try:
+        server.wait_ready()
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": "Find me a red kettle."}]  # fmt: skip
+        server.chat(messages, tools=list(reversed(TOOLS)))
+        wait_for(lambda: _prefilled(server).get("diverged", 0) > 0, 30, log.read_text)
+        wait_for(lambda: re.search(r"diverged \d+ \(shop at \d+\)", log.read_text()), 30,
+                 log.read_text)  # fmt: skip
+    finally:
+        server.stop()
+    # the position is the first schema's: what the request has there is its first tool's name
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(path)
+    at = int(re.search(r"diverged \d+ \(shop at (\d+)\)", log.read_text())[1])
+    ids = tok.apply_chat_template(messages, tools=list(reversed(TOOLS)), add_generation_prompt=True)
+    text, before = tok.decode(ids), len(tok.decode(ids[:at]))
+    first = text.index('"search_products"')
+    assert text.rfind("{", 0, first) <= before <= first + len("search_products")

@@ -37,6 +37,8 @@ class HydrateReport:
     labels: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # "key: reason" of entries not inserted
     dropped: int = 0  # inserted, then pushed out by the LRU's own limits
+    # this path's entries under another fingerprint: (tokens, what differs) (kvstore.reasons)
+    other_model: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     warning: str | None = None
 
 
@@ -59,6 +61,23 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
         "version of it (weights, config, adapter or KV quantization differ): not used; "
         "`kvstore warm` (or the daemon) re-warms what a manifest pins"
     )
+
+
+def _what_differs(
+    store: Store, model_path: str | Path, parts: dict
+) -> list[tuple[tuple[int, ...], str]]:
+    """This path's entries under another fingerprint, each with what differs from the running
+    identity (the fingerprint's parts its meta recorded; older entries did not record them)."""
+    from kvstore.reasons import identity_diff
+
+    wanted = {str(model_path), str(Path(model_path).expanduser().resolve())}
+    out = []
+    for m in store.metas(errors=[]):
+        if m.model in wanted:
+            stored = (m.extra or {}).get("fingerprint_parts")
+            what = identity_diff(stored, parts) if isinstance(stored, dict) else "fingerprint"
+            out.append((tuple(m.token_ids()), what))
+    return out
 
 
 def given_identity(
@@ -164,6 +183,7 @@ def prefetch(
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
             if not metas and not errors:
                 report.warning = _other_versions(store, model_path)
+                report.other_model = _what_differs(store, model_path, fp.parts)
     except KVStoreError as e:
         report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
     except Exception as e:  # the cache must never take the app down

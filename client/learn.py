@@ -542,6 +542,7 @@ class Learner:
         metrics.LEARN_REPORTS.inc()
         reply = LearnReply.from_wire(reply)
         paused = reply.paused
+        self.paused_by = reply.paused_by  # a seen prefix then reads write_budget
         metrics.LEARN_PAUSED.set(1 if paused else 0)
         if paused and not self._paused_said:
             self._paused_said = True

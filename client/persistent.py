@@ -31,6 +31,7 @@ from kvstore.client.hydrate import (
     prefetch,
 )
 from kvstore.client.learn import Learner, LearnTarget, Provenance
+from kvstore.client.reasons import after_hydrate
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
@@ -226,6 +227,8 @@ class PersistentPromptCache(PinnedPromptCache):
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
+        self.stored_labels: dict[tuple[int, ...], str] = {}  # hydrated entries: tokens -> label
+        self.stored_dates: dict[tuple[int, ...], str] = {}  # of those, clock-bound: -> ISO day
         self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
         self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
         self._hits_sent = time.monotonic()
@@ -255,6 +258,10 @@ class PersistentPromptCache(PinnedPromptCache):
         self._template_hash: bytes | None = None
         self.fingerprint: bytes | None = None
         self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
+        if self.stats is not None:  # what the reasons of prefilled tokens need from it
+            after_hydrate(
+                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates
+            )
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:
@@ -271,6 +278,11 @@ class PersistentPromptCache(PinnedPromptCache):
             if prefetched is None:  # else read already, while the weights loaded (client.load)
                 prefetched = prefetch(self.identity, home=home, model=self.model)
             self._fp = prefetched.fingerprint
+            # the stored entries a `diverged` reason names (kvstore.reasons)
+            self.stored_labels = {tuple(m.token_ids()): m.label for m, _ in prefetched.entries}
+            self.stored_dates = {
+                tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date
+            }
             return insert(self, self.model_key, prefetched)
         finally:
             self._hydrating = False
@@ -282,6 +294,8 @@ class PersistentPromptCache(PinnedPromptCache):
         if self.home is None or self.fingerprint is None:
             return  # (never: attached only with a usable home and a fingerprint)
         self.learner = Learner(self.home, writer=self._writer)
+        if self.stats is not None:
+            self.stats.attribute.learner = self.learner
         self.learner.add_target(
             self.model_key,
             LearnTarget(

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.reasons import Attributor
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.codec import codec
+from kvstore.reasons import by_reason, describe
 
 log = logging.getLogger("kvstore.client")
 
@@ -37,13 +39,18 @@ class CallStats:
     decode_s: float
     generated_tokens: int = 0
     ts: float = 0.0
+    reasons: tuple[dict[str, Any], ...] = ()  # why the prefilled ones were (kvstore.reasons)
 
     def line(self) -> str:
+        why = f" ({describe(self.reasons)})" if self.reasons else ""
         return (
             f"kvstore: {self.label}: {self.prompt_tokens} prompt tokens, {self.cached_tokens} "
-            f"from cache, {self.prefilled_tokens} prefilled in {self.prefill_s:.3f} s; "
+            f"from cache, {self.prefilled_tokens} prefilled{why} in {self.prefill_s:.3f} s; "
             f"{self.generated_tokens} generated in {self.decode_s:.3f} s"
         )
+
+    def prefilled_by_reason(self) -> dict[str, int]:
+        return by_reason(self.reasons)
 
 
 @dataclass
@@ -54,6 +61,7 @@ class LabelSummary:
     prefilled_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    prefilled: dict[str, int] = field(default_factory=dict)  # reason -> tokens (kvstore.reasons)
 
     @property
     def saved_s(self) -> float:
@@ -86,6 +94,7 @@ class StatsRecorder:
         self._writer = WriteBehind(home) if self._own_writer else writer
         self._unsent: list[dict[str, Any]] = []
         self._last_send = 0.0
+        self.attribute = Attributor()  # why prefilled tokens were (kvstore.reasons)
 
     def record(
         self,
@@ -96,7 +105,13 @@ class StatsRecorder:
         prefill_s: float,
         decode_s: float,
         generated_tokens: int = 0,
+        prompt: Sequence[int] | None = None,
+        pins: Mapping[tuple[int, ...], str] | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> CallStats:
+        reasons: tuple[dict[str, Any], ...] = ()
+        if prompt is not None:
+            reasons = tuple(self.attribute(prompt, cached_tokens, pins or {}, decode))
         call = CallStats(
             model=self.model,
             label=label,
@@ -107,6 +122,7 @@ class StatsRecorder:
             decode_s=decode_s,
             generated_tokens=generated_tokens,
             ts=time.time(),
+            reasons=reasons,
         )
         self.calls.append(call)
         line = call.line()
@@ -114,7 +130,9 @@ class StatsRecorder:
         if self._should_print():
             print(line, file=sys.stderr)
         if self._writer is not None:
-            self._unsent.append(asdict(call))
+            rec = asdict(call)
+            rec["reasons"] = list(rec["reasons"])
+            self._unsent.append(rec)
             self._send()
         return call
 
@@ -128,6 +146,8 @@ class StatsRecorder:
             s.prefilled_tokens += c.prefilled_tokens
             s.prefill_s += c.prefill_s
             s.decode_s += c.decode_s
+            for reason, n in c.prefilled_by_reason().items():
+                s.prefilled[reason] = s.prefilled.get(reason, 0) + n
         return out
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -211,6 +231,9 @@ def stream_generate(
                 prefill_s=prefill_s,
                 decode_s=decode_s,
                 generated_tokens=len(generated),
+                prompt=tokens,
+                pins=_pins_of(prompt_cache, model_key),
+                decode=getattr(tokenizer, "decode", None),
             )
         if prompt_cache is not None:
             transcript = tokens + generated
@@ -220,6 +243,15 @@ def stream_generate(
                 transcript = transcript[:held]
             if held == len(transcript) or (held is None and codec.keeps_no_offset(cache)):
                 prompt_cache.insert_cache(model_key, transcript, cache)
+
+
+def _pins_of(prompt_cache: Any, model_key: Any) -> dict[tuple[int, ...], str]:
+    """The cache's pins of this model: tokens -> label (what a `diverged` reason names)."""
+    out = dict(getattr(prompt_cache, "stored_labels", None) or {})
+    for (m, tokens), (pin, _) in dict(getattr(prompt_cache, "_pins", None) or {}).items():
+        if m == model_key:
+            out[tuple(tokens)] = str(getattr(pin, "label", None) or getattr(pin, "name", pin))
+    return out
 
 
 def _prompt_ids(model: Any, tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:

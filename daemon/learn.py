@@ -98,7 +98,8 @@ class Learning:
 
     def learn(self, req: LearnRequest) -> LearnReply:
         reply = self._learn(req)
-        return LearnReply(reply["want"], reply["snapshot_at"], reply["paused"])
+        return LearnReply(reply["want"], reply["snapshot_at"], reply["paused"],
+                          reply.get("paused_by"))  # fmt: skip
 
     def _learn(self, req: LearnRequest) -> dict[str, Any]:
         fp, data, sliceable, model = req.fingerprint, req.tokens, req.sliceable, req.model
@@ -109,7 +110,7 @@ class Learning:
         reply: dict[str, Any] = {"want": [], "snapshot_at": [], "paused": None}
         paused = self.learn_paused()
         if paused:
-            reply["paused"] = paused
+            reply["paused"], reply["paused_by"] = paused, "write_budget"
             return reply
         if end == 0:
             return reply
@@ -129,7 +130,7 @@ class Learning:
             )
             if why:
                 self._note_paused(why)
-                reply["paused"] = why
+                reply["paused"], reply["paused_by"] = why, "learned_budget"
                 return reply
             with self._learn_lock:
                 reply["want"] = [list(r) for r in policy.wants(fp, data, hashes, stored, end)]

@@ -33,6 +33,7 @@ from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
 from kvstore.settings import DEFAULTS
+from kvstore.store import tombstones
 from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store
@@ -404,6 +405,7 @@ class Upkeep:
             victims = select_for_eviction(metas, to_size=max(0, budget - learned), home=self.home)
             if victims:
                 self.store.delete(m.key for m in victims)
+                tombstones.note(self.home, victims, tombstones.BY_BYTES)
             for m in victims:
                 evicted.append(m.key.hex())
                 metrics.EVICTIONS.labels(reason="budget").inc()
@@ -456,6 +458,7 @@ class Upkeep:
             over -= m.nbytes
         if drop:
             self.store.delete(m.key for m in drop)
+            tombstones.note(self.home, drop, tombstones.BY_LEARNED)
             for m in drop:
                 evicted.append(m.key.hex())
                 metrics.EVICTIONS.labels(reason="learned_budget").inc()

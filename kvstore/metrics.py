@@ -8,6 +8,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from kvstore.reasons import REASONS
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 PROMPT_TOKENS = Counter(
@@ -53,11 +55,19 @@ FLEET_REFUSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+PREFILLED_TOKENS = Counter(
+    "kvstore_prefilled_tokens",
+    "Prefilled prompt tokens, by why they were not served (kvstore.reasons; suffix included)",
+    ["reason"],
+    registry=REGISTRY,
+)
 
 for _source in ("memory", "store", "prefill"):  # shown at 0 before the first request
     PROMPT_TOKENS.labels(source=_source)
 for _kind in ("pin", "learned"):
     WRITTEN_BYTES.labels(kind=_kind)
+for _reason in REASONS:
+    PREFILLED_TOKENS.labels(reason=_reason)
 
 
 def set_learned(summary: dict[str, Any]) -> None:

@@ -47,6 +47,7 @@ from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import HIT_BATCH_S, PersistentPromptCache, PinnedPromptCache
+from kvstore.client.reasons import after_hydrate
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
@@ -104,6 +105,7 @@ class _Hooks:
         self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
         self._stats_lock = threading.Lock()
         self.labels: dict[tuple[int, ...], str] = {}  # stored entries' tokens -> label
+        self.decode: Any = None  # the loaded tokenizer's decode (kvstore.reasons' texts)
         self.gauges = LearnedGauges(home)  # /metrics' learned gauges, read from the store
         self._stopped = threading.Event()
         # held-back hits and stats records leave within HIT_BATCH_S even when no request follows
@@ -158,6 +160,9 @@ class _Hooks:
                 prefill_s=prefill_s,
                 decode_s=decode_s,
                 generated_tokens=generated,
+                prompt=prompt,
+                pins=dict(self.labels),
+                decode=self.decode,
             )
 
     def _flush_every(self) -> None:
@@ -352,6 +357,7 @@ class _Hooks:
             prefetched = prefetch(identity, home=self.home, model=provider.model)
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
         labels = {tuple(meta.token_ids()): meta.label for meta, _ in prefetched.entries}
+        dated = {tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date}
         report = insert(self.cache, key, prefetched)
         self.labels = labels
         self.cache.served_by_store(key, report.fingerprint, set(self.labels))
@@ -359,6 +365,8 @@ class _Hooks:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
+            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated)
+            self.stats.attribute.learner = self.learner
         pins = self.cache.pins_of(key)
         if pins:
             log.info(
@@ -597,6 +605,7 @@ def _generator(server: Any, hooks: _Hooks) -> type:
 
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
+            hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
             warm = getattr(request, "_kvstore_warm_up", None)
             if warm is not None:
                 return hooks.warm_tokenize(out, warm)

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
-from kvstore.cli import admin, manifests, remote, transfer
+from kvstore.cli import admin, explain, manifests, remote, transfer
 from kvstore.cli.options import (
     home_option,
     human_size,
@@ -168,6 +168,7 @@ for command in (
     admin.evict,
     admin.stats,
     admin.verify,
+    explain.explain_cmd,
     manifests.manifests,
     remote.remote_group,
     transfer.export_cmd,

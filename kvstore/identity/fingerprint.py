@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import xxhash
@@ -59,6 +60,7 @@ class Fingerprint:
     layout: tuple  # per-layer cache classes and their shape-defining parameters
     identity: ModelIdentity  # what it was computed for (with the overrides as checked)
     files: tuple = ()  # (path, stat identity, digest) of every file hashed, as it was hashed
+    parts: dict = field(default_factory=dict)  # a short hash per part: what `model_changed` names
 
     @property
     def hex(self) -> str:
@@ -307,7 +309,26 @@ def model_fingerprint(
     h.update(repr((layout, quant, CODEC_VERSION)).encode())
     cache.save()
     checked = replace(identity, model_config=model_config)
-    return Fingerprint(h.digest(), layout, checked, tuple(seen))
+    named = [(name, d) for (name, _), (_, _, d) in zip(files, seen, strict=True)]
+    parts = _parts(named, args_id, code, quant, layout)
+    return Fingerprint(h.digest(), layout, checked, tuple(seen), parts)
+
+
+def _parts(named: list, args_id: bytes, code: bytes, quant: Any, layout: Any) -> dict[str, str]:
+    """A short hash of each part of the fingerprint, kept in entries' meta: when the
+    fingerprint changes, which part did (kvstore.reasons' `model_changed`)."""
+
+    def short(*parts: Any) -> str:
+        return xxhash.xxh3_64_hexdigest(repr(parts).encode())
+
+    return {
+        "weights": short([d for n, d in named if n.startswith("model/") and d]),
+        "adapter": short([d for n, d in named if n.startswith("adapter/")]),
+        "config": short(args_id),
+        "kv_quantization": short(quant),
+        "mlx_lm": short(code),
+        "codec": short(CODEC_VERSION, layout),
+    }
 
 
 def _memo_key(config: dict, adapter: bool, kv_bits: int | None) -> str:

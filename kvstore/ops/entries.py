@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.pins.registry import canonical
+from kvstore.store import tombstones
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 from kvstore.wire.messages import EvictReply, EvictRequest, LsRequest, Owned, Unknown
@@ -63,6 +64,7 @@ def evict(store: Store, req: EvictRequest, *, home: Path, watched: set[Path]) ->
         unknown=out.unknown,
     )
     out.deleted = store.delete(m.key for m in out.victims)
+    tombstones.note(home, out.victims, tombstones.BY_EVICT)  # a later miss on them: `evicted`
     out.owned = [
         Owned(m.label, m.model, path, canonical(path) in watched)
         for m in out.victims

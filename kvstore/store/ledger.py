@@ -15,6 +15,8 @@ from typing import Any
 
 import msgpack
 
+from kvstore.reasons import clean as clean_reasons
+
 log = logging.getLogger("kvstore")
 
 LEDGER_NAME = "ledger.msgpack"
@@ -49,6 +51,9 @@ def validate(records: Any) -> list[dict[str, Any]]:
         for name, kind in OPTIONAL.items():  # kept when well-typed; anything else is dropped
             if isinstance(r.get(name), kind) and not isinstance(r[name], bool):
                 rec[name] = r[name]
+        reasons = clean_reasons(r.get("reasons"))  # why its prefilled tokens were (older: none)
+        if reasons is not None:
+            rec["reasons"] = reasons
         out.append(rec)
     return out
 

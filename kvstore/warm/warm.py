@@ -290,6 +290,7 @@ def pin_fields(
         manifest=str(manifest) if manifest else None,
         owners=[manifest_owner(manifest)] if manifest else [],
         runtime=runtime_versions(),
+        fingerprint_parts=plan.fingerprint.parts,  # what a later `model_changed` names
         extra=_pin_extra(pp),
     ).as_kwargs()
 

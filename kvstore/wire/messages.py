@@ -384,6 +384,7 @@ class LearnReply(Message):
     want: list[list[int]] = field(default_factory=list)
     snapshot_at: list[int] = field(default_factory=list)
     paused: str | None = None
+    paused_by: str | None = None  # "write_budget" or "learned_budget" (older daemons: None)
 
     @classmethod
     def from_wire(cls, d: Any) -> LearnReply:
@@ -392,6 +393,7 @@ class LearnReply(Message):
             want=[[int(s), int(e)] for s, e in d.get("want") or []],
             snapshot_at=[int(p) for p in d.get("snapshot_at") or []],
             paused=d.get("paused"),
+            paused_by=d.get("paused_by") if isinstance(d.get("paused_by"), str) else None,
         )
 
 

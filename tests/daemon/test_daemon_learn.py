@@ -77,7 +77,7 @@ def test_shared_prefix_wanted_once_acknowledged_and_served(daemon):
     assert learn(daemon, fp, prompt(800, 50, 1))["want"] == []  # seen once
     reply = learn(daemon, fp, prompt(800, 70, 2))
     assert reply == {"want": [[0, 256], [256, 512], [512, 768], [768, 800]], "snapshot_at": [],
-                     "paused": None}  # fmt: skip
+                     "paused": None, "paused_by": None}  # fmt: skip
     # a second process learning the same prefix within 30 s is not asked: one copy
     assert learn(daemon, fp, prompt(800, 30, 3))["want"] == []
     before = metric(daemon.port, "kvstore_learned_records")

@@ -1,0 +1,72 @@
+"""Tombstones of recent evictions: which prefix (its length and a hash of its tokens), of which
+model, by what (`byte budget`, `learned budget`, `kvstore evict`) and when, so that a later miss
+on it is `evicted` (kvstore.reasons) rather than `cold`. The daemon writes (it evicts); clients
+read. A small file in the home, rewritten whole (the last MAX_TOMBSTONES)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvstore.reasons import Tombstone, prefix_hash
+
+log = logging.getLogger("kvstore")
+
+TOMBSTONES_NAME = "evicted.msgpack"
+MAX_TOMBSTONES = 512
+BY_EVICT, BY_BYTES, BY_LEARNED = "kvstore evict", "byte budget", "learned budget"
+
+
+def _read(home: Path) -> list[dict[str, Any]]:
+    try:
+        data = msgpack.unpackb((home / TOMBSTONES_NAME).read_bytes(), raw=False)
+    except FileNotFoundError:
+        return []
+    except Exception as e:  # a torn or foreign file: start over
+        log.warning("tombstones %s: unreadable, ignored (%s)", home / TOMBSTONES_NAME, e)
+        return []
+    return [t for t in data if isinstance(t, dict)] if isinstance(data, list) else []
+
+
+def note(home: Path, metas: Iterable[Any], by: str) -> int:
+    """Add a tombstone per evicted entry meta (`token_ids()`, `model`, `label`)."""
+    now = time.time()
+    new = []
+    for m in metas:
+        try:
+            tokens = m.token_ids()
+        except Exception:
+            continue
+        new.append({"model": str(m.model), "length": len(tokens), "digest": prefix_hash(tokens),
+                    "by": by, "ts": now, "entry": str(m.label)})  # fmt: skip
+    if not new:
+        return 0
+    kept = (_read(home) + new)[-MAX_TOMBSTONES:]
+    path = home / TOMBSTONES_NAME
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_bytes(msgpack.packb(kept, use_bin_type=True))
+        os.replace(tmp, path)
+    except OSError as e:  # a tombstone is a diagnostic: never fail the eviction for it
+        log.warning("tombstones %s: not written (%s)", path, e)
+        return 0
+    return len(new)
+
+
+def load(home: Path, model: str | Iterable[str]) -> list[Tombstone]:
+    models = {model} if isinstance(model, str) else set(model)
+    out = []
+    for t in _read(home):
+        try:
+            if t["model"] in models:
+                out.append(Tombstone(int(t["length"]), str(t["digest"]), str(t["by"]),
+                                     float(t["ts"]), str(t.get("entry", ""))))  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out

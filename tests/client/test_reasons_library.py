@@ -1,0 +1,181 @@
+"""Why tokens were prefilled, through the library: the report line and the stats carry the
+reasons (kvstore.reasons) on a real chat template."""
+
+from __future__ import annotations
+
+import socket
+
+import mlx_lm
+from click.testing import CliRunner
+from helpers import Proc, manifest_for, serving, wait_for
+
+from kvstore.cli.main import main
+from kvstore.client import PersistentPromptCache, generate
+from kvstore.pins.manifest import load_manifest
+from kvstore.store.store import Store
+from kvstore.tiny import make_tiny_model
+from kvstore.warm.warm import warm
+from kvstore.wire.daemon_client import socket_path
+
+OLD, NEW = "2026-11-30", "2026-12-01"
+
+
+def system(date: str) -> str:
+    return f"Today is {date}. You are the router. Classify the request and answer with JSON only."
+
+
+def chat(tokenizer, sys: str, user: str) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": sys}, {"role": "user", "content": user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_cold_then_date_in_system_prompt_is_diverged(llama, llama_path, kv_home, tmp_path):
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+        generate(cache, model, tokenizer, chat(tokenizer, system(NEW), "hi"), max_tokens=2)
+        (first,) = cache.stats.calls
+        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
+
+    prefixes = f"""
+[[model.prefix]]
+name = "router"
+messages = [{{ role = "system", content = "{system(OLD)}" }}]
+"""
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, llama_path, prefixes)), store, home=kv_home)
+    prompt = chat(tokenizer, system(NEW), "My invoice 2291 was charged twice.")
+    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+        generate(cache, model, tokenizer, prompt, label="classify", max_tokens=2)
+        (call,) = cache.stats.calls
+    by = call.prefilled_by_reason()
+    assert sum(by.values()) == call.prefilled_tokens
+    (d,) = [s for s in call.reasons if s["reason"] == "diverged"]
+    assert d["entry"] == "router"
+    # the position is the date's first differing token
+    date_at = len(tokenizer.decode(prompt[: d["position"]]))
+    text = tokenizer.decode(prompt)
+    assert text.index(NEW) <= date_at <= text.index(NEW) + len(NEW)
+    assert OLD in d["stored_text"] and NEW in d["request_text"]
+    assert "diverged" in call.line() and "router at" in call.line()
+    assert cache.stats.summary()["classify"].prefilled == by
+
+
+ROUTER = f"""
+[[model.prefix]]
+name = "router"
+messages = [{{ role = "system", content = "{system(OLD)}" }}]
+"""
+
+
+def _warm(kv_home, tmp_path, model_path, extra: str = "") -> None:
+    with Store(kv_home) as store:
+        manifest = manifest_for(tmp_path, model_path, ROUTER, extra=extra)
+        assert warm(load_manifest(manifest), store, home=kv_home).warmed == 1
+
+
+def _ask(model_path, prompt_of, **kw):
+    model, tokenizer = mlx_lm.load(str(model_path))
+    with PersistentPromptCache(model, tokenizer, model_path, verbose=False, **kw) as cache:
+        generate(cache, model, tokenizer, prompt_of(tokenizer), max_tokens=2)
+        (call,) = cache.stats.calls
+    assert sum(call.prefilled_by_reason().values()) == call.prefilled_tokens
+    return call
+
+
+def _router_request(tokenizer):
+    return chat(tokenizer, system(OLD), "My invoice 2291 was charged twice.")
+
+
+def test_weights_changed_after_the_warm_is_model_changed_naming_the_weights(
+    model_copy, kv_home, tmp_path
+):
+    _warm(kv_home, tmp_path, model_copy)
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    call = _ask(model_copy, _router_request)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "weights" and m["tokens"] > 0
+
+
+def test_kv_bits_changed_is_model_changed_naming_kv_quantization(llama_path, kv_home, tmp_path):
+    _warm(kv_home, tmp_path, llama_path)
+    call = _ask(llama_path, _router_request, kv_bits=8)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "KV quantization"
+
+
+def test_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, kv_home):
+    kv_home.mkdir(parents=True, exist_ok=True)
+    sock = socket_path(kv_home)
+    with socket.socket(socket.AF_UNIX) as s:  # a daemon's socket, left by its SIGKILL
+        s.bind(str(sock))
+    call = _ask(llama_path, _router_request)
+    assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens}
+
+
+OTHER = "You are the writer. Reply in one short friendly sentence. " * 12
+SHOP = system(OLD) + " You are a careful assistant for a hardware shop." * 12
+
+
+def _learning(model, tokenizer, cache, user: str, sys: str = SHOP):
+    generate(cache, model, tokenizer, chat(tokenizer, sys, user), max_tokens=2)
+    return cache.stats.calls[-1]
+
+
+def test_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it(
+    llama, llama_path, daemon
+):
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, max_size=1,
+                               learn=True, verbose=False) as cache:  # fmt: skip
+        first = _learning(model, tokenizer, cache, "My invoice 2291 was charged twice.")
+        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
+        _learning(model, tokenizer, cache, "hello", OTHER)  # pushes it out of the memory
+        second = _learning(model, tokenizer, cache, "Where is my parcel?")
+        assert second.prefilled_by_reason().get("not_learned_yet", 0) > 0, second.reasons
+        # seen twice: learned; the next request with it is served it from the store
+        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
+        _learning(model, tokenizer, cache, "hello again", OTHER)
+        third = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    assert third.cached_tokens >= second.prefilled_by_reason()["not_learned_yet"] - 32
+
+
+def test_learning_paused_by_the_write_budget_is_write_budget(llama, llama_path, tmp_path):
+    model, tokenizer = llama
+    home = tmp_path / "budget-home"
+    home.mkdir()
+    (home / "settings.toml").write_text("learn_write_bytes_per_day = 1\n")
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, max_size=1,
+                                   learn=True, verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user, OTHER)  # learned: the budget is spent
+            wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
+            _learning(model, tokenizer, cache, "one")
+            wait_for(lambda: cache.learner.paused_by == "write_budget", 10, d.text)
+            _learning(model, tokenizer, cache, "two", OTHER)
+            call = _learning(model, tokenizer, cache, "three")
+    by = call.prefilled_by_reason()
+    assert by.get("write_budget", 0) > 0 and "not_learned_yet" not in by, call.reasons
+
+
+def test_a_pin_removed_by_kvstore_evict_is_evicted_by_kvstore_evict(llama, llama_path, daemon):
+    model, tokenizer = llama
+    router = [{"role": "system", "content": system(OLD)}]
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home,
+                               verbose=False) as cache:  # fmt: skip
+        cache.pin("router", messages=router)
+        assert cache.flush()
+    out = CliRunner().invoke(main, ["evict", "--label", "router", "--home", str(daemon.home)])
+    assert out.exit_code == 0, out.output
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home,
+                               verbose=False) as cache:  # fmt: skip
+        generate(cache, model, tokenizer, _router_request(tokenizer), max_tokens=2)
+        (call,) = cache.stats.calls
+    (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
+    assert (e["by"], e["entry"]) == ("kvstore evict", "router") and e["tokens"] > 0
+    assert "evicted" in call.line() and "by kvstore evict" in call.line()

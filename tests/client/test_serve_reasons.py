@@ -1,0 +1,200 @@
+"""Why tokens were prefilled, through a real `kvstore serve` process: the per-request log line
+names the reasons (a diverged pin by label and position) and GET /metrics counts them, with
+`suffix`, so that they sum to the prefilled tokens."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+from helpers import manifest_for, wait_for
+from test_reasons_library import NEW, OLD, ROUTER, system
+from test_serve import Server
+
+from kvstore.cli.main import main
+from kvstore.pins.manifest import load_manifest
+from kvstore.store.store import Store
+from kvstore.warm.warm import warm
+
+pytestmark = pytest.mark.slow
+
+
+def _prefilled(server) -> dict[str, float]:
+    if hasattr(server, "url"):
+        with urllib.request.urlopen(server.url("/metrics"), timeout=10) as r:
+            text = r.read().decode()
+    else:  # test_serve_learn's server
+        text = server.get("/metrics")[1].decode()
+    pattern = r'kvstore_prefilled_tokens_total\{reason="(\w+)"\} (\S+)'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, text)}
+
+
+def test_serve_names_cold_then_diverged_date(llama_path, kv_home, tmp_path):
+    log = tmp_path / "server.log"
+    messages = [{"role": "system", "content": system(NEW)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    server = Server(tmp_path / "empty-home", llama_path, log)
+    try:
+        server.wait_ready()
+        reply = server.chat(messages)
+        wait_for(lambda: _prefilled(server).get("cold", 0) > 0, 30, log.read_text)
+        by = _prefilled(server)
+        assert by["cold"] == reply["usage"]["prompt_tokens"] == sum(by.values())
+    finally:
+        server.stop()
+
+    prefixes = f"""
+[[model.prefix]]
+name = "router"
+messages = [{{ role = "system", content = "{system(OLD)}" }}]
+"""
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, llama_path, prefixes)), store, home=kv_home)
+    server = Server(kv_home, llama_path, log)
+    try:
+        server.wait_ready()
+        reply = server.chat(messages)
+        wait_for(lambda: _prefilled(server).get("diverged", 0) > 0, 30, log.read_text)
+        by = _prefilled(server)
+        prompt, cached = reply["usage"]["prompt_tokens"], reply["usage"]["prompt_tokens_details"][
+            "cached_tokens"]  # fmt: skip
+        assert sum(by.values()) == prompt - cached
+        wait_for(lambda: re.search(r"diverged \d+ \(router at \d+\)", log.read_text()), 30,
+                 log.read_text)  # fmt: skip
+    finally:
+        server.stop()
+
+
+def _serve_ask(home, model, log, messages, *extra):
+    server = Server(home, model, log, *extra)
+    try:
+        server.wait_ready()
+        reply = server.chat(messages)
+        prefilled = reply["usage"]["prompt_tokens"] - reply["usage"]["prompt_tokens_details"][
+            "cached_tokens"]  # fmt: skip
+        wait_for(lambda: sum(_prefilled(server).values()) >= prefilled, 30, log.read_text)
+        by = _prefilled(server)
+        assert sum(by.values()) == prefilled
+        return by
+    finally:
+        server.stop()
+
+
+def test_serve_names_evicted_by_kvstore_evict_and_kv_bits_model_changed(
+    llama_path, kv_home, tmp_path
+):
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    manifest = manifest_for(tmp_path, llama_path, ROUTER)
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest), store, home=kv_home)
+    out = CliRunner().invoke(main, ["evict", "--label", "router", "--home", str(kv_home)])
+    assert out.exit_code == 0, out.output
+    log = tmp_path / "evicted.log"
+    by = _serve_ask(kv_home, llama_path, log, messages)
+    assert by["evicted"] > 0, log.read_text()
+    assert re.search(r"evicted \d+ \(by kvstore evict\)", log.read_text())
+
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest), store, home=kv_home)
+    log = tmp_path / "kv-bits.log"
+    by = _serve_ask(kv_home, llama_path, log, messages, "--kv-bits", "8")
+    assert by["model_changed"] > 0, log.read_text()
+    assert re.search(r"model_changed \d+ \(KV quantization\)", log.read_text())
+
+
+def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it(
+    llama_path, kv_home, tmp_path
+):
+    from helpers import Proc, serving
+    from test_serve_learn import Serve, _cached, _shared_tokens, _wait_learned
+
+    other = "You are the writer. Reply in one short friendly sentence."
+    shared = _shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        s = Serve(kv_home, llama_path, log, "--prompt-cache-size", "1")
+        try:
+            s.wait_ready()
+            s.chat("My invoice was charged twice.")  # seen once
+            s.chat("hello", system=other)  # pushes it out of the one-entry memory
+            wait_for(lambda: sum(_prefilled(s).values()) > 0, 30, log.read_text)
+            before = _prefilled(s).get("not_learned_yet", 0)
+            s.chat("Where is my parcel?")  # the same system prompt: seen, not stored yet
+            wait_for(lambda: _prefilled(s).get("not_learned_yet", 0) > before, 30, log.read_text)
+            assert _prefilled(s)["not_learned_yet"] - before >= 0.9 * shared
+            _wait_learned(d)  # seen twice: learned
+            s.chat("hello again", system=other)
+            served = s.chat("Is the blue shirt in stock?")
+            assert _cached(served) >= 0.9 * shared, log.read_text()
+        finally:
+            s.stop()
+
+
+def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, tmp_path):
+    import socket
+
+    from kvstore.wire.daemon_client import socket_path
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with socket.socket(socket.AF_UNIX) as sock:  # what a SIGKILLed daemon leaves: its socket
+        sock.bind(str(socket_path(home)))
+    messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
+    by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
+    assert {k for k, v in by.items() if v} == {"unavailable"}
+
+
+def test_serve_weights_changed_after_the_warm_is_model_changed_naming_the_weights(
+    model_copy, kv_home, tmp_path
+):
+    from kvstore.tiny import make_tiny_model
+
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, model_copy, ROUTER)), store, home=kv_home)
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    log = tmp_path / "serve.log"
+    by = _serve_ask(kv_home, model_copy, log, messages)
+    assert by["model_changed"] > 0, log.read_text()
+    assert re.search(r"model_changed \d+ \(weights\)", log.read_text())
+
+
+def test_serve_tool_schemas_in_another_order_are_diverged_at_the_first_schema(kv_home, tmp_path):
+    import json
+
+    from pins.template_families import SYSTEM_PROMPT, TOOLS, make_family_model
+
+    path = make_family_model(tmp_path / "qwen2_5", "qwen2_5")  # tools in the system turn
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    prefixes = (
+        '[[model.prefix]]\nname = "shop"\ntools = "tools.json"\n'
+        f'messages = [{{ role = "system", content = {json.dumps(SYSTEM_PROMPT)} }}]\n'
+    )
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, path, prefixes)), store, home=kv_home)
+    log = tmp_path / "serve.log"
+    server = Server(kv_home, path, log)
+    try:
+        server.wait_ready()
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": "Find me a red kettle."}]  # fmt: skip
+        server.chat(messages, tools=list(reversed(TOOLS)))
+        wait_for(lambda: _prefilled(server).get("diverged", 0) > 0, 30, log.read_text)
+        wait_for(lambda: re.search(r"diverged \d+ \(shop at \d+\)", log.read_text()), 30,
+                 log.read_text)  # fmt: skip
+    finally:
+        server.stop()
+    # the position is the first schema's: what the request has there is its first tool's name
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(path)
+    at = int(re.search(r"diverged \d+ \(shop at (\d+)\)", log.read_text())[1])
+    ids = tok.apply_chat_template(messages, tools=list(reversed(TOOLS)), add_generation_prompt=True)
+    text, before = tok.decode(ids), len(tok.decode(ids[:at]))
+    first = text.index('"search_products"')
+    assert text.rfind("{", 0, first) <= before <= first + len("search_products")

@@ -1,0 +1,132 @@
+"""kvstore.reasons: every prefilled token gets a reason, in order along the prompt; the ledger
+keeps them (older records still read); `kvstore explain` aggregates them from the ledger."""
+
+from __future__ import annotations
+
+import json
+import time
+import timeit
+
+import msgpack
+from click.testing import CliRunner
+
+from kvstore.cli.main import main
+from kvstore.reasons import Known, Tombstone, attribute, by_reason, identity_diff, seen_key
+from kvstore.store.ledger import LEDGER_NAME, Ledger, validate
+
+SYS = list(range(1000, 1400))
+
+
+def test_first_ever_request_is_cold():
+    assert attribute(list(range(30)), 0, Known()) == [{"reason": "cold", "tokens": 30}]
+
+
+def test_diverged_names_entry_position_and_text_then_suffix():
+    prompt = SYS[:14] + [7] + SYS[15:] + [1, 2, 3]
+    spans = attribute(prompt, 14, Known(pins={tuple(SYS): "sys"}), decode=lambda t: "".join(
+        chr(65 + x % 26) for x in t))  # fmt: skip
+    d, s = spans
+    assert (d["reason"], d["entry"], d["position"], d["tokens"]) == ("diverged", "sys", 14, 386)
+    assert d["stored_text"] != d["request_text"]
+    assert s == {"reason": "suffix", "tokens": 3}
+    assert sum(by_reason(spans).values()) == len(prompt) - 14
+
+
+def test_served_pin_leaves_only_suffix():
+    prompt = SYS + [1, 2, 3]
+    assert attribute(prompt, 400, Known(pins={tuple(SYS): "sys"})) == [
+        {"reason": "suffix", "tokens": 3}
+    ]
+
+
+def test_seen_once_is_not_learned_yet_or_write_budget():
+    prompt = SYS + [5, 6]
+    seen = [seen_key(SYS + [9])]
+    assert attribute(prompt, 0, Known(seen=seen))[0] == {"reason": "not_learned_yet", "tokens": 400}
+    assert attribute(prompt, 0, Known(seen=seen, write_budget=True))[0]["reason"] == "write_budget"
+
+
+def test_evicted_tombstone_says_by_what():
+    t = Tombstone.of(SYS, "kvstore evict", 123.0, "sys")
+    (e, s) = attribute(SYS + [1], 0, Known(tombstones=[t]))
+    assert (e["reason"], e["by"], e["tokens"], s["reason"]) == ("evicted", "kvstore evict", 400,
+                                                                "suffix")  # fmt: skip
+
+
+def test_unavailable_and_model_changed():
+    assert attribute(SYS, 0, Known(unavailable=True)) == [{"reason": "unavailable", "tokens": 400}]
+    stored = {"kv_bits": None, "model_config": {"a": 1}}
+    running = {"kv_bits": 4, "model_config": {"a": 1}}
+    what = identity_diff(stored, running)
+    assert what == "KV quantization"
+    assert attribute(SYS, 0, Known(model_changed=what))[0]["differs"] == "KV quantization"
+
+
+def test_attribution_is_cheap():
+    prompt = SYS[:14] + [7] + SYS[15:] * 5
+    seen = sorted(seen_key(range(5000 + i, 7000)) for i in range(64))
+    known = Known(pins={tuple(SYS * 5): "sys"}, seen=seen)
+    per = timeit.timeit(lambda: attribute(prompt, 14, known), number=200) / 200
+    assert per < 1e-4, per
+
+
+def _rec(i, reasons=None, ts=None):
+    r = {"model": "m", "label": "serve", "prompt_tokens": 500, "cached_tokens": 14,
+         "prefilled_tokens": 486, "prefill_s": 0.1, "decode_s": 0.1}  # fmt: skip
+    r["ts"] = ts or time.time()
+    if reasons is not None:
+        r["reasons"] = reasons
+    return r
+
+
+DIV = {"reason": "diverged", "tokens": 386, "entry": "sys", "position": 14,
+       "stored_text": "Today is 2026-11-30", "request_text": "Today is 2026-12-01"}  # fmt: skip
+
+
+def test_ledger_keeps_reasons_and_old_records_still_read(tmp_path):
+    good = validate([_rec(0, [DIV, {"reason": "suffix", "tokens": 100}])])
+    assert good[0]["reasons"][0]["entry"] == "sys"
+    assert "reasons" not in validate([_rec(0, [{"reason": "made_up", "tokens": 1}])])[0]
+    led = Ledger(tmp_path)
+    led.append(validate([_rec(0)]) + good)
+    assert Ledger(tmp_path).records == 2  # after a restart
+
+
+def test_explain_json_aggregates_divergences(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    Ledger(home).append(validate([_rec(i, [DIV, {"reason": "suffix", "tokens": 100}])
+                                  for i in range(3)] + [_rec(9)]))  # fmt: skip
+    Ledger(home).append(validate([_rec(0, [DIV], ts=time.time() - 7200)]))
+    out = CliRunner().invoke(main, ["explain", "--json", "--since", "1h", "--home", str(home)])
+    assert out.exit_code == 0, out.output
+    (stage,) = json.loads(out.output)["stages"]
+    assert stage["requests"] == 4
+    assert stage["prefilled"] == {"diverged": 3 * 386, "suffix": 300, "unrecorded": 486}
+    (d,) = stage["divergences"]
+    assert {k: d[k] for k in ("entry", "position", "requests", "tokens")} == {
+        "entry": "sys",
+        "position": 14,
+        "requests": 3,
+        "tokens": 3 * 386,
+    }
+    assert "2026-11-30" in d["stored_text"] and "2026-12-01" in d["request_text"]
+    text = CliRunner().invoke(main, ["explain", "--home", str(home)]).output
+    assert "diverged from sys at token 14" in text and "4 requests" not in text.split("\n")[0][:0]
+
+
+def test_explain_over_a_busy_day_is_fast(tmp_path):
+    """A day of a busy server: 200k requests (about 2.3 a second), each with reasons."""
+    home = tmp_path / "home"
+    home.mkdir()
+    now = time.time()
+    recs = [_rec(i, [dict(DIV, position=14 + i % 5), {"reason": "suffix", "tokens": 100}],
+                 ts=now - i * 0.43) for i in range(200_000)]  # fmt: skip
+    with open(home / LEDGER_NAME, "wb") as f:
+        f.write(b"".join(msgpack.packb(r) for r in recs))
+    t0 = time.perf_counter()
+    out = CliRunner().invoke(main, ["explain", "--json", "--since", "1d", "--home", str(home)])
+    dt = time.perf_counter() - t0
+    assert out.exit_code == 0
+    assert json.loads(out.output)["stages"][0]["requests"] == 200_000
+    assert dt < 5, dt

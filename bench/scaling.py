@@ -31,7 +31,9 @@ def _put_pins(home: Path, model: Path, lengths: list[int]) -> bytes:
     fp = model_fingerprint(model, hash_cache=FileHashCache(home / FILEHASH_NAME)).digest
     with Store(home) as s:
         for i, n in enumerate(lengths):
-            ids = [i + 3] + list(range(10, 9 + n))  # distinct first token: no pin prefixes another
+            # distinct first token (no pin prefixes another); ids inside the tiny model's
+            # vocabulary (512), or hydrate rightly skips the entry
+            ids = [i + 3] + [10 + j % 500 for j in range(n - 1)]
             s.put(
                 entry_key(fp, ids),
                 codec.encode(make_cache(KV28_F16, n, seed=i)),

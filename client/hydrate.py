@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.fleetcheck import check_pending, hold_pending
 from kvstore.client.loader import check_loaded_from
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
@@ -127,6 +128,7 @@ class Prefetched:
     entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
     report: HydrateReport = field(default_factory=HydrateReport)
     fingerprint: Fingerprint | None = None  # with the files it hashed; None when refused
+    pending: Any = None  # fetched from the fleet, held until checked (kvstore.client.fleetcheck)
 
 
 def prefetch(
@@ -181,6 +183,7 @@ def prefetch(
                     report.skipped.append(f"{meta.key.hex()}: {e}")
                 except KeyError:
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
+            hold_pending(pre, home, identity)  # inserted only once checked with the model
             if not metas and not errors:
                 report.warning = _other_versions(store, model_path)
                 report.other_model = _what_differs(store, model_path, fp.parts)
@@ -219,8 +222,10 @@ def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
         check_token_ids(ids.tolist(), vocab, what="stored token ids")
 
 
-def insert(prompt_cache, model_key: Any, pre: Prefetched) -> HydrateReport:
-    """File prefetched entries into `prompt_cache`; log the report's one warning, if any."""
+def insert(prompt_cache, model_key: Any, pre: Prefetched, *, model: Any = None) -> HydrateReport:
+    """File prefetched entries into `prompt_cache`; log the report's one warning, if any. Entries
+    fetched from the fleet and not yet checked are checked with the loaded `model` first (without
+    it they are skipped: kvstore.client.fleetcheck)."""
     t0 = time.perf_counter()
     report, model_path = pre.report, pre.model_path
     if not hasattr(prompt_cache, "insert_cache"):  # a wrong argument: a warning, as documented
@@ -231,6 +236,7 @@ def insert(prompt_cache, model_key: Any, pre: Prefetched) -> HydrateReport:
         )
         log.warning("%s", report.warning)
         return report
+    check_pending(pre, model)
     before = len(prompt_cache)
     note_from_store = getattr(prompt_cache, "note_from_store", None)
     for meta, cache in pre.entries:
@@ -288,4 +294,4 @@ def hydrate(
             model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
         )  # as given: prefetch checks it (a wrong type is the report's warning)
         prefetched = prefetch(identity, home=home, model=model)
-    return insert(prompt_cache, model_key, prefetched)
+    return insert(prompt_cache, model_key, prefetched, model=model)

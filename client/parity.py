@@ -223,7 +223,7 @@ def run_parity(
             str(resolve_model_path(identity.path)), adapter_path=identity.adapter
         )
         lru = LRUPromptCache(max_size=1 << 20)  # hold every entry: nothing may drop silently
-        hyd = insert(lru, MODEL_KEY, prefetch(identity, home=home, model=model))
+        hyd = insert(lru, MODEL_KEY, prefetch(identity, home=home, model=model), model=model)
         if hyd.warning:
             report.warnings.append(hyd.warning)
         for p in group:

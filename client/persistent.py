@@ -283,7 +283,7 @@ class PersistentPromptCache(PinnedPromptCache):
             self.stored_dates = {
                 tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date
             }
-            return insert(self, self.model_key, prefetched)
+            return insert(self, self.model_key, prefetched, model=self.model)
         finally:
             self._hydrating = False
 

@@ -38,6 +38,7 @@ from kvstore.wire.messages import (
     OPS,
     PROTOCOL_VERSION,
     EvictRequest,
+    FleetCheckedRequest,
     LearnRequest,
     LsReply,
     LsRequest,
@@ -262,6 +263,16 @@ class Commands:
 
     def cmd_touch_blocks(self, args: dict, conn: Connection) -> dict[str, Any]:
         return self.learning.touch_blocks(TouchBlocksRequest.from_wire(args)).to_wire()
+
+    # -- the fleet tier's semantic check (kvstore.fleet.check) ----------------------------------
+
+    def cmd_fleet_checked(self, args: dict, conn: Connection) -> dict[str, Any]:
+        """A client checked entries fetched from the fleet against its model: record it."""
+        from kvstore.fleet.check import fleet_checked
+
+        req = FleetCheckedRequest.from_wire(args)
+        return self.write("fleet_checked", lambda: fleet_checked(self.store, self.home, req)
+                          ).to_wire()  # fmt: skip
 
     # -- process ------------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ LEARN_DROPPED = Counter(
 )
 FLEET_REFUSED = Counter(
     "kvstore_fleet_refused",
-    "Objects pulled from the fleet tier and refused, by reason (unauthentic: MAC missing or wrong)",
+    "Objects pulled from the fleet tier and refused, by reason (unauthentic: MAC missing or "
+    "wrong; mismatch: its KV is not what this box's model computes)",
     ["reason"],
     registry=REGISTRY,
 )

@@ -358,7 +358,7 @@ class _Hooks:
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
         labels = {tuple(meta.token_ids()): meta.label for meta, _ in prefetched.entries}
         dated = {tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date}
-        report = insert(self.cache, key, prefetched)
+        report = insert(self.cache, key, prefetched, model=provider.model)
         self.labels = labels
         self.cache.served_by_store(key, report.fingerprint, set(self.labels))
         with self._stats_lock:

@@ -110,6 +110,8 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
                 + ("  trusted, unchecked" if m.trusted else "")
                 # fetched from the fleet: the box that computed it
                 + (f"  from {m.extra['uploader']}" if m.extra.get("uploader") else "")
+                # not yet checked against this box's model (kvstore.fleet.check)
+                + (", check pending" if m.extra.get("fleet_check") == "pending" else "")
             )
         click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:

@@ -266,12 +266,15 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
                 fetched, failed = fetched + got, failed + bad
                 if said := check.said():
                     click.echo(said)
-                check.check.close()
                 got, bad = pull_records(
                     remote, store, plan.fingerprint.digest, model=plan.spec.path,
                     extra=plan.spec.identity.state, put=put_records, say=click.echo,
                     refused=queue.refused, quarantined=queue.quarantined,
+                    check=check.refused_record,
                 )  # fmt: skip
+                if said := check.said(records=True):
+                    click.echo(said)
+                check.check.close()
                 learned += got
                 failed += bad
     finally:
@@ -446,23 +449,49 @@ class _Checked:
 
         self.check, self.queue, self.me = SemanticCheck(plan), queue, me
         self.count, self.seconds = 0, 0.0
+        self.records, self.records_seconds = 0, 0.0
 
-    def said(self) -> str | None:
-        if not self.count:
+    def said(self, *, records: bool = False) -> str | None:
+        n, seconds = (self.records, self.records_seconds) if records else (self.count, self.seconds)
+        if not n:
             return None
-        return (f"checked {counted(self.count, 'object')} against this box's model: "
-                f"{self.seconds:.2f}s, model loaded in {self.check.load_seconds:.2f}s")  # fmt: skip
+        what = counted(n, "learned chain") + "'s first record" if records else counted(n, "object")
+        load = "" if records else f", model loaded in {self.check.load_seconds:.2f}s"
+        return f"checked {what} against this box's model: {seconds:.2f}s{load}"
 
-    def refused(self, label: str, token_ids: list[int], blob, uploader: str | None) -> bool:
+    @staticmethod
+    def mark(fields: dict) -> dict:
+        """The put fields of a checked object: never checked again (kvstore.fleet.check)."""
+        from kvstore.store.entry import CHECK_PASSED, FLEET_CHECK
+
+        fields["extra"][FLEET_CHECK] = CHECK_PASSED
+        return fields
+
+    def refused_record(self, label: str, token_ids: list[int], blob, uploader: str | None) -> bool:
+        """A learned chain's first record: refused (and its uploader quarantined) as `refused`."""
+        return self.refused(label, token_ids, blob, uploader, record=True)
+
+    def refused(
+        self, label: str, token_ids: list[int], blob, uploader: str | None, *, record: bool = False
+    ) -> bool:
         if uploader == self.me:
             return False  # this box's own KV
         if uploader and (why := self.queue.quarantined().get(uploader)):
             click.echo(f"not fetched {label}: uploader {uploader} is quarantined ({why})", err=True)
             return True
-        verdict = self.check(token_ids, blob)
-        self.count, self.seconds = self.count + 1, self.seconds + verdict.seconds
+        verdict = (self.check.record if record else self.check)(token_ids, blob)
+        if record:
+            self.records, self.records_seconds = (
+                self.records + 1,
+                self.records_seconds + verdict.seconds,
+            )
+        else:
+            self.count, self.seconds = self.count + 1, self.seconds + verdict.seconds
         if verdict.ok:
             return False
+        from kvstore.fleet.check import MISMATCH
+
+        self.queue.count_refusal(MISMATCH)
         said = f"refused {label}: its KV is not what this box's model computes ({verdict.what})"
         if not uploader:  # an older kvstore's object: no box to quarantine
             click.echo(said, err=True)
@@ -494,7 +523,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set, check) -> tuple[in
             continue
         fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
         fields["extra"].update(origin="remote", uploader=uploader)
-        put(pp.key, blob, fields)
+        put(pp.key, blob, check.mark(fields))
         have.add(pp.key)
         fetched += 1
         click.echo(f"fetched  {pp.pin.name:20} {human_size(len(blob))}")
@@ -526,7 +555,7 @@ def _pull_objects(plan, remote, queue, put, have: set, check) -> tuple[int, int]
         if check.refused(meta.label, meta.token_ids(), blob, prov.box):
             failed += 1
             continue
-        put(o.key, blob, foreign_fields(meta, plan, prov.box))
+        put(o.key, blob, check.mark(foreign_fields(meta, plan, prov.box)))
         queue.done(o.key, "fetched")
         fetched += 1
         click.echo(f"fetched  {meta.label:20} {human_size(len(blob))}")

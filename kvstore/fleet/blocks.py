@@ -9,11 +9,12 @@ uploading also sends each record its put_blocks stored, write-behind, through th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.fleet.objects import Remote, verify_record
 from kvstore.store.blocks import BlockStore
+from kvstore.store.entry import unpack_tokens
 from kvstore.store.keys import fingerprint_of
 
 if TYPE_CHECKING:
@@ -66,12 +67,14 @@ def pull_records(
     say: Callable[[str], None],
     refused: Callable[[RemoteError], None] = lambda e: None,
     quarantined: Callable[[], dict[str, str]] = dict,
+    check: Callable[[str, list[int], Any, str | None], bool] | None = None,
 ) -> tuple[int, int]:
     """Fetch the records of `fingerprint` this box lacks, verified in full, and store them with
     `put(fingerprint, chain tokens, [(start, end, blob)], label, extra)`; `model` and `extra` are
     this box's identity of the model (as its manifest names it); `refused` counts an object
-    refused (corrupt, unauthentic); records of a `quarantined()` uploader are refused. Returns
-    (fetched, failed)."""
+    refused (corrupt, unauthentic); records of a `quarantined()` uploader are refused, and so is
+    the first record of a chain (start 0) that `check(label, its tokens, blob, uploader)` says is
+    not what this box's model computes (kvstore.fleet.check). Returns (fetched, failed)."""
     blocks = BlockStore(store)
     have = {m.key for m in blocks.records()}
     block = blocks.cut_at()
@@ -92,6 +95,15 @@ def pull_records(
         if why := quarantined().get(v.provenance.box):
             say(f"warning: learned record {o.key.hex()}: uploader {v.provenance.box} is "
                 f"quarantined ({why}); not stored")  # fmt: skip
+            failed += 1
+            continue
+        if (
+            check is not None
+            and meta.start == 0
+            and check(
+                f"learned record {o.key.hex()}", unpack_tokens(tokens), blob, v.provenance.box
+            )
+        ):
             failed += 1
             continue
         if cut != block:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import RemoteError
 from kvstore.fleet.objects import Remote, verify_object
@@ -21,8 +21,10 @@ from kvstore.store.entry import pack_tokens
 from kvstore.store.ownership import APP, PINNED_BEFORE, owners
 
 if TYPE_CHECKING:
+    from kvstore.fleet.check import Checked
     from kvstore.store.entry import EntryMeta
     from kvstore.store.ledger import Ledger
+    from kvstore.store.store import Store
     from kvstore.warm.plan import ModelPlan, PlannedPin
     from kvstore.warm.warm import WarmReport
 
@@ -90,9 +92,11 @@ class WarmFetcher:
         *,
         ledger: Ledger | None = None,
         always: bool = False,
+        store: Store | None = None,
     ):
         self.remote, self.queue, self.ledger = remote, queue, ledger
         self.always = always  # `remote pull`: fetch whatever the cost
+        self.store = store  # where the warm stores what it fetched: check_loaded's verdicts
         self._down: str | None = None  # an outage seen in this warm: prefill the rest
         if not remote.settings.fleet_keys:
             log.warning("remote: %s", UNAUTHENTICATED)
@@ -148,6 +152,25 @@ class WarmFetcher:
         log.info("remote: pin %r of %s: fetched %s from %s", pp.pin.name, plan.spec.path, note,
                  prov.box)  # fmt: skip
         return blob, meta.classes, note, prov.box
+
+    def check_loaded(
+        self, model: Any, plan: ModelPlan, fetched: list[tuple[PlannedPin, Any, str | None]]
+    ) -> list[Checked]:
+        """The warm loaded `plan`'s model anyway: check with it what this warm fetched (stored
+        pending), and record the verdicts (kvstore.fleet.check.record_verdicts)."""
+        from kvstore.codec import codec
+        from kvstore.fleet.check import Checked, check_cache, record_verdicts
+
+        out = []
+        for pp, blob, uploader in fetched:
+            stored, _ = codec.decode(blob, name="fetched object")
+            v = check_cache(model, plan.spec.identity, list(pp.pin.tokens), stored, copy=False)
+            out.append(Checked(pp.key, v.ok, v.what, uploader, pp.pin.name))
+            log.info("remote: pin %r of %s: checked against this box's model in %.3fs: %s",
+                     pp.pin.name, plan.spec.path, v.seconds, v.what)  # fmt: skip
+        if self.store is not None:
+            record_verdicts(self.store, self.queue.path.parent, out)
+        return out
 
     def quarantined(self, box: str) -> str | None:
         """Why objects `box` uploaded are not used here (quarantined after a semantic check

@@ -162,10 +162,14 @@ class UploadQueue:
 
     def refused(self, e: RemoteError) -> None:
         """Count an object refused for its cause (the same counter on the metrics port)."""
+        self.count_refusal(e.cause)
+
+    def count_refusal(self, cause: str) -> None:
+        """Count an object refused: "unauthentic", "corrupt", "mismatch" (the semantic check)."""
         from kvstore import metrics
 
-        metrics.FLEET_REFUSED.labels(reason=e.cause).inc()
-        name = f"refused:{e.cause}".encode()
+        metrics.FLEET_REFUSED.labels(reason=cause).inc()
+        name = f"refused:{cause}".encode()
 
         def fn(txn):
             raw = txn.get(name, db=self._rates)

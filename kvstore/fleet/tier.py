@@ -45,7 +45,9 @@ def daemon_tier(
     if found is None:
         return None
     rs, remote = found
-    fetcher = WarmFetcher(remote, UploadQueue(home), ledger=ledger) if rs.download else None
+    fetcher = (
+        WarmFetcher(remote, UploadQueue(home), ledger=ledger, store=store) if rs.download else None
+    )
     try:
         uploader = start_uploader(remote, store, home) if rs.upload else None
     except BaseException:
@@ -73,7 +75,9 @@ def warm_tier(
     queue = UploadQueue(home)
     hooked = enqueue_on_commit(store, home) if rs.upload else None
     try:
-        yield WarmFetcher(remote, queue, ledger=Ledger(home)) if rs.download else None
+        yield (
+            WarmFetcher(remote, queue, ledger=Ledger(home), store=store) if rs.download else None
+        )
     finally:
         if hooked is not None:
             store.on_commit.pop()

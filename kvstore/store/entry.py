@@ -87,6 +87,9 @@ def blob_checksum(blob) -> int:
 # by chunk while they are in cache, instead of in a pass of its own (kvstore.codec.materialize).
 CHUNK_SUM_BYTES = 4 << 20
 CHUNK_SUMS_KEY = "chunk_sums"  # the extra key that holds them
+# KV another box computed (fetched by a warm's read-through) holds FLEET_CHECK: "pending" until it
+# is checked against this box's model, then "passed" (kvstore.fleet.check)
+FLEET_CHECK, CHECK_PENDING, CHECK_PASSED = "fleet_check", "pending", "passed"
 
 
 def checksums(blob) -> tuple[int, dict | None]:

@@ -38,7 +38,14 @@ from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.render import pin_extra, render_prefix
 from kvstore.settings import DEFAULT, FILEHASH_NAME, load_settings
-from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
+from kvstore.store.entry import (
+    CHECK_PENDING,
+    FLEET_CHECK,
+    EntryMeta,
+    entry_fields,
+    entry_key,
+    pack_tokens,
+)
 from kvstore.store.keys import short_hex
 from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
@@ -363,12 +370,13 @@ def _warm_model(
         _unwarmed(report, missing)
         return
     notes: dict[bytes, str] = {}
+    fetched: list[tuple[PlannedPin, bytes, str | None]] = []  # stored, not yet checked
     if fetch is not None:
         fetching, missing = missing, []
         for pp in fetching:
             if report.stopped:
                 _unwarmed(report, [pp])
-            elif not _fetched(plan, pp, report, put, fetch, notes, manifest.path):
+            elif not _fetched(plan, pp, report, put, fetch, notes, manifest.path, fetched):
                 missing.append(pp)
     if not missing or report.stopped:
         _unwarmed(report, missing)
@@ -387,6 +395,28 @@ def _warm_model(
     try:
         _prefill_pins(model, plan, manifest, missing, report, put=put, say=say, bounds=bounds,
                       notes=notes)  # fmt: skip
+        # the model is loaded anyway: what this warm fetched is checked with it before it goes
+        if fetched and (check := getattr(fetch, "check_loaded", None)) is not None:
+            refused = {v.key for v in check(model, plan, fetched) if not v.ok}
+            if refused:  # refused and deleted: prefilled now, with the model still loaded
+                report.pins = [
+                    p
+                    for p in report.pins
+                    if not (p.status == "fetched" and bytes.fromhex(p.key) in refused)
+                ]
+                again = [pp for pp, _, _ in fetched if pp.key in refused]
+                notes.update((pp.key, "fetched, refused by the semantic check") for pp in again)
+                _prefill_pins(
+                    model,
+                    plan,
+                    manifest,
+                    again,
+                    report,
+                    put=put,
+                    say=say,
+                    bounds=bounds,
+                    notes=notes,
+                )
     finally:
         del model
         release_model()
@@ -487,21 +517,23 @@ def _adopt(store: Store, plans: dict[tuple, ModelPlan], me: str, edit: Callable)
     return edit({k: lambda m: adopted(m, me) for k in todo}) if todo else 0
 
 
-def _fetched(plan, pp, report, put, fetch, notes, manifest: Path) -> bool:
-    """Whether `fetch` brought this pin from the fleet tier (and it was stored). `fetch` gives
-    the verified blob (or None: prefill), its cache classes, and why."""
+def _fetched(plan, pp, report, put, fetch, notes, manifest: Path, fetched: list) -> bool:
+    """Whether `fetch` brought this pin from the fleet tier (and it was stored, marked pending its
+    check against this model: kvstore.fleet.check; added to `fetched`). `fetch` gives the
+    verified blob (or None: prefill), its cache classes, and why."""
     t = time.perf_counter()
     blob, classes, note, uploader = fetch(plan, pp)
     notes[pp.key] = note
     if blob is None:
         return False
     fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-    fields["extra"].update(origin="remote", uploader=uploader)
+    fields["extra"].update(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
     try:
         put(pp.key, blob, fields)
     except KVStoreError as e:
         _stop(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}", e)
         return True
+    fetched.append((pp, blob, uploader))
     report.pins.append(_result(pp, "fetched", seconds=time.perf_counter() - t,
                                nbytes=len(blob), warning=pp.pin.warning, remote=note))  # fmt: skip
     return True

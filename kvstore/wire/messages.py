@@ -38,6 +38,9 @@ H(tokens)), learned record keys fingerprint + H(end).
     -> {stored: records accepted, bytes: bytes newly written} (sent after the commit)
   touch_blocks {fingerprint, keys: [fingerprint + H(end), ...] (records a client restored)}
     -> {touched: records still stored} (their last_used and hits: the learned LRU's order)
+  fleet_checked {passed: [key32], refused: [{key: key32, ok: false, what, uploader, label}]}
+    -> {passed: entries marked checked, deleted: entries deleted}  (kvstore.fleet.check: a
+    client's verdicts on entries fetched from the fleet and pending their check)
 A learned snapshot is an ordinary `put` with pinned=False, label "learned", extra.learned=True.
 """
 
@@ -465,6 +468,35 @@ class TouchBlocksReply(Message):
     touched: int = 0  # records still stored
 
 
+@dataclass(frozen=True)
+class FleetCheckedRequest(Message):
+    """The semantic check's verdicts on pending fetched entries (kvstore.fleet.check)."""
+
+    passed: list[bytes] = field(default_factory=list)
+    refused: list[dict[str, Any]] = field(default_factory=list)  # key, what, uploader, label
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> FleetCheckedRequest:
+        passed = key_list(d, "passed", KEY_BYTES)
+        refused = arg(d, "refused", list, [])
+        if len(passed) + len(refused) > MAX_RECORDS:
+            raise ValueError(f"at most {MAX_RECORDS} verdicts in one fleet_checked")
+        for r in refused:
+            if not (isinstance(r, dict) and isinstance(r.get("key"), bytes)
+                    and len(r["key"]) == KEY_BYTES):  # fmt: skip
+                raise ValueError("argument 'refused' must be maps with a 32-byte 'key'")
+            for name in ("what", "uploader", "label"):
+                if not isinstance(r.get(name), (str, type(None))):
+                    raise ValueError(f"argument 'refused': {name!r} must be a string")
+        return cls(passed, refused)
+
+
+@dataclass(frozen=True)
+class FleetCheckedReply(Message):
+    passed: int = 0  # entries marked checked
+    deleted: int = 0  # entries deleted: refused, or pending from a box now quarantined
+
+
 # name -> (Request, Reply); `reload` answers as `warm` does.
 OPS: dict[str, tuple[type[Message], type[Message]]] = {
     "ping": (Empty, PingReply),
@@ -483,5 +515,6 @@ OPS: dict[str, tuple[type[Message], type[Message]]] = {
     "learn": (LearnRequest, LearnReply),
     "put_blocks": (PutBlocksRequest, PutBlocksReply),
     "touch_blocks": (TouchBlocksRequest, TouchBlocksReply),
+    "fleet_checked": (FleetCheckedRequest, FleetCheckedReply),
 }
 READS = frozenset({"ping", "stats", "ls", "manifests"})  # not worth a log line each

@@ -1,0 +1,112 @@
+"""Entries another box computed, fetched by a warm's read-through and stored pending their
+semantic check (kvstore.fleet.check), are checked here, by the process that holds the model,
+before they are inserted: at start (kvstore.client.load, PersistentPromptCache, `kvstore serve`
+before it answers), never on a request. One re-prefill of the first CHECK_TOKENS positions per
+entry, once: the verdict goes back to the store (the daemon's `fleet_checked`, else the store
+here), so later starts insert the entry unchecked again only because it passed. An entry that
+fails is not inserted (the app prefills it), is deleted, and its uploader is quarantined. Without
+the model (`hydrate` called without `model=`) a pending entry is skipped, never inserted unchecked.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstore.errors import KVStoreError, counted
+from kvstore.store.entry import CHECK_PENDING, FLEET_CHECK, EntryMeta
+
+if TYPE_CHECKING:
+    from kvstore.client.hydrate import Prefetched
+    from kvstore.fleet.check import Checked
+    from kvstore.identity.model import ModelIdentity
+
+log = logging.getLogger("kvstore.client")
+
+
+@dataclass
+class Pending:
+    """A prefetch's entries held back until `check_pending` has the model."""
+
+    home: Path
+    identity: ModelIdentity
+    entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
+
+
+def hold_pending(pre: Prefetched, home: Path, identity: ModelIdentity) -> None:
+    """Take the entries pending their check out of `pre.entries` (into `pre.pending`)."""
+    held = [e for e in pre.entries if e[0].extra.get(FLEET_CHECK) == CHECK_PENDING]
+    if held:
+        pre.entries = [e for e in pre.entries if e[0].extra.get(FLEET_CHECK) != CHECK_PENDING]
+        pre.pending = Pending(home, identity, held)
+
+
+def check_pending(pre: Prefetched, model: Any) -> list[Checked]:
+    """Check `pre`'s held entries with the loaded `model`; those that pass join `pre.entries`,
+    the others go into the report's skipped, and the verdicts are recorded. Never raises."""
+    from kvstore.fleet.check import Checked, check_cache
+
+    held: Pending | None = pre.pending
+    pre.pending = None
+    if held is None or not held.entries:
+        return []
+    if model is None:
+        pre.report.skipped += [
+            f"{m.key.hex()}: fetched from {m.extra.get('uploader') or 'the fleet'}, not yet "
+            "checked against this box's model (pass model= to hydrate to check it)"
+            for m, _ in held.entries
+        ]
+        return []
+    verdicts: list[Checked] = []
+    passed = []
+    for meta, cache in held.entries:
+        try:
+            v = check_cache(model, held.identity, meta.token_ids(), cache)
+        except Exception as e:  # the cache must never take the app down: the entry is skipped
+            pre.report.skipped.append(f"{meta.key.hex()}: its fleet check failed: {e}")
+            continue
+        uploader = meta.extra.get("uploader")
+        verdicts.append(Checked(meta.key, v.ok, v.what, uploader, meta.label))
+        if v.ok:
+            passed.append((meta, cache))
+            log.info("kvstore: fetched entry %r from %s checked against this model in %.3fs: %s",
+                     meta.label, uploader, v.seconds, v.what)  # fmt: skip
+        else:
+            pre.report.skipped.append(
+                f"{meta.key.hex()}: its KV is not what this box's model computes ({v.what}); "
+                f"refused, and uploader {uploader} quarantined"
+            )
+            log.error("kvstore: refused fetched entry %r: its KV is not what this box's model "
+                      "computes (%s); every object of uploader %s is quarantined",
+                      meta.label, v.what, uploader)  # fmt: skip
+    if passed:
+        pre.entries = sorted(pre.entries + passed, key=lambda e: (e[0].pinned, e[0].last_used))
+    _record(held.home, verdicts)
+    return verdicts
+
+
+def _record(home: Path, verdicts: list[Checked]) -> None:
+    """The verdicts into the store: through the daemon when one runs (the one writer), else
+    here; a failure is one warning (the entries are checked again at the next start)."""
+    from kvstore.fleet.check import fleet_checked, request_of
+    from kvstore.ops.route import Route
+    from kvstore.store.store import Store
+
+    if not verdicts:
+        return
+    req = request_of(verdicts)
+    try:
+        with Route(home, timeout=10.0) as route:
+            if route.client is not None and route.client.supports("fleet_checked") is False:
+                raise KVStoreError("the daemon is older than this client (no fleet_checked)")
+
+            def local() -> Any:
+                with Store(home) as store:
+                    return fleet_checked(store, home, req)
+
+            route.run("fleet_checked", req, local)
+    except KVStoreError as e:
+        log.warning("kvstore: the fleet check of %s is not recorded: %s",
+                    counted(len(verdicts), "entry"), e)  # fmt: skip

@@ -3,13 +3,19 @@ provenance, as the uploader does) and verifying one as a box that holds the key 
 structural verification every fetched object gets anyway (checksum and a full decode), on real
 KVCache entries of a few sizes (8 heads x 128, float16: 4 KiB a token and layer).
 
-    python -m bench.fleet_trust
+And what the semantic check costs per fetched entry (kvstore.fleet.check.check_cache: a
+re-prefill of its first 64 positions and the comparison, as the client runs it at start before it
+inserts a pending entry, or a warm that loaded the model), against prefilling the whole entry
+(what the fetch spares), on the tiny llama and on a bigger random-weight llama made in memory.
+
+    python -m bench.fleet_trust [--check-only]
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Iterator
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -69,7 +75,52 @@ def run() -> list[dict]:
     return rows
 
 
+# (name, llama config overrides over kvstore.tiny's): the tiny test model, and a bigger one
+CHECK_MODELS = (
+    ("tiny llama (2 layers x 64)", {}),
+    ("llama 8 layers x 512", dict(hidden_size=512, num_hidden_layers=8,
+                                  intermediate_size=1408, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=64)),
+)  # fmt: skip
+CHECK_SIZES = (148, 1024, 2048)  # tokens of the fetched entry (148: the tests' classify pin)
+
+
+def check_costs() -> Iterator[dict]:
+    from kvstore import mlxlm
+    from kvstore.fleet.check import check_cache
+    from kvstore.identity.model import ModelIdentity
+    from kvstore.tiny import ARCHITECTURES
+    from kvstore.warm.prefill import prefill
+
+    identity = ModelIdentity("bench")
+    for name, overrides in CHECK_MODELS:
+        config = {**ARCHITECTURES["llama"], **overrides}
+        model_class, args_class = mlxlm.model_classes(config)
+        mx.random.seed(0)
+        model = model_class(args_class.from_dict(config))
+        mx.eval(model.parameters())
+        prefill(model, [1, 2, 3], identity=identity)  # the first forward's graph set-up, once
+        for tokens in CHECK_SIZES:
+            ids = [(7 * i) % 500 + 3 for i in range(tokens)]
+            t = time.perf_counter()
+            stored = prefill(model, ids, identity=identity)
+            full = time.perf_counter() - t
+            check = _best(check_cache, model, identity, ids, stored)
+            assert check_cache(model, identity, ids, stored).ok
+            yield {"model": name, "tokens": tokens, "prefill_s": full, "check_s": check}
+
+
 def main() -> None:
+    import sys
+
+    print("semantic check per fetched entry (first 64 positions re-prefilled and compared):")
+    print(f"{'model':28} {'tokens':>7} {'prefill':>9} {'check':>9} {'share':>6}")
+    for r in check_costs():
+        print(f"{r['model']:28} {r['tokens']:7d} {r['prefill_s']:8.3f}s {r['check_s']:8.4f}s "
+              f"{r['check_s'] / r['prefill_s']:6.1%}", flush=True)  # fmt: skip
+    if "--check-only" in sys.argv:
+        return
+    print()
     print(f"{'tokens':>7} {'MiB':>7} {'seal':>8} {'verify':>8} {'+MAC':>8} {'MAC share':>9}")
     for r in run():
         extra = r["verify_keyed_s"] - r["verify_s"]

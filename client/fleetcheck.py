@@ -58,6 +58,12 @@ def check_pending(pre: Prefetched, model: Any) -> list[Checked]:
             "checked against this box's model (pass model= to hydrate to check it)"
             for m, _ in held.entries
         ]
+        if pre.report.warning is None:
+            pre.report.warning = (
+                f"kvstore: {counted(len(held.entries), 'entry')} fetched from the fleet for "
+                f"{pre.model_path} not inserted: not yet checked against this box's model; pass "
+                "model= to hydrate (kvstore.client.load and PersistentPromptCache do)"
+            )
         return []
     verdicts: list[Checked] = []
     passed = []

@@ -109,6 +109,7 @@ def test_forged_object_from_the_read_through_is_never_served_and_quarantines(
     lru = LRUPromptCache(max_size=8)
     rep = hydrate(lru, "m", str(llama_path), home=b)
     assert rep.entries == 0 and len(rep.skipped) == 2 and "not yet checked" in rep.skipped[0]
+    assert "2 entries fetched from the fleet" in rep.warning
     _, cache = load(llama_path, b)
     assert cache.report.labels == ["synthesize"], cache.report
     assert any("its KV is not what this box's model computes (first 64" in s

@@ -196,17 +196,36 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
 
 @remote_group.command(name="push")
 @click.option("--model", default=None, help="Only entries of this model path (as stored).")
+@click.option(
+    "--reseal",
+    is_flag=True,
+    help="After a key rotation: re-upload this box's objects still sealed under "
+    "fleet_key_previous, under the current fleet_key.",
+)
 @home_option
 @user_errors
-def push_cmd(model: str | None, home: Path) -> None:
+def push_cmd(model: str | None, reseal: bool, home: Path) -> None:
     """Upload every local entry and learned block record the remote lacks; returns once all are
-    up (or one failed)."""
+    up (or one failed). With --reseal, re-seal this box's own objects under the new key instead
+    (each box runs it; then the fleet_key_previous line can go)."""
     from kvstore.fleet.blocks import push_records
     from kvstore.fleet.queue import UploadQueue, upload_one
 
     remote = _remote(home)
     if not (home / "store" / "data.mdb").is_file():
         click.echo("no store: nothing to push")
+        return
+    if reseal:
+        from kvstore.fleet.queue import reseal as reseal_objects
+
+        with open_store(home) as store:
+            try:
+                n = reseal_objects(remote, store, say=lambda t: click.echo(t, err=True))
+            except RemoteError as e:
+                raise click.ClickException(f"{e} (run it again)") from None
+        click.echo(f"{n['resealed']} re-sealed under the current key, {n['current']} already "
+                   f"under it, {n['other']} other boxes', {n['gone']} not held here, "
+                   f"{n['refused']} refused")  # fmt: skip
         return
     counts = {"uploaded": 0, "exists": 0, "gone": 0}
     with open_store(home) as store:

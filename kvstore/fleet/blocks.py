@@ -39,10 +39,17 @@ def push_records(
 
 
 def upload_record(
-    remote: Remote, blocks: BlockStore, key: bytes, block: int, say: Callable[[str], None]
+    remote: Remote,
+    blocks: BlockStore,
+    key: bytes,
+    block: int,
+    say: Callable[[str], None],
+    *,
+    replace: bool = False,
 ) -> str:
     """Upload the record `key` with the tokens before it: "uploaded", "exists", or "gone" (missing,
-    corrupt or cut off from its chain here: `say` says which). `block`: the store's cut."""
+    corrupt or cut off from its chain here: `say` says which). `block`: the store's cut;
+    `replace`: overwrite the remote's object (a re-seal)."""
     try:
         chain = blocks.chain_to(key)
     except KVStoreError as e:
@@ -53,7 +60,7 @@ def upload_record(
         say(f"warning: learned record {key.hex()} is corrupt locally; not uploaded")
         return "gone"
     prefix = b"".join(m.tokens for m in chain[:-1])
-    return remote.upload_record(chain[-1], prefix, block, blobs[0])
+    return remote.upload_record(chain[-1], prefix, block, blobs[0], replace=replace)
 
 
 def pull_records(

@@ -76,6 +76,7 @@ class Provenance:
     mlx: str
     mlx_lm: str
     signed: bool = False
+    previous: bool = False  # signed under fleet_key_previous: `remote push --reseal` renews it
 
     @classmethod
     def unknown(cls) -> Provenance:
@@ -158,10 +159,10 @@ def authenticate(
         raise RemoteError("unauthentic", f"{where}: no MAC (uploaded by {shown}); refused, "
                                          "this box holds a fleet key")  # fmt: skip
     body = data[: len(data) - TRAILER.size]
-    for k in keys:
+    for i, k in enumerate(keys):
         if hmac.compare_digest(hmac.new(k, body, hashlib.sha256).digest(), mac):
             assert prov is not None
-            return Provenance(prov.box, prov.mlx, prov.mlx_lm, signed=True)
+            return Provenance(prov.box, prov.mlx, prov.mlx_lm, signed=True, previous=i > 0)
     raise RemoteError("unauthentic", f"{where}: MAC does not match this fleet's key (uploaded "
                                      f"by {shown}); refused")  # fmt: skip
 
@@ -514,23 +515,28 @@ class Remote:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def upload(self, meta: EntryMeta, read_blob: Callable[[int, int], bytes]) -> str:
+    def upload(
+        self, meta: EntryMeta, read_blob: Callable[[int, int], bytes], *, replace: bool = False
+    ) -> str:
         """Create the entry's object unless it exists: "uploaded", or "exists" when it was there
         already or another box created it first (If-None-Match: * makes the create conditional,
         so two racing uploads end with one object). `read_blob(offset, size)` gives blob bytes;
         large blobs go up in parts, each read on its own."""
         return self._create(
             object_name(self.settings, meta.key), object_header(meta), meta.nbytes, read_blob,
-            what=f"uploading entry {meta.key.hex()}",
+            what=f"uploading entry {meta.key.hex()}", replace=replace,
         )  # fmt: skip
 
-    def upload_record(self, meta: BlockMeta, prefix: bytes, block: int, blob: bytes) -> str:
+    def upload_record(
+        self, meta: BlockMeta, prefix: bytes, block: int, blob: bytes, *, replace: bool = False
+    ) -> str:
         """Create a learned record's object unless it exists ("uploaded" or "exists", as
-        `upload`). `prefix`: the packed tokens before its start; `block`: its chain's cut."""
+        `upload`). `prefix`: the packed tokens before its start; `block`: its chain's cut.
+        `replace`: overwrite it (a re-seal under a new fleet key)."""
         return self._create(
             record_name(self.settings, meta.key), record_header(meta, prefix, block), meta.nbytes,
             lambda offset, size: blob[offset : offset + size],
-            what=f"uploading learned record {meta.key.hex()}",
+            what=f"uploading learned record {meta.key.hex()}", replace=replace,
         )  # fmt: skip
 
     def _create(
@@ -541,9 +547,11 @@ class Remote:
         read_blob: Callable[[int, int], bytes],
         *,
         what: str,
+        replace: bool = False,
     ) -> str:
-        if self.head(b"", name=name) is not None:
+        if not replace and self.head(b"", name=name) is not None:
             return "exists"
+        cond = {} if replace else {"IfNoneMatch": "*"}  # a re-seal overwrites its own object
         sealer = Sealer(self.settings)
         total = len(header) + nbytes + sealer.size
         meta = {
@@ -554,10 +562,10 @@ class Remote:
                 body = header + read_blob(0, nbytes)
                 self.client.put_object(
                     Bucket=self.bucket, Key=name, Body=body + seal(self.settings, body),
-                    IfNoneMatch="*", Metadata=meta,
+                    Metadata=meta, **cond,
                 )  # fmt: skip
                 return "uploaded"
-            return self._upload_parts(name, header, nbytes, read_blob, sealer, meta)
+            return self._upload_parts(name, header, nbytes, read_blob, sealer, meta, cond)
         except Exception as e:
             if self._status(e) == 412:  # someone created it between our HEAD and our create
                 return "exists"
@@ -571,6 +579,7 @@ class Remote:
         read_blob: Callable[[int, int], bytes],
         sealer: Sealer,
         meta: dict[str, str],
+        cond: dict[str, str],
     ) -> str:
         size, blob_end = self.settings.part_size, len(header) + nbytes
         total = blob_end + sealer.size
@@ -594,7 +603,7 @@ class Remote:
                 parts.append({"PartNumber": number, "ETag": res["ETag"]})
             self.client.complete_multipart_upload(
                 Bucket=self.bucket, Key=name, UploadId=upload_id,
-                MultipartUpload={"Parts": parts}, IfNoneMatch="*",
+                MultipartUpload={"Parts": parts}, **cond,
             )  # fmt: skip
             return "uploaded"
         except BaseException:

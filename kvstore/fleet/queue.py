@@ -12,6 +12,7 @@ reads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -261,6 +262,59 @@ def upload_one_record(remote: Remote, blocks: BlockStore, queue: UploadQueue, ke
     else:
         queue.done(key, outcome, "record")
     return outcome
+
+
+def reseal(remote: Remote, store: Store, *, say: Callable[[str], None]) -> dict[str, int]:
+    """After a key rotation: re-upload, sealed under the current fleet_key, every object on the
+    remote that this box uploaded (its S3 metadata and, once fetched, its signed provenance say
+    so), that is still sealed under fleet_key_previous, and that this box still holds. Other
+    boxes' objects are theirs to re-seal: each box runs it. Counts: resealed, current (already
+    under the current key), other (another box's), gone (not held here), refused."""
+    from kvstore.fleet.objects import verify_object, verify_record
+
+    rs = remote.settings
+    if len(rs.fleet_keys) < 2:
+        raise KVStoreError(
+            "the credentials file has no fleet_key_previous: nothing is sealed under an old key "
+            "(`kvstore remote key new` rotates the key and keeps the old one as previous)"
+        )
+    counts = {"resealed": 0, "current": 0, "other": 0, "gone": 0, "refused": 0}
+    blocks = BlockStore(store)
+    entries = set(store.keys())
+    records = {m.key for m in blocks.records()}
+    listed = [(o, False) for o in remote.objects()] + [(o, True) for o in remote.records()]
+    for o, record in listed:
+        mine = remote.uploader(o.name) == rs.box_id  # one HEAD; the signed copy is checked below
+        if not mine or o.key not in (records if record else entries):
+            counts["gone" if mine else "other"] += 1
+            continue
+        data, _ = remote.fetch(o.key, name=o.name)
+        try:
+            if record:
+                prov = verify_record(o.key, data, keys=rs.fleet_keys).provenance
+            else:
+                prov = verify_object(o.key, data, keys=rs.fleet_keys)[2]
+        except RemoteError as e:
+            say(f"warning: {e}; not re-sealed")
+            counts["refused"] += 1
+            continue
+        if prov.box != rs.box_id:
+            counts["other"] += 1
+            continue
+        if not prov.previous:
+            counts["current"] += 1
+            continue
+        if record:
+            outcome = upload_record(remote, blocks, o.key, blocks.cut_at(), say, replace=True)
+        else:
+            meta = store.get_meta(o.key)
+            if meta is None or not store.blob_ok(meta):
+                counts["gone"] += 1
+                continue
+            read = functools.partial(store.read_blob_range, o.key)  # (offset, size) -> bytes
+            outcome = remote.upload(meta, read, replace=True)
+        counts["resealed" if outcome == "uploaded" else "gone"] += 1
+    return counts
 
 
 class Uploader(threading.Thread):

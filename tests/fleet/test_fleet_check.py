@@ -194,3 +194,54 @@ def test_a_forged_first_record_of_a_pulled_learned_chain_is_refused(s3, llama_pa
     assert list(status(b)["quarantined"]) == [box_id(f)]
     stored = json.loads(cli("ls", "--learned", "--json", "--home", b, code=0).output)
     assert sorted(r["uploader"] for r in stored if r["start"] == 0) == [box_id(a)]  # a's passed
+
+
+def test_push_reseal_renews_this_boxs_objects_under_the_rotated_key(s3, llama_path, tmp_path):
+    from helpers import mlx_lm_prefill
+    from mlx_lm import load as mlx_load
+
+    from kvstore.codec.blocks import slice_record
+    from kvstore.identity.fingerprint import model_fingerprint
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+
+    old = secrets.token_hex(32)
+    a, b = keyed(box(tmp_path / "a", s3), old), keyed(box(tmp_path / "b", s3), old)
+    manifest = str(manifest_for(tmp_path, llama_path, TWO_PINS))
+    model, _ = mlx_load(str(llama_path))
+    tokens = [(7 * i) % 500 + 3 for i in range(300)]
+    cache = mlx_lm_prefill(model, tokens)
+    with Store(a) as store:
+        recs = [(s, e, slice_record(cache, s, e)) for s, e in cuts(0, len(tokens))]
+        fp = model_fingerprint(str(llama_path)).digest
+        BlockStore(store).put_records(fp, tokens, recs, label="learned",
+                                      extra={"model": str(llama_path)})  # fmt: skip
+    warm_and_push(a, manifest)  # and one of b's: a box re-seals only its own
+    three = str(manifest_for(tmp_path, llama_path, THREE_PINS, name="three.toml"))
+    cli("warm", "--manifest", three, "--home", b, code=0)
+    assert "1 uploaded, 2 already there" in cli("remote", "push", "--home", b, code=0).output
+    r = cli("remote", "push", "--reseal", "--home", a, code=1)
+    assert "no fleet_key_previous" in r.output and "Traceback" not in r.output
+    cli("remote", "key", "new", "--home", a, code=0)  # the rotation: old becomes previous
+    r = cli("remote", "push", "--reseal", "--home", a, code=0)
+    assert "4 re-sealed under the current key, 0 already under it, 1 other boxes'" in r.output, (
+        r.output
+    )
+    r = cli("remote", "push", "--reseal", "--home", a, code=0)
+    assert "0 re-sealed under the current key, 4 already under it" in r.output, r.output
+    creds = (a / "s3.toml").read_text()
+    c = box(tmp_path / "c", s3)  # only the new key: b's object is still under the old one
+    (c / "s3.toml").write_text("".join(ln for ln in creds.splitlines(True)
+                                       if not ln.startswith("fleet_key_previous")))  # fmt: skip
+    r = cli("remote", "pull", "--manifest", three, "--home", c, code=1)
+    assert "2 fetched and 2 learned records" in r.output and "1 failed" in r.output, r.output
+    assert r.output.count("MAC does not match this fleet's key") == 1
+    (b / "s3.toml").write_text(creds)  # b takes both lines, and re-seals its own
+    r = cli("remote", "push", "--reseal", "--home", b, code=0)
+    assert "1 re-sealed under the current key, 0 already under it, 4 other boxes'" in r.output, (
+        r.output
+    )
+    d = box(tmp_path / "d", s3)
+    (d / "s3.toml").write_text((c / "s3.toml").read_text())
+    r = cli("remote", "pull", "--manifest", three, "--home", d, code=0)
+    assert "3 fetched and 2 learned records, 0 not on the remote, 0 failed" in r.output, r.output

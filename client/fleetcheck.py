@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import KVStoreError, counted
 from kvstore.store.entry import CHECK_PENDING, FLEET_CHECK, EntryMeta
 
-if TYPE_CHECKING:
-    from kvstore.client.hydrate import Prefetched
+if TYPE_CHECKING:  # `pre` is a kvstore.client.hydrate.Prefetched (which imports this module)
     from kvstore.fleet.check import Checked
     from kvstore.identity.model import ModelIdentity
 
@@ -35,15 +34,21 @@ class Pending:
     entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
 
 
-def hold_pending(pre: Prefetched, home: Path, identity: ModelIdentity) -> None:
+def unchecked(meta: EntryMeta) -> bool:
+    """An entry fetched from the fleet and not yet checked: a restore on a request's path (a
+    miss the store could serve, a pin already stored) skips it; the next start checks it."""
+    return meta.extra.get(FLEET_CHECK) == CHECK_PENDING
+
+
+def hold_pending(pre: Any, home: Path, identity: ModelIdentity) -> None:
     """Take the entries pending their check out of `pre.entries` (into `pre.pending`)."""
-    held = [e for e in pre.entries if e[0].extra.get(FLEET_CHECK) == CHECK_PENDING]
+    held = [e for e in pre.entries if unchecked(e[0])]
     if held:
-        pre.entries = [e for e in pre.entries if e[0].extra.get(FLEET_CHECK) != CHECK_PENDING]
+        pre.entries = [e for e in pre.entries if not unchecked(e[0])]
         pre.pending = Pending(home, identity, held)
 
 
-def check_pending(pre: Prefetched, model: Any) -> list[Checked]:
+def check_pending(pre: Any, model: Any) -> list[Checked]:
     """Check `pre`'s held entries with the loaded `model`; those that pass join `pre.entries`,
     the others go into the report's skipped, and the verdicts are recorded. Never raises."""
     from kvstore.fleet.check import Checked, check_cache

@@ -39,6 +39,7 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore.client import modelthread
+from kvstore.client.fleetcheck import unchecked
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
@@ -260,7 +261,7 @@ class ColdTier:
         got = self._metas.get(target.fingerprint)
         if got is None or now - got[0] >= METAS_REFRESH_S:
             metas = self._store.metas(target.fingerprint, errors=[])
-            got = (now, [(tuple(m.token_ids()), m) for m in metas])
+            got = (now, [(tuple(m.token_ids()), m) for m in metas if not unchecked(m)])
             self._metas[target.fingerprint] = got
         best = None
         for t, meta in got[1]:

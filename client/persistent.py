@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvstore import mlxlm
+from kvstore.client.fleetcheck import unchecked
 from kvstore.client.hydrate import (
     HydrateReport,
     Prefetched,
@@ -473,11 +474,13 @@ class PersistentPromptCache(PinnedPromptCache):
 
         try:
             with Store(self.home, readonly=True) as store:
-                _, cache = load_entry(store, entry_key(self.fingerprint, ids), pack_tokens(ids))
+                meta, cache = load_entry(store, entry_key(self.fingerprint, ids), pack_tokens(ids))
         except KeyError:
             return "", None
         except KVStoreError as e:  # already said once by hydrate; prefill as if absent
             log.debug("kvstore: pin lookup in the store failed: %s", e)
+            return "", None
+        if unchecked(meta):  # fetched from the fleet since start: checked at the next one
             return "", None
         self._hydrated.add(ids)
         return "store", cache

@@ -245,3 +245,30 @@ def test_push_reseal_renews_this_boxs_objects_under_the_rotated_key(s3, llama_pa
     (d / "s3.toml").write_text((c / "s3.toml").read_text())
     r = cli("remote", "pull", "--manifest", three, "--home", d, code=0)
     assert "3 fetched and 2 learned records, 0 not on the remote, 0 failed" in r.output, r.output
+
+
+def test_an_entry_fetched_after_start_is_not_restored_unchecked_on_a_request(
+    s3, llama_path, tmp_path
+):
+    from mlx_lm import load as mlx_load
+
+    from kvstore.client import PersistentPromptCache
+
+    a, b, manifest = fleet(s3, tmp_path, llama_path, forged="classify")
+    model, tokenizer = mlx_load(str(llama_path))
+    with Store(b):
+        pass  # an empty store: the app starts with nothing to hydrate
+    cache = PersistentPromptCache(model, tokenizer, llama_path, home=b, learn=True, stats=False)
+    try:
+        assert cache.report.entries == 0 and cache.learner is not None
+        r = cli("warm", "--manifest", manifest, "--home", b, code=0)  # fetched while it runs
+        assert "2 fetched" in r.output
+        with Store(b, readonly=True) as store:
+            forged = next(m for m in store.metas() if m.label == "classify")
+        prompt = forged.token_ids() + [5, 6, 7]
+        _, rest = cache.fetch_nearest_cache(cache.model_key, prompt)
+        assert len(rest) == len(prompt)  # prefilled: the pending entry is not restored unchecked
+        pinned = cache.pin("classify", tokens=forged.token_ids())  # nor taken as a stored pin
+        assert pinned.source != "store", pinned
+    finally:
+        cache.close()

@@ -274,11 +274,11 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     fetched = failed = absent = learned = 0
     try:
         with open_store(home, write=client is None) as store:
-            put, put_records = _writers(client, store, home)
+            put, put_records, checked = _writers(client, store, home)
             fetcher = WarmFetcher(remote, queue, always=True)
             for plan in _plans(home, manifest, model, store):
                 have = set(store.keys())
-                check = _Checked(plan, queue, remote.settings.box_id)
+                check = _Checked(plan, queue, remote.settings.box_id, checked)
                 got, no, bad = _pull_pins(plan, manifest, fetcher, put, have, check)
                 fetched, absent, failed = fetched + got, absent + no, failed + bad
                 got, bad = _pull_objects(plan, remote, queue, put, have, check)
@@ -431,8 +431,9 @@ def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: 
 
 
 def _writers(client, store, home: Path):
-    """`put(key, blob, fields)` and `put_records(fp, tokens, rows, label, extra)`: through the
-    daemon when one runs (it is the writer), else the same operations on the store here."""
+    """`put(key, blob, fields)`, `put_records(fp, tokens, rows, label, extra)` and
+    `checked(verdicts)` (kvstore.fleet.check): through the daemon when one runs (it is the
+    writer), else the same operations on the store here."""
     from kvstore.ops import put as put_ops
     from kvstore.settings import load_settings
     from kvstore.store.blocks import BlockStore
@@ -455,7 +456,16 @@ def _writers(client, store, home: Path):
             block = int(load_settings(home)["block_tokens"])
             put_ops.put_blocks(BlockStore(store, block=block), req)
 
-    return put, put_records
+    def checked(verdicts):
+        from kvstore.fleet.check import fleet_checked, request_of
+
+        req = request_of(verdicts)
+        if client is not None:
+            client.op("fleet_checked", req)
+        else:
+            fleet_checked(store, home, req)
+
+    return put, put_records, checked
 
 
 class _Checked:
@@ -463,10 +473,11 @@ class _Checked:
     it is stored: a mismatch quarantines its uploader, and then every object of that box is
     refused here (and by the warm's read-through) until `kvstore remote release`."""
 
-    def __init__(self, plan, queue, me: str):
+    def __init__(self, plan, queue, me: str, record):
         from kvstore.fleet.check import SemanticCheck
 
         self.check, self.queue, self.me = SemanticCheck(plan), queue, me
+        self.record = record  # the verdict of a mismatch: kvstore.fleet.check.fleet_checked
         self.count, self.seconds = 0, 0.0
         self.records, self.records_seconds = 0, 0.0
 
@@ -486,12 +497,21 @@ class _Checked:
         fields["extra"][FLEET_CHECK] = CHECK_PASSED
         return fields
 
-    def refused_record(self, label: str, token_ids: list[int], blob, uploader: str | None) -> bool:
+    def refused_record(
+        self, key: bytes, label: str, token_ids: list[int], blob, uploader: str | None
+    ) -> bool:
         """A learned chain's first record: refused (and its uploader quarantined) as `refused`."""
-        return self.refused(label, token_ids, blob, uploader, record=True)
+        return self.refused(key, label, token_ids, blob, uploader, record=True)
 
     def refused(
-        self, label: str, token_ids: list[int], blob, uploader: str | None, *, record: bool = False
+        self,
+        key: bytes,
+        label: str,
+        token_ids: list[int],
+        blob,
+        uploader: str | None,
+        *,
+        record: bool = False,
     ) -> bool:
         if uploader == self.me:
             return False  # this box's own KV
@@ -508,14 +528,14 @@ class _Checked:
             self.count, self.seconds = self.count + 1, self.seconds + verdict.seconds
         if verdict.ok:
             return False
-        from kvstore.fleet.check import MISMATCH
+        from kvstore.fleet.check import Checked
 
-        self.queue.count_refusal(MISMATCH)
+        # counted, its uploader quarantined, and that box's entries still pending here deleted
+        self.record([Checked(key, False, verdict.what, uploader, label)])
         said = f"refused {label}: its KV is not what this box's model computes ({verdict.what})"
         if not uploader:  # an older kvstore's object: no box to quarantine
             click.echo(said, err=True)
             return True
-        self.queue.quarantine(uploader, f"{label}: {verdict.what} against this box's model")
         click.echo(f"{said}; every object of {uploader} is quarantined "
                    f"(`kvstore remote release {uploader}` after a look)", err=True)  # fmt: skip
         return True
@@ -536,7 +556,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set, check) -> tuple[in
             absent += note == "not on the remote"
             failed += note != "not on the remote"
             continue
-        if check.refused(pp.pin.name, list(pp.pin.tokens), blob, uploader):
+        if check.refused(pp.key, pp.pin.name, list(pp.pin.tokens), blob, uploader):
             have.add(pp.key)
             failed += 1
             continue
@@ -571,7 +591,7 @@ def _pull_objects(plan, remote, queue, put, have: set, check) -> tuple[int, int]
             click.echo(f"not fetched {meta.label}: {other}", err=True)
             failed += 1
             continue
-        if check.refused(meta.label, meta.token_ids(), blob, prov.box):
+        if check.refused(o.key, meta.label, meta.token_ids(), blob, prov.box):
             failed += 1
             continue
         put(o.key, blob, check.mark(foreign_fields(meta, plan, prov.box)))

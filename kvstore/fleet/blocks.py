@@ -74,14 +74,14 @@ def pull_records(
     say: Callable[[str], None],
     refused: Callable[[RemoteError], None] = lambda e: None,
     quarantined: Callable[[], dict[str, str]] = dict,
-    check: Callable[[str, list[int], Any, str | None], bool] | None = None,
+    check: Callable[[bytes, str, list[int], Any, str | None], bool] | None = None,
 ) -> tuple[int, int]:
     """Fetch the records of `fingerprint` this box lacks, verified in full, and store them with
     `put(fingerprint, chain tokens, [(start, end, blob)], label, extra)`; `model` and `extra` are
     this box's identity of the model (as its manifest names it); `refused` counts an object
     refused (corrupt, unauthentic); records of a `quarantined()` uploader are refused, and so is
-    the first record of a chain (start 0) that `check(label, its tokens, blob, uploader)` says is
-    not what this box's model computes (kvstore.fleet.check). Returns (fetched, failed)."""
+    the first record of a chain (start 0) that `check(key, label, its tokens, blob, uploader)` says
+    is not what this box's model computes (kvstore.fleet.check). Returns (fetched, failed)."""
     blocks = BlockStore(store)
     have = {m.key for m in blocks.records()}
     block = blocks.cut_at()
@@ -104,12 +104,11 @@ def pull_records(
                 f"quarantined ({why}); not stored")  # fmt: skip
             failed += 1
             continue
+        label = f"learned record {o.key.hex()}"
         if (
             check is not None
             and meta.start == 0
-            and check(
-                f"learned record {o.key.hex()}", unpack_tokens(tokens), blob, v.provenance.box
-            )
+            and check(o.key, label, unpack_tokens(tokens), blob, v.provenance.box)
         ):
             failed += 1
             continue

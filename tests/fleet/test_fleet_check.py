@@ -272,3 +272,17 @@ def test_an_entry_fetched_after_start_is_not_restored_unchecked_on_a_request(
         assert pinned.source != "store", pinned
     finally:
         cache.close()
+
+
+def test_a_pull_that_refuses_a_forgery_drops_that_boxs_pending_entries(s3, llama_path, tmp_path):
+    a, b, manifest = fleet(s3, tmp_path, llama_path)
+    one = "[[model.prefix]]" + TWO_PINS.split("[[model.prefix]]")[2]  # synthesize only
+    cli("warm", "--manifest", manifest_for(tmp_path, llama_path, one, name="one.toml"),
+        "--home", b, code=0)  # fmt: skip
+    assert rows(b)["synthesize"]["fleet_check"] == "pending"
+    forge(s3, a, "classify")
+    r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=1)
+    assert f"every object of {box_id(a)} is quarantined" in r.output, r.output
+    assert rows(b) == {}  # its entry fetched earlier and not yet checked is dropped with it
+    st = status(b)
+    assert list(st["quarantined"]) == [box_id(a)] and st["refused"] == {"mismatch": 1}

@@ -286,3 +286,54 @@ def test_a_pull_that_refuses_a_forgery_drops_that_boxs_pending_entries(s3, llama
     assert rows(b) == {}  # its entry fetched earlier and not yet checked is dropped with it
     st = status(b)
     assert list(st["quarantined"]) == [box_id(a)] and st["refused"] == {"mismatch": 1}
+
+
+def test_kvstore_serve_checks_pending_entries_before_it_answers(s3, llama_path, tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from helpers import CLASSIFY, SYNTHESIZE, wait_for
+
+    a, b, manifest = fleet(s3, tmp_path, llama_path, forged="classify")
+    assert "2 fetched" in cli("warm", "--manifest", manifest, "--home", b, code=0).output
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-c", "from kvstore.cli.main import main; main()", "serve", "--home",
+           str(b), "--model", str(llama_path), "--port", str(port)]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def cached(system: str) -> int:
+        turns = [{"role": "system", "content": system}, {"role": "user", "content": "Invoice?"}]
+        body = dict(max_tokens=2, temperature=0.0, messages=turns)
+        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with log.open("ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_for(healthy, 90.0, log.read_text, proc=proc)
+            text = log.read_text()  # checked before /health said 200
+            assert "refused fetched entry 'classify'" in text, text
+            assert "fetched entry 'synthesize' from" in text and "checked against" in text
+            assert cached(SYNTHESIZE) >= rows(b)["synthesize"]["tokens"]  # served, no prefill
+            # the forgery is never served: past the template's first tokens, prefilled
+            assert cached(CLASSIFY) < rows(a)["classify"]["tokens"] // 10
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+    assert list(rows(b)) == ["synthesize"] and rows(b)["synthesize"]["fleet_check"] == "passed"
+    assert list(status(b)["quarantined"]) == [box_id(a)]

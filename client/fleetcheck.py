@@ -101,7 +101,8 @@ def check_pending(pre: Any, model: Any) -> list[Checked]:
 def _record(home: Path, verdicts: list[Checked]) -> None:
     """The verdicts into the store: through the daemon when one runs (the one writer), else
     here; a failure is one warning (the entries are checked again at the next start)."""
-    from kvstore.fleet.check import fleet_checked, request_of
+    from kvstore.fleet.check import request_of
+    from kvstore.ops.fleet import fleet_checked
     from kvstore.ops.route import Route
     from kvstore.store.store import Store
 

@@ -268,7 +268,7 @@ class Commands:
 
     def cmd_fleet_checked(self, args: dict, conn: Connection) -> dict[str, Any]:
         """A client checked entries fetched from the fleet against its model: record it."""
-        from kvstore.fleet.check import fleet_checked
+        from kvstore.ops.fleet import fleet_checked
 
         req = FleetCheckedRequest.from_wire(args)
         return self.write("fleet_checked", lambda: fleet_checked(self.store, self.home, req)

@@ -457,7 +457,8 @@ def _writers(client, store, home: Path):
             put_ops.put_blocks(BlockStore(store, block=block), req)
 
     def checked(verdicts):
-        from kvstore.fleet.check import fleet_checked, request_of
+        from kvstore.fleet.check import request_of
+        from kvstore.ops.fleet import fleet_checked
 
         req = request_of(verdicts)
         if client is not None:

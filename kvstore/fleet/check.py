@@ -12,7 +12,7 @@ marked `fleet_check: pending`; the warm checks those with the model when it load
 pins to prefill), and otherwise the first process that holds the model (kvstore.client: load,
 PersistentPromptCache, serve) checks each pending entry before it inserts it, at start, off the
 request path, and records the verdict in the store (`record_verdicts`, through the daemon's
-`fleet_checked` when one runs). A pending entry is never inserted unchecked.
+`fleet_checked` when one runs: kvstore.ops.fleet). A pending entry is never inserted unchecked.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvstore.store.entry import EntryMeta
     from kvstore.store.store import Store
     from kvstore.warm.plan import ModelPlan
-    from kvstore.wire.messages import FleetCheckedReply, FleetCheckedRequest
+    from kvstore.wire.messages import FleetCheckedRequest
 
 log = logging.getLogger("kvstore")
 
@@ -198,18 +198,6 @@ def record_verdicts(store: Store, home: Path, verdicts: list[Checked]) -> tuple[
             v.uploader or "BOX",
         )  # fmt: skip
     return n, deleted
-
-
-def fleet_checked(store: Store, home: Path, req: FleetCheckedRequest) -> FleetCheckedReply:
-    """The `fleet_checked` operation: a client's verdicts recorded (the daemon's handler, and the
-    client's own path when no daemon runs)."""
-    from kvstore.wire.messages import FleetCheckedReply
-
-    verdicts = [Checked(k, True, "") for k in req.passed] + [
-        Checked(r["key"], False, r.get("what") or "", r.get("uploader"), r.get("label") or "")
-        for r in req.refused
-    ]
-    return FleetCheckedReply(*record_verdicts(store, home, verdicts))
 
 
 def request_of(verdicts: list[Checked]) -> FleetCheckedRequest:

@@ -132,3 +132,17 @@ def test_an_error_whose_text_looks_legacy_but_whose_code_differs_is_that_code(tm
 def test_every_operations_reply_reads_back_what_it_wrote(name):
     reply = OPS[name][1]()
     assert type(reply).from_wire(reply.to_wire()) == reply
+
+
+def test_fleet_checked_takes_entry_keys_and_string_fields_only():
+    from kvstore.wire.messages import FleetCheckedRequest
+
+    key = bytes(32)
+    ok = {"passed": [key], "refused": [{"key": key, "what": "x", "uploader": "box-1", "label": ""}]}
+    assert FleetCheckedRequest.from_wire(ok).refused[0]["uploader"] == "box-1"
+    with pytest.raises(ValueError, match="argument 'passed' must be a list of 32-byte keys"):
+        FleetCheckedRequest.from_wire({"passed": [b"short"]})
+    with pytest.raises(ValueError, match="argument 'refused' must be maps with a 32-byte 'key'"):
+        FleetCheckedRequest.from_wire({"refused": [{"key": "not bytes"}]})
+    with pytest.raises(ValueError, match="'uploader' must be a string"):
+        FleetCheckedRequest.from_wire({"refused": [{"key": key, "uploader": 7}]})

@@ -337,3 +337,16 @@ def test_kvstore_serve_checks_pending_entries_before_it_answers(s3, llama_path, 
             proc.wait(timeout=15)
     assert list(rows(b)) == ["synthesize"] and rows(b)["synthesize"]["fleet_check"] == "passed"
     assert list(status(b)["quarantined"]) == [box_id(a)]
+
+
+def test_the_daemons_warm_that_loads_the_model_checks_what_it_fetched(s3, llama_path, tmp_path):
+    a, b, _ = fleet(s3, tmp_path, llama_path, forged="synthesize")
+    three = str(manifest_for(tmp_path, llama_path, THREE_PINS, name="three.toml"))
+    with serving(Proc(b, "--manifest", three, log=tmp_path / "b.log")) as d:
+        w = d.wait_warm()
+        assert (w["warmed"], w["fetched"], w["models_loaded"]) == (2, 1, 1), d.text()
+        got = rows(b)
+        assert got["classify"]["fleet_check"] == "passed" and "uploader" not in got["synthesize"]
+        assert list(status(b)["quarantined"]) == [box_id(a)]
+        text = d.text()
+    assert "refused fetched entry" in text and "'synthesize'" in text, text

@@ -8,7 +8,11 @@ re-prefill of its first 64 positions and the comparison, as the client runs it a
 inserts a pending entry, or a warm that loaded the model), against prefilling the whole entry
 (what the fetch spares), on the tiny llama and on a bigger random-weight llama made in memory.
 
-    python -m bench.fleet_trust [--check-only]
+And what the check adds to an app's start (`--start`): `kvstore.client.load` of the tiny llama
+over a store of fetched pins still pending their check (checked, then the verdicts recorded in the
+store), against the next start, when they have passed and are inserted as they are.
+
+    python -m bench.fleet_trust [--check-only | --start]
 """
 
 from __future__ import annotations
@@ -110,8 +114,61 @@ def check_costs() -> Iterator[dict]:
             yield {"model": name, "tokens": tokens, "prefill_s": full, "check_s": check}
 
 
+START_PINS = 8  # fetched pins in the store, each a distinct system prompt (~100 to ~600 tokens)
+
+
+def start_cost() -> dict:
+    """Seconds of `kvstore.client.load` with START_PINS pending entries, then with them passed."""
+    import tempfile
+    from dataclasses import replace
+    from pathlib import Path
+
+    from kvstore.client import load
+    from kvstore.pins.manifest import load_manifest
+    from kvstore.store.entry import CHECK_PENDING, FLEET_CHECK
+    from kvstore.store.store import Store
+    from kvstore.tiny import make_tiny_model
+    from kvstore.warm.warm import warm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = make_tiny_model(root / "model", "llama")
+        home = root / "home"
+        home.mkdir(mode=0o700)
+        words = "Answer the request in order, name what decided it and keep the reply short. "
+        pins = "".join(
+            f'[[model.prefix]]\nname = "stage{i}"\n'
+            f'messages = [{{ role = "system", content = "Stage {i}. {words * (2 + 3 * i)}" }}]\n'
+            for i in range(START_PINS)
+        )
+        (root / "m.toml").write_text(f'[[model]]\npath = "{model}"\n{pins}')
+        with Store(home) as store:  # as a read-through stores them: another box's, pending
+            warm(load_manifest(root / "m.toml"), store, home=home)
+            pending = {FLEET_CHECK: CHECK_PENDING, "origin": "remote", "uploader": "box-bench"}
+            store.edit_meta({k: lambda m: replace(m, extra={**m.extra, **pending})
+                             for k in store.keys()})  # fmt: skip
+            tokens = sum(m.ntokens for m in store.metas())
+        load(str(model), home=root / "empty", warm=False, stats=False)[2].close()  # imports, once
+        times = []
+        for _ in range(2):
+            t = time.perf_counter()
+            _, _, cache = load(str(model), home=home, warm=False, stats=False)
+            times.append(time.perf_counter() - t)
+            assert cache.report.entries == START_PINS, cache.report
+            cache.close()
+    return {"pins": START_PINS, "tokens": tokens, "pending_s": times[0], "passed_s": times[1]}
+
+
 def main() -> None:
     import sys
+
+    if "--start" in sys.argv:
+        r = start_cost()
+        print(f"kvstore.client.load over {r['pins']} fetched pins ({r['tokens']} tokens), tiny "
+              f"llama: {r['pending_s']:.3f}s pending their check, {r['passed_s']:.3f}s once passed "
+              f"(the check: {r['pending_s'] - r['passed_s']:.3f}s, "
+              f"{(r['pending_s'] - r['passed_s']) / r['pins'] * 1e3:.1f} ms a pin)")  # fmt: skip
+        return
 
     print("semantic check per fetched entry (first 64 positions re-prefilled and compared):")
     print(f"{'model':28} {'tokens':>7} {'prefill':>9} {'check':>9} {'share':>6}")

@@ -81,6 +81,8 @@ def test_read_through_stores_pending_and_the_client_checks_once_then_serves(
     assert "0 warmed, 0 present, 0 failed, 2 fetched" in r.output, r.output
     assert {r["fleet_check"] for r in rows(b).values()} == {"pending"}
     assert "check pending" in cli("ls", "--home", b, code=0).output
+    r = cli("export", rows(b)["classify"]["key"], tmp_path / "c.safetensors", "--home", b, code=0)
+    assert f"computed by {box_id(a)} and is not yet checked against this box's model" in r.output
     checks = mock.patch.object(fleet_check, "check_cache", wraps=fleet_check.check_cache)
     with checks as counted:
         _, cache = load(llama_path, b)

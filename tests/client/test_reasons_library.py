@@ -7,7 +7,7 @@ import socket
 
 import mlx_lm
 from click.testing import CliRunner
-from helpers import Proc, manifest_for, serving, wait_for
+from helpers import NEW, OLD, ROUTER, Proc, manifest_for, serving, system, wait_for
 
 from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
@@ -16,12 +16,6 @@ from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
 from kvstore.warm.warm import warm
 from kvstore.wire.daemon_client import socket_path
-
-OLD, NEW = "2026-11-30", "2026-12-01"
-
-
-def system(date: str) -> str:
-    return f"Today is {date}. You are the router. Classify the request and answer with JSON only."
 
 
 def chat(tokenizer, sys: str, user: str) -> list[int]:
@@ -62,13 +56,6 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
     assert OLD in d["stored_text"] and NEW in d["request_text"]
     assert "diverged" in call.line() and "router at" in call.line()
     assert cache.stats.summary()["classify"].prefilled == by
-
-
-ROUTER = f"""
-[[model.prefix]]
-name = "router"
-messages = [{{ role = "system", content = "{system(OLD)}" }}]
-"""
 
 
 def _warm(kv_home, tmp_path, model_path, extra: str = "") -> None:

@@ -10,9 +10,7 @@ import urllib.request
 import mlx_lm
 import pytest
 from click.testing import CliRunner
-from helpers import manifest_for, wait_for
-from test_reasons_library import NEW, OLD, ROUTER, system
-from test_serve import Server
+from helpers import NEW, OLD, ROUTER, Server, manifest_for, system, wait_for
 
 from kvstore.cli.main import main
 from kvstore.pins.manifest import load_manifest
@@ -116,11 +114,10 @@ def test_serve_names_kv_bits_model_changed(llama_path, kv_home, tmp_path):
 def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it(
     llama_path, kv_home, tmp_path
 ):
-    from helpers import Proc, serving
-    from test_serve_learn import Serve, _cached, _shared_tokens, _wait_learned
+    from helpers import Proc, Serve, cached_tokens, serving, shared_tokens, wait_learned
 
     other = "You are the writer. Reply in one short friendly sentence."
-    shared = _shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    shared = shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
     log = tmp_path / "serve.log"
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
         s = Serve(kv_home, llama_path, log, "--prompt-cache-size", "1")
@@ -133,10 +130,10 @@ def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_ser
             s.chat("Where is my parcel?")  # the same system prompt: seen, not stored yet
             wait_for(lambda: _prefilled(s).get("not_learned_yet", 0) > before, 30, log.read_text)
             assert _prefilled(s)["not_learned_yet"] - before >= 0.9 * shared
-            _wait_learned(d)  # seen twice: learned
+            wait_learned(d)  # seen twice: learned
             s.chat("hello again", system=other)
             served = s.chat("Is the blue shirt in stock?")
-            assert _cached(served) >= 0.9 * shared, log.read_text()
+            assert cached_tokens(served) >= 0.9 * shared, log.read_text()
         finally:
             s.stop()
 

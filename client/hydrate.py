@@ -36,6 +36,8 @@ class HydrateReport:
     fingerprint: str = ""
     labels: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # "key: reason" of entries not inserted
+    # of those, the ones that failed their checks: (tokens, label) (kvstore.reasons' `corrupt`)
+    corrupt: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     dropped: int = 0  # inserted, then pushed out by the LRU's own limits
     # this path's entries under another fingerprint: (tokens, what differs) (kvstore.reasons)
     other_model: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
@@ -179,6 +181,7 @@ def prefetch(
                     pre.entries.append(load_entry(store, meta.key, meta.tokens))
                 except (KVStoreError, ValueError) as e:
                     report.skipped.append(f"{meta.key.hex()}: {e}")
+                    report.corrupt.append((tuple(meta.token_ids()), meta.label))
                 except KeyError:
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
             if not metas and not errors:

@@ -4,9 +4,13 @@ and whether the store could be read. Attribution itself is pure (kvstore.reasons
 
 from __future__ import annotations
 
+import array
 import bisect
+import logging
 import socket
+import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,9 +21,15 @@ from kvstore.pins.clock import local_now
 from kvstore.reasons import Known, Tombstone, attribute, seen_key
 from kvstore.wire.daemon_client import socket_path
 
+log = logging.getLogger("kvstore.client")
+
 RECENT_PROMPTS = 64
 RECENT_TOKENS = 16384  # of each: a longer shared prefix than this reads as suffix past it
 TOMBSTONES = 256
+CORRUPT = 64  # prefixes whose entry or learned record failed its checks, remembered
+LEARNED_PREFIXES = 512  # this model's learned prefixes kept (most recently used)
+LEARNED_TOKENS = 4096  # of each: a divergence past this is not told
+LEARNED_REFRESH_S = 10.0  # seconds between re-reads of them (on a thread of their own)
 
 
 class Attributor:
@@ -33,11 +43,51 @@ class Attributor:
         self.dated: dict[tuple[int, ...], str] = {}  # clock-bound stored pins: tokens -> ISO day
         self.write_budget = False
         self.learner: Any = None  # its `paused` (the daemon's last word) says the write budget
+        self.corrupt: deque[tuple[tuple[int, ...], str]] = deque(maxlen=CORRUPT)
+        self.learned: list[bytes] = []  # this model's learned prefixes as seen_keys, sorted
+        self.learned_ends: dict[bytes, int] = {}  # of those cut at LEARNED_TOKENS: their length
+        self._learned_from: tuple[Path, bytes] | None = None  # (home, fingerprint)
+        self._learned_at = 0.0
+        self._refreshing = False
         self._lock = threading.Lock()
 
     def evicted(self, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> None:
         with self._lock:
             self.tombstones.append(Tombstone.of(tokens, by, ts, entry))
+
+    def failed_checks(self, tokens: Sequence[int], what: str) -> None:
+        """A stored entry or learned record of this prefix failed its checks (`corrupt`)."""
+        with self._lock:
+            self.corrupt.append((tuple(tokens), what))
+
+    def learned_from(self, home: Path, fingerprint: bytes) -> None:
+        """Read this model's learned prefixes now, and again every LEARNED_REFRESH_S (off the
+        request path)."""
+        self._learned_from = (Path(home), fingerprint)
+        self._read_learned()
+
+    def _read_learned(self) -> None:
+        try:
+            if self._learned_from is None:
+                return
+            home, fp = self._learned_from
+            keys, ends = read_learned(home, fp)
+            with self._lock:
+                self.learned, self.learned_ends = keys, ends
+        except Exception as e:  # a diagnostic: never fail a request for it
+            log.debug("kvstore: learned prefixes not read: %s", e)
+        finally:
+            self._learned_at = time.monotonic()
+            self._refreshing = False
+
+    def _refresh_learned(self) -> None:
+        if self._learned_from is None or self._refreshing:
+            return
+        if time.monotonic() - self._learned_at < LEARNED_REFRESH_S:
+            return
+        self._refreshing = True
+        threading.Thread(target=self._read_learned, name="kvstore-learned-prefixes",
+                         daemon=True).start()  # fmt: skip
 
     def __call__(
         self,
@@ -63,6 +113,9 @@ class Attributor:
                 model_changed=self.model_changed,
                 other_model=self.other_model,
                 write_budget=self.write_budget or _write_budget(self.learner),
+                learned=self.learned,
+                learned_ends=self.learned_ends,
+                corrupt=[*self.corrupt, *_corrupt(self.learner)],
             )
             spans = attribute(prompt, served, known, decode)
             t = seen_key(prompt, RECENT_TOKENS)  # 4 bytes a token: 64 prompts stay small
@@ -73,11 +126,46 @@ class Attributor:
                 del self.sorted[bisect.bisect_left(self.sorted, old)]
         for s in spans:
             metrics.PREFILLED_TOKENS.labels(reason=s["reason"]).inc(s["tokens"])
+        self._refresh_learned()
         return spans
 
 
 def _write_budget(learner: Any) -> bool:
     return getattr(learner, "paused_by", None) == "write_budget"
+
+
+def _corrupt(learner: Any) -> list[tuple[tuple[int, ...], str]]:
+    """The prefixes the learner's cold tier found a corrupt record or entry in."""
+    cold = getattr(learner, "cold", None)
+    return list(getattr(cold, "corrupt", None) or ())
+
+
+def read_learned(home: Path, fingerprint: bytes) -> tuple[list[bytes], dict[bytes, int]]:
+    """This model's learned prefixes in the store of `home`, as `Known.learned` takes them
+    (none when there is no store yet)."""
+    from kvstore.errors import KVStoreError
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.store import Store
+
+    try:
+        store = Store(home, readonly=True)
+    except (KVStoreError, OSError):
+        return [], {}
+    with store:
+        got = BlockStore(store).learned_prefixes(
+            fingerprint, max_tokens=LEARNED_TOKENS, limit=LEARNED_PREFIXES
+        )
+    keys, ends = [], {}
+    for packed, end in got:
+        a = array.array("I")
+        a.frombytes(packed)  # little-endian uint32
+        if sys.byteorder == "big":
+            a.byteswap()
+        key = seen_key(a)
+        keys.append(key)
+        if len(key) // 4 < end:
+            ends[key] = end
+    return sorted(keys), ends
 
 
 def after_hydrate(
@@ -88,8 +176,9 @@ def after_hydrate(
     dated: Mapping[tuple[int, ...], str] | None = None,
 ) -> None:
     """What hydrating told: entries of this path under another fingerprint (`model_changed`),
-    tombstones of this model's evicted entries (`evicted`), and a daemon that was there but no
-    longer answers while nothing is stored (`unavailable`)."""
+    tombstones of this model's evicted entries (`evicted`), a daemon that was there but no
+    longer answers while nothing is stored (`unavailable`), entries that failed their checks
+    (`corrupt`); and this model's learned prefixes are read (`diverged`)."""
     attr.other_model = list(getattr(report, "other_model", None) or [])
     attr.dated = dict(dated or {})
     if home is not None and model:
@@ -97,6 +186,11 @@ def after_hydrate(
 
         attr.tombstones.extend(tombstones.load(home, model))
     attr.unavailable = home is not None and not getattr(report, "entries", 0) and daemon_gone(home)
+    for tokens, label in getattr(report, "corrupt", None) or ():
+        attr.failed_checks(tokens, f"entry {label!r}")
+    fp = getattr(report, "fingerprint", "")
+    if home is not None and fp:
+        attr.learned_from(home, bytes.fromhex(fp))
 
 
 def daemon_gone(home: Path) -> bool:

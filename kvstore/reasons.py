@@ -73,7 +73,10 @@ class Known:
     """What this process knows when a request comes (any part may be empty)."""
 
     pins: Mapping[tuple[int, ...], str] = field(default_factory=dict)  # stored, this model
-    chains: Sequence[tuple[Sequence[int], str]] = ()  # learned chains: (tokens, name)
+    # learned prefixes stored for this model as `seen_key`s, sorted (bisect); a key holds at
+    # most a cap of tokens: `learned_ends` gives the stored length of those it cuts
+    learned: Sequence[bytes] = ()
+    learned_ends: Mapping[bytes, int] = field(default_factory=dict)
     other_day: Sequence[tuple[Sequence[int], str]] = ()  # clock-bound pins of another day
     other_model: Sequence[tuple[Sequence[int], str]] = ()  # (tokens, what differs)
     model_changed: str = ""  # this path stored under another fingerprint: what differs
@@ -109,18 +112,23 @@ def attribute(
         pos = end
 
     # what a stored prefix of this model would have served, had the request not differed
-    best: tuple[int, int, str, Sequence[int], str] | None = None  # end, at, entry, tokens, kind
-    for tokens, name in [*known.pins.items(), *known.chains]:
+    key = seen_key(prompt)
+    # end, at, entry, its tokens (as far as known), its stored length
+    best: tuple[int, int, str, Sequence[int], int] | None = None
+    candidates = [(tokens, name, len(tokens)) for tokens, name in known.pins.items()]
+    held, stored, length = _learned_divergence(key, known.learned, known.learned_ends)
+    if stored is not None:
+        candidates.append((stored, f"learned chain of {length} tokens", length))
+    for tokens, name, length in candidates:
         at = common_prefix(prompt, tokens)
-        if at >= len(tokens):
+        if at >= length:
             continue  # all of it agrees: served (or not served for a reason below)
-        is_pin = not isinstance(name, str) or not name.startswith("learned:")
-        end = min(len(tokens), n) if is_pin else at  # a learned chain: its blocks before `at`
+        end = min(length, n)
         if end > pos and (best is None or end > best[0]):
-            best = (end, at, name, tokens, "pin" if is_pin else "learned")
+            best = (end, at, name, tokens, length)
     if best is not None:
-        end, at, name, tokens, kind = best
-        extra: dict[str, Any] = {"entry": name, "position": at, "stored_length": len(tokens)}
+        end, at, name, tokens, length = best
+        extra: dict[str, Any] = {"entry": name, "position": at, "stored_length": length}
         if decode is not None:
             extra["stored_text"], extra["request_text"] = texts(tokens, prompt, at, decode)
         take(end, "diverged", **extra)
@@ -142,15 +150,57 @@ def attribute(
         if t.length > pos and t.covers(prompt):
             take(t.length, "evicted", by=t.by, ts=t.ts, entry=t.entry)
     # the seen prompt sharing the longest prefix sits next to the prompt in sorted order
-    key = seen_key(prompt)
     i = bisect.bisect_left(known.seen, key)
     near = known.seen[max(0, i - 1) : i + 1]
     seen_at = max((common_prefix(key, s) // 4 for s in near), default=0)
+    take(held, "suffix")  # stored as a learned prefix, whole: learned, whatever else it is
     take(seen_at, "write_budget" if known.write_budget else "not_learned_yet")
-    nothing = not (known.pins or known.chains or known.seen or known.other_day
-                   or known.other_model or known.tombstones)  # fmt: skip
+    nothing = not (known.pins or known.learned or known.seen or known.other_day
+                   or known.other_model or known.tombstones or known.corrupt)  # fmt: skip
     take(n, "cold" if nothing and served == 0 else "suffix")
     return out
+
+
+LEARNED_TIES = 64  # learned prefixes looked at on each side of the request's place in order
+
+
+def _learned_divergence(
+    key: bytes, learned: Sequence[bytes], ends: Mapping[bytes, int]
+) -> tuple[int, list[int] | None, int]:
+    """(how far a learned prefix the request holds whole reaches, the learned prefix the
+    request leaves inside before its end: its tokens as far as kept or None, its stored
+    length). The prefixes sharing the most with the request sit next
+    to it in sorted order; a learned prefix that ends right where the request leaves is where
+    the requests that taught it differed too (a branch: the request's own content, `suffix`),
+    and of the rest the shortest is the one whose tokens the difference cost."""
+    if not learned:
+        return 0, None, 0
+    i = bisect.bisect_left(learned, key)
+    at = max(common_prefix(key, learned[j]) // 4 for j in (i - 1, i) if 0 <= j < len(learned))
+    if at == 0:
+        return 0, None, 0
+    head = key[: 4 * at]
+    tied = []
+    for step, j in ((-1, i - 1), (1, i)):
+        while (
+            0 <= j < len(learned) and len(tied) < 2 * LEARNED_TIES and learned[j][: 4 * at] == head
+        ):
+            tied.append(learned[j])
+            j += step
+    if any(ends.get(s, len(s) // 4) <= at or len(s) // 4 <= at for s in tied):
+        return at, None, 0  # it ends here, or agrees as far as it is kept
+    s = min(tied, key=lambda s: ends.get(s, len(s) // 4))
+    # the request holds the learned prefixes before the one it leaves (a shorter one at least)
+    return 0, tokens_of(s), ends.get(s, len(s) // 4)
+
+
+def tokens_of(key: bytes) -> list[int]:
+    """`seen_key`'s tokens back."""
+    a = array.array("I")
+    a.frombytes(key)
+    if sys.byteorder == "little":
+        a.byteswap()
+    return a.tolist()
 
 
 def texts(
@@ -190,6 +240,8 @@ def describe(spans: Sequence[Mapping[str, Any]]) -> str:
             p += f" (by {s['by']})"
         elif s.get("differs"):
             p += f" ({s['differs']})"
+        elif s["reason"] == "corrupt" and s.get("entry"):
+            p += f" ({s['entry']})"
         parts.append(p)
     return ", ".join(parts)
 

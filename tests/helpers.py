@@ -243,6 +243,28 @@ def mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
     return cache
 
 
+def corrupt_a_blob(home: Path, label: str | None = None) -> None:
+    """Flip one byte in the middle of a stored blob: of the entry labelled `label`, or (None) of
+    every learned block record. Lengths stay: only the checksum can tell."""
+    from kvstore.store.blocks import BlockStore
+
+    with Store(home) as store:
+        if label is not None:
+            (meta,) = [m for m in store.metas() if m.label == label]
+            blob = bytearray(store.read_blob(meta.key))
+            blob[len(blob) // 2] ^= 0xFF
+            with store.env.begin(write=True) as txn:
+                txn.put(meta.key, bytes(blob), db=store._blob)
+            return
+        blocks = BlockStore(store)
+        db = blocks._db(b"bblob")
+        with store.env.begin(write=True) as txn:
+            for k, v in list(txn.cursor(db)):
+                b = bytearray(v)
+                b[len(b) // 2] ^= 0xFF
+                txn.put(k, bytes(b), db=db)
+
+
 # -- `kvstore serve` as a real process ----------------------------------------------------------
 
 SERVE_START_TIMEOUT = 90.0  # seconds for a server to import mlx-lm, load the tiny model, answer

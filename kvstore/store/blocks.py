@@ -368,6 +368,54 @@ class BlockStore:
             }
         )
 
+    def learned_prefixes(
+        self, fingerprint: bytes, *, max_tokens: int, limit: int
+    ) -> list[tuple[bytes, int]]:
+        """This model's learned prefixes, most recently used first (at most `limit`): the packed
+        tokens from position 0 (at most `max_tokens` of them) and the stored length of each. A
+        learned prefix ends where a record ends off a block boundary (a learned end) or where
+        nothing extends a record; a chain broken on the way is left out (kvstore.reasons)."""
+        if not self._open():
+            return []
+
+        def fn(txn) -> tuple[dict[bytes, BlockMeta], dict[bytes, bytes], int]:
+            metas: dict[bytes, BlockMeta] = {}
+            cur = txn.cursor(self._db(b"bmeta"))
+            if cur.set_range(fingerprint):
+                for k, v in cur:
+                    if not bytes(k[:FINGERPRINT_BYTES]) == fingerprint:
+                        break
+                    try:
+                        metas[bytes(k)] = BlockMeta.unpack(bytes(k), bytes(v))
+                    except CorruptEntryError:
+                        continue
+            parent_of: dict[bytes, bytes] = {}
+            cur = txn.cursor(self._db(b"kids"))
+            if cur.set_range(fingerprint):
+                for k in cur.iternext(values=False):
+                    if not bytes(k[:FINGERPRINT_BYTES]) == fingerprint:
+                        break
+                    row = parse_kids_row(bytes(k))
+                    parent_of[row.child] = row.parent
+            return metas, parent_of, self._stat_int(txn, BLOCK_TOKENS) or self.block
+
+        metas, parent_of, block = self.store._read(fn)
+        extended = set(parent_of.values())
+        ends = [m for m in metas.values() if m.end % block or m.key not in extended]
+        ends.sort(key=lambda m: -m.last_used)
+        out: list[tuple[bytes, int]] = []
+        for m in ends[:limit]:
+            parts, at = [m], m
+            while at.start > 0:
+                up = metas.get(parent_of.get(at.key, b""))
+                if up is None or up.end != at.start:
+                    break
+                parts.append(up)
+                at = up
+            if at.start == 0:
+                out.append((b"".join(p.tokens for p in reversed(parts))[: 4 * max_tokens], m.end))
+        return out
+
     def stats(self) -> dict[str, Any]:
         """records, learned bytes, bytes written today, chains (records nothing extends)."""
         if not self._open():

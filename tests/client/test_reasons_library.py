@@ -7,7 +7,7 @@ import socket
 
 import mlx_lm
 from click.testing import CliRunner
-from helpers import NEW, OLD, ROUTER, Proc, manifest_for, serving, system, wait_for
+from helpers import NEW, OLD, ROUTER, Proc, corrupt_a_blob, manifest_for, serving, system, wait_for
 
 from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
@@ -166,3 +166,48 @@ def test_a_pin_removed_by_kvstore_evict_is_evicted_by_kvstore_evict(llama, llama
     (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
     assert (e["by"], e["entry"]) == ("kvstore evict", "router") and e["tokens"] > 0
     assert "evicted" in call.line() and "by kvstore evict" in call.line()
+
+
+def test_a_date_inside_a_learned_prefix_is_diverged_naming_the_learned_chain(
+    llama, llama_path, daemon
+):
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+            _learning(model, tokenizer, cache, user)  # seen twice: learned
+        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
+        assert cache.flush()
+    today = SHOP.replace(OLD, NEW)  # the next day's system prompt, after a restart
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?", today)
+    (d,) = [s for s in call.reasons if s["reason"] == "diverged"]
+    assert d["entry"].startswith("learned chain of ") and d["tokens"] > 100, call.reasons
+    assert OLD in d["stored_text"] and NEW in d["request_text"]
+    assert "cold" not in call.prefilled_by_reason()
+
+
+def test_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_home, tmp_path):
+    _warm(kv_home, tmp_path, llama_path)
+    corrupt_a_blob(kv_home, "router")
+    call = _ask(llama_path, _router_request)
+    (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
+    assert c["entry"] == "entry 'router'" and c["tokens"] > 0, call.reasons
+    assert "corrupt" in call.line() and "cold" not in call.prefilled_by_reason()
+
+
+def test_a_learned_record_that_fails_its_checks_is_corrupt(llama, llama_path, daemon):
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+            _learning(model, tokenizer, cache, user)  # seen twice: learned
+        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
+        assert cache.flush()
+    corrupt_a_blob(daemon.home)
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
+    assert c["entry"].startswith("learned record ") and c["tokens"] > 100, call.reasons

@@ -203,3 +203,43 @@ def test_serve_tool_schemas_in_another_order_are_diverged_at_the_first_schema(kv
     text, before = tok.decode(ids), len(tok.decode(ids[:at]))
     first = text.index('"search_products"')
     assert text.rfind("{", 0, first) <= before <= first + len("search_products")
+
+
+def test_serve_a_date_inside_a_learned_prefix_is_diverged_naming_the_learned_chain(
+    llama_path, kv_home, tmp_path
+):
+    from helpers import SYSTEM, Proc, Serve, serving, wait_learned
+
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        s = Serve(kv_home, llama_path, log)
+        try:
+            s.wait_ready()
+            for user in ("My invoice was charged twice.", "Where is my parcel?"):
+                s.chat(user, system=f"Today is {OLD}. {SYSTEM}")  # seen twice: learned
+            wait_learned(d)
+        finally:
+            s.stop()
+        s = Serve(kv_home, llama_path, log)  # the next day, after a restart
+        try:
+            s.wait_ready()
+            s.chat("Is the blue shirt in stock?", system=f"Today is {NEW}. {SYSTEM}")
+            wait_for(lambda: _prefilled(s).get("diverged", 0) > 100, 30, log.read_text)
+            assert not _prefilled(s).get("cold"), log.read_text()
+        finally:
+            s.stop()
+    assert re.search(r"diverged \d+ \(learned chain of \d+ tokens at \d+\)", log.read_text())
+
+
+def test_serve_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_home, tmp_path):
+    from helpers import corrupt_a_blob
+
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, llama_path, ROUTER)), store, home=kv_home)
+    corrupt_a_blob(kv_home, "router")
+    log = tmp_path / "serve.log"
+    by = _serve_ask(kv_home, llama_path, log, messages)
+    assert by["corrupt"] > 0 and not by.get("cold"), log.read_text()
+    assert re.search(r"corrupt \d+ \(entry 'router'\)", log.read_text())

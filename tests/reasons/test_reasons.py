@@ -62,6 +62,33 @@ def test_unavailable_and_model_changed():
     assert attribute(SYS, 0, Known(model_changed=what))[0]["differs"] == "KV quantization"
 
 
+def test_a_request_leaving_a_learned_prefix_inside_it_is_diverged_naming_it():
+    learned = sorted([seen_key(SYS), seen_key(SYS + [5] * 300)])
+    prompt = SYS[:14] + [7] + SYS[15:] + [1, 2, 3]
+    (d, s) = attribute(prompt, 14, Known(learned=learned))
+    assert (d["reason"], d["entry"], d["position"], d["tokens"]) == (
+        "diverged", "learned chain of 400 tokens", 14, 386)  # fmt: skip
+    assert s == {"reason": "suffix", "tokens": 3}
+
+
+def test_a_learned_prefix_cut_short_in_memory_still_names_its_stored_length():
+    key = seen_key(SYS[:100])
+    prompt = SYS[:14] + [7] + SYS[15:]
+    (d,) = attribute(prompt, 0, Known(learned=[key], learned_ends={key: 400}))
+    assert (d["entry"], d["tokens"]) == ("learned chain of 400 tokens", 400)
+
+
+def test_leaving_where_a_learned_prefix_ends_is_the_request_own_content_not_cold():
+    # the learned prefix ends at 400 (where the requests that taught it differed); a
+    # conversation went on from it: a new user turn is suffix, not diverged nor cold
+    learned = sorted([seen_key(SYS), seen_key(SYS + [5] * 300)])
+    prompt = SYS + [6] * 20
+    assert attribute(prompt, 400, Known(learned=learned)) == [{"reason": "suffix", "tokens": 20}]
+    # held whole but not served (this process does not restore): learned, not not_learned_yet
+    spans = attribute(prompt, 0, Known(learned=learned, seen=[seen_key(SYS + [9])]))
+    assert spans == [{"reason": "suffix", "tokens": 420}]
+
+
 def test_attribution_is_cheap():
     prompt = SYS[:14] + [7] + SYS[15:] * 5
     seen = sorted(seen_key(range(5000 + i, 7000)) for i in range(64))

@@ -19,7 +19,8 @@ from typing import Any
 from kvstore import metrics
 from kvstore.pins.clock import local_now
 from kvstore.reasons import Known, Tombstone, attribute, seen_key
-from kvstore.wire.daemon_client import socket_path
+from kvstore.settings import LOCK_NAME
+from kvstore.wire.daemon_client import lock_holder, socket_path
 
 log = logging.getLogger("kvstore.client")
 
@@ -194,17 +195,19 @@ def after_hydrate(
 
 
 def daemon_gone(home: Path) -> bool:
-    """The daemon's socket is there (it ran) but nothing accepts on it (killed)."""
+    """A daemon ran on this home and is gone: its socket is there but nothing accepts on it
+    (killed), or its lock file is there and no process holds it (killed before it made its
+    socket, or stopped)."""
     try:
         path = socket_path(home)
     except Exception:
         return False
-    if not path.exists():
+    if path.exists():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1.0)
+            try:
+                s.connect(str(path))
+            except OSError:
+                return True
         return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(str(path))
-        except OSError:
-            return True
-    return False
+    return (Path(home) / LOCK_NAME).exists() and lock_holder(home) is None

@@ -243,6 +243,33 @@ def mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
     return cache
 
 
+# a daemon that stops before it makes its store (it prints this, holding its lock)
+_STUCK_BEFORE_ITS_STORE = """
+import sys, time
+from kvstore.store.store import Store
+def stuck(self, *args, **kwargs):
+    print("opening the store", flush=True)
+    time.sleep(600)
+Store.__init__ = stuck
+from kvstore.cli.main import main
+main(["daemon", *sys.argv[1:]])
+"""
+
+
+def killed_daemon(home: Path, log: Path, *, before_its_store: bool) -> None:
+    """A real daemon on `home`, killed with SIGKILL: once it answers (its store made, nothing in
+    it, its socket left behind), or `before_its_store` is made (only its lock file left)."""
+    code = _STUCK_BEFORE_ITS_STORE if before_its_store else ""
+    d = Proc(home, log=log, code=code)
+    if before_its_store:
+        d.wait_log("opening the store")
+    else:
+        d.wait_ready()
+    d.p.send_signal(signal.SIGKILL)
+    d.p.wait(timeout=10)
+    assert (home / "store").exists() != before_its_store, d.text()
+
+
 def corrupt_a_blob(home: Path, label: str | None = None) -> None:
     """Flip one byte in the middle of a stored blob: of the entry labelled `label`, or (None) of
     every learned block record. Lengths stay: only the checksum can tell."""

@@ -3,11 +3,21 @@ reasons (kvstore.reasons) on a real chat template."""
 
 from __future__ import annotations
 
-import socket
-
 import mlx_lm
+import pytest
 from click.testing import CliRunner
-from helpers import NEW, OLD, ROUTER, Proc, corrupt_a_blob, manifest_for, serving, system, wait_for
+from helpers import (
+    NEW,
+    OLD,
+    ROUTER,
+    Proc,
+    corrupt_a_blob,
+    killed_daemon,
+    manifest_for,
+    serving,
+    system,
+    wait_for,
+)
 
 from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
@@ -15,7 +25,6 @@ from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
 from kvstore.warm.warm import warm
-from kvstore.wire.daemon_client import socket_path
 
 
 def chat(tokenizer, sys: str, user: str) -> list[int]:
@@ -95,11 +104,11 @@ def test_kv_bits_changed_is_model_changed_naming_kv_quantization(llama_path, kv_
     assert m["differs"] == "KV quantization"
 
 
-def test_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, kv_home):
-    kv_home.mkdir(parents=True, exist_ok=True)
-    sock = socket_path(kv_home)
-    with socket.socket(socket.AF_UNIX) as s:  # a daemon's socket, left by its SIGKILL
-        s.bind(str(sock))
+@pytest.mark.parametrize("before_its_store", [True, False], ids=["before-its-store", "empty"])
+def test_a_daemon_killed_before_any_store_exists_is_unavailable(
+    llama_path, kv_home, tmp_path, before_its_store
+):
+    killed_daemon(kv_home, tmp_path / "daemon.log", before_its_store=before_its_store)
     call = _ask(llama_path, _router_request)
     assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens}
 

@@ -138,15 +138,14 @@ def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_ser
             s.stop()
 
 
-def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, tmp_path):
-    import socket
-
-    from kvstore.wire.daemon_client import socket_path
+@pytest.mark.parametrize("before_its_store", [True, False], ids=["before-its-store", "empty"])
+def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(
+    llama_path, tmp_path, before_its_store
+):
+    from helpers import killed_daemon
 
     home = tmp_path / "home"
-    home.mkdir()
-    with socket.socket(socket.AF_UNIX) as sock:  # what a SIGKILLed daemon leaves: its socket
-        sock.bind(str(socket_path(home)))
+    killed_daemon(home, tmp_path / "daemon.log", before_its_store=before_its_store)
     messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
     by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
     assert {k for k, v in by.items() if v} == {"unavailable"}

@@ -115,7 +115,9 @@ def attribute(
     key = seen_key(prompt)
     # end, at, entry, its tokens (as far as known), its stored length
     best: tuple[int, int, str, Sequence[int], int] | None = None
-    candidates = [(tokens, name, len(tokens)) for tokens, name in known.pins.items()]
+    candidates: list[tuple[Sequence[int], str, int]] = [
+        (t, name, len(t)) for t, name in known.pins.items()
+    ]
     held, stored, length = _learned_divergence(key, known.learned, known.learned_ends)
     if stored is not None:
         candidates.append((stored, f"learned chain of {length} tokens", length))
@@ -180,7 +182,7 @@ def _learned_divergence(
     if at == 0:
         return 0, None, 0
     head = key[: 4 * at]
-    tied = []
+    tied: list[bytes] = []
     for step, j in ((-1, i - 1), (1, i)):
         while (
             0 <= j < len(learned) and len(tied) < 2 * LEARNED_TIES and learned[j][: 4 * at] == head

@@ -116,6 +116,9 @@ def common_tokens(a: bytes, b: bytes) -> int:
 class EvictedRecords(NamedTuple):
     freed: int  # bytes
     records: list[BlockMeta]  # the records evicted, in eviction order
+    # of each, the packed tokens from position 0 to its end (b"": its chain was broken):
+    # what a tombstone of it names (kvstore.store.tombstones)
+    prefixes: list[bytes]
 
 
 class BlockStore:
@@ -405,15 +408,9 @@ class BlockStore:
         ends.sort(key=lambda m: -m.last_used)
         out: list[tuple[bytes, int]] = []
         for m in ends[:limit]:
-            parts, at = [m], m
-            while at.start > 0:
-                up = metas.get(parent_of.get(at.key, b""))
-                if up is None or up.end != at.start:
-                    break
-                parts.append(up)
-                at = up
-            if at.start == 0:
-                out.append((b"".join(p.tokens for p in reversed(parts))[: 4 * max_tokens], m.end))
+            tokens = _prefix(m, metas, parent_of)
+            if tokens:
+                out.append((tokens[: 4 * max_tokens], m.end))
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -735,13 +732,13 @@ class BlockStore:
         record with pins > 0, until learned bytes <= max_bytes; returns the bytes freed and the
         records evicted (one write transaction: a retried one starts over)."""
         if not self._open():
-            return EvictedRecords(0, [])
+            return EvictedRecords(0, [], [])
 
         def fn(txn) -> EvictedRecords:
             evicted: list[BlockMeta] = []
             total = self._stat_int(txn, LEARNED_BYTES)
             if total <= max_bytes:
-                return EvictedRecords(0, evicted)
+                return EvictedRecords(0, evicted, [])
             metas: dict[bytes, BlockMeta] = {}
             for k, v in txn.cursor(self._db(b"bmeta")):
                 try:
@@ -769,9 +766,21 @@ class BlockStore:
                     if kids[up] == 0 and metas[up].pins <= 0:
                         heapq.heappush(heap, (metas[up].last_used, up))
             self._add(txn, LEARNED_BYTES, -freed)
-            return EvictedRecords(freed, evicted)
+            return EvictedRecords(freed, evicted, [_prefix(m, metas, parent_of) for m in evicted])
 
         return self.store._write(fn)
+
+
+def _prefix(m: BlockMeta, metas: dict[bytes, BlockMeta], parent_of: dict[bytes, bytes]) -> bytes:
+    """The packed tokens from position 0 to the end of record `m` (b"" when a record on the way
+    is missing)."""
+    parts = [m]
+    while parts[-1].start > 0:
+        up = metas.get(parent_of.get(parts[-1].key, b""))
+        if up is None or up.end != parts[-1].start:
+            return b""
+        parts.append(up)
+    return b"".join(p.tokens for p in reversed(parts))
 
 
 def learned_summary(

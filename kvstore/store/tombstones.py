@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,20 @@ def _read(home: Path) -> list[dict[str, Any]]:
 
 def note(home: Path, metas: Iterable[Any], by: str) -> int:
     """Add a tombstone per evicted entry meta (`token_ids()`, `model`, `label`)."""
-    now = time.time()
-    new = []
+    rows = []
     for m in metas:
         try:
-            tokens = m.token_ids()
+            rows.append((str(m.model), m.token_ids(), str(m.label)))
         except Exception:
             continue
-        new.append({"model": str(m.model), "length": len(tokens), "digest": prefix_hash(tokens),
-                    "by": by, "ts": now, "entry": str(m.label)})  # fmt: skip
+    return note_prefixes(home, rows, by)
+
+
+def note_prefixes(home: Path, rows: Iterable[tuple[str, Sequence[int], str]], by: str) -> int:
+    """Add a tombstone per evicted prefix: (model path, its tokens from position 0, entry)."""
+    now = time.time()
+    new = [{"model": model, "length": len(tokens), "digest": prefix_hash(tokens), "by": by,
+            "ts": now, "entry": entry} for model, tokens, entry in rows if len(tokens)]  # fmt: skip
     if not new:
         return 0
     kept = (_read(home) + new)[-MAX_TOMBSTONES:]

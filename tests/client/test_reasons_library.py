@@ -220,3 +220,31 @@ def test_a_learned_record_that_fails_its_checks_is_corrupt(llama, llama_path, da
         call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
     assert c["entry"].startswith("learned record ") and c["tokens"] > 100, call.reasons
+
+
+def test_a_learned_prefix_evicted_by_the_learned_budget_is_evicted_by_it(
+    llama, llama_path, tmp_path
+):
+    model, tokenizer = llama
+    home = tmp_path / "budget-home"
+
+    def learn(system_prompt: str) -> int:
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user, system_prompt)  # seen twice: learned
+            assert cache.flush()
+        return wait_for(lambda: d.request("stats")["learned"].get("bytes"), 10, d.text)
+
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        one = learn(SHOP)
+    (home / "settings.toml").write_text(f"learned_max_bytes = {one * 3 // 2}\n")
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        learn(OTHER)  # over the learned budget: the least recently used leaf (SHOP's) goes
+        wait_for(lambda: "evicted learned record" in d.text(), 10, d.text)
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
+    assert e["by"] == "learned budget" and e["entry"].startswith("learned chain of "), e
+    assert e["tokens"] > 0 and "by learned budget" in call.line()

@@ -113,8 +113,8 @@ def test_evict_learned_records_returns_what_it_evicted(tmp_path):
         blocks = BlockStore(store)
         blocks.put_records(FP, a, records(kv(600), 0, 600), label="x")
         before = {m.key: m for m in blocks.records()}
-        assert blocks.evict_learned_records(blocks.learned_bytes()) == (0, [])
-        freed, gone = blocks.evict_learned_records(0)
+        assert blocks.evict_learned_records(blocks.learned_bytes()) == (0, [], [])
+        freed, gone, _ = blocks.evict_learned_records(0)
         assert freed == sum(m.nbytes for m in before.values()) and blocks.records() == []
         assert [m.end for m in gone] == [600, 512, 256]  # leaf first
         assert {m.key for m in gone} == set(before) and not hasattr(blocks, "evicted")

@@ -99,6 +99,12 @@ class LearnTarget:
         return self.sliceable
 
 
+def fingerprint_parts(extra: dict) -> dict:
+    """The fingerprint's parts an entry's extra carries (what a later `model_changed` names)."""
+    parts = extra.get("fingerprint_parts")
+    return {"fingerprint_parts": parts} if isinstance(parts, dict) else {}
+
+
 class Provenance:
     """Token prefixes whose KV in memory was read from the store (hydrated or restored).
 

@@ -390,6 +390,8 @@ class _Hooks:
             self._check_template_args(report.fingerprint, args)
         if report.fingerprint and (self.learner is not None or self.persister is not None):
             target = self._target(provider, identity, bytes.fromhex(report.fingerprint))
+            if prefetched.fingerprint is not None:  # what a later `model_changed` names
+                target.extra["fingerprint_parts"] = dict(prefetched.fingerprint.parts)
             if self.learner is not None:
                 self.learner.add_target(key, target)
             if self.persister is not None:

@@ -248,3 +248,32 @@ def test_a_learned_prefix_evicted_by_the_learned_budget_is_evicted_by_it(
     (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
     assert e["by"] == "learned budget" and e["entry"].startswith("learned chain of "), e
     assert e["tokens"] > 0 and "by learned budget" in call.line()
+
+
+def test_a_pin_the_app_stored_then_weights_changed_is_model_changed_naming_the_weights(
+    model_copy, tmp_path, daemon
+):
+    model, tokenizer = mlx_lm.load(str(model_copy))
+    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home,
+                               verbose=False) as cache:  # fmt: skip
+        cache.pin("router", messages=[{"role": "system", "content": system(OLD)}])
+        assert cache.flush()
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    call = _ask(model_copy, _router_request, home=daemon.home)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "weights" and m["tokens"] > 0, m
+
+
+def test_an_entry_older_than_the_fingerprint_parts_still_names_what_differs(
+    llama_path, kv_home, tmp_path
+):
+    _warm(kv_home, tmp_path, llama_path, extra="kv_bits = 8")
+    with Store(kv_home) as store:  # as an entry stored before metas recorded the parts
+        (meta,) = store.metas()
+        meta.extra.pop("fingerprint_parts")
+        with store.env.begin(write=True) as txn:
+            txn.put(meta.key, meta.pack(), db=store._meta)
+    call = _ask(llama_path, _router_request)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "KV quantization", m

@@ -242,3 +242,28 @@ def test_serve_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_ho
     by = _serve_ask(kv_home, llama_path, log, messages)
     assert by["corrupt"] > 0 and not by.get("cold"), log.read_text()
     assert re.search(r"corrupt \d+ \(entry 'router'\)", log.read_text())
+
+
+def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_naming_them(
+    model_copy, kv_home, tmp_path
+):
+    from helpers import Proc, serving
+
+    from kvstore.tiny import make_tiny_model
+
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        server = Server(kv_home, model_copy, log, "--persist-system-prompts", "--no-learn")
+        try:
+            server.wait_ready()
+            server.chat(messages)
+            wait_for(lambda: any(e["label"] == "system" for e in d.request("ls")), 30, d.text)
+        finally:
+            server.stop()
+        other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+        (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        by = _serve_ask(kv_home, model_copy, log, messages)
+    assert by["model_changed"] > 0, log.read_text()
+    assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()

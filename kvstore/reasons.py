@@ -111,6 +111,15 @@ def attribute(
             out.append({"reason": reason, "tokens": end - pos, **extra})
         pos = end
 
+    # a stored prefix the request holds whole that could not serve it: its tokens are lost to
+    # that (and a divergence before its end is not why: the request is the other prefix's)
+    for tokens, what in known.corrupt:
+        if common_prefix(prompt, tokens) == len(tokens):
+            take(len(tokens), "corrupt", entry=what)
+    for t in sorted(known.tombstones, key=lambda t: -t.length):
+        if t.length > pos and t.covers(prompt):
+            take(t.length, "evicted", by=t.by, ts=t.ts, entry=t.entry)
+
     # what a stored prefix of this model would have served, had the request not differed
     key = seen_key(prompt)
     # end, at, entry, its tokens (as far as known), its stored length
@@ -126,7 +135,7 @@ def attribute(
         if at >= length:
             continue  # all of it agrees: served (or not served for a reason below)
         end = min(length, n)
-        if end > pos and (best is None or end > best[0]):
+        if at >= pos and end > pos and (best is None or end > best[0]):
             best = (end, at, name, tokens, length)
     if best is not None:
         end, at, name, tokens, length = best
@@ -135,9 +144,6 @@ def attribute(
             extra["stored_text"], extra["request_text"] = texts(tokens, prompt, at, decode)
         take(end, "diverged", **extra)
 
-    for tokens, what in known.corrupt:
-        if common_prefix(prompt, tokens) == len(tokens):
-            take(len(tokens), "corrupt", entry=what)
     if known.unavailable:
         take(n, "unavailable")
     for tokens, what in known.other_model:
@@ -148,9 +154,6 @@ def attribute(
         at = common_prefix(prompt, tokens)
         if at < len(tokens):  # what it holds past `at` is another day's
             take(min(len(tokens), n), "other_date", entry=name, position=at)
-    for t in sorted(known.tombstones, key=lambda t: -t.length):
-        if t.length > pos and t.covers(prompt):
-            take(t.length, "evicted", by=t.by, ts=t.ts, entry=t.entry)
     # the seen prompt sharing the longest prefix sits next to the prompt in sorted order
     i = bisect.bisect_left(known.seen, key)
     near = known.seen[max(0, i - 1) : i + 1]

@@ -89,6 +89,16 @@ def test_leaving_where_a_learned_prefix_ends_is_the_request_own_content_not_cold
     assert spans == [{"reason": "suffix", "tokens": 420}]
 
 
+def test_an_evicted_prefix_held_whole_comes_before_a_divergence_inside_it():
+    # the request is the evicted pin's (it agrees all through it), not the learned prefix's
+    # that leaves it at 40: no divergence is told for it
+    prompt = SYS[:46] + [1, 2, 3]
+    learned = [seen_key(SYS[:40] + [9] * 200)]
+    t = Tombstone.of(SYS[:46], "kvstore evict", 123.0, "router")
+    spans = attribute(prompt, 0, Known(learned=learned, tombstones=[t]))
+    assert [(s["reason"], s["tokens"]) for s in spans] == [("evicted", 46), ("suffix", 3)]
+
+
 def test_attribution_is_cheap():
     prompt = SYS[:14] + [7] + SYS[15:] * 5
     seen = sorted(seen_key(range(5000 + i, 7000)) for i in range(64))

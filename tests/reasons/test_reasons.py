@@ -117,7 +117,8 @@ def _rec(i, reasons=None, ts=None):
 
 
 DIV = {"reason": "diverged", "tokens": 386, "entry": "sys", "position": 14,
-       "stored_text": "Today is 2026-11-30", "request_text": "Today is 2026-12-01"}  # fmt: skip
+       "stored_text": "system\nToday is 2026-11-30. You are the router.\nClassify",
+       "request_text": "system\nToday is 2026-12-01. You are the router.\nClassify"}  # fmt: skip
 
 
 def test_ledger_keeps_reasons_and_old_records_still_read(tmp_path):
@@ -148,8 +149,21 @@ def test_explain_json_aggregates_divergences(tmp_path):
         "tokens": 3 * 386,
     }
     assert "2026-11-30" in d["stored_text"] and "2026-12-01" in d["request_text"]
+    # a dynamic block inside static content: static-first, as kvstore analyze reorders
+    assert d["dynamic"] == {"stored": "2026-11-30", "request": "2026-12-01"}
+    assert "static-first" in d["suggestion"]
+    assert "'Today is 2026-12-01. You are the router.' into a trailing user turn" in (
+        d["suggestion"])  # fmt: skip
     text = CliRunner().invoke(main, ["explain", "--home", str(home)]).output
     assert "diverged from sys at token 14" in text and "4 requests" not in text.split("\n")[0][:0]
+
+
+def test_explain_suggests_a_fixed_order_where_the_request_goes_on_differently():
+    from kvstore.explain import suggestion
+
+    d = {"entry": "shop", "position": 40, "stored_text": '[{"name": "search_products", "de',
+         "request_text": '[{"name": "get_order", "parameters": {'}  # fmt: skip
+    assert "one fixed order" in suggestion(d) and "static-first" not in suggestion(d)
 
 
 def test_explain_over_a_busy_day_is_fast(tmp_path):

@@ -11,7 +11,7 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ TOMBSTONES = 256
 CORRUPT = 64  # prefixes whose entry or learned record failed its checks, remembered
 LEARNED_PREFIXES = 512  # this model's learned prefixes kept (most recently used)
 LEARNED_TOKENS = 4096  # of each: a divergence past this is not told
+DECODED = 256  # token windows whose decoded text is kept (a divergence's texts)
 LEARNED_REFRESH_S = 10.0  # seconds between re-reads of them (on a thread of their own)
 
 
@@ -50,11 +51,43 @@ class Attributor:
         self._learned_from: tuple[Path, bytes] | None = None  # (home, fingerprint)
         self._learned_at = 0.0
         self._refreshing = False
+        # the pins last given, by identity, and their (seen_key, label): pins change rarely
+        self._pins_seen: list[tuple[int, ...]] = []
+        self._decode: Any = None  # the decode last given, and texts it gave (kvstore.reasons)
+        self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
+        self._pin_keys: list[tuple[bytes, str]] = []
         self._lock = threading.Lock()
 
     def evicted(self, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> None:
         with self._lock:
             self.tombstones.append(Tombstone.of(tokens, by, ts, entry))
+
+    def _decoder(self, decode: Callable[[Sequence[int]], str]) -> Callable[[Sequence[int]], str]:
+        """`decode`, remembering the texts of recent token windows: a divergence repeats (the
+        same date all day), and decoding costs more than the rest of the attribution."""
+        if self._decode is not decode:
+            self._decode, self._texts = decode, OrderedDict()
+        texts = self._texts
+
+        def cached(tokens: Sequence[int]) -> str:
+            t = tuple(tokens)
+            text = texts.get(t)
+            if text is None:
+                text = texts[t] = decode(list(t))
+                if len(texts) > DECODED:
+                    texts.popitem(last=False)
+            return text
+
+        return cached
+
+    def _keys_of(self, pins: Mapping[tuple[int, ...], str]) -> list[tuple[bytes, str]]:
+        """The pins as (seen_key, label), kept while the same token tuples come (an identity
+        check each: hashing a long tuple costs more than the attribution)."""
+        seen = self._pins_seen
+        if len(seen) != len(pins) or any(a is not b for a, b in zip(seen, pins, strict=False)):
+            self._pins_seen = list(pins)
+            self._pin_keys = [(seen_key(t), str(name)) for t, name in pins.items()]
+        return self._pin_keys
 
     def failed_checks(self, tokens: Sequence[int], what: str) -> None:
         """A stored entry or learned record of this prefix failed its checks (`corrupt`)."""
@@ -97,6 +130,8 @@ class Attributor:
         pins: Mapping[tuple[int, ...], str],
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> list[dict[str, Any]]:
+        if decode is not None:
+            decode = self._decoder(decode)
         other_day: list[tuple[tuple[int, ...], str]] = []
         if self.dated:  # a clock-bound pin of another day: other_date, not diverged
             today = local_now().date().isoformat()
@@ -104,9 +139,11 @@ class Attributor:
             if stale:
                 other_day = [(t, f"{pins[t]} ({self.dated[t]})") for t in stale]
                 pins = {t: v for t, v in pins.items() if t not in stale}
+        key = seen_key(prompt)
         with self._lock:
             known = Known(
                 pins=pins,
+                pin_keys=self._keys_of(pins),
                 other_day=other_day,
                 seen=self.sorted,
                 tombstones=list(self.tombstones),
@@ -118,8 +155,8 @@ class Attributor:
                 learned_ends=self.learned_ends,
                 corrupt=[*self.corrupt, *_corrupt(self.learner)],
             )
-            spans = attribute(prompt, served, known, decode)
-            t = seen_key(prompt, RECENT_TOKENS)  # 4 bytes a token: 64 prompts stay small
+            spans = attribute(prompt, served, known, decode, key=key)
+            t = key[: 4 * RECENT_TOKENS]  # 4 bytes a token: 64 prompts stay small
             self.recent.append(t)
             bisect.insort(self.sorted, t)
             if len(self.recent) > RECENT_PROMPTS:

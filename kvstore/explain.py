@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 
 from kvstore import staticfirst
+from kvstore.errors import counted
 from kvstore.store.ledger import LEDGER_NAME
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -126,8 +127,8 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"  {r:16} {n}")
         for d in s["divergences"]:
             lines.append(
-                f"  diverged from {d['entry']} at token {d['position']}: {d['requests']} "
-                f"requests, {d['tokens']} tokens"
+                f"  diverged from {d['entry']} at token {d['position']}: "
+                f"{counted(d['requests'], 'request')}, {d['tokens']} tokens"
             )
             lines.append(f"    stored:  {d['stored_text']!r}")
             lines.append(f"    request: {d['request_text']!r}")

@@ -61,16 +61,28 @@ class Tombstone:
     by: str  # "byte budget", "learned budget", "kvstore evict"
     ts: float
     entry: str = ""
+    tail: bytes = b""  # its last TAIL_TOKENS tokens as seen_key bytes: most misses end at them
 
     @classmethod
     def of(cls, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> Tombstone:
-        return cls(len(tokens), prefix_hash(tokens), by, ts, entry)
+        key = seen_key(tokens)
+        return cls(len(tokens), prefix_hash(key), by, ts, entry, tail_of(key))
 
     def covers(self, prompt: Sequence[int] | bytes) -> bool:
         """Whether the prompt (its tokens, or its `seen_key`) starts with this prefix."""
         key = prompt if isinstance(prompt, bytes) else seen_key(prompt)
         n = 4 * self.length
-        return len(key) >= n and prefix_hash(key[:n]) == self.digest
+        if len(key) < n or (self.tail and key[n - len(self.tail) : n] != self.tail):
+            return False
+        return prefix_hash(key[:n]) == self.digest
+
+
+TAIL_TOKENS = 2
+
+
+def tail_of(key: bytes) -> bytes:
+    """The last TAIL_TOKENS tokens of a `seen_key` (a tombstone's cheap first check)."""
+    return key[-4 * TAIL_TOKENS :] if key else b""
 
 
 @dataclass
@@ -133,6 +145,9 @@ def attribute(
     hashed: dict[int, str] = {}  # prefix length -> its hash: each length hashed once
     for t in sorted(known.tombstones, key=lambda t: -t.length):
         if pos < t.length <= n:
+            end = 4 * t.length
+            if t.tail and key[end - len(t.tail) : end] != t.tail:
+                continue
             if t.length not in hashed:
                 hashed[t.length] = prefix_hash(key[: 4 * t.length])
             if hashed[t.length] == t.digest:

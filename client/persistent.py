@@ -260,8 +260,9 @@ class PersistentPromptCache(PinnedPromptCache):
         self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
         if self.stats is not None:  # what the reasons of prefilled tokens need from it
             after_hydrate(
-                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates
-            )
+                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates,
+                self._fp.parts if self._fp is not None else None,
+            )  # fmt: skip
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:

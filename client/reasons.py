@@ -206,12 +206,41 @@ def read_learned(home: Path, fingerprint: bytes) -> tuple[list[bytes], dict[byte
     return sorted(keys), ends
 
 
+def other_fingerprints(
+    home: Path, fingerprint: bytes, model: str, parts: Mapping[str, Any]
+) -> list[tuple[tuple[int, ...], str]]:
+    """This model path's learned prefixes under another fingerprint, each with what differs
+    from the running identity (`model_changed`; entries are hydrate's to tell)."""
+    from kvstore.errors import KVStoreError
+    from kvstore.reasons import identity_diff
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.entry import unpack_tokens
+    from kvstore.store.store import Store
+
+    try:
+        store = Store(home, readonly=True)
+    except (KVStoreError, OSError):
+        return []
+    out = []
+    with store:
+        blocks = BlockStore(store)
+        wanted = {str(model), str(Path(model).expanduser().resolve())}
+        for fp, stored in blocks.fingerprints_of(wanted).items():
+            if fp == fingerprint:
+                continue
+            what = identity_diff(stored, parts) if stored is not None else "fingerprint"
+            for packed, _ in blocks.learned_prefixes(fp, max_tokens=LEARNED_TOKENS, limit=64):
+                out.append((tuple(unpack_tokens(packed)), what))
+    return out
+
+
 def after_hydrate(
     attr: Attributor,
     report: Any,
     home: Path | None,
     model: str | None = None,
     dated: Mapping[tuple[int, ...], str] | None = None,
+    parts: Mapping[str, Any] | None = None,
 ) -> None:
     """What hydrating told: entries of this path under another fingerprint (`model_changed`),
     tombstones of this model's evicted entries (`evicted`), a daemon that was there but no
@@ -229,6 +258,11 @@ def after_hydrate(
     fp = getattr(report, "fingerprint", "")
     if home is not None and fp:
         attr.learned_from(home, bytes.fromhex(fp))
+        if model and parts is not None and not getattr(report, "entries", 0) and not attr.learned:
+            try:  # nothing stored for this identity: learned under another one of this path?
+                attr.other_model += other_fingerprints(home, bytes.fromhex(fp), model, parts)
+            except Exception as e:  # a diagnostic: never fail the start for it
+                log.debug("kvstore: learned prefixes of other fingerprints not read: %s", e)
 
 
 def daemon_gone(home: Path) -> bool:

@@ -365,7 +365,8 @@ class _Hooks:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
-            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated)
+            parts = prefetched.fingerprint.parts if prefetched.fingerprint is not None else None
+            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated, parts)
             self.stats.attribute.learner = self.learner
         pins = self.cache.pins_of(key)
         if pins:

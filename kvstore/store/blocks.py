@@ -413,6 +413,29 @@ class BlockStore:
                 out.append((tokens[: 4 * max_tokens], m.end))
         return out
 
+    def fingerprints_of(self, models: set[str]) -> dict[bytes, dict | None]:
+        """The fingerprints this store holds learned records of these model paths under, each
+        with the fingerprint parts its records recorded (None: none recorded)."""
+        if not self._open():
+            return {}
+
+        def fn(txn) -> dict[bytes, dict | None]:
+            out: dict[bytes, dict | None] = {}
+            for k, v in txn.cursor(self._db(b"bmeta")):
+                fp = bytes(k[:FINGERPRINT_BYTES])
+                if fp in out:
+                    continue
+                try:
+                    meta = BlockMeta.unpack(bytes(k), bytes(v))
+                except CorruptEntryError:
+                    continue
+                if meta.extra.get("model") in models:
+                    parts = meta.extra.get("fingerprint_parts")
+                    out[fp] = parts if isinstance(parts, dict) else None
+            return out
+
+        return self.store._read(fn)
+
     def stats(self) -> dict[str, Any]:
         """records, learned bytes, bytes written today, chains (records nothing extends)."""
         if not self._open():

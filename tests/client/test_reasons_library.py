@@ -277,3 +277,23 @@ def test_an_entry_older_than_the_fingerprint_parts_still_names_what_differs(
     call = _ask(llama_path, _router_request)
     (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
     assert m["differs"] == "KV quantization", m
+
+
+def test_a_prefix_learned_before_the_weights_changed_is_model_changed_naming_them(
+    model_copy, tmp_path, daemon
+):
+    model, tokenizer = mlx_lm.load(str(model_copy))
+    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+            _learning(model, tokenizer, cache, user)  # seen twice: learned
+        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
+        assert cache.flush()
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    model, tokenizer = mlx_lm.load(str(model_copy))
+    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "weights" and m["tokens"] > 100, call.reasons

@@ -267,3 +267,32 @@ def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_n
         by = _serve_ask(kv_home, model_copy, log, messages)
     assert by["model_changed"] > 0, log.read_text()
     assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()
+
+
+def test_serve_a_prefix_it_learned_then_weights_changed_is_model_changed_naming_them(
+    model_copy, kv_home, tmp_path
+):
+    from helpers import SYSTEM, Proc, Serve, serving, wait_learned
+
+    from kvstore.tiny import make_tiny_model
+
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        s = Serve(kv_home, model_copy, log)
+        try:
+            s.wait_ready()
+            for user in ("My invoice was charged twice.", "Where is my parcel?"):
+                s.chat(user)  # seen twice: learned
+            wait_learned(d)
+        finally:
+            s.stop()
+        other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+        (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        s = Serve(kv_home, model_copy, log)
+        try:
+            s.wait_ready()
+            s.chat("Is the blue shirt in stock?", system=SYSTEM)
+            wait_for(lambda: _prefilled(s).get("model_changed", 0) > 100, 30, log.read_text)
+        finally:
+            s.stop()
+    assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()

@@ -53,9 +53,9 @@ class Attributor:
         self._refreshing = False
         # the pins last given, by identity, and their (seen_key, label): pins change rarely
         self._pins_seen: list[tuple[int, ...]] = []
+        self._pin_keys: list[tuple[bytes, str]] = []
         self._decode: Any = None  # the decode last given, and texts it gave (kvstore.reasons)
         self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
-        self._pin_keys: list[tuple[bytes, str]] = []
         self._lock = threading.Lock()
 
     def evicted(self, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> None:

@@ -206,16 +206,18 @@ def test_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_home, tm
     assert "corrupt" in call.line() and "cold" not in call.prefilled_by_reason()
 
 
-def test_a_learned_record_that_fails_its_checks_is_corrupt(llama, llama_path, daemon):
+def test_a_learned_record_that_fails_its_checks_is_corrupt(llama, llama_path, tmp_path):
     model, tokenizer = llama
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
-                               verbose=False) as cache:  # fmt: skip
-        for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
-            _learning(model, tokenizer, cache, user)  # seen twice: learned
-        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
-        assert cache.flush()
-    corrupt_a_blob(daemon.home)
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+    home = tmp_path / "corrupt-home"  # of its own: every learned record in it is damaged
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user)  # seen twice: learned
+            wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
+            assert cache.flush()
+    corrupt_a_blob(home)
+    with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
                                verbose=False) as cache:  # fmt: skip
         call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
@@ -280,20 +282,23 @@ def test_an_entry_older_than_the_fingerprint_parts_still_names_what_differs(
 
 
 def test_a_prefix_learned_before_the_weights_changed_is_model_changed_naming_them(
-    model_copy, tmp_path, daemon
+    model_copy, tmp_path
 ):
-    model, tokenizer = mlx_lm.load(str(model_copy))
-    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home, learn=True,
-                               verbose=False) as cache:  # fmt: skip
-        for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
-            _learning(model, tokenizer, cache, user)  # seen twice: learned
-        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
-        assert cache.flush()
-    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
-    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
-    model, tokenizer = mlx_lm.load(str(model_copy))
-    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home, learn=True,
-                               verbose=False) as cache:  # fmt: skip
-        call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    # a home of its own: nothing else stored under the new weights' fingerprint
+    home = tmp_path / "learned-home"
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        model, tokenizer = mlx_lm.load(str(model_copy))
+        with PersistentPromptCache(model, tokenizer, model_copy, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user)  # seen twice: learned
+            wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
+            assert cache.flush()
+        other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+        (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        model, tokenizer = mlx_lm.load(str(model_copy))
+        with PersistentPromptCache(model, tokenizer, model_copy, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
     assert m["differs"] == "weights" and m["tokens"] > 100, call.reasons

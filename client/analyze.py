@@ -10,7 +10,6 @@ way, so the figure is what a cache would see, template quirks included.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import click
 from kvstore.cli.options import home_option  # every command takes --home (analyze reads no store)
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
+from kvstore.staticfirst import moved_lines, static_lines
 
 CONTEXT = 30  # characters of stable text shown before the first dynamic block
 DYNAMIC = 50  # at most this many characters of the dynamic block (it ends at a line end)
@@ -143,37 +143,13 @@ def common_prefix(seqs: Sequence[Sequence]) -> int:
     return n
 
 
-def _static_lines(groups: list[list[str]]) -> list[str]:
-    """Lines of the first group present in every group (multiset), in the first group's order."""
-    budget = Counter(groups[0])
-    for g in groups[1:]:
-        budget &= Counter(g)
-    out = []
-    for line in groups[0]:
-        if budget[line] > 0:
-            budget[line] -= 1
-            out.append(line)
-    return out
-
-
-def _without(lines: list[str], static: list[str]) -> list[str]:
-    budget = Counter(static)
-    out = []
-    for line in lines:
-        if budget[line] > 0:
-            budget[line] -= 1
-        else:
-            out.append(line)
-    return out
-
-
 def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
     """The calls reordered static-first; also (static lines, lines) of the first call."""
     if any(c.messages is None for c in calls):
         groups = [(c.text or "").splitlines(keepends=True) for c in calls]
-        static = _static_lines(groups)
+        static = static_lines(groups)
         out = [
-            Capture(c.stage, c.line, text="".join(static + _without(g, static)))
+            Capture(c.stage, c.line, text="".join(static + moved_lines(g, static)))
             for c, g in zip(calls, groups)
         ]
         return out, len(static), len(groups[0])
@@ -185,7 +161,7 @@ def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
             break
         aligned += 1
     statics = [
-        _static_lines([t[i]["content"].splitlines(keepends=True) for t in turns])
+        static_lines([t[i]["content"].splitlines(keepends=True) for t in turns])
         for i in range(aligned)
     ]
     out = []
@@ -196,7 +172,7 @@ def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
             static = statics[i] if i < aligned else []
             if static:
                 head.append({"role": m.get("role"), "content": "".join(static)})
-            moved += _without(lines, static)
+            moved += moved_lines(lines, static)
         if moved:
             head.append({"role": "user", "content": "".join(moved)})
         out.append(Capture(c.stage, c.line, messages=tuple(head), tools=c.tools))

@@ -37,6 +37,8 @@ class HydrateReport:
     fingerprint: str = ""
     labels: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # "key: reason" of entries not inserted
+    # of those, the ones that failed their checks: (tokens, label) (kvstore.reasons' `corrupt`)
+    corrupt: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
     dropped: int = 0  # inserted, then pushed out by the LRU's own limits
     # this path's entries under another fingerprint: (tokens, what differs) (kvstore.reasons)
     other_model: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
@@ -65,19 +67,44 @@ def _other_versions(store: Store, model_path: str | Path) -> str | None:
 
 
 def _what_differs(
-    store: Store, model_path: str | Path, parts: dict
+    store: Store, model_path: str | Path, parts: dict, identity: ModelIdentity | None = None
 ) -> list[tuple[tuple[int, ...], str]]:
     """This path's entries under another fingerprint, each with what differs from the running
-    identity (the fingerprint's parts its meta recorded; older entries did not record them)."""
+    identity: the fingerprint's parts its meta recorded, or for an entry that recorded none (an
+    older one) what its identity state, codec and mlx-lm version say (kvstore.reasons)."""
     from kvstore.reasons import identity_diff
 
     wanted = {str(model_path), str(Path(model_path).expanduser().resolve())}
+    running = _provenance(identity.state if identity is not None else {}, None, None)
     out = []
     for m in store.metas(errors=[]):
         if m.model in wanted:
-            stored = (m.extra or {}).get("fingerprint_parts")
-            what = identity_diff(stored, parts) if isinstance(stored, dict) else "fingerprint"
+            extra = m.extra or {}
+            stored = extra.get("fingerprint_parts")
+            if isinstance(stored, dict):
+                what = identity_diff(stored, parts)
+            else:
+                runtime = extra.get("runtime")
+                version = runtime.get("mlx_lm") if isinstance(runtime, dict) else None
+                mine = _provenance(extra, m.codec, version)
+                what = identity_diff(mine, {k: running[k] for k in mine})
             out.append((tuple(m.token_ids()), what))
+    return out
+
+
+def _provenance(state: dict, codec: Any, mlx_lm: Any) -> dict:
+    """An identity state with the codec version and mlx-lm version (None: not known, not
+    compared), for `identity_diff`."""
+    from kvstore.codec import CODEC_VERSION
+    from kvstore.identity.codehash import runtime_versions
+
+    keys = ("adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "model_config")
+    out = {k: state.get(k) for k in keys if k in state}
+    if codec is None:  # the running side
+        return {**out, "codec": CODEC_VERSION, "mlx_lm": runtime_versions()["mlx_lm"]}
+    out["codec"] = codec
+    if mlx_lm is not None:
+        out["mlx_lm"] = mlx_lm
     return out
 
 
@@ -181,12 +208,13 @@ def prefetch(
                     pre.entries.append(load_entry(store, meta.key, meta.tokens))
                 except (KVStoreError, ValueError) as e:
                     report.skipped.append(f"{meta.key.hex()}: {e}")
+                    report.corrupt.append((tuple(meta.token_ids()), meta.label))
                 except KeyError:
                     report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
             hold_pending(pre, home, identity)  # inserted only once checked with the model
             if not metas and not errors:
                 report.warning = _other_versions(store, model_path)
-                report.other_model = _what_differs(store, model_path, fp.parts)
+                report.other_model = _what_differs(store, model_path, fp.parts, identity)
     except KVStoreError as e:
         report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
     except Exception as e:  # the cache must never take the app down

@@ -57,6 +57,7 @@ RESTORE_MIN_GAIN = 16  # tokens the store must serve beyond memory to be worth a
 METAS_REFRESH_S = 5.0  # seconds between re-reads of the stored entries' list on a miss
 REOPEN_S = 5.0  # seconds between attempts to open a store that is not there yet
 LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never block a request)
+CORRUPT_PREFIXES = 64  # prefixes a corrupt learned record cut short, remembered (reasons)
 TOUCH_BATCH_S = 5.0  # seconds between batches of restored records' keys sent (touch_blocks)
 # state layouts: a learned boundary stores only the state layers; the KV layers are records
 STATE_ONLY_SNAPSHOTS = True
@@ -97,6 +98,12 @@ class LearnTarget:
             except ImportError:  # a core without block records: entries only
                 self.sliceable = False
         return self.sliceable
+
+
+def fingerprint_parts(extra: dict) -> dict:
+    """The fingerprint's parts an entry's extra carries (what a later `model_changed` names)."""
+    parts = extra.get("fingerprint_parts")
+    return {"fingerprint_parts": parts} if isinstance(parts, dict) else {}
 
 
 class Provenance:
@@ -169,6 +176,8 @@ class ColdTier:
     _tried: float = -1e9
     _metas: dict = field(default_factory=dict)  # fingerprint -> (read at, [(tokens, meta)])
     _warned: bool = False
+    # prefixes a corrupt record would have served: (tokens, what) (kvstore.reasons' `corrupt`)
+    corrupt: deque = field(default_factory=lambda: deque(maxlen=CORRUPT_PREFIXES))
 
     def _open(self) -> bool:
         if self._store is not None:
@@ -225,11 +234,11 @@ class ColdTier:
         chain = self._blocks.lookup(target.fingerprint, tokens, corrupt=corrupt)
         n = min(self._blocks.served(chain, tokens), len(tokens) - 1)
         if n - served < RESTORE_MIN_GAIN:
-            self._say_corrupt(corrupt, target, chain)
+            self._say_corrupt(corrupt, target, chain, tokens[:n])
             return None
         chain = [m for m in chain if m.start < n]
         blobs = self._blocks.read_blobs(chain, corrupt=corrupt)
-        self._say_corrupt(corrupt, target, chain)
+        self._say_corrupt(corrupt, target, chain, tokens[:n])
         if len(blobs) < len(chain):  # a corrupt or vanished record: serve the ones before it
             chain = chain[: len(blobs)]
             if not chain:
@@ -241,14 +250,20 @@ class ColdTier:
         return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records",
                          [m.key for m in chain])  # fmt: skip
 
-    def _say_corrupt(self, corrupt: list, target: LearnTarget, chain: list) -> None:
+    def _say_corrupt(
+        self, corrupt: list, target: LearnTarget, chain: list, would: Sequence[int]
+    ) -> None:
         """Once per record per process: a corrupt learned record ends a chain (the tokens after
-        it are prefilled); `kvstore verify --repair` drops it."""
+        it are prefilled); `kvstore verify --repair` drops it. `would`: what the chain would
+        have served (a request that holds it reads `corrupt` for the tokens it lost)."""
         for e in corrupt:
+            at = next((m for m in chain if m.key == e.key), None)
+            lost = (tuple(would), f"learned record {e.key.hex()[-8:]}")
+            if at is not None and would and lost not in self.corrupt:
+                self.corrupt.append(lost)
             if e.key in SAID_CORRUPT:
                 continue
             SAID_CORRUPT.add(e.key)
-            at = next((m for m in chain if m.key == e.key), None)
             log.warning(
                 "kvstore: learned record %s%s of %s is corrupt (%s); its chain is served up to "
                 "it and the rest prefilled (`kvstore verify --repair` drops it)", e.key.hex(),

@@ -261,8 +261,9 @@ class PersistentPromptCache(PinnedPromptCache):
         self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
         if self.stats is not None:  # what the reasons of prefilled tokens need from it
             after_hydrate(
-                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates
-            )
+                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates,
+                self._fp.parts if self._fp is not None else None,
+            )  # fmt: skip
         fp = self.report.fingerprint
         self.fingerprint = bytes.fromhex(fp) if fp else None
         if learn and self.fingerprint is not None and self._writer is not None:
@@ -303,7 +304,12 @@ class PersistentPromptCache(PinnedPromptCache):
                 fingerprint=self.fingerprint,
                 model=self.model_path,
                 model_obj=self.model,
-                extra={**self.identity.state, "owners": ["app"], "runtime": runtime_versions()},
+                extra={
+                    **self.identity.state,
+                    "owners": ["app"],
+                    "runtime": runtime_versions(),
+                    **self._parts(),
+                },  # fmt: skip
                 kv_bits=self.identity.kv_bits,
                 files_ok=self._files_hold_these_weights,
             ),
@@ -533,9 +539,13 @@ class PersistentPromptCache(PinnedPromptCache):
             source="pin" if pinned else "chain",
             owners=["app"],
             runtime=runtime_versions(),
-            extra=extra,
+            extra={**extra, **self._parts()},
         )
         client.put(entry_key(self.fingerprint, tokens), blob, fields.as_kwargs())
+
+    def _parts(self) -> dict:
+        """The fingerprint's parts, as entries record them (what a later `model_changed` names)."""
+        return {"fingerprint_parts": dict(self._fp.parts)} if self._fp is not None else {}
 
     def _files_hold_these_weights(self) -> bool:
         """Whether the files still are the fingerprinted ones (a stat each; a re-fingerprint

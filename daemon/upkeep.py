@@ -35,6 +35,7 @@ from kvstore.pins.registry import canonical
 from kvstore.settings import DEFAULTS
 from kvstore.store import tombstones
 from kvstore.store.blocks import BlockStore, is_snapshot
+from kvstore.store.entry import unpack_tokens
 from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store
 from kvstore.warm.prefill import stop_when
@@ -434,7 +435,12 @@ class Upkeep:
         return evicted
 
     def _evict_records(self, to_bytes: int, setting: str, budget: int) -> list[str]:
-        freed, records = self.blocks.evict_learned_records(to_bytes)
+        freed, records, prefixes = self.blocks.evict_learned_records(to_bytes)
+        by = tombstones.BY_LEARNED if setting == "learned_max_bytes" else tombstones.BY_BYTES
+        tombstones.note_prefixes(self.home, [
+            (str(r.extra.get("model", "")), unpack_tokens(p), f"learned chain of {r.end} tokens")
+            for r, p in zip(records, prefixes, strict=False) if p and freed
+        ], by)  # fmt: skip
         out = []
         for r in records if freed else []:
             out.append(r.key.hex())

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgpack
 
+from kvstore import staticfirst
+from kvstore.errors import counted
 from kvstore.store.ledger import LEDGER_NAME
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -96,18 +98,20 @@ def explain(
     for key, s in sorted(stages.items()):
         top = sorted(divs[key].values(), key=lambda d: -d["tokens"])[:TOP]
         for d in top:
+            block = staticfirst.dynamic_block(str(d["stored_text"]), str(d["request_text"]))
+            d["dynamic"] = None if block is None else {"stored": block[0], "request": block[1]}
             d["suggestion"] = suggestion(d)
         out.append({**s, "divergences": top})
     return {"stages": out}
 
 
 def suggestion(d: dict[str, Any]) -> str:
-    """Static-first: the entry is content the app keeps static; what differs at `position`
-    is dynamic inside it and should move after it."""
-    return (
-        f"the prompt differs from {d['entry']!s} at token {d['position']}: move what changes "
-        "there (a date, an id, an order) after the static content, or keep it fixed"
-    )
+    """Static-first (kvstore.staticfirst) where what differs at `position` is a dynamic block
+    inside content the app keeps static; else keep that part fixed."""
+    return staticfirst.suggestion(
+        str(d.get("stored_text") or ""), str(d.get("request_text") or ""), str(d["entry"]),
+        int(d["position"] or 0),
+    )  # fmt: skip
 
 
 def render(result: dict[str, Any]) -> str:
@@ -123,8 +127,8 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"  {r:16} {n}")
         for d in s["divergences"]:
             lines.append(
-                f"  diverged from {d['entry']} at token {d['position']}: {d['requests']} "
-                f"requests, {d['tokens']} tokens"
+                f"  diverged from {d['entry']} at token {d['position']}: "
+                f"{counted(d['requests'], 'request')}, {d['tokens']} tokens"
             )
             lines.append(f"    stored:  {d['stored_text']!r}")
             lines.append(f"    request: {d['request_text']!r}")

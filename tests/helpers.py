@@ -1,13 +1,18 @@
 """What several test areas share (not fixtures): the one manifest writer, the pins most tests warm,
-KV comparisons, the one CLI runner, the one wait helper, and a daemon as a real process."""
+KV comparisons, the one CLI runner, the one wait helper, a daemon and `kvstore serve` as real
+processes, and the date-first system prompt the reasons tests send."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +22,8 @@ from click.testing import CliRunner, Result
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
+from bench.learned import Server as BenchServer
+from bench.learned import free_port
 from kvstore.cli.main import main
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -234,3 +241,210 @@ def mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
                                 quant["kv_bits"])  # fmt: skip
     mx.eval([c.state for c in cache])
     return cache
+
+
+# a daemon that stops before it makes its store (it prints this, holding its lock)
+_STUCK_BEFORE_ITS_STORE = """
+import sys, time
+from kvstore.store.store import Store
+def stuck(self, *args, **kwargs):
+    print("opening the store", flush=True)
+    time.sleep(600)
+Store.__init__ = stuck
+from kvstore.cli.main import main
+main(["daemon", *sys.argv[1:]])
+"""
+
+
+def killed_daemon(home: Path, log: Path, *, before_its_store: bool) -> None:
+    """A real daemon on `home`, killed with SIGKILL: once it answers (its store made, nothing in
+    it, its socket left behind), or `before_its_store` is made (only its lock file left)."""
+    code = _STUCK_BEFORE_ITS_STORE if before_its_store else ""
+    d = Proc(home, log=log, code=code)
+    if before_its_store:
+        d.wait_log("opening the store")
+    else:
+        d.wait_ready()
+    d.p.send_signal(signal.SIGKILL)
+    d.p.wait(timeout=10)
+    assert (home / "store").exists() != before_its_store, d.text()
+
+
+def corrupt_a_blob(home: Path, label: str | None = None) -> None:
+    """Flip one byte in the middle of a stored blob: of the entry labelled `label`, or (None) of
+    every learned block record. Lengths stay: only the checksum can tell."""
+    from kvstore.store.blocks import BlockStore
+
+    with Store(home) as store:
+        if label is not None:
+            (meta,) = [m for m in store.metas() if m.label == label]
+            blob = bytearray(store.read_blob(meta.key))
+            blob[len(blob) // 2] ^= 0xFF
+            with store.env.begin(write=True) as txn:
+                txn.put(meta.key, bytes(blob), db=store._blob)
+            return
+        blocks = BlockStore(store)
+        db = blocks._db(b"bblob")
+        with store.env.begin(write=True) as txn:
+            for k, v in list(txn.cursor(db)):
+                b = bytearray(v)
+                b[len(b) // 2] ^= 0xFF
+                txn.put(k, bytes(b), db=db)
+
+
+# -- `kvstore serve` as a real process ----------------------------------------------------------
+
+SERVE_START_TIMEOUT = 90.0  # seconds for a server to import mlx-lm, load the tiny model, answer
+REQUEST_TIMEOUT = 60.0
+ACK_TIMEOUT = 10.0  # seconds from the request that made a prefix learnable to its ack
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One `kvstore serve` subprocess; always stopped by `stop()`."""
+
+    def __init__(self, home: Path, model: Path, log: Path, *extra: str):
+        self.port = _free_port()
+        self.log = log
+        cmd = [
+            sys.executable,
+            "-c",
+            "from kvstore.cli.main import main; main()",
+            "serve",
+            "--home",
+            str(home),
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            *extra,
+        ]
+        self.out = log.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_ready(self) -> None:
+        wait_for(self._healthy, SERVE_START_TIMEOUT, self.log.read_text, proc=self.proc)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def chat(self, messages: list[dict], **extra) -> dict:
+        body = dict(messages=messages, max_tokens=4, temperature=0.0, **extra)
+        req = urllib.request.Request(
+            self.url("/v1/chat/completions"),
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
+            return json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.out.close()
+
+
+SYSTEM = (
+    "You are the support router of a small online shop. Read the customer's message and answer "
+    "with exactly one label from this list: billing, shipping, returns, account, product, other. "
+    "Billing covers invoices, double charges, refunds already approved and payment methods. "
+    "Shipping covers delivery dates, tracking numbers, lost parcels and customs. Returns covers "
+    "return labels, exchanges and the thirty day window. Account covers passwords, email changes "
+    "and deleting an account. Product covers sizes, materials, care and stock. Anything else is "
+    "other. Never explain the label, never greet, never apologise; one word, lower case. "
+) * 2
+
+
+class Serve(BenchServer):
+    """One `kvstore serve` subprocess and its log (the benchmark's server wrapper, test-shaped)."""
+
+    def __init__(self, home: Path, model: Path, log: Path, *extra: str):
+        port = free_port()
+        argv = [sys.executable, "-m", "kvstore", "serve", "--home", str(home), "--model",
+                str(model), "--port", str(port), *extra]  # fmt: skip
+        super().__init__(argv, port, log)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        return self._get(path)
+
+    def wait_ready(self) -> None:
+        try:
+            super().wait_ready()
+        except RuntimeError as e:
+            raise AssertionError(str(e)) from None
+
+    def chat(self, user: str, system: str = SYSTEM) -> dict:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return super().chat(messages, max_tokens=6)
+
+    def metric(self, source: str) -> float:
+        _, body = self.get("/metrics")
+        for line in body.decode().splitlines():
+            if line.startswith(f'kvstore_prompt_tokens_total{{source="{source}"}}'):
+                return float(line.split()[-1])
+        raise AssertionError(f"no prompt tokens metric for {source}:\n{body.decode()}")
+
+
+def cached_tokens(reply: dict) -> int:
+    """The prompt tokens an OpenAI-style reply says the cache served."""
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def shared_tokens(model: Path, a: str, b: str, system_b: str = SYSTEM) -> int:
+    """Tokens the chat prompts of users `a` (SYSTEM) and `b` (`system_b`) share."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model)
+
+    def ids(user: str, system: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True)
+
+    x, y = ids(a, SYSTEM), ids(b, system_b)
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+def wait_learned(d: Proc) -> dict:
+    deadline = time.monotonic() + ACK_TIMEOUT
+    while True:
+        learned = d.request("stats").get("learned") or {}
+        if learned.get("records") or learned.get("snapshots"):
+            return learned
+        assert time.monotonic() < deadline, f"nothing learned in {ACK_TIMEOUT}s:\n{d.text()}"
+        time.sleep(0.1)
+
+
+# -- a system prompt that embeds the date early (kvstore.reasons' `diverged`) --------------------
+
+OLD, NEW = "2026-11-30", "2026-12-01"
+
+
+def system(date: str) -> str:
+    return f"Today is {date}. You are the router. Classify the request and answer with JSON only."
+
+
+ROUTER = f"""
+[[model.prefix]]
+name = "router"
+messages = [{{ role = "system", content = "{system(OLD)}" }}]
+"""

@@ -365,7 +365,8 @@ class _Hooks:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer)
-            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated)
+            parts = prefetched.fingerprint.parts if prefetched.fingerprint is not None else None
+            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated, parts)
             self.stats.attribute.learner = self.learner
         pins = self.cache.pins_of(key)
         if pins:
@@ -390,6 +391,8 @@ class _Hooks:
             self._check_template_args(report.fingerprint, args)
         if report.fingerprint and (self.learner is not None or self.persister is not None):
             target = self._target(provider, identity, bytes.fromhex(report.fingerprint))
+            if prefetched.fingerprint is not None:  # what a later `model_changed` names
+                target.extra["fingerprint_parts"] = dict(prefetched.fingerprint.parts)
             if self.learner is not None:
                 self.learner.add_target(key, target)
             if self.persister is not None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.learn import LearnTarget
+from kvstore.client.learn import LearnTarget, fingerprint_parts
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.errors import KVStoreError
 
@@ -77,7 +77,7 @@ class SystemPromptPersister:
             state=identity.state,
             source="serve",
             runtime=runtime_versions(),
-            extra=extra,
+            extra={**extra, **fingerprint_parts(target.extra)},
         )
         client.put(key, blob, fields.as_kwargs())
         self.sent += 1

@@ -116,6 +116,9 @@ def common_tokens(a: bytes, b: bytes) -> int:
 class EvictedRecords(NamedTuple):
     freed: int  # bytes
     records: list[BlockMeta]  # the records evicted, in eviction order
+    # of each, the packed tokens from position 0 to its end (b"": its chain was broken):
+    # what a tombstone of it names (kvstore.store.tombstones)
+    prefixes: list[bytes]
 
 
 class BlockStore:
@@ -367,6 +370,71 @@ class BlockStore:
                 for k in txn.cursor(self._db(b"kids")).iternext(values=False)
             }
         )
+
+    def learned_prefixes(
+        self, fingerprint: bytes, *, max_tokens: int, limit: int
+    ) -> list[tuple[bytes, int]]:
+        """This model's learned prefixes, most recently used first (at most `limit`): the packed
+        tokens from position 0 (at most `max_tokens` of them) and the stored length of each. A
+        learned prefix ends where a record ends off a block boundary (a learned end) or where
+        nothing extends a record; a chain broken on the way is left out (kvstore.reasons)."""
+        if not self._open():
+            return []
+
+        def fn(txn) -> tuple[dict[bytes, BlockMeta], dict[bytes, bytes], int]:
+            metas: dict[bytes, BlockMeta] = {}
+            cur = txn.cursor(self._db(b"bmeta"))
+            if cur.set_range(fingerprint):
+                for k, v in cur:
+                    if not bytes(k[:FINGERPRINT_BYTES]) == fingerprint:
+                        break
+                    try:
+                        metas[bytes(k)] = BlockMeta.unpack(bytes(k), bytes(v))
+                    except CorruptEntryError:
+                        continue
+            parent_of: dict[bytes, bytes] = {}
+            cur = txn.cursor(self._db(b"kids"))
+            if cur.set_range(fingerprint):
+                for k in cur.iternext(values=False):
+                    if not bytes(k[:FINGERPRINT_BYTES]) == fingerprint:
+                        break
+                    row = parse_kids_row(bytes(k))
+                    parent_of[row.child] = row.parent
+            return metas, parent_of, self._stat_int(txn, BLOCK_TOKENS) or self.block
+
+        metas, parent_of, block = self.store._read(fn)
+        extended = set(parent_of.values())
+        ends = [m for m in metas.values() if m.end % block or m.key not in extended]
+        ends.sort(key=lambda m: -m.last_used)
+        out: list[tuple[bytes, int]] = []
+        for m in ends[:limit]:
+            tokens = _prefix(m, metas, parent_of)
+            if tokens:
+                out.append((tokens[: 4 * max_tokens], m.end))
+        return out
+
+    def fingerprints_of(self, models: set[str]) -> dict[bytes, dict | None]:
+        """The fingerprints this store holds learned records of these model paths under, each
+        with the fingerprint parts its records recorded (None: none recorded)."""
+        if not self._open():
+            return {}
+
+        def fn(txn) -> dict[bytes, dict | None]:
+            out: dict[bytes, dict | None] = {}
+            for k, v in txn.cursor(self._db(b"bmeta")):
+                fp = bytes(k[:FINGERPRINT_BYTES])
+                if fp in out:
+                    continue
+                try:
+                    meta = BlockMeta.unpack(bytes(k), bytes(v))
+                except CorruptEntryError:
+                    continue
+                if meta.extra.get("model") in models:
+                    parts = meta.extra.get("fingerprint_parts")
+                    out[fp] = parts if isinstance(parts, dict) else None
+            return out
+
+        return self.store._read(fn)
 
     def stats(self) -> dict[str, Any]:
         """records, learned bytes, bytes written today, chains (records nothing extends)."""
@@ -687,13 +755,13 @@ class BlockStore:
         record with pins > 0, until learned bytes <= max_bytes; returns the bytes freed and the
         records evicted (one write transaction: a retried one starts over)."""
         if not self._open():
-            return EvictedRecords(0, [])
+            return EvictedRecords(0, [], [])
 
         def fn(txn) -> EvictedRecords:
             evicted: list[BlockMeta] = []
             total = self._stat_int(txn, LEARNED_BYTES)
             if total <= max_bytes:
-                return EvictedRecords(0, evicted)
+                return EvictedRecords(0, evicted, [])
             metas: dict[bytes, BlockMeta] = {}
             for k, v in txn.cursor(self._db(b"bmeta")):
                 try:
@@ -721,9 +789,21 @@ class BlockStore:
                     if kids[up] == 0 and metas[up].pins <= 0:
                         heapq.heappush(heap, (metas[up].last_used, up))
             self._add(txn, LEARNED_BYTES, -freed)
-            return EvictedRecords(freed, evicted)
+            return EvictedRecords(freed, evicted, [_prefix(m, metas, parent_of) for m in evicted])
 
         return self.store._write(fn)
+
+
+def _prefix(m: BlockMeta, metas: dict[bytes, BlockMeta], parent_of: dict[bytes, bytes]) -> bytes:
+    """The packed tokens from position 0 to the end of record `m` (b"" when a record on the way
+    is missing)."""
+    parts = [m]
+    while parts[-1].start > 0:
+        up = metas.get(parent_of.get(parts[-1].key, b""))
+        if up is None or up.end != parts[-1].start:
+            return b""
+        parts.append(up)
+    return b"".join(p.tokens for p in reversed(parts))
 
 
 def learned_summary(

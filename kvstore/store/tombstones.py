@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from kvstore.reasons import Tombstone, prefix_hash
+from kvstore.reasons import Tombstone, prefix_hash, seen_key, tail_of
 
 log = logging.getLogger("kvstore")
 
@@ -36,15 +36,24 @@ def _read(home: Path) -> list[dict[str, Any]]:
 
 def note(home: Path, metas: Iterable[Any], by: str) -> int:
     """Add a tombstone per evicted entry meta (`token_ids()`, `model`, `label`)."""
-    now = time.time()
-    new = []
+    rows = []
     for m in metas:
         try:
-            tokens = m.token_ids()
+            rows.append((str(m.model), m.token_ids(), str(m.label)))
         except Exception:
             continue
-        new.append({"model": str(m.model), "length": len(tokens), "digest": prefix_hash(tokens),
-                    "by": by, "ts": now, "entry": str(m.label)})  # fmt: skip
+    return note_prefixes(home, rows, by)
+
+
+def note_prefixes(home: Path, rows: Iterable[tuple[str, Sequence[int], str]], by: str) -> int:
+    """Add a tombstone per evicted prefix: (model path, its tokens from position 0, entry)."""
+    now = time.time()
+    new = []
+    for model, tokens, entry in rows:
+        if len(tokens):
+            key = seen_key(tokens)
+            new.append({"model": model, "length": len(tokens), "digest": prefix_hash(key),
+                        "by": by, "ts": now, "entry": entry, "tail": tail_of(key)})  # fmt: skip
     if not new:
         return 0
     kept = (_read(home) + new)[-MAX_TOMBSTONES:]
@@ -65,8 +74,10 @@ def load(home: Path, model: str | Iterable[str]) -> list[Tombstone]:
     for t in _read(home):
         try:
             if t["model"] in models:
+                tail = t.get("tail", b"")
                 out.append(Tombstone(int(t["length"]), str(t["digest"]), str(t["by"]),
-                                     float(t["ts"]), str(t.get("entry", ""))))  # fmt: skip
+                                     float(t["ts"]), str(t.get("entry", "")),
+                                     tail if isinstance(tail, bytes) else b""))  # fmt: skip
         except (KeyError, TypeError, ValueError):
             continue
     return out

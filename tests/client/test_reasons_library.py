@@ -3,11 +3,21 @@ reasons (kvstore.reasons) on a real chat template."""
 
 from __future__ import annotations
 
-import socket
-
 import mlx_lm
+import pytest
 from click.testing import CliRunner
-from helpers import Proc, manifest_for, serving, wait_for
+from helpers import (
+    NEW,
+    OLD,
+    ROUTER,
+    Proc,
+    corrupt_a_blob,
+    killed_daemon,
+    manifest_for,
+    serving,
+    system,
+    wait_for,
+)
 
 from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
@@ -15,13 +25,6 @@ from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
 from kvstore.warm.warm import warm
-from kvstore.wire.daemon_client import socket_path
-
-OLD, NEW = "2026-11-30", "2026-12-01"
-
-
-def system(date: str) -> str:
-    return f"Today is {date}. You are the router. Classify the request and answer with JSON only."
 
 
 def chat(tokenizer, sys: str, user: str) -> list[int]:
@@ -64,13 +67,6 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
     assert cache.stats.summary()["classify"].prefilled == by
 
 
-ROUTER = f"""
-[[model.prefix]]
-name = "router"
-messages = [{{ role = "system", content = "{system(OLD)}" }}]
-"""
-
-
 def _warm(kv_home, tmp_path, model_path, extra: str = "") -> None:
     with Store(kv_home) as store:
         manifest = manifest_for(tmp_path, model_path, ROUTER, extra=extra)
@@ -108,11 +104,11 @@ def test_kv_bits_changed_is_model_changed_naming_kv_quantization(llama_path, kv_
     assert m["differs"] == "KV quantization"
 
 
-def test_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, kv_home):
-    kv_home.mkdir(parents=True, exist_ok=True)
-    sock = socket_path(kv_home)
-    with socket.socket(socket.AF_UNIX) as s:  # a daemon's socket, left by its SIGKILL
-        s.bind(str(sock))
+@pytest.mark.parametrize("before_its_store", [True, False], ids=["before-its-store", "empty"])
+def test_a_daemon_killed_before_any_store_exists_is_unavailable(
+    llama_path, kv_home, tmp_path, before_its_store
+):
+    killed_daemon(kv_home, tmp_path / "daemon.log", before_its_store=before_its_store)
     call = _ask(llama_path, _router_request)
     assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens}
 
@@ -179,3 +175,130 @@ def test_a_pin_removed_by_kvstore_evict_is_evicted_by_kvstore_evict(llama, llama
     (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
     assert (e["by"], e["entry"]) == ("kvstore evict", "router") and e["tokens"] > 0
     assert "evicted" in call.line() and "by kvstore evict" in call.line()
+
+
+def test_a_date_inside_a_learned_prefix_is_diverged_naming_the_learned_chain(
+    llama, llama_path, daemon
+):
+    model, tokenizer = llama
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+            _learning(model, tokenizer, cache, user)  # seen twice: learned
+        wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
+        assert cache.flush()
+    today = SHOP.replace(OLD, NEW)  # the next day's system prompt, after a restart
+    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?", today)
+    (d,) = [s for s in call.reasons if s["reason"] == "diverged"]
+    assert d["entry"].startswith("learned chain of ") and d["tokens"] > 100, call.reasons
+    assert OLD in d["stored_text"] and NEW in d["request_text"]
+    assert "cold" not in call.prefilled_by_reason()
+
+
+def test_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_home, tmp_path):
+    _warm(kv_home, tmp_path, llama_path)
+    corrupt_a_blob(kv_home, "router")
+    call = _ask(llama_path, _router_request)
+    (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
+    assert c["entry"] == "entry 'router'" and c["tokens"] > 0, call.reasons
+    assert "corrupt" in call.line() and "cold" not in call.prefilled_by_reason()
+
+
+def test_a_learned_record_that_fails_its_checks_is_corrupt(llama, llama_path, tmp_path):
+    model, tokenizer = llama
+    home = tmp_path / "corrupt-home"  # of its own: every learned record in it is damaged
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user)  # seen twice: learned
+            wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
+            assert cache.flush()
+    corrupt_a_blob(home)
+    with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                               verbose=False) as cache:  # fmt: skip
+        call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
+    assert c["entry"].startswith("learned record ") and c["tokens"] > 100, call.reasons
+
+
+def test_a_learned_prefix_evicted_by_the_learned_budget_is_evicted_by_it(
+    llama, llama_path, tmp_path
+):
+    model, tokenizer = llama
+    home = tmp_path / "budget-home"
+
+    def learn(system_prompt: str) -> int:
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user, system_prompt)  # seen twice: learned
+            assert cache.flush()
+        return wait_for(lambda: d.request("stats")["learned"].get("bytes"), 10, d.text)
+
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        one = learn(SHOP)
+    (home / "settings.toml").write_text(f"learned_max_bytes = {one * 3 // 2}\n")
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        learn(OTHER)  # over the learned budget: the least recently used leaf (SHOP's) goes
+        wait_for(lambda: "evicted learned record" in d.text(), 10, d.text)
+        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
+    assert e["by"] == "learned budget" and e["entry"].startswith("learned chain of "), e
+    assert e["tokens"] > 0 and "by learned budget" in call.line()
+
+
+def test_a_pin_the_app_stored_then_weights_changed_is_model_changed_naming_the_weights(
+    model_copy, tmp_path, daemon
+):
+    model, tokenizer = mlx_lm.load(str(model_copy))
+    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home,
+                               verbose=False) as cache:  # fmt: skip
+        cache.pin("router", messages=[{"role": "system", "content": system(OLD)}])
+        assert cache.flush()
+    other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+    (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    call = _ask(model_copy, _router_request, home=daemon.home)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "weights" and m["tokens"] > 0, m
+
+
+def test_an_entry_older_than_the_fingerprint_parts_still_names_what_differs(
+    llama_path, kv_home, tmp_path
+):
+    _warm(kv_home, tmp_path, llama_path, extra="kv_bits = 8")
+    with Store(kv_home) as store:  # as an entry stored before metas recorded the parts
+        (meta,) = store.metas()
+        meta.extra.pop("fingerprint_parts")
+        with store.env.begin(write=True) as txn:
+            txn.put(meta.key, meta.pack(), db=store._meta)
+    call = _ask(llama_path, _router_request)
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "KV quantization", m
+
+
+def test_a_prefix_learned_before_the_weights_changed_is_model_changed_naming_them(
+    model_copy, tmp_path
+):
+    # a home of its own: nothing else stored under the new weights' fingerprint
+    home = tmp_path / "learned-home"
+    with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
+        model, tokenizer = mlx_lm.load(str(model_copy))
+        with PersistentPromptCache(model, tokenizer, model_copy, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
+                _learning(model, tokenizer, cache, user)  # seen twice: learned
+            wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
+            assert cache.flush()
+        other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+        (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        model, tokenizer = mlx_lm.load(str(model_copy))
+        with PersistentPromptCache(model, tokenizer, model_copy, home=home, learn=True,
+                                   verbose=False) as cache:  # fmt: skip
+            call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
+    (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
+    assert m["differs"] == "weights" and m["tokens"] > 100, call.reasons

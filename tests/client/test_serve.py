@@ -4,16 +4,12 @@ tokens as cached on the first request after each start, on the batched and seque
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, manifest_for, wait_for
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Server, manifest_for, wait_for
 
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -23,68 +19,6 @@ START_TIMEOUT = 90.0  # seconds for a server to import mlx-lm, load the tiny mod
 REQUEST_TIMEOUT = 60.0
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One `kvstore serve` subprocess; always stopped by `stop()`."""
-
-    def __init__(self, home: Path, model: Path, log: Path, *extra: str):
-        self.port = _free_port()
-        self.log = log
-        cmd = [
-            sys.executable,
-            "-c",
-            "from kvstore.cli.main import main; main()",
-            "serve",
-            "--home",
-            str(home),
-            "--model",
-            str(model),
-            "--port",
-            str(self.port),
-            *extra,
-        ]
-        self.out = log.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def wait_ready(self) -> None:
-        wait_for(self._healthy, START_TIMEOUT, self.log.read_text, proc=self.proc)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url("/health"), timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def chat(self, messages: list[dict], **extra) -> dict:
-        body = dict(messages=messages, max_tokens=4, temperature=0.0, **extra)
-        req = urllib.request.Request(
-            self.url("/v1/chat/completions"),
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
-            return json.loads(r.read())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.out.close()
 
 
 def _cached(reply: dict) -> int:

@@ -13,8 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFY, Proc, serving, wait_for, warm_two_pins
-from test_serve_learn import Serve
+from helpers import CLASSIFY, Proc, Serve, serving, wait_for, warm_two_pins
 
 pytestmark = pytest.mark.slow
 

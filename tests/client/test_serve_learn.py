@@ -10,58 +10,12 @@ inside the stored prefix is served up to the divergence and answers as a cold se
 from __future__ import annotations
 
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers import Proc, serving
-
-from bench.learned import Server, free_port
-
-ACK_TIMEOUT = 10.0  # seconds from the request that made a prefix learnable to its ack
+from helpers import SYSTEM, Proc, Serve, serving, shared_tokens, wait_learned
 
 pytestmark = pytest.mark.slow
-
-SYSTEM = (
-    "You are the support router of a small online shop. Read the customer's message and answer "
-    "with exactly one label from this list: billing, shipping, returns, account, product, other. "
-    "Billing covers invoices, double charges, refunds already approved and payment methods. "
-    "Shipping covers delivery dates, tracking numbers, lost parcels and customs. Returns covers "
-    "return labels, exchanges and the thirty day window. Account covers passwords, email changes "
-    "and deleting an account. Product covers sizes, materials, care and stock. Anything else is "
-    "other. Never explain the label, never greet, never apologise; one word, lower case. "
-) * 2
-
-
-class Serve(Server):
-    """One `kvstore serve` subprocess and its log (the benchmark's server wrapper, test-shaped)."""
-
-    def __init__(self, home: Path, model: Path, log: Path, *extra: str):
-        port = free_port()
-        argv = [sys.executable, "-m", "kvstore", "serve", "--home", str(home), "--model",
-                str(model), "--port", str(port), *extra]  # fmt: skip
-        super().__init__(argv, port, log)
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        return self._get(path)
-
-    def wait_ready(self) -> None:
-        try:
-            super().wait_ready()
-        except RuntimeError as e:
-            pytest.fail(str(e))
-
-    def chat(self, user: str, system: str = SYSTEM) -> dict:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return super().chat(messages, max_tokens=6)
-
-    def metric(self, source: str) -> float:
-        _, body = self.get("/metrics")
-        for line in body.decode().splitlines():
-            if line.startswith(f'kvstore_prompt_tokens_total{{source="{source}"}}'):
-                return float(line.split()[-1])
-        raise AssertionError(f"no prompt tokens metric for {source}:\n{body.decode()}")
 
 
 def _cached(reply: dict) -> int:
@@ -70,33 +24,6 @@ def _cached(reply: dict) -> int:
 
 def _answer(reply: dict) -> str:
     return reply["choices"][0]["message"]["content"]
-
-
-def _shared_tokens(model: Path, a: str, b: str, system_b: str = SYSTEM) -> int:
-    """Tokens the chat prompts of users `a` (SYSTEM) and `b` (`system_b`) share."""
-    from mlx_lm.utils import load_tokenizer
-
-    tok = load_tokenizer(model)
-
-    def ids(user: str, system: str) -> list[int]:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-        return tok.apply_chat_template(msgs, add_generation_prompt=True)
-
-    x, y = ids(a, SYSTEM), ids(b, system_b)
-    n = 0
-    while n < min(len(x), len(y)) and x[n] == y[n]:
-        n += 1
-    return n
-
-
-def _wait_learned(d: Proc) -> dict:
-    deadline = time.monotonic() + ACK_TIMEOUT
-    while True:
-        learned = d.request("stats").get("learned") or {}
-        if learned.get("records") or learned.get("snapshots"):
-            return learned
-        assert time.monotonic() < deadline, f"nothing learned in {ACK_TIMEOUT}s:\n{d.text()}"
-        time.sleep(0.1)
 
 
 @pytest.fixture
@@ -109,7 +36,7 @@ def test_a_learned_prefix_survives_kill_9_and_serves_the_first_request(
     llama_path, kv_home, tmp_path, daemon
 ):
     log = tmp_path / "serve.log"
-    shared = _shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    shared = shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
     assert shared >= 200
     s = Serve(kv_home, llama_path, log)
     try:
@@ -117,7 +44,7 @@ def test_a_learned_prefix_survives_kill_9_and_serves_the_first_request(
         assert s.get("/metrics")[0] == 200
         s.chat("My invoice was charged twice.")
         s.chat("Where is my parcel?")
-        _wait_learned(daemon)  # acknowledged: the KV is in the store
+        wait_learned(daemon)  # acknowledged: the KV is in the store
         time.sleep(1.0)
     finally:
         s.stop(signal.SIGKILL)
@@ -146,16 +73,16 @@ def test_sigterm_drains_and_a_diverging_request_answers_as_a_cold_server(
     finally:
         assert s.stop(signal.SIGTERM) == 0, log.read_text()
     assert "learn queue drained" in log.read_text()
-    _wait_learned(daemon)
+    wait_learned(daemon)
     # diverge inside the stored prefix: the second copy of the system prompt changes a word
     half = len(SYSTEM) // 2
     changed = SYSTEM[: half + 40] + SYSTEM[half + 40 :].replace("Billing", "Payments", 1)
-    shared = _shared_tokens(llama_path, "x", "y")
+    shared = shared_tokens(llama_path, "x", "y")
     s = Serve(kv_home, llama_path, log)
     try:
         s.wait_ready()
         warm = s.chat("My card was charged twice.", system=changed)
-        divergence = _shared_tokens(llama_path, "x", "My card was charged twice.", changed)
+        divergence = shared_tokens(llama_path, "x", "My card was charged twice.", changed)
         assert 0 < divergence < shared
         assert _cached(warm) == divergence, log.read_text()  # served up to it, not a token less
     finally:
@@ -196,7 +123,7 @@ def test_a_hybrid_model_learns_a_snapshot_at_the_shared_boundary(
     """qwen3_5 (state layers): the daemon asks for a snapshot at the shared boundary; the next
     request crossing it splits its prefill there and sends it; a restarted server is served it."""
     log = tmp_path / "serve.log"
-    shared = _shared_tokens(hybrid_path, "My invoice was charged twice.", "Where is my parcel?")
+    shared = shared_tokens(hybrid_path, "My invoice was charged twice.", "Where is my parcel?")
     s = Serve(kv_home, hybrid_path, log)
     try:
         s.wait_ready()
@@ -204,7 +131,7 @@ def test_a_hybrid_model_learns_a_snapshot_at_the_shared_boundary(
         s.chat("Where is my parcel?")
         time.sleep(1.0)  # the daemon's reply to that report names the boundary
         s.chat("How do I reset my password?")  # crosses the boundary: split and sent
-        learned = _wait_learned(daemon)
+        learned = wait_learned(daemon)
         assert learned.get("snapshots"), learned
     finally:
         assert s.stop() == 0, log.read_text()
@@ -234,7 +161,7 @@ def test_serve_says_once_that_a_corrupt_learned_record_ends_its_chain(
         s.wait_ready()
         s.chat("My invoice was charged twice.")
         s.chat("Where is my parcel?")
-        _wait_learned(daemon)
+        wait_learned(daemon)
     finally:
         assert s.stop() == 0, log.read_text()
     with Store(kv_home) as store:  # another process writing: LMDB's own lock orders it

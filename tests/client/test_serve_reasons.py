@@ -10,9 +10,7 @@ import urllib.request
 import mlx_lm
 import pytest
 from click.testing import CliRunner
-from helpers import manifest_for, wait_for
-from test_reasons_library import NEW, OLD, ROUTER, system
-from test_serve import Server
+from helpers import NEW, OLD, ROUTER, Server, manifest_for, system, wait_for
 
 from kvstore.cli.main import main
 from kvstore.pins.manifest import load_manifest
@@ -116,11 +114,10 @@ def test_serve_names_kv_bits_model_changed(llama_path, kv_home, tmp_path):
 def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it(
     llama_path, kv_home, tmp_path
 ):
-    from helpers import Proc, serving
-    from test_serve_learn import Serve, _cached, _shared_tokens, _wait_learned
+    from helpers import Proc, Serve, cached_tokens, serving, shared_tokens, wait_learned
 
     other = "You are the writer. Reply in one short friendly sentence."
-    shared = _shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    shared = shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
     log = tmp_path / "serve.log"
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
         s = Serve(kv_home, llama_path, log, "--prompt-cache-size", "1")
@@ -133,23 +130,22 @@ def test_serve_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_ser
             s.chat("Where is my parcel?")  # the same system prompt: seen, not stored yet
             wait_for(lambda: _prefilled(s).get("not_learned_yet", 0) > before, 30, log.read_text)
             assert _prefilled(s)["not_learned_yet"] - before >= 0.9 * shared
-            _wait_learned(d)  # seen twice: learned
+            wait_learned(d)  # seen twice: learned
             s.chat("hello again", system=other)
             served = s.chat("Is the blue shirt in stock?")
-            assert _cached(served) >= 0.9 * shared, log.read_text()
+            assert cached_tokens(served) >= 0.9 * shared, log.read_text()
         finally:
             s.stop()
 
 
-def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(llama_path, tmp_path):
-    import socket
-
-    from kvstore.wire.daemon_client import socket_path
+@pytest.mark.parametrize("before_its_store", [True, False], ids=["before-its-store", "empty"])
+def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(
+    llama_path, tmp_path, before_its_store
+):
+    from helpers import killed_daemon
 
     home = tmp_path / "home"
-    home.mkdir()
-    with socket.socket(socket.AF_UNIX) as sock:  # what a SIGKILLed daemon leaves: its socket
-        sock.bind(str(socket_path(home)))
+    killed_daemon(home, tmp_path / "daemon.log", before_its_store=before_its_store)
     messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
     by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
     assert {k for k, v in by.items() if v} == {"unavailable"}
@@ -206,3 +202,97 @@ def test_serve_tool_schemas_in_another_order_are_diverged_at_the_first_schema(kv
     text, before = tok.decode(ids), len(tok.decode(ids[:at]))
     first = text.index('"search_products"')
     assert text.rfind("{", 0, first) <= before <= first + len("search_products")
+
+
+def test_serve_a_date_inside_a_learned_prefix_is_diverged_naming_the_learned_chain(
+    llama_path, kv_home, tmp_path
+):
+    from helpers import SYSTEM, Proc, Serve, serving, wait_learned
+
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        s = Serve(kv_home, llama_path, log)
+        try:
+            s.wait_ready()
+            for user in ("My invoice was charged twice.", "Where is my parcel?"):
+                s.chat(user, system=f"Today is {OLD}. {SYSTEM}")  # seen twice: learned
+            wait_learned(d)
+        finally:
+            s.stop()
+        s = Serve(kv_home, llama_path, log)  # the next day, after a restart
+        try:
+            s.wait_ready()
+            s.chat("Is the blue shirt in stock?", system=f"Today is {NEW}. {SYSTEM}")
+            wait_for(lambda: _prefilled(s).get("diverged", 0) > 100, 30, log.read_text)
+            assert not _prefilled(s).get("cold"), log.read_text()
+        finally:
+            s.stop()
+    assert re.search(r"diverged \d+ \(learned chain of \d+ tokens at \d+\)", log.read_text())
+
+
+def test_serve_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_home, tmp_path):
+    from helpers import corrupt_a_blob
+
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, llama_path, ROUTER)), store, home=kv_home)
+    corrupt_a_blob(kv_home, "router")
+    log = tmp_path / "serve.log"
+    by = _serve_ask(kv_home, llama_path, log, messages)
+    assert by["corrupt"] > 0 and not by.get("cold"), log.read_text()
+    assert re.search(r"corrupt \d+ \(entry 'router'\)", log.read_text())
+
+
+def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_naming_them(
+    model_copy, kv_home, tmp_path
+):
+    from helpers import Proc, serving
+
+    from kvstore.tiny import make_tiny_model
+
+    messages = [{"role": "system", "content": system(OLD)},
+                {"role": "user", "content": "My invoice 2291 was charged twice."}]  # fmt: skip
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        server = Server(kv_home, model_copy, log, "--persist-system-prompts", "--no-learn")
+        try:
+            server.wait_ready()
+            server.chat(messages)
+            wait_for(lambda: any(e["label"] == "system" for e in d.request("ls")), 30, d.text)
+        finally:
+            server.stop()
+        other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+        (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        by = _serve_ask(kv_home, model_copy, log, messages)
+    assert by["model_changed"] > 0, log.read_text()
+    assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()
+
+
+def test_serve_a_prefix_it_learned_then_weights_changed_is_model_changed_naming_them(
+    model_copy, kv_home, tmp_path
+):
+    from helpers import SYSTEM, Proc, Serve, serving, wait_learned
+
+    from kvstore.tiny import make_tiny_model
+
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
+        s = Serve(kv_home, model_copy, log)
+        try:
+            s.wait_ready()
+            for user in ("My invoice was charged twice.", "Where is my parcel?"):
+                s.chat(user)  # seen twice: learned
+            wait_learned(d)
+        finally:
+            s.stop()
+        other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
+        (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        s = Serve(kv_home, model_copy, log)
+        try:
+            s.wait_ready()
+            s.chat("Is the blue shirt in stock?", system=SYSTEM)
+            wait_for(lambda: _prefilled(s).get("model_changed", 0) > 100, 30, log.read_text)
+        finally:
+            s.stop()
+    assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()

@@ -238,6 +238,11 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         labels = {e["label"] for e in entries(shared.home).values()}
         assert {"lru-0", "lru-2", "classify", "synthesize"} <= labels and "lru-1" not in labels
         shared.wait_log("over the budget")
+        from kvstore.store import tombstones  # a later miss on it reads `evicted` (reasons)
+
+        models = {e["model"] for e in entries(shared.home).values()}
+        gone = [t for t in tombstones.load(shared.home, models) if t.entry == "lru-1"]
+        assert [t.by for t in gone] == ["byte budget"]
 
         settings.write_text(original + f"max_bytes = {pinned_bytes // 2}\n")  # pins alone exceed
         shared.request("reload")

@@ -62,11 +62,61 @@ def test_unavailable_and_model_changed():
     assert attribute(SYS, 0, Known(model_changed=what))[0]["differs"] == "KV quantization"
 
 
+def test_a_request_leaving_a_learned_prefix_inside_it_is_diverged_naming_it():
+    learned = sorted([seen_key(SYS), seen_key(SYS + [5] * 300)])
+    prompt = SYS[:14] + [7] + SYS[15:] + [1, 2, 3]
+    (d, s) = attribute(prompt, 14, Known(learned=learned))
+    assert (d["reason"], d["entry"], d["position"], d["tokens"]) == (
+        "diverged", "learned chain of 400 tokens", 14, 386)  # fmt: skip
+    assert s == {"reason": "suffix", "tokens": 3}
+
+
+def test_a_learned_prefix_cut_short_in_memory_still_names_its_stored_length():
+    key = seen_key(SYS[:100])
+    prompt = SYS[:14] + [7] + SYS[15:]
+    (d,) = attribute(prompt, 0, Known(learned=[key], learned_ends={key: 400}))
+    assert (d["entry"], d["tokens"]) == ("learned chain of 400 tokens", 400)
+
+
+def test_leaving_where_a_learned_prefix_ends_is_the_request_own_content_not_cold():
+    # the learned prefix ends at 400 (where the requests that taught it differed); a
+    # conversation went on from it: a new user turn is suffix, not diverged nor cold
+    learned = sorted([seen_key(SYS), seen_key(SYS + [5] * 300)])
+    prompt = SYS + [6] * 20
+    assert attribute(prompt, 400, Known(learned=learned)) == [{"reason": "suffix", "tokens": 20}]
+    # held whole but not served (this process does not restore): learned, not not_learned_yet
+    spans = attribute(prompt, 0, Known(learned=learned, seen=[seen_key(SYS + [9])]))
+    assert spans == [{"reason": "suffix", "tokens": 420}]
+
+
+def test_an_evicted_prefix_held_whole_comes_before_a_divergence_inside_it():
+    # the request is the evicted pin's (it agrees all through it), not the learned prefix's
+    # that leaves it at 40: no divergence is told for it
+    prompt = SYS[:46] + [1, 2, 3]
+    learned = [seen_key(SYS[:40] + [9] * 200)]
+    t = Tombstone.of(SYS[:46], "kvstore evict", 123.0, "router")
+    spans = attribute(prompt, 0, Known(learned=learned, tombstones=[t]))
+    assert [(s["reason"], s["tokens"]) for s in spans] == [("evicted", 46), ("suffix", 3)]
+
+
 def test_attribution_is_cheap():
+    """64 recent prompts, 8 pins, 512 learned prefixes and 64 tombstones; a 2,050-token prompt
+    that diverges inside the longest pin (best of 5 rounds: the machine is shared)."""
+    import random
+
+    rng = random.Random(0)
     prompt = SYS[:14] + [7] + SYS[15:] * 5
     seen = sorted(seen_key(range(5000 + i, 7000)) for i in range(64))
-    known = Known(pins={tuple(SYS * 5): "sys"}, seen=seen)
-    per = timeit.timeit(lambda: attribute(prompt, 14, known), number=200) / 200
+    pins = [(seen_key(SYS * 5), "sys")] + [
+        (seen_key([rng.randrange(9000) for _ in range(1500)]), f"p{i}") for i in range(7)
+    ]
+    learned = sorted(seen_key([rng.randrange(9000) for _ in range(rng.randrange(300, 4096))])
+                     for _ in range(512))  # fmt: skip
+    tombs = [Tombstone.of([rng.randrange(9000)] * (i + 20), "byte budget", 1.0) for i in range(64)]
+    known = Known(pin_keys=pins, seen=seen, learned=learned, tombstones=tombs)
+    (d, *_) = attribute(prompt, 14, known)
+    assert (d["reason"], d["entry"], d["position"]) == ("diverged", "sys", 14)
+    per = min(timeit.repeat(lambda: attribute(prompt, 14, known), number=200, repeat=5)) / 200
     assert per < 1e-4, per
 
 
@@ -80,7 +130,8 @@ def _rec(i, reasons=None, ts=None):
 
 
 DIV = {"reason": "diverged", "tokens": 386, "entry": "sys", "position": 14,
-       "stored_text": "Today is 2026-11-30", "request_text": "Today is 2026-12-01"}  # fmt: skip
+       "stored_text": "system\nToday is 2026-11-30. You are the router.\nClassify",
+       "request_text": "system\nToday is 2026-12-01. You are the router.\nClassify"}  # fmt: skip
 
 
 def test_ledger_keeps_reasons_and_old_records_still_read(tmp_path):
@@ -111,8 +162,21 @@ def test_explain_json_aggregates_divergences(tmp_path):
         "tokens": 3 * 386,
     }
     assert "2026-11-30" in d["stored_text"] and "2026-12-01" in d["request_text"]
+    # a dynamic block inside static content: static-first, as kvstore analyze reorders
+    assert d["dynamic"] == {"stored": "2026-11-30", "request": "2026-12-01"}
+    assert "static-first" in d["suggestion"]
+    assert "'Today is 2026-12-01. You are the router.' into a trailing user turn" in (
+        d["suggestion"])  # fmt: skip
     text = CliRunner().invoke(main, ["explain", "--home", str(home)]).output
     assert "diverged from sys at token 14" in text and "4 requests" not in text.split("\n")[0][:0]
+
+
+def test_explain_suggests_a_fixed_order_where_the_request_goes_on_differently():
+    from kvstore.explain import suggestion
+
+    d = {"entry": "shop", "position": 40, "stored_text": '[{"name": "search_products", "de',
+         "request_text": '[{"name": "get_order", "parameters": {'}  # fmt: skip
+    assert "one fixed order" in suggestion(d) and "static-first" not in suggestion(d)
 
 
 def test_explain_over_a_busy_day_is_fast(tmp_path):

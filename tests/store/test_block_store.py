@@ -113,8 +113,8 @@ def test_evict_learned_records_returns_what_it_evicted(tmp_path):
         blocks = BlockStore(store)
         blocks.put_records(FP, a, records(kv(600), 0, 600), label="x")
         before = {m.key: m for m in blocks.records()}
-        assert blocks.evict_learned_records(blocks.learned_bytes()) == (0, [])
-        freed, gone = blocks.evict_learned_records(0)
+        assert blocks.evict_learned_records(blocks.learned_bytes()) == (0, [], [])
+        freed, gone, _ = blocks.evict_learned_records(0)
         assert freed == sum(m.nbytes for m in before.values()) and blocks.records() == []
         assert [m.end for m in gone] == [600, 512, 256]  # leaf first
         assert {m.key for m in gone} == set(before) and not hasattr(blocks, "evicted")
@@ -163,3 +163,21 @@ def test_check_names_bad_records_and_what_they_cut_off_and_repair_drops_them(tmp
         assert blocks.learned_bytes() == sum(m.nbytes for m in blocks.records())
         assert [m.end for m in blocks.lookup(FP, a)] == [256]
         assert blocks.stats()["chains"] == 3
+
+
+def test_learned_prefixes_are_each_learned_end_from_position_0(tmp_path):
+    import numpy as np
+
+    a = list(range(1, 601))  # ends at 600: off a block boundary, a learned end
+    b = a[:256] + [5000 + i for i in range(256)]  # ends at 512, which nothing extends
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        blocks.put_records(FP, a, records(kv(600), 0, 600), label="x")
+        blocks.put_records(FP, b, records(kv(512), 256, 512), label="x")
+        got = blocks.learned_prefixes(FP, max_tokens=10_000, limit=10)
+        assert sorted((np.frombuffer(t, "<u4").tolist(), end) for t, end in got) == sorted(
+            [(a, 600), (b, 512)]
+        )
+        cut = blocks.learned_prefixes(FP, max_tokens=300, limit=1)  # the most recently used
+        assert [(np.frombuffer(t, "<u4").tolist(), end) for t, end in cut] == [(b[:300], 512)]
+        assert blocks.learned_prefixes(bytes(16), max_tokens=300, limit=5) == []

@@ -178,7 +178,7 @@ def test_health_waits_for_the_warm_up_and_no_learn_reports_nothing(
     s = Serve(kv_home, llama_path, log, "--no-learn")
     try:
         s.wait_ready()
-        assert "kvstore: warm-up pass" in log.read_text()
+        assert "warm-up request through the server" in log.read_text()
         assert "kvstore: ready" in log.read_text()
         s.chat("My invoice was charged twice.")
         s.chat("Where is my parcel?")

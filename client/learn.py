@@ -59,6 +59,9 @@ LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never b
 TOUCH_BATCH_S = 5.0  # seconds between batches of restored records' keys sent (touch_blocks)
 # state layouts: a learned boundary stores only the state layers; the KV layers are records
 STATE_ONLY_SNAPSHOTS = True
+# kvstore serve's start: the most recently used learned chains put into memory (Learner.warm)
+WARM_CHAINS = 8
+WARM_CHAIN_BYTES = 256 * 2**20  # 256 MiB of their KV in all, at most
 
 
 @dataclass
@@ -255,6 +258,31 @@ class ColdTier:
                 e.reason,
             )  # fmt: skip
 
+    def recent_chains(self, target: LearnTarget, limit: int, max_bytes: int) -> list[list[int]]:
+        """The token ids of this model's learned chains (records from position 0 to one that
+        nothing extends), most recently used first, up to `limit` of them and `max_bytes` of
+        KV in all."""
+        if not self._open() or self._blocks is None:
+            return []
+        from kvstore.store.entry import unpack_tokens
+
+        fp = target.fingerprint
+        extended = self._blocks.extended()
+        ends = [m for m in self._blocks.records() if m.key.startswith(fp) and m.key not in extended]
+        out: list[list[int]] = []
+        total = 0
+        for end in sorted(ends, key=lambda m: m.last_used, reverse=True)[:limit]:
+            try:
+                chain = self._blocks.chain_to(end.key)
+            except KVStoreError:  # a record on the way is gone: a request prefills that part
+                continue
+            nbytes = sum(m.nbytes for m in chain)
+            if total + nbytes > max_bytes:
+                continue
+            total += nbytes
+            out.append(unpack_tokens(b"".join(m.tokens for m in chain)))
+        return out
+
     def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
         now = time.monotonic()
         got = self._metas.get(target.fingerprint)
@@ -345,6 +373,28 @@ class Learner:
             hit.n, hit.what, hit.nbytes / 2**20, dt * 1e3, served,
         )  # fmt: skip
         return copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
+
+    def warm(self, lru: Any, model: Any) -> int:
+        """At a server's start: the model's most recently used learned chains read from the
+        store into `lru` (marked as read from it), so the first request after a restart that
+        continues one is served from memory instead of waiting for the cold tier's read. Never
+        raises (a store problem leaves it to the cold tier); returns how many went in."""
+        target = self.targets.get(model)
+        if target is None or not target.is_sliceable():
+            return 0  # state layouts keep snapshots at boundaries: the cold tier serves them
+        n = 0
+        try:
+            for tokens in self.cold.recent_chains(target, WARM_CHAINS, WARM_CHAIN_BYTES):
+                # one token more than the chain, so that the store serves the whole chain (a
+                # restore leaves the prompt's last token to prefill)
+                hit = self.cold.restore(target, [*tokens, 0], 0)
+                if hit is not None and hit.n == len(tokens):
+                    lru.insert_restored(model, tokens, hit.cache)
+                    n += 1
+        except Exception as e:  # an optimisation: never keep the server from starting
+            log.warning("kvstore: learned chains not read into memory: %s: %s",
+                        type(e).__name__, e)  # fmt: skip
+        return n
 
     def fetched(self, model: Any, tokens: Sequence[int]) -> None:
         """Remember the prompt of a request about to run: its insert_cache reports it."""

@@ -367,6 +367,11 @@ class _Hooks:
             target = self._target(provider, identity, bytes.fromhex(report.fingerprint))
             if self.learner is not None:
                 self.learner.add_target(key, target)
+                t0 = time.perf_counter()
+                if warmed := self.learner.warm(self.cache, key):
+                    dt = time.perf_counter() - t0
+                    log.info("kvstore: %s read into memory in %.3f s",
+                             counted(warmed, "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
                 self.targets[key] = target
 

@@ -338,6 +338,8 @@ class Learner:
         self.snapshots_sent = 0
         self.queued = 0  # learn jobs handed to the write-behind queue
         self._touched: dict[bytes, list[bytes]] = {}  # fingerprint -> restored records' keys
+        # chains `warm` read at start that no request used yet: (tokens, their records' keys)
+        self._warmed: dict[Any, list[tuple[tuple[int, ...], list[bytes]]]] = {}
         self._touched_sent = time.monotonic()
         self._no_touch = False  # an older daemon without touch_blocks
         self._block = 256  # the store's block_tokens (read from it before records are cut)
@@ -390,6 +392,7 @@ class Learner:
                 hit = self.cold.restore(target, [*tokens, 0], 0)
                 if hit is not None and hit.n == len(tokens):
                     lru.insert_restored(model, tokens, hit.cache)
+                    self._warmed.setdefault(model, []).append((tuple(tokens), hit.keys))
                     n += 1
         except Exception as e:  # an optimisation: never keep the server from starting
             log.warning("kvstore: learned chains not read into memory: %s: %s",
@@ -398,8 +401,23 @@ class Learner:
 
     def fetched(self, model: Any, tokens: Sequence[int]) -> None:
         """Remember the prompt of a request about to run: its insert_cache reports it."""
+        if self._warmed.get(model):
+            self._use_warmed(model, tokens)
         if self.learn and not self._unsupported and model in self.targets:
             self._pending.append((model, list(tokens)))
+
+    def _use_warmed(self, model: Any, tokens: Sequence[int]) -> None:
+        """The first request that continues a chain `warm` read: its records are touched, as a
+        restore on that request's path would have touched them (the learned LRU keeps them)."""
+        chains, target = self._warmed[model], self.targets.get(model)
+        for i, (chain, keys) in enumerate(chains):
+            n = len(chain)
+            if n <= len(tokens) and tokens[n - 1] == chain[-1] and tuple(tokens[:n]) == chain:
+                del chains[i]
+                if target is not None and keys and not self._no_touch:
+                    with self._lock:
+                        self._touched.setdefault(target.fingerprint, []).extend(keys)
+                return
 
     def split(self, lru: Any, model: Any, tokens: Sequence[int], cache: Any, rest: list):
         """For a layout with state layers: prefill up to a boundary the daemon asked for, send a

@@ -62,6 +62,7 @@ def _worker(argv: list[str]) -> None:
     from mlx_lm.models.cache import LRUPromptCache
 
     if a.alternative == "kvstore":
+        import kvstore.codec.codec  # noqa: F401  (its decoder, before the timer as mlx-lm's is)
         from kvstore.client import hydrate
 
         imported, cpu = time.perf_counter(), time.process_time()

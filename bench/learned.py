@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bench.stages import REQUEST, STAGES
-from bench.timing import interleave
+from bench.timing import compile_checkout, interleave
 
 START_TIMEOUT = 120.0
 ACK_TIMEOUT = 20.0  # seconds for the daemon to acknowledge what the requests made learnable
@@ -66,6 +66,7 @@ class Server:
     """An OpenAI-compatible server subprocess (`kvstore serve`, or the peer's) and its log."""
 
     def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None):
+        compile_checkout()  # a restarted server imports kvstore as an installed one does
         self.port, self.log = port, log
         self.out = log.open("ab")
         self.spawned = time.perf_counter()

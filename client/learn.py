@@ -61,6 +61,9 @@ CORRUPT_PREFIXES = 64  # prefixes a corrupt learned record cut short, remembered
 TOUCH_BATCH_S = 5.0  # seconds between batches of restored records' keys sent (touch_blocks)
 # state layouts: a learned boundary stores only the state layers; the KV layers are records
 STATE_ONLY_SNAPSHOTS = True
+# kvstore serve's start: the most recently used learned chains put into memory (Learner.warm)
+WARM_CHAINS = 8
+WARM_CHAIN_BYTES = 256 * 2**20  # 256 MiB of their KV in all, at most
 
 
 @dataclass
@@ -271,6 +274,31 @@ class ColdTier:
                 e.reason,
             )  # fmt: skip
 
+    def recent_chains(self, target: LearnTarget, limit: int, max_bytes: int) -> list[list[int]]:
+        """The token ids of this model's learned chains (records from position 0 to one that
+        nothing extends), most recently used first, up to `limit` of them and `max_bytes` of
+        KV in all."""
+        if not self._open() or self._blocks is None:
+            return []
+        from kvstore.store.entry import unpack_tokens
+
+        fp = target.fingerprint
+        extended = self._blocks.extended()
+        ends = [m for m in self._blocks.records() if m.key.startswith(fp) and m.key not in extended]
+        out: list[list[int]] = []
+        total = 0
+        for end in sorted(ends, key=lambda m: m.last_used, reverse=True)[:limit]:
+            try:
+                chain = self._blocks.chain_to(end.key)
+            except KVStoreError:  # a record on the way is gone: a request prefills that part
+                continue
+            nbytes = sum(m.nbytes for m in chain)
+            if total + nbytes > max_bytes:
+                continue
+            total += nbytes
+            out.append(unpack_tokens(b"".join(m.tokens for m in chain)))
+        return out
+
     def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
         now = time.monotonic()
         got = self._metas.get(target.fingerprint)
@@ -326,6 +354,8 @@ class Learner:
         self.snapshots_sent = 0
         self.queued = 0  # learn jobs handed to the write-behind queue
         self._touched: dict[bytes, list[bytes]] = {}  # fingerprint -> restored records' keys
+        # chains `warm` read at start that no request used yet: (tokens, their records' keys)
+        self._warmed: dict[Any, list[tuple[tuple[int, ...], list[bytes]]]] = {}
         self._touched_sent = time.monotonic()
         self._no_touch = False  # an older daemon without touch_blocks
         self._block = 256  # the store's block_tokens (read from it before records are cut)
@@ -362,10 +392,48 @@ class Learner:
         )  # fmt: skip
         return copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
 
+    def warm(self, lru: Any, model: Any) -> int:
+        """At a server's start: the model's most recently used learned chains read from the
+        store into `lru` (marked as read from it), so the first request after a restart that
+        continues one is served from memory instead of waiting for the cold tier's read. Never
+        raises (a store problem leaves it to the cold tier); returns how many went in."""
+        target = self.targets.get(model)
+        if target is None or not target.is_sliceable():
+            return 0  # state layouts keep snapshots at boundaries: the cold tier serves them
+        n = 0
+        try:
+            for tokens in self.cold.recent_chains(target, WARM_CHAINS, WARM_CHAIN_BYTES):
+                # one token more than the chain, so that the store serves the whole chain (a
+                # restore leaves the prompt's last token to prefill)
+                hit = self.cold.restore(target, [*tokens, 0], 0)
+                if hit is not None and hit.n == len(tokens):
+                    lru.insert_restored(model, tokens, hit.cache)
+                    self._warmed.setdefault(model, []).append((tuple(tokens), hit.keys))
+                    n += 1
+        except Exception as e:  # an optimisation: never keep the server from starting
+            log.warning("kvstore: learned chains not read into memory: %s: %s",
+                        type(e).__name__, e)  # fmt: skip
+        return n
+
     def fetched(self, model: Any, tokens: Sequence[int]) -> None:
         """Remember the prompt of a request about to run: its insert_cache reports it."""
+        if self._warmed.get(model):
+            self._use_warmed(model, tokens)
         if self.learn and not self._unsupported and model in self.targets:
             self._pending.append((model, list(tokens)))
+
+    def _use_warmed(self, model: Any, tokens: Sequence[int]) -> None:
+        """The first request that continues a chain `warm` read: its records are touched, as a
+        restore on that request's path would have touched them (the learned LRU keeps them)."""
+        chains, target = self._warmed[model], self.targets.get(model)
+        for i, (chain, keys) in enumerate(chains):
+            n = len(chain)
+            if n <= len(tokens) and tokens[n - 1] == chain[-1] and tuple(tokens[:n]) == chain:
+                del chains[i]
+                if target is not None and keys and not self._no_touch:
+                    with self._lock:
+                        self._touched.setdefault(target.fingerprint, []).extend(keys)
+                return
 
     def split(self, lru: Any, model: Any, tokens: Sequence[int], cache: Any, rest: list):
         """For a layout with state layers: prefill up to a boundary the daemon asked for, send a

@@ -22,7 +22,8 @@ Unless --no-learn, the prompt cache carries a Learner (kvstore.client.learn): pr
 reported to the daemon, which learns the prefixes that recur, and a memory miss the store can
 serve is restored from it. `_run_http_server` gets a handler subclass that answers `GET /metrics`
 and keeps `/health` at 503 until the model is loaded, hydrated and warmed up (one throwaway
-forward pass, so the first request does not pay the fresh process's first kernels).
+request per pin through the server itself, so the first request does not pay the fresh
+process's first kernels, template render or store open).
 
 Both generation paths then see the entries: the batched path and `_serve_single` both call
 `prompt_cache.fetch_nearest_cache(model_provider.model_key, prompt)`, and `cached_tokens` is
@@ -32,7 +33,6 @@ Both generation paths then see the entries: the batched path and `_serve_single`
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import secrets
@@ -213,10 +213,9 @@ class _Hooks:
         try:
             self._on_load(provider, prefetched)
         finally:
-            try:
-                self.warm_up(provider)
-            except Exception as e:  # a warm-up is an optimisation: never keep the server down
-                log.warning("kvstore: warm-up pass failed: %s", e)
+            # No in-process forward pass first: the warm-up requests run the first kernels at the
+            # shapes a request has, and a pass before them only added its own 50-100 ms to the
+            # start (the requests took as long with it as without it).
             if not self.ready and not self.warm_thread_started:
                 # the requests go through the server itself: a thread of their own (this is the
                 # generation thread, which serves them), /health at 503 until they are answered
@@ -310,30 +309,6 @@ class _Hooks:
         tail = list(segments[-1]) if types and types[-1] != "system" else list(prompt[-16:])
         return (pin + tail, [pin, tail], ["system", "user"], *rest)
 
-    def warm_up(self, provider: Any) -> None:
-        """One 32-token prefill chunk and 2 decode steps on a throwaway copy of the longest pin
-        (or a fresh cache): a fresh process pays its first kernels here, not on a request."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        model = provider.model
-        if model is None:
-            return
-        t0 = time.perf_counter()
-        pins = self.cache.pins_of(provider.model_key) if self.cache is not None else {}
-        base = None
-        if pins:
-            longest = max(pins, key=len)
-            _, entry = self.cache._pins[(provider.model_key, longest)]
-            base = copy.deepcopy(entry.prompt_cache)
-        cache = base if base is not None else make_prompt_cache(model)
-        ids = mx.zeros((1, 32), dtype=mx.uint32)
-        mx.eval(model(ids, cache=cache))
-        for _ in range(2):
-            mx.eval(model(ids[:, :1], cache=cache))
-        del cache
-        log.info("kvstore: warm-up pass in %.3f s", time.perf_counter() - t0)
-
     def _on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
@@ -395,6 +370,11 @@ class _Hooks:
                 target.extra["fingerprint_parts"] = dict(prefetched.fingerprint.parts)
             if self.learner is not None:
                 self.learner.add_target(key, target)
+                t0 = time.perf_counter()
+                if warmed := self.learner.warm(self.cache, key):
+                    dt = time.perf_counter() - t0
+                    log.info("kvstore: %s read into memory in %.3f s",
+                             counted(warmed, "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
                 self.targets[key] = target
 

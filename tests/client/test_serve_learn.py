@@ -32,6 +32,20 @@ def daemon(kv_home, tmp_path):
         yield d
 
 
+def _records_used_since(home, t: float, timeout: float = 15.0) -> bool:
+    """Some learned record's last_used is at or after `t` (the daemon took a touch_blocks)."""
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.store import Store
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with Store(home, readonly=True) as store:
+            if any(m.last_used >= t for m in BlockStore(store).records()):
+                return True
+        time.sleep(0.2)
+    return False
+
+
 def test_a_learned_prefix_survives_kill_9_and_serves_the_first_request(
     llama_path, kv_home, tmp_path, daemon
 ):
@@ -48,12 +62,20 @@ def test_a_learned_prefix_survives_kill_9_and_serves_the_first_request(
         time.sleep(1.0)
     finally:
         s.stop(signal.SIGKILL)
+    restarted = time.time()
     s = Serve(kv_home, llama_path, log)
     try:
         s.wait_ready()
+        # the learned chain was read into memory before /health said 200: the first request is
+        # served it without a read from the store on its path, and it still counts as `store`
+        text = log.read_text()
+        start = text.rindex("learned chain read into memory")
         first = s.chat("How do I reset my password?")
         assert _cached(first) >= 0.99 * shared, log.read_text()
+        assert "from the store in" not in log.read_text()[start:], log.read_text()[start:]
         assert s.metric("store") >= 0.99 * shared
+        # and the request that used it touched its records, as a restore on its path would
+        assert _records_used_since(kv_home, restarted), log.read_text()
         before = s.metric("prefill")
         s.chat("Is the blue shirt in stock?")
         assert s.metric("prefill") > before  # the new user turn is prefilled
@@ -105,7 +127,7 @@ def test_health_waits_for_the_warm_up_and_no_learn_reports_nothing(
     s = Serve(kv_home, llama_path, log, "--no-learn")
     try:
         s.wait_ready()
-        assert "kvstore: warm-up pass" in log.read_text()
+        assert "warm-up request through the server" in log.read_text()
         assert "kvstore: ready" in log.read_text()
         s.chat("My invoice was charged twice.")
         s.chat("Where is my parcel?")

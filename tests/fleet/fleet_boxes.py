@@ -11,7 +11,7 @@ import mlx.core as mx
 from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, Weed
 
 __all__ = ["ACCESS_KEY", "ADMIN_KEY", "ADMIN_SECRET", "BUCKET", "SECRET_KEY", "Weed"]
-__all__ += ["big_entry", "box", "queue_counts", "remote_of"]
+__all__ += ["big_entry", "box", "queue_counts", "remote_of", "store_chain"]
 
 
 def box(
@@ -66,3 +66,19 @@ def big_entry(store, fp: bytes, tokens: int, seed: int = 0) -> bytes:
     store.put(key, blob, tokens=pack_tokens(ids), label=f"big{seed}", model="m",
               classes=codec.cache_classes([c]))  # fmt: skip
     return key
+
+
+def store_chain(
+    home: Path, cache, tokens: list[int], fp: bytes, model_path, start: int = 0
+) -> None:
+    """`cache` (the KV of `tokens`) stored in `home` as learned block records from `start`, as
+    a box that served those tokens learns them."""
+    from kvstore.codec.blocks import slice_record
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+    from kvstore.store.store import Store
+
+    rows = [(s, e, slice_record(cache, s, e)) for s, e in cuts(start, len(tokens))]
+    with Store(home) as store:
+        BlockStore(store).put_records(fp, tokens, rows, label="learned",
+                                      extra={"model": str(model_path)})  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fleet_boxes import box, queue_counts, remote_of
+from fleet_boxes import box, queue_counts, remote_of, store_chain
 from helpers import (
     TWO_PINS,
     Proc,
@@ -34,11 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 
 def learn(home, model, model_path, fp: bytes, tokens: list[int], start: int = 0) -> None:
-    cache = mlx_lm_prefill(model, tokens)
-    rows = [(s, e, slice_record(cache, s, e)) for s, e in cuts(start, len(tokens))]
-    with Store(home) as store:
-        BlockStore(store).put_records(fp, tokens, rows, label="learned",
-                                      extra={"model": str(model_path)})  # fmt: skip
+    store_chain(home, mlx_lm_prefill(model, tokens), tokens, fp, model_path, start)
 
 
 def test_learned_records_push_and_pull_verified(s3, llama_path, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from fleet_boxes import BUCKET, box, remote_of
+from fleet_boxes import BUCKET, box, remote_of, store_chain
 from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 from test_fleet_trust import box_id, keyed, objects_of, tampered, warm_and_push
 
@@ -159,10 +159,7 @@ def test_a_forged_first_record_of_a_pulled_learned_chain_is_refused(s3, llama_pa
     from helpers import mlx_lm_prefill
     from mlx_lm import load as mlx_load
 
-    from kvstore.codec.blocks import slice_record
     from kvstore.identity.fingerprint import model_fingerprint
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
 
     k = secrets.token_hex(32)
     a, b, c = (keyed(box(tmp_path / n, s3), k) for n in "abc")
@@ -171,10 +168,7 @@ def test_a_forged_first_record_of_a_pulled_learned_chain_is_refused(s3, llama_pa
     model, _ = mlx_load(str(llama_path))
     tokens = [(7 * i) % 500 + 3 for i in range(300)]
     cache = mlx_lm_prefill(model, tokens)
-    with Store(a) as store:
-        recs = [(s, e, slice_record(cache, s, e)) for s, e in cuts(0, len(tokens))]
-        BlockStore(store).put_records(fp, tokens, recs, label="learned",
-                                      extra={"model": str(llama_path)})  # fmt: skip
+    store_chain(a, cache, tokens, fp, llama_path)
     assert "learned records: 2 uploaded" in cli("remote", "push", "--home", a, code=0).output
     r = cli("remote", "pull", "--manifest", manifest, "--home", c, code=0)
     assert "2 learned records" in r.output, r.output
@@ -185,10 +179,7 @@ def test_a_forged_first_record_of_a_pulled_learned_chain_is_refused(s3, llama_pa
     bad = mlx_lm_prefill(model, other)
     for layer in bad:
         layer.keys = layer.keys * 1.5
-    with Store(f) as store:
-        recs = [(s, e, slice_record(bad, s, e)) for s, e in cuts(0, len(other))]
-        BlockStore(store).put_records(fp, other, recs, label="learned",
-                                      extra={"model": str(llama_path)})  # fmt: skip
+    store_chain(f, bad, other, fp, llama_path)
     assert "learned records: 2 uploaded" in cli("remote", "push", "--home", f, code=0).output
     r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=1)
     assert "refused learned record" in r.output and "(first 64 of 256 tokens" in r.output, r.output
@@ -202,10 +193,7 @@ def test_push_reseal_renews_this_boxs_objects_under_the_rotated_key(s3, llama_pa
     from helpers import mlx_lm_prefill
     from mlx_lm import load as mlx_load
 
-    from kvstore.codec.blocks import slice_record
     from kvstore.identity.fingerprint import model_fingerprint
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
 
     old = secrets.token_hex(32)
     a, b = keyed(box(tmp_path / "a", s3), old), keyed(box(tmp_path / "b", s3), old)
@@ -213,11 +201,8 @@ def test_push_reseal_renews_this_boxs_objects_under_the_rotated_key(s3, llama_pa
     model, _ = mlx_load(str(llama_path))
     tokens = [(7 * i) % 500 + 3 for i in range(300)]
     cache = mlx_lm_prefill(model, tokens)
-    with Store(a) as store:
-        recs = [(s, e, slice_record(cache, s, e)) for s, e in cuts(0, len(tokens))]
-        fp = model_fingerprint(str(llama_path)).digest
-        BlockStore(store).put_records(fp, tokens, recs, label="learned",
-                                      extra={"model": str(llama_path)})  # fmt: skip
+    fp = model_fingerprint(str(llama_path)).digest
+    store_chain(a, cache, tokens, fp, llama_path)
     warm_and_push(a, manifest)  # and one of b's: a box re-seals only its own
     three = str(manifest_for(tmp_path, llama_path, THREE_PINS, name="three.toml"))
     cli("warm", "--manifest", three, "--home", b, code=0)

@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 import xxhash
-from fleet_boxes import BUCKET, big_entry, box, remote_of
+from fleet_boxes import BUCKET, big_entry, box, remote_of, store_chain
 from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
 from kvstore.codec import codec
@@ -301,11 +301,8 @@ def test_learned_records_carry_the_mac_and_honour_the_quarantine(s3, llama_path,
     from helpers import mlx_lm_prefill
     from mlx_lm import load
 
-    from kvstore.codec.blocks import slice_record
     from kvstore.fleet.queue import UploadQueue
     from kvstore.identity.fingerprint import model_fingerprint
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
 
     k = secrets.token_hex(32)
     a, b = keyed(box(tmp_path / "a", s3), k), keyed(box(tmp_path / "b", s3), k)
@@ -315,10 +312,7 @@ def test_learned_records_carry_the_mac_and_honour_the_quarantine(s3, llama_path,
     model, _ = load(str(llama_path))
     tokens = [(7 * i) % 500 + 3 for i in range(300)]
     cache = mlx_lm_prefill(model, tokens)
-    with Store(a) as store:
-        rows = [(s, e, slice_record(cache, s, e)) for s, e in cuts(0, len(tokens))]
-        BlockStore(store).put_records(fp, tokens, rows, label="learned",
-                                      extra={"model": str(llama_path)})  # fmt: skip
+    store_chain(a, cache, tokens, fp, llama_path)
     assert "learned records: 2 uploaded" in cli("remote", "push", "--home", a, code=0).output
     r = cli("remote", "pull", "--manifest", manifest, "--home", other, code=1)
     assert "learned record" in r.output and "MAC does not match this fleet's key" in r.output

@@ -378,6 +378,16 @@ def _chat_bytes(home: Path, model: Path, final: list[int], learned: dict, record
         store.close()
     kv_final = fixed + per_token * covered  # the KV of the prompt the chain stores
     return {
+        **_chat_figures(kind, per_token, fixed, final, covered, stored, kv_final, written),
+        "learned_tokens": learned_tokens,
+        "written_per_learned_token_over_kv": (written / learned_tokens / per_token
+                                              if learned_tokens else None),
+    }  # fmt: skip
+
+
+def _chat_figures(kind, per_token, fixed, final, covered, stored, kv_final, written) -> dict:
+    """The figures every layout's chat reports: what it stored against its final prompt's KV."""
+    return {
         "kind": kind,
         "kv_bytes_per_token": per_token,
         "fixed_state_bytes": fixed,
@@ -387,10 +397,7 @@ def _chat_bytes(home: Path, model: Path, final: list[int], learned: dict, record
         "final_prompt_kv_bytes": kv_final,
         "stored_over_final_kv": stored / kv_final if covered else float("inf"),
         "written_bytes": written,
-        "learned_tokens": learned_tokens,
-        "written_per_learned_token_over_kv": (written / learned_tokens / per_token
-                                              if learned_tokens else None),
-    }  # fmt: skip
+    }
 
 
 SNAPSHOT_LINE = re.compile(r"learned snapshot [0-9a-f]+: (\d+) tokens, (\d+) bytes written")
@@ -426,17 +433,11 @@ def _state_chat_bytes(home: Path, model: Path, final: list[int], daemon_log: str
     # whole-cache snapshots keep no records to count the new tokens by: no ratio (the shapes
     # figure gives the old form's cost)
     added = per_token * record_tokens + len(snaps_written) * fixed if state_only else 0
+    kind = ("KV records + state-only snapshots" if state_only else "whole-cache snapshots") + (
+        f" ({len(chat)} kept on the chat's chain)"
+    )
     return {
-        "kind": ("KV records + state-only snapshots" if state_only else "whole-cache snapshots")
-        + f" ({len(chat)} kept on the chat's chain)",
-        "kv_bytes_per_token": per_token,
-        "fixed_state_bytes": fixed,
-        "final_prompt_tokens": len(final),
-        "chain_covers_tokens": covered,
-        "chat_stored_bytes": stored,
-        "final_prompt_kv_bytes": kv_final,
-        "stored_over_final_kv": stored / kv_final if covered else float("inf"),
-        "written_bytes": written,
+        **_chat_figures(kind, per_token, fixed, final, covered, stored, kv_final, written),
         "snapshots_written": len(snaps_written),
         "snapshot_bytes_written": sum(b for _, b in snaps_written),
         "written_over_added": written / added if added else None,

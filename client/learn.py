@@ -656,27 +656,32 @@ class Learner:
         if want and sliceable:
             self._send_records(client, target, prompt, cache, want)
 
+    def _put_blocks(self, client, target: LearnTarget, tokens: list, records: list[dict]) -> None:
+        """Send `records` of `tokens` (the prompt up to the last record's end) in one put_blocks
+        and count what the daemon stored."""
+        from kvstore.store.entry import pack_tokens
+
+        reply = client.request(
+            "put_blocks",
+            fingerprint=target.fingerprint,
+            tokens=pack_tokens(tokens),
+            records=records,
+            label=target.label,
+            model=target.model,
+            extra=target.extra,
+        )
+        done = PutBlocksReply.from_wire({"stored": len(records), **(reply or {})})
+        self.records_sent += int(done.stored)
+        metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
+
     def _send_records(self, client, target: LearnTarget, prompt, cache, want) -> None:
         from kvstore.codec.blocks import slice_record
-        from kvstore.store.entry import pack_tokens
 
         batch: list[dict] = []
         size = 0
 
         def send() -> None:
-            end = max(r["end"] for r in batch)
-            reply = client.request(
-                "put_blocks",
-                fingerprint=target.fingerprint,
-                tokens=pack_tokens(prompt[:end]),
-                records=batch,
-                label=target.label,
-                model=target.model,
-                extra=target.extra,
-            )
-            done = PutBlocksReply.from_wire({"stored": len(batch), **(reply or {})})
-            self.records_sent += int(done.stored)
-            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
+            self._put_blocks(client, target, prompt[: max(r["end"] for r in batch)], batch)
 
         for start, end in want:  # on the write-behind's thread and mlx stream
             if end > len(prompt):
@@ -730,18 +735,7 @@ class Learner:
         ]
         for i in range(0, len(rows), 64):  # well under a frame each at any model's KV size
             batch = rows[i : i + 64]
-            reply = client.request(
-                "put_blocks",
-                fingerprint=target.fingerprint,
-                tokens=pack_tokens(prefix[: batch[-1]["end"]]),
-                records=batch,
-                label=target.label,
-                model=target.model,
-                extra=target.extra,
-            )
-            done = PutBlocksReply.from_wire({"stored": len(batch), **(reply or {})})
-            self.records_sent += int(done.stored)
-            metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
+            self._put_blocks(client, target, prefix[: batch[-1]["end"]], batch)
         return layers
 
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list, *,

@@ -15,7 +15,6 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from kvstore import metrics
 from kvstore.client import modelthread
 from kvstore.client.learn import Learner, LearnTarget
 from kvstore.client.persistent import PinnedPromptCache
@@ -25,10 +24,16 @@ from kvstore.store.blocks import BlockStore, load_entry
 from kvstore.store.chain import cuts
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
+from tests.client.learn_chat import (
+    FP,
+    KEY,
+    chat_tokens,
+    chat_turn,
+    learn_two_turns,
+    learner_of,
+    prompt_tokens_from,
+)
 from tests.helpers import assert_same_kv, live_states, mlx_lm_prefill
-
-FP = bytes(range(16))
-KEY = "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +44,6 @@ def llama(llama_path: Path):
 @pytest.fixture(scope="module")
 def hybrid(hybrid_path: Path):
     return load_model(hybrid_path)[0]
-
-
-def _tokens(n: int, seed: int = 3) -> list[int]:
-    return [(7 * i + seed) % 200 + 1 for i in range(n)]
-
-
-def _source(name: str) -> float:
-    return metrics.REGISTRY.get_sample_value("kvstore_prompt_tokens_total", {"source": name}) or 0
 
 
 @pytest.fixture
@@ -67,7 +64,7 @@ def learner_for(kv_home):
 
 
 def test_a_miss_is_restored_from_block_records_up_to_the_divergence(llama, kv_home, learner_for):
-    tokens = _tokens(600)
+    tokens = chat_tokens(600)
     full = mlx_lm_prefill(llama, tokens)
     with Store(kv_home) as store:
         records = [(s, e, slice_record(full, s, e)) for s, e in cuts(0, 600)]
@@ -75,18 +72,18 @@ def test_a_miss_is_restored_from_block_records_up_to_the_divergence(llama, kv_ho
     lru = PinnedPromptCache(max_size=1)
     learner_for(llama, lru)
     request = tokens[:550] + [t ^ 1 for t in tokens[550:553]]  # diverges, inside the vocabulary
-    before = {s: _source(s) for s in ("store", "memory", "prefill")}
+    before = {s: prompt_tokens_from(s) for s in ("store", "memory", "prefill")}
     cache, rest = lru.fetch_nearest_cache(KEY, request)
     assert rest == request[550:]  # served up to the divergence, not a token less
     assert_same_kv(cache, mlx_lm_prefill(llama, tokens[:550]))
-    assert _source("store") - before["store"] == 550
-    assert _source("prefill") - before["prefill"] == 3
+    assert prompt_tokens_from("store") - before["store"] == 550
+    assert prompt_tokens_from("prefill") - before["prefill"] == 3
     # the restored KV sits in the LRU now: the next request is served from memory, still
     # counted as the store's tokens (they were read from it)
     cache2, rest2 = lru.fetch_nearest_cache(KEY, request)
     assert rest2 == request[550:]
-    assert _source("store") - before["store"] == 1100
-    assert _source("memory") - before["memory"] == 0
+    assert prompt_tokens_from("store") - before["store"] == 1100
+    assert prompt_tokens_from("memory") - before["memory"] == 0
     # greedy continuation equals a cold prefill's
     nxt = mx.array([request[550:]])
     ref = mlx_lm_prefill(llama, tokens[:550])
@@ -98,7 +95,7 @@ def test_a_corrupt_record_ends_the_chain_with_one_warning_per_process(
 ):
     """A learned record whose bytes were flipped is never served: the chain stops before it, the
     rest is prefilled, and the process says so once (naming the record), not on every request."""
-    tokens = _tokens(600, seed=11)
+    tokens = chat_tokens(600, seed=11)
     full = mlx_lm_prefill(llama, tokens)
     with Store(kv_home) as store:
         blocks = BlockStore(store)
@@ -122,7 +119,7 @@ def test_a_corrupt_record_ends_the_chain_with_one_warning_per_process(
 
 
 def test_an_evicted_pin_is_restored_from_its_stored_entry(llama, kv_home, learner_for):
-    pin = _tokens(300, seed=5)
+    pin = chat_tokens(300, seed=5)
     with Store(kv_home) as store:
         cache = mlx_lm_prefill(llama, pin)
         blob = codec.encode(cache, {"model": "tiny"})
@@ -131,7 +128,7 @@ def test_an_evicted_pin_is_restored_from_its_stored_entry(llama, kv_home, learne
     lru = PinnedPromptCache(max_size=1)
     learner_for(llama, lru)
     lru.insert_cache(KEY, pin, mlx_lm_prefill(llama, pin))
-    other = _tokens(50, seed=9)
+    other = chat_tokens(50, seed=9)
     lru.insert_cache(KEY, other, mlx_lm_prefill(llama, other))  # max_size=1: the pin is gone
     assert len(lru) == 1
     request = pin + [11, 12, 13]
@@ -145,8 +142,8 @@ def test_an_evicted_pin_is_restored_from_its_stored_entry(llama, kv_home, learne
 def test_no_store_means_prefill_as_before(llama, learner_for):
     lru = PinnedPromptCache(max_size=2)
     learner_for(llama, lru)
-    cache, rest = lru.fetch_nearest_cache(KEY, _tokens(100))
-    assert cache is None and rest == _tokens(100)
+    cache, rest = lru.fetch_nearest_cache(KEY, chat_tokens(100))
+    assert cache is None and rest == chat_tokens(100)
 
 
 def test_reporting_a_request_costs_the_request_path_under_a_millisecond(llama, learner_for):
@@ -154,7 +151,7 @@ def test_reporting_a_request_costs_the_request_path_under_a_millisecond(llama, l
     lru = PinnedPromptCache(max_size=4)
     learner = learner_for(llama, lru)
     learner.writer.close(timeout=1.0)  # measure the request path, not a socket
-    prompt = _tokens(8192)
+    prompt = chat_tokens(8192)
     cache = make_prompt_cache(llama)
     best = 1.0
     for _ in range(20):
@@ -173,7 +170,7 @@ def test_a_state_layout_splits_its_prefill_at_a_learned_boundary(hybrid, learner
     lru = PinnedPromptCache(max_size=4)
     learner = learner_for(hybrid, lru)
     assert not learner.targets[KEY].is_sliceable()
-    tokens = _tokens(400)
+    tokens = chat_tokens(400)
     p = 300
     learner._boundaries[KEY] = {p: tuple(tokens[:p])}
     learner.writer.close(timeout=1.0)  # no daemon here: the snapshot put is dropped
@@ -230,7 +227,7 @@ def test_restored_records_are_touched_through_the_write_behind(llama, kv_home, t
     learned LRU keeps what processes restore, not only what they wrote last."""
     from helpers import Proc, serving
 
-    tokens = _tokens(400, seed=11)
+    tokens = chat_tokens(400, seed=11)
     full = mlx_lm_prefill(llama, tokens)
     with Store(kv_home) as store:
         records = [(s, e, slice_record(full, s, e)) for s, e in cuts(0, 400)]
@@ -251,44 +248,6 @@ def test_restored_records_are_touched_through_the_write_behind(llama, kv_home, t
             chain = BlockStore(ro).lookup(FP, tokens)
         assert [m.hits for m in chain] == [1, 1]
         assert all(m.last_used > m.created for m in chain)
-
-
-def _learner_of(lru, home: Path, model, model_path: Path) -> Learner:
-    learner = Learner(home)
-    learner.add_target(KEY, LearnTarget(fingerprint=FP, model=str(model_path), model_obj=model,
-                                        extra={}))  # fmt: skip
-    lru.learner = learner
-    return learner
-
-
-def _turn(model, lru, prompt: list[int]) -> tuple[int, list[int]]:
-    """One request as mlx-lm serves it: fetch, prefill the rest, 2 tokens, insert."""
-    cache, rest = lru.fetch_nearest_cache(KEY, prompt)
-    cache = cache if cache is not None else make_prompt_cache(model)
-    served = len(prompt) - len(rest)
-    logits = model(mx.array(rest)[None], cache=cache)
-    out = []
-    for _ in range(2):
-        out.append(int(mx.argmax(logits[0, -1]).item()) % 200 + 1)
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    lru.insert_cache(KEY, prompt + out, cache)
-    return served, out
-
-
-def _two_turns(model, lru, learner: Learner, seed: int = 4) -> tuple[list[int], list[int]]:
-    """Turn 1, then turn 2 extending its whole prompt: its prefill stops one token short and the
-    end snapshot is sent after the response. Returns turn 2's prompt and output."""
-    _, out1 = _turn(model, lru, _tokens(300, seed=seed))
-    t2 = _tokens(300, seed=seed) + out1 + _tokens(40, seed=seed + 2)
-    cache, rest = lru.fetch_nearest_cache(KEY, t2)
-    assert rest == t2[-1:]  # split one short of the end: the rest is the last token
-    logits = model(mx.array(rest)[None], cache=cache)
-    out2 = [int(mx.argmax(logits[0, -1]).item()) % 200 + 1]
-    model(mx.array([out2]), cache=cache)
-    lru.insert_cache(KEY, t2 + out2, cache)
-    assert learner.drain(20.0)[1] == 0
-    assert learner.snapshots_sent == 1
-    return t2, out2
 
 
 class _Spy:
@@ -318,12 +277,7 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
 
     spy = _Spy(hybrid)
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
-        lru = PinnedPromptCache(max_size=4)
-        learner = _learner_of(lru, kv_home, spy, hybrid_path)
-        try:
-            t2, out2 = _two_turns(hybrid, lru, learner)
-        finally:
-            learner.close(timeout=5.0)
+        t2, out2 = learn_two_turns(hybrid, kv_home, hybrid_path, learner_model=spy)
         off_path = [t for t in spy.threads if t is not threading.main_thread()]
         assert off_path and all(t.name == modelthread.NAME for t in off_path)
         assert all(t.is_alive() for t in off_path)  # a closed learner ended no forward's thread
@@ -339,10 +293,10 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
             assert mx.allclose(a, b, atol=1e-4).item()
         # a restarted app: nothing in memory, the store is its cold tier
         fresh = PinnedPromptCache(max_size=4)
-        learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+        learner = learner_of(fresh, kv_home, hybrid, hybrid_path)
         try:
-            t3 = t2 + out2 + _tokens(30, seed=8)
-            served, _ = _turn(hybrid, fresh, t3)
+            t3 = t2 + out2 + chat_tokens(30, seed=8)
+            served, _ = chat_turn(hybrid, fresh, t3)
             assert served >= len(t2)
             # served from turn 2's end snapshot, so turn 3 extends a known end: its own end is
             # snapshotted too, and a second restart loses no turn either
@@ -359,19 +313,19 @@ import sys
 from pathlib import Path
 from mlx_lm.utils import load_model
 from kvstore.client.persistent import PinnedPromptCache
-from tests.client.test_learn import _learner_of, _two_turns
+from tests.client.learn_chat import learner_of, two_turns
 
 home, path = Path(sys.argv[1]), Path(sys.argv[2])
 model = load_model(path)[0]
 for i in range(3):
     lru = PinnedPromptCache(max_size=4)
-    learner = _learner_of(lru, home, model, path)
-    _two_turns(model, lru, learner, seed=10 + 3 * i)
+    learner = learner_of(lru, home, model, path)
+    two_turns(model, lru, learner, seed=10 + 3 * i)
     learner.close(timeout=5.0)
     print("closed", i, flush=True)
 lru = PinnedPromptCache(max_size=4)
-learner = _learner_of(lru, home, model, path)
-_two_turns(model, lru, learner, seed=40)
+learner = learner_of(lru, home, model, path)
+two_turns(model, lru, learner, seed=40)
 print("exiting", flush=True)  # the last learner is closed at exit (atexit), as an app's is
 """
 
@@ -419,12 +373,7 @@ def test_a_hybrid_chat_stores_its_attention_kv_once_and_each_turn_only_a_state(
     from helpers import Proc, serving
 
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
-        lru = PinnedPromptCache(max_size=4)
-        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
-        try:
-            t2, out2 = _two_turns(hybrid, lru, learner)
-        finally:
-            learner.close(timeout=5.0)
+        t2, out2 = learn_two_turns(hybrid, kv_home, hybrid_path)
         ref = make_prompt_cache(hybrid)
         hybrid(mx.array(t2)[None], cache=ref)
         mx.eval([c.state for c in ref])
@@ -437,12 +386,14 @@ def test_a_hybrid_chat_stores_its_attention_kv_once_and_each_turn_only_a_state(
             written = BlockStore(ro).written_today()
         # a restarted app: turn 3 restored from records + the state-only snapshot
         fresh = PinnedPromptCache(max_size=4)
-        learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+        learner = learner_of(fresh, kv_home, hybrid, hybrid_path)
         try:
-            t3 = t2 + out2 + _tokens(30, seed=8)
-            before = _source("store")
+            t3 = t2 + out2 + chat_tokens(30, seed=8)
+            before = prompt_tokens_from("store")
             cache, rest = fresh.fetch_nearest_cache(KEY, t3)
-            assert _source("store") - before == len(t2)  # turn 2's whole prompt from the store
+            assert prompt_tokens_from("store") - before == len(
+                t2
+            )  # turn 2's whole prompt from the store
             assert rest == t3[-1:]  # and split one short of its end, as in memory
             cold = make_prompt_cache(hybrid)
             hybrid(mx.array(t2)[None], cache=cold)
@@ -472,21 +423,16 @@ def test_an_old_whole_cache_snapshot_is_still_served(hybrid, hybrid_path, kv_hom
 
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
         monkeypatch.setattr(client_learn, "STATE_ONLY_SNAPSHOTS", False)
-        lru = PinnedPromptCache(max_size=4)
-        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
-        try:
-            t2, out2 = _two_turns(hybrid, lru, learner)
-        finally:
-            learner.close(timeout=5.0)
+        t2, out2 = learn_two_turns(hybrid, kv_home, hybrid_path)
         monkeypatch.setattr(client_learn, "STATE_ONLY_SNAPSHOTS", True)
         with Store(kv_home, readonly=True) as ro:
             assert "kv_layers" not in ro.get_meta(entry_key(FP, t2)).extra
         fresh = PinnedPromptCache(max_size=4)
-        learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+        learner = learner_of(fresh, kv_home, hybrid, hybrid_path)
         try:
-            before = _source("store")
-            _turn(hybrid, fresh, t2 + out2 + _tokens(30, seed=8))
-            assert _source("store") - before == len(t2)
+            before = prompt_tokens_from("store")
+            chat_turn(hybrid, fresh, t2 + out2 + chat_tokens(30, seed=8))
+            assert prompt_tokens_from("store") - before == len(t2)
         finally:
             learner.close(timeout=5.0)
 
@@ -498,23 +444,20 @@ def test_a_state_only_snapshot_whose_records_are_gone_is_not_served(hybrid, hybr
     from helpers import Proc, serving
 
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
-        lru = PinnedPromptCache(max_size=4)
-        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
-        try:
-            t2, out2 = _two_turns(hybrid, lru, learner)
-        finally:
-            learner.close(timeout=5.0)
+        t2, out2 = learn_two_turns(hybrid, kv_home, hybrid_path)
     with Store(kv_home) as rw:  # the daemon has stopped: this process may write
         blocks = BlockStore(rw)
         assert blocks.delete([m.key for m in blocks.records()]) > 0
         with pytest.raises(KeyError):
             load_entry(rw, entry_key(FP, t2), pack_tokens(t2))
     fresh = PinnedPromptCache(max_size=4)
-    learner = _learner_of(fresh, kv_home, hybrid, hybrid_path)
+    learner = learner_of(fresh, kv_home, hybrid, hybrid_path)
     try:
-        before = _source("store")
-        cache, rest = fresh.fetch_nearest_cache(KEY, t2 + out2 + _tokens(30, seed=8))
-        assert cache is None and _source("store") == before  # prefilled, as without a store
+        before = prompt_tokens_from("store")
+        cache, rest = fresh.fetch_nearest_cache(KEY, t2 + out2 + chat_tokens(30, seed=8))
+        assert (
+            cache is None and prompt_tokens_from("store") == before
+        )  # prefilled, as without a store
     finally:
         learner.close(timeout=5.0)
 
@@ -526,12 +469,7 @@ def test_a_state_only_snapshot_exports_as_its_whole_cache(hybrid, hybrid_path, k
     from mlx_lm.models.cache import load_prompt_cache
 
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
-        lru = PinnedPromptCache(max_size=4)
-        learner = _learner_of(lru, kv_home, hybrid, hybrid_path)
-        try:
-            t2, _ = _two_turns(hybrid, lru, learner)
-        finally:
-            learner.close(timeout=5.0)
+        t2, _ = learn_two_turns(hybrid, kv_home, hybrid_path)
     key = entry_key(FP, t2)
     with Store(kv_home, readonly=True) as ro:
         assert ro.get_meta(key).extra["kv_layers"]

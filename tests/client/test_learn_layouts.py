@@ -17,7 +17,14 @@ from kvstore.codec import codec
 from kvstore.codec.blocks import kv_layers
 from kvstore.store.entry import entry_key
 from kvstore.store.store import Store
-from tests.client.test_learn import FP, KEY, _learner_of, _source, _tokens, _two_turns
+from tests.client.learn_chat import (
+    FP,
+    KEY,
+    chat_tokens,
+    learn_two_turns,
+    learner_of,
+    prompt_tokens_from,
+)
 
 LAYOUTS = ["qwen3_5", "qwen3_next", "falcon_h1", "nemotron_h", "granitemoehybrid", "lfm2",
            "kimi_linear", "mamba", "mamba2", "recurrent_gemma", "gemma3_text"]  # fmt: skip
@@ -31,23 +38,18 @@ def test_a_state_layout_chat_is_restored_exactly_after_a_restart(arch, models_di
     path = tiny_model(models_dir, arch)
     model = load_model(path)[0]
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
-        lru = PinnedPromptCache(max_size=4)
-        learner = _learner_of(lru, kv_home, model, path)
-        try:
-            t2, out2 = _two_turns(model, lru, learner)
-        finally:
-            learner.close(timeout=5.0)
+        t2, out2 = learn_two_turns(model, kv_home, path)
         with Store(kv_home, readonly=True) as ro:
             meta = ro.get_meta(entry_key(FP, t2))
         layers = kv_layers(make_prompt_cache(model))
         assert meta.extra.get("kv_layers", []) == layers  # the KV layers went as records
         fresh = PinnedPromptCache(max_size=4)
-        learner = _learner_of(fresh, kv_home, model, path)
+        learner = learner_of(fresh, kv_home, model, path)
         try:
-            t3 = t2 + out2 + _tokens(30, seed=8)
-            before = _source("store")
+            t3 = t2 + out2 + chat_tokens(30, seed=8)
+            before = prompt_tokens_from("store")
             cache, rest = fresh.fetch_nearest_cache(KEY, t3)
-            assert _source("store") - before == len(t2)
+            assert prompt_tokens_from("store") - before == len(t2)
             assert rest == t3[-1:]
             # the same split as the served path: turn 1's prompt, its 2 generated tokens one by
             # one, turn 2 up to its last token, that token (a chunked SSM scan's sums depend on

@@ -17,6 +17,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -191,8 +192,11 @@ def resolve_model_path(model: str | Path) -> Path:
 
 
 def _files(root: Path, globs: tuple[str, ...]) -> list[Path]:
-    found = {p for g in globs for p in root.glob(g) if p.is_file()}
-    return sorted(found)
+    """The files directly in `root` matching any of `globs` (what `root.glob` gives for each,
+    from one directory read: the fingerprint runs at every start)."""
+    with os.scandir(root) as it:
+        found = [e.name for e in it if any(fnmatchcase(e.name, g) for g in globs) and e.is_file()]
+    return sorted(root / name for name in found)
 
 
 def describe_cache(c) -> tuple:

@@ -133,3 +133,20 @@ def test_cached_fingerprint_reads_no_weights(llama_path, tmp_path):
         "kvstore.identity.fingerprint.hash_file", side_effect=AssertionError("read weights")
     ):
         assert fp(llama_path, hash_cache=FileHashCache(cache_path)) == first
+
+
+def test_fingerprint_files_are_the_top_level_matches(model_copy):
+    """The files the fingerprint reads, from one directory listing: a shard reached through a
+    symlink counts; a directory named like a shard and a shard in a subdirectory do not."""
+    from kvstore.identity.fingerprint import WEIGHT_GLOBS, _files
+
+    weights = model_copy / "model.safetensors"
+    (model_copy / "shard-2.safetensors").symlink_to(weights)
+    (model_copy / "dir.safetensors").mkdir()
+    (model_copy / "sub").mkdir()
+    shutil.copy(weights, model_copy / "sub" / "other.safetensors")
+    (model_copy / "notes.txt").write_text("x")
+    names = [p.name for p in _files(model_copy, WEIGHT_GLOBS)]
+    assert names == sorted(p.name for g in WEIGHT_GLOBS for p in model_copy.glob(g) if p.is_file())
+    assert "shard-2.safetensors" in names and "config.json" in names
+    assert not {"dir.safetensors", "other.safetensors", "notes.txt"} & set(names)

@@ -70,6 +70,7 @@ class Server:
         self.port, self.log = port, log
         self.out = log.open("ab")
         self.spawned = time.perf_counter()
+        self.ready_s: float | None = None  # spawn to ready, when the caller recorded it
         self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env)
 
     def _get(self, path: str) -> tuple[int, bytes]:
@@ -664,6 +665,9 @@ def _peer_round(s: Server, user: str, model: str | None) -> dict:
             "cached_tokens": cached}  # fmt: skip
 
 
+PLAIN = "mlx_lm.server"
+
+
 def peer(root: Path) -> dict:
     """vllm-mlx 0.6.0 side by side after restarts, opt-in on an existing venv: the same tiny model,
     the same requests. Each server is first asked every stage twice (kvstore learns the prefixes
@@ -696,6 +700,12 @@ def peer(root: Path) -> dict:
             s = Server(argv, port, root / "peer-kvstore.log", env)
             s.wait_ready()
             return s, None
+        if name == PLAIN:  # the server kvstore serve wraps, without kvstore: the spawn's floor
+            argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
+                    str(port)]  # fmt: skip
+            s = Server(argv, port, root / "peer-plain.log", env)
+            s.ready_s = s.wait_ready("/v1/models")
+            return s, None
         ssd = root / f"peer-ssd-{len(variants[name])}"  # each setting its own SSD tier
         argv = [str(exe), "serve", str(model), "--port", str(port), "--continuous-batching",
                 "--ssd-cache-dir", str(ssd), *variants[name]]  # fmt: skip
@@ -704,7 +714,7 @@ def peer(root: Path) -> dict:
         return s, str(model)
 
     out: dict = {"model": "tiny llama", "venv": venv, "restarts": PEER_RESTARTS}
-    runs: dict[str, list] = {"kvstore": [], **{v: [] for v in variants}}
+    runs: dict[str, list] = {"kvstore": [], PLAIN: [], **{v: [] for v in variants}}
     errors: dict[str, str] = {}
     with running_daemon(home, root / "daemon-peer.log", env):
         for phase in ["before", *range(PEER_RESTARTS)]:
@@ -714,7 +724,9 @@ def peer(root: Path) -> dict:
                 try:
                     s, m = start(name)
                     try:
-                        if phase == "before":
+                        if phase == "before" and name == PLAIN:
+                            pass  # nothing of it outlives a restart
+                        elif phase == "before":
                             for stage in STAGE_NAMES:
                                 for user in USERS[:2]:
                                     s.chat(_stage_messages(stage, user), model=m)
@@ -723,6 +735,8 @@ def peer(root: Path) -> dict:
                         else:
                             user = f"Ticket {phase + 1} of the week. {USERS[3]}"
                             runs[name].append(_peer_round(s, user, m))
+                            if name == PLAIN:
+                                runs[name][-1]["spawn_to_ready_s"] = s.ready_s
                     finally:
                         s.stop(signal.SIGTERM)  # the peer saves its cache at a clean stop only
                 except (RuntimeError, OSError, urllib.error.URLError) as e:
@@ -747,6 +761,11 @@ def peer(root: Path) -> dict:
                     statistics.median(r["ttft_s"][i] for r in rows) for i in range(len(STAGE_NAMES))
                 ],  # fmt: skip
                 "cached_tokens": rows[-1]["cached_tokens"],
+                **(
+                    {"spawn_to_ready_s": statistics.median(r["spawn_to_ready_s"] for r in rows)}
+                    if name == PLAIN
+                    else {}
+                ),  # fmt: skip
             },
             "runs": rows,
         }

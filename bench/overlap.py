@@ -7,6 +7,9 @@ alternative runs as one call in its own new interpreter, alternating, medians of
   mlx_lm.load         model and tokenizer, nothing hydrated (what an app without kvstore pays)
   kvstore.client.load         the same, plus a PersistentPromptCache hydrated on a second thread
   load, then hydrate  mlx_lm.load, then PersistentPromptCache(model, ...) hydrating after it
+  load, then touch    mlx_lm.load, then as many bytes as the entries hold written once into new
+                      memory (mx.zeros, evaluated): the floor, one core, for any loader that puts
+                      the entries in process memory (kvstore.client.load without a free core)
 
     python -m bench.overlap [--full]
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from bench.timing import Stats, in_fresh_process
 
 MB = 2**20
-ALTERNATIVES = ("mlx_lm.load", "kvstore.client.load", "load, then hydrate")
+ALTERNATIVES = ("mlx_lm.load", "kvstore.client.load", "load, then hydrate", "load, then touch")
 # llama, float16: full ~1.3 GB of weights (663M parameters), quick ~0.23 GB
 ARCH = {
     True: dict(hidden_size=1024, num_hidden_layers=4, intermediate_size=2752, vocab_size=32000),
@@ -50,6 +53,14 @@ def _worker(argv: list[str]) -> None:
         _, _, cache = kvstore.client.load(model, home=home, stats=False)
         hydrated = cache.report.entries
         cache.close()
+    elif alternative == "load, then touch":
+        import mlx.core as mx
+        from mlx_lm import load
+
+        imported = time.perf_counter()
+        load(model)
+        mx.eval(mx.zeros((int(argv[4]),), mx.uint8))
+        hydrated = n
     else:
         from mlx_lm import load
 
@@ -127,8 +138,10 @@ def run(quick: bool) -> dict:
         n = str(len(ENTRIES_MB[quick]))
         samples: dict[str, list[dict]] = {a: [] for a in ALTERNATIVES}
         for r in range(reps + 1):  # round 0 (untimed) fills the page cache and the layout cache
-            for name in ALTERNATIVES[r % 3 :] + ALTERNATIVES[: r % 3]:
-                res = in_fresh_process("bench.overlap", [name, str(model), str(home), n])
+            k = r % len(ALTERNATIVES)
+            for name in ALTERNATIVES[k:] + ALTERNATIVES[:k]:
+                args = [name, str(model), str(home), n, str(entries)]
+                res = in_fresh_process("bench.overlap", args)
                 if r:
                     samples[name].append(res)
     stats = {a: Stats.of([s["call_s"] for s in v]) for a, v in samples.items()}
@@ -143,6 +156,7 @@ def run(quick: bool) -> dict:
         "process_s": process,
         "client_load_vs_mlx_lm_load": stats["kvstore.client.load"].median / base,
         "sequential_vs_mlx_lm_load": stats["load, then hydrate"].median / base,
+        "touch_floor_vs_mlx_lm_load": stats["load, then touch"].median / base,
         "mode": f"beside the load in {overlapped} of {len(loads)} runs, else after it",
     }
     print(

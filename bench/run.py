@@ -50,7 +50,8 @@ def targets(res: dict) -> list[dict]:
             round(x, 3),
             "x",
             x <= 1.05,
-            f"load then hydrate: {o['sequential_vs_mlx_lm_load']:.3f}x",
+            f"load then hydrate: {o['sequential_vs_mlx_lm_load']:.3f}x; load, then only touching "
+            f"as many new bytes: {o['touch_floor_vs_mlx_lm_load']:.3f}x",
         )
     if h := res.get("hydrate"):
         for shape in sorted({r["shape"] for r in h["rows"]}):
@@ -332,7 +333,7 @@ def learned_targets(le: dict) -> list[dict]:
         k = (pe.get("kvstore") or {}).get("after")
         best = None
         for setting, row in pe.items():
-            if not isinstance(row, dict) or setting == "kvstore":
+            if not isinstance(row, dict) or setting in ("kvstore", "mlx_lm.server"):
                 continue
             if "error" in row:
                 add(f"vllm-mlx 0.6.0 ({setting}) side by side: {pe['model']}", None, "", None,
@@ -364,6 +365,19 @@ def learned_targets(le: dict) -> list[dict]:
                 x >= 4,
                 f"{after['spawn_to_first_answer_s']:.2f} vs {k['spawn_to_first_answer_s']:.2f} s",
             )
+            plain = (pe.get("mlx_lm.server") or {}).get("after")
+            if plain:  # kvstore serve is mlx_lm.server plus kvstore: its start is at least this
+                floor = plain["spawn_to_ready_s"] + k["ttft_s"][0]
+                x = after["spawn_to_first_answer_s"] / floor
+                add(
+                    f"spawn to first answer, vllm-mlx ({setting}) / (plain mlx_lm.server's spawn "
+                    f"to ready + kvstore's first TTFT): the most kvstore serve's can be",
+                    round(x, 2),
+                    "x",
+                    None,
+                    f"mlx_lm.server ready in {plain['spawn_to_ready_s']:.2f} s, first answer "
+                    f"{plain['spawn_to_first_answer_s']:.2f} s (nothing cached)",
+                )
     return out
 
 

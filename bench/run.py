@@ -181,7 +181,10 @@ def restart_targets(res: dict) -> list[dict]:
                 x >= aim,
                 f"ratio of medians (wall); pair by pair {r['pairwise']['median']:.2f}x "
                 f"[{r['pairwise']['min']:.2f}-{r['pairwise']['max']:.2f}]; CPU time "
-                f"{r['cpu_ratio']:.2f}x" + ("; quick: no 1 GiB row (--full)" if quick else ""),
+                f"{r['cpu_ratio']:.2f}x; faulting in as many fresh pages alone "
+                f"{r['stats']['fresh pages']['median'] * 1e3:.1f} ms against kvstore's "
+                f"{r['stats']['kvstore']['median'] * 1e3:.1f}"
+                + ("; quick: no 1 GiB row (--full)" if quick else ""),
             )
     if h := res.get("hydrate"):
         for r in h["rows"]:

@@ -180,7 +180,9 @@ def test_load_warms_on_a_fresh_cache_when_every_entry_is_large(
 
 FIRST_CALL_PROBE = """
 import json, sys
+import kvstore.client.persistent
 from kvstore import client
+kvstore.client.persistent.HIT_BATCH_S = 1e9  # no hits batch falls due in one call only
 model, tok, cache = client.load(sys.argv[1], home=sys.argv[2], stats=False, warm=sys.argv[3] == "1")
 def ran(i):  # the Python functions one request runs, its template to its first token
     seen = set()

@@ -218,7 +218,12 @@ def restart_targets(res: dict) -> list[dict]:
             x <= 1.1,
             f"{row['first_s'] * 1e3:.1f} vs {row['steady_s'] * 1e3:.1f} ms; without load's "
             f"warm-up {fc['no warm']['first_over_steady']:.2f}x; the warm-up costs load "
-            f"{(row['load_s'] - fc['no warm']['load_s']) * 1e3:.1f} ms",
+            f"{(row['load_s'] - fc['no warm']['load_s']) * 1e3:.1f} ms"
+            + (
+                f"; {row['first_over_pin_steady']:.2f}x a steady call served by the pin alone"
+                if "first_over_pin_steady" in row
+                else ""
+            ),
         )
     return out
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ from kvstore.errors import KVStoreError
 log = logging.getLogger("kvstore.client")
 
 WARM_ENTRY_BYTES = 64 << 20  # the largest stored prefix load's warm-up forward runs on
+# new tokens of the warm-up's request past that prefix: a multi-token prefill and a decode step
+WARM_SUFFIX_TOKENS = 16
 
 
 def load(
@@ -108,37 +111,51 @@ def load(
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
-    largest = _warm_entry(prefetched)
+    largest, largest_tokens = _warm_entry(prefetched)
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
         **cache_options,
     )  # fmt: skip
     if warm:
-        first_call(model, tokenizer, largest)
+        first_call(model, tokenizer, largest, largest_tokens)
     return model, tokenizer, cache
 
 
-def _warm_entry(prefetched: Prefetched | None) -> list | None:
-    """The stored KV the warm-up's forward extends a copy of, as the first request's does."""
+def _warm_entry(prefetched: Prefetched | None) -> tuple[list | None, list[int]]:
+    """The stored KV the warm-up's request extends a copy of, as the first request's does, and
+    its tokens."""
     # the largest one up to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the
     # request it spares)
     read_entries = [
         e for e in (prefetched.entries if prefetched is not None else [])
         if e[0].nbytes <= WARM_ENTRY_BYTES
     ]  # fmt: skip
-    return max(read_entries, key=lambda e: e[0].ntokens)[1] if read_entries else None
+    if not read_entries:
+        return None, []
+    meta, kv = max(read_entries, key=lambda e: e[0].ntokens)
+    return kv, meta.token_ids()
 
 
-def first_call(model: Any, tokenizer: Any, entry: list | None = None) -> None:
+def first_call(
+    model: Any, tokenizer: Any, entry: list | None = None, tokens: Sequence[int] = ()
+) -> None:
     """Pay here, once, what the app's first request pays and later ones do not: the chat
-    template's compile (transformers keeps it by its text) and mlx-lm's first forward (its graph
-    code, and the new buffers a stored prefix's KV grows into, which mlx then recycles), run as
-    one token on a copy of `entry` (the largest hydrated prefix, never the one in the cache).
+    template's compile (transformers keeps it by its text), the tokenizer's first encode of the
+    stored prefix's text (`tokens`, which every request through it starts with: the tokenizer
+    keeps its words), and one request through mlx-lm's `stream_generate` on a copy of `entry`
+    (the largest hydrated prefix, never the one in the cache): the detokenizer's tables, and a
+    prefill and a decode step on mlx-lm's generation stream, where its first forward traces the
+    model's `mx.compile`d functions (mlx keeps traces per stream: a forward on the default stream
+    leaves the generate's to trace), runs its graph code and allocates the buffers the prefix's
+    KV grows into; and the package's lazy `generate` names. Greedy, so mlx's random state is
+    untouched; nothing is recorded or inserted.
     Never raises: it is a warm-up, and the app's own call says what is wrong."""
     import copy
 
-    import mlx.core as mx
+    import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore import client
 
     try:
         if getattr(tokenizer, "chat_template", None):
@@ -147,7 +164,12 @@ def first_call(model: Any, tokenizer: Any, entry: list | None = None) -> None:
                 add_generation_prompt=True,
                 tokenize=False,
             )
+        tokenizer.encode(tokenizer.decode(list(tokens)) if tokens else "x")
+        for name in ("generate", "stream_generate"):  # the package's lazy names of the call
+            getattr(client, name)
         kv = copy.deepcopy(entry) if entry is not None else make_prompt_cache(model)
-        mx.eval(model(mx.array([[0]]), cache=kv))
+        suffix = [0] * WARM_SUFFIX_TOKENS
+        for _ in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=1, prompt_cache=kv):
+            pass
     except Exception as e:
         log.debug("kvstore: first-call warm-up skipped: %s: %s", type(e).__name__, e)

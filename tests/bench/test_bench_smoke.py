@@ -97,15 +97,19 @@ def test_first_generate_bench_runs_and_its_figures_follow_from_its_timings(tmp_p
     model, home = firstcall._setup(tmp_path)
     res = in_fresh_process("bench.firstcall", [str(model), str(home), "1"])
     assert len(res["ttft_s"]) == firstcall.CALLS and all(t > 0 for t in res["ttft_s"])
+    assert len(res["pin_ttft_s"]) == len(firstcall.PIN_ONLY_LETTERS)
     runs = [
-        {"load_s": 0.05, "ttft_s": [0.03, *([0.01] * 9)]},
-        {"load_s": 0.07, "ttft_s": [0.01, 0.02, *([0.01] * 8)]},
-        {"load_s": 0.06, "ttft_s": [0.02, *([0.01] * 9)]},
+        {"load_s": 0.05, "ttft_s": [0.03, *([0.01] * 9)], "pin_ttft_s": [0.015, 0.01, 0.02]},
+        {"load_s": 0.07, "ttft_s": [0.01, 0.02, *([0.01] * 8)], "pin_ttft_s": [0.01] * 3},
+        {"load_s": 0.06, "ttft_s": [0.02, *([0.01] * 9)], "pin_ttft_s": [0.02] * 3},
     ]
     out = firstcall.summarize({"warm": runs, "no warm": runs[:1]})
     assert out["warm"]["ratios"] == pytest.approx([3.0, 1.0, 2.0])
     assert out["warm"]["first_over_steady"] == pytest.approx(2.0)
     assert out["warm"]["load_s"] == pytest.approx(0.06)
+    assert out["warm"]["pin_ratios"] == pytest.approx([2.0, 1.0, 1.0])
+    assert out["warm"]["first_over_pin_steady"] == pytest.approx(1.0)
+    assert out["warm"]["pin_steady_s"] == pytest.approx(0.015)
     (row,) = run.restart_targets({"firstcall": out})
     assert row["measured"] == 2.0 and row["ok"] is False
     out["warm"]["first_over_steady"] = 1.05

@@ -4,6 +4,7 @@ afterwards, and a process that used it exits cleanly."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -137,14 +138,17 @@ def test_load_pays_the_first_calls_one_time_costs(
     forwards = []
     real = LOAD_MODULE.first_call
     monkeypatch.setattr(
-        LOAD_MODULE, "first_call", lambda m, t, e: forwards.append(e) or real(m, t, e)
+        LOAD_MODULE,
+        "first_call",
+        lambda m, t, e, k: forwards.append((e, k)) or real(m, t, e, k),
     )
     model, _, cache = client.load(hybrid_path, home=kv_home, stats=False, warm=warm)
     try:
         assert (compiled.cache_info().currsize == 1) is warm
         if warm:
-            longest = max(m.ntokens for m in metas.values())
-            assert len(forwards) == 1 and codec.cache_tokens(forwards[0]) == longest
+            longest = max(metas.values(), key=lambda m: m.ntokens)
+            ((kv, tokens),) = forwards
+            assert codec.cache_tokens(kv) == longest.ntokens and tokens == longest.token_ids()
         for meta in metas.values():
             kv, rest = cache.fetch_nearest_cache(str(hybrid_path), meta.token_ids())
             assert rest == []
@@ -163,10 +167,94 @@ def test_load_warms_on_a_fresh_cache_when_every_entry_is_large(
     forwards = []
     real = LOAD_MODULE.first_call
     monkeypatch.setattr(
-        LOAD_MODULE, "first_call", lambda m, t, e: forwards.append(e) or real(m, t, e)
+        LOAD_MODULE,
+        "first_call",
+        lambda m, t, e, k: forwards.append((e, k)) or real(m, t, e, k),
     )
     _, _, cache = client.load(hybrid_path, home=kv_home, stats=False)
     try:
-        assert forwards == [None] and cache.report.entries == 2
+        assert forwards == [(None, [])] and cache.report.entries == 2
     finally:
         cache.close()
+
+
+FIRST_CALL_PROBE = """
+import json, sys
+import kvstore.client.persistent
+from kvstore import client
+kvstore.client.persistent.HIT_BATCH_S = 1e9  # no hits batch falls due in one call only
+model, tok, cache = client.load(sys.argv[1], home=sys.argv[2], stats=False, warm=sys.argv[3] == "1")
+def ran(i):  # the Python functions one request runs, its template to its first token
+    seen = set()
+    def probe(frame, event, arg):
+        if event == "call":
+            seen.add((frame.f_code.co_filename, frame.f_code.co_name))
+    messages = [{"role": "system", "content": sys.argv[4]}, {"role": "user", "content": f"q {i}"}]
+    sys.setprofile(probe)
+    try:
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for _ in client.stream_generate(cache, model, tok, prompt, max_tokens=2):
+            sys.setprofile(None)  # before the generator's end inserts the transcript
+            break
+    finally:
+        sys.setprofile(None)
+    return seen
+first, later = ran(0), ran(1) | ran(2)
+print(json.dumps(sorted(name for _, name in first - later)))
+cache.close()
+"""
+
+
+@pytest.mark.parametrize("arch, warm", [("llama", True), ("qwen3_5", True), ("llama", False)])
+def test_the_first_generate_after_load_runs_nothing_later_ones_do_not(
+    arch, warm, llama_path, hybrid_path, kv_home, tmp_path
+):
+    """In a new interpreter, the first request after load(warm=True) runs no Python function
+    that the next two do not: no `mx.compile` trace on mlx-lm's generation stream (a warm-up
+    forward on the default stream left the generate's own to trace), no detokenizer table, no
+    lazy import. Without the warm-up the same probe sees them."""
+    from helpers import CLASSIFY
+
+    path = llama_path if arch == "llama" else hybrid_path
+    warm_two_pins(tmp_path, kv_home, path)
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_CALL_PROBE, str(path), str(kv_home), str(int(warm)), CLASSIFY],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    only_first = json.loads(out.stdout.strip().splitlines()[-1])
+    if warm:
+        assert only_first == []
+    else:
+        assert only_first  # the probe sees what the first call pays
+
+
+def test_loads_warm_up_changes_no_later_call(llama_path, kv_home, tmp_path):
+    """The warm-up runs on a copy: the cache's entries and byte count, its stats and mlx's
+    random state are as without it, and greedy and seeded sampled calls return the same."""
+    from helpers import CLASSIFY
+    from mlx_lm.sample_utils import make_sampler
+
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    seen = {}
+    for warm in (False, True):
+        mx.random.seed(7)
+        model, tok, cache = client.load(llama_path, home=kv_home, warm=warm, verbose=False)
+        try:
+            state = (len(cache), cache.nbytes, list(cache.stats.calls), mx.random.state[0].tolist())
+            texts = []
+            for i, sampler in enumerate((None, make_sampler(temp=1.0), None)):
+                messages = [
+                    {"role": "system", "content": CLASSIFY},
+                    {"role": "user", "content": f"my invoice {i} was charged twice"},
+                ]
+                prompt = tok.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+                texts.append(
+                    client.generate(cache, model, tok, prompt, max_tokens=8, sampler=sampler)
+                )
+            seen[warm] = (state, texts, [c.cached_tokens for c in cache.stats.calls])
+        finally:
+            cache.close()
+    assert seen[True] == seen[False]

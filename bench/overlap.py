@@ -7,9 +7,9 @@ alternative runs as one call in its own new interpreter, alternating, medians of
   mlx_lm.load         model and tokenizer, nothing hydrated (what an app without kvstore pays)
   kvstore.client.load         the same, plus a PersistentPromptCache hydrated on a second thread
   load, then hydrate  mlx_lm.load, then PersistentPromptCache(model, ...) hydrating after it
-  load, then touch    mlx_lm.load, then as many bytes as the entries hold written once into new
-                      memory (mx.zeros, evaluated): the floor, one core, for any loader that puts
-                      the entries in process memory (kvstore.client.load without a free core)
+  load, then touch    mlx_lm.load, then as many new pages as the entries fill faulted in, as
+                      kvstore's decoder allocates them (bench.coldstart.fault_in), nothing copied:
+                      the floor after the load for a loader that puts the entries in process memory
 
     python -m bench.overlap [--full]
 """
@@ -54,12 +54,13 @@ def _worker(argv: list[str]) -> None:
         hydrated = cache.report.entries
         cache.close()
     elif alternative == "load, then touch":
-        import mlx.core as mx
         from mlx_lm import load
+
+        from bench.coldstart import fault_in
 
         imported = time.perf_counter()
         load(model)
-        mx.eval(mx.zeros((int(argv[4]),), mx.uint8))
+        fault_in(int(argv[4]))
         hydrated = n
     else:
         from mlx_lm import load

@@ -111,19 +111,21 @@ def load(
         same_files and before is not None and prefetched.report.fingerprint == before.hex
     ):
         prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
-    largest, largest_tokens = _warm_entry(prefetched)
+    largest, largest_tokens, pinned = _warm_entry(prefetched)
     cache = PersistentPromptCache(
         model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
         **cache_options,
     )  # fmt: skip
     if warm:
-        first_call(model, tokenizer, largest, largest_tokens)
+        grown = first_call(model, tokenizer, largest, largest_tokens)
+        if pinned and largest is not None and grown is not None:
+            give_room(largest, grown)
     return model, tokenizer, cache
 
 
-def _warm_entry(prefetched: Prefetched | None) -> tuple[list | None, list[int]]:
-    """The stored KV the warm-up's request extends a copy of, as the first request's does, and
-    its tokens."""
+def _warm_entry(prefetched: Prefetched | None) -> tuple[list | None, list[int], bool]:
+    """The stored KV the warm-up's request extends a copy of, as the first request's does, its
+    tokens, and whether it is a pin."""
     # the largest one up to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the
     # request it spares)
     read_entries = [
@@ -131,14 +133,41 @@ def _warm_entry(prefetched: Prefetched | None) -> tuple[list | None, list[int]]:
         if e[0].nbytes <= WARM_ENTRY_BYTES
     ]  # fmt: skip
     if not read_entries:
-        return None, []
+        return None, [], False
     meta, kv = max(read_entries, key=lambda e: e[0].ntokens)
-    return kv, meta.token_ids()
+    return kv, meta.token_ids(), meta.pinned
+
+
+def give_room(entry: list, grown: list) -> bool:
+    """Put the warm-up's copy of `entry`, trimmed back to the prefix, in the entry's place.
+
+    mlx-lm's KVCache grows 256 tokens at a time. A prefix it prefilled has room for the next
+    request's tokens, but a hydrated one holds exactly its own. So the first request through it
+    would copy the whole prefix into a longer buffer, which later requests (extending a cache
+    that has room) do not pay. The warm-up's request already made that copy. Trimmed back, it
+    holds the same KV (the prefix's bytes, copied) with room to grow, and it takes the entry's
+    place in the list the prompt cache holds. For plain KVCache layers only (their room is at the
+    end, and trimming keeps it); pins only (the LRU's byte count does not include them, so
+    nothing in it changes). Returns whether the entry was replaced."""
+    from mlx_lm.models.cache import KVCache
+
+    layers = [*entry, *grown]
+    if not entry or len(entry) != len(grown) or any(type(c) is not KVCache for c in layers):
+        return False
+    n = entry[0].offset
+    if any(c.offset != n or c.keys is None for c in entry):
+        return False
+    for c in grown:
+        c.trim(c.offset - n)
+    if any(c.offset != n or c.keys is None or c.keys.shape[2] <= n for c in grown):
+        return False
+    entry[:] = grown  # the same list object: the prompt cache's entry
+    return True
 
 
 def first_call(
     model: Any, tokenizer: Any, entry: list | None = None, tokens: Sequence[int] = ()
-) -> None:
+) -> list | None:
     """Pay here, once, what the app's first request pays and later ones do not: the chat
     template's compile (transformers keeps it by its text), the tokenizer's first encode of the
     stored prefix's text (`tokens`, which every request through it starts with: the tokenizer
@@ -148,7 +177,8 @@ def first_call(
     model's `mx.compile`d functions (mlx keeps traces per stream: a forward on the default stream
     leaves the generate's to trace), runs its graph code and allocates the buffers the prefix's
     KV grows into; and the package's lazy `generate` names. Greedy, so mlx's random state is
-    untouched; nothing is recorded or inserted.
+    untouched; nothing is recorded or inserted. Returns that copy, grown by the request (None
+    when the warm-up was skipped), for `give_room`.
     Never raises: it is a warm-up, and the app's own call says what is wrong."""
     import copy
 
@@ -171,5 +201,7 @@ def first_call(
         suffix = [0] * WARM_SUFFIX_TOKENS
         for _ in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=1, prompt_cache=kv):
             pass
+        return kv
     except Exception as e:
         log.debug("kvstore: first-call warm-up skipped: %s: %s", type(e).__name__, e)
+        return None

@@ -258,3 +258,27 @@ def test_loads_warm_up_changes_no_later_call(llama_path, kv_home, tmp_path):
         finally:
             cache.close()
     assert seen[True] == seen[False]
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_warmed_pin_has_room_for_the_first_request(warm, llama_path, kv_home, tmp_path):
+    """A hydrated prefix holds exactly its tokens; the one load's warm-up extended a copy of
+    holds the same KV with mlx-lm's 256 tokens of room (the copy, trimmed back), so the app's
+    first request through it does not copy the whole prefix into a longer buffer. Without the
+    warm-up it is the stored size."""
+    metas = warm_two_pins(tmp_path, kv_home, llama_path)
+    longest = max(metas.values(), key=lambda m: m.ntokens)
+    model, _, cache = client.load(llama_path, home=kv_home, stats=False, warm=warm)
+    try:
+        kv, rest = cache.fetch_nearest_cache(str(llama_path), longest.token_ids())
+        assert rest == []
+        n = longest.ntokens
+        assert all(c.offset == n for c in kv)
+        assert all((c.keys.shape[2] > n) is warm for c in kv)
+        assert_same_kv(kv, mlx_lm_prefill(model, longest.token_ids()))
+        others = [m for m in metas.values() if m is not longest]
+        for meta in others:  # not warmed: as stored
+            other, _ = cache.fetch_nearest_cache(str(llama_path), meta.token_ids())
+            assert all(c.keys.shape[2] == meta.ntokens for c in other)
+    finally:
+        cache.close()

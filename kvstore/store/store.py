@@ -77,8 +77,7 @@ class Store:
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
             self._gate = gate_of(self.path)
-            self._meta = self.env.open_db(b"meta", create=not readonly)
-            self._blob = self.env.open_db(b"blob", create=not readonly)
+            self._meta, self._blob = self._open_dbs(create=not readonly)
         except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError) as e:
             raise StoreError(  # bytes that are no LMDB store of this version: a damaged file
                 f"{self.path}: cannot open the LMDB store: {e}; "
@@ -92,6 +91,20 @@ class Store:
         if not readonly:
             self.env.reader_check()
         self.on_commit: list[Callable[[EntryMeta], None]] = []  # after each put (the fleet queue)
+
+    def _open_dbs(self, *, create: bool) -> tuple[Any, Any]:
+        """The two databases' handles. Opening them is a transaction: after another process
+        grew the map (since this process opened the environment, or between that open and
+        this), it meets MapResizedError, and the new size is adopted as `_read` adopts it."""
+        for _ in range(3):
+            try:
+                return self.env.open_db(b"meta", create=create), self.env.open_db(
+                    b"blob", create=create
+                )
+            except lmdb.MapResizedError:
+                with self._gate.exclusive():
+                    self.env.set_mapsize(0)
+        raise StoreError(f"{self.path}: the map keeps being resized under this open")
 
     def close(self) -> None:
         if self.env is not None:

@@ -126,6 +126,26 @@ def test_writer_survives_another_process_growing_the_map(kv_home):
         assert parent.env.info()["map_size"] >= int(child.stdout)
 
 
+def test_a_store_opened_after_another_process_grew_the_map(kv_home):
+    """Opening a Store begins a transaction (its databases' handles). On an environment this
+    process opened before another process grew the map, that transaction meets
+    MapResizedError: the open adopts the new size, as reads and writes do (it was an error, and
+    in a fresh environment a race that an open beside a growing writer could lose)."""
+    import subprocess
+    import sys
+
+    with Store(kv_home, map_size=2**20) as first:
+        _put(first, b"\x09" * 16, [0])
+        child = subprocess.run(
+            [sys.executable, "-c", GROWER, str(kv_home)], capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert child.returncode == 0, child.stderr
+        with Store(kv_home, readonly=True) as second:  # the same environment, still at 1 MiB
+            assert second.env is first.env
+            assert len(second.metas()) == 10
+
+
 def test_stores_of_one_path_share_the_environment(kv_home):
     with Store(kv_home) as writer:
         _put(writer, b"\x08" * 16, [0])

@@ -662,7 +662,7 @@ def _peer_round(s: Server, user: str, model: str | None) -> dict:
         ttft.append(reply["ttft_s"])
         cached.append(_cached(reply))
     return {"spawn_to_first_answer_s": first, "total_ttft_s": sum(ttft), "ttft_s": ttft,
-            "cached_tokens": cached}  # fmt: skip
+            "cached_tokens": cached, "spawn_to_ready_s": s.ready_s}  # fmt: skip
 
 
 PLAIN = "mlx_lm.server"
@@ -719,14 +719,12 @@ def peer(root: Path) -> dict:
     with running_daemon(home, root / "daemon-peer.log", env):
         for phase in ["before", *range(PEER_RESTARTS)]:
             for name in runs:
-                if name in errors:
-                    continue
+                if name in errors or (phase == "before" and name == PLAIN):
+                    continue  # nothing of plain mlx_lm.server outlives a restart: no before
                 try:
                     s, m = start(name)
                     try:
-                        if phase == "before" and name == PLAIN:
-                            pass  # nothing of it outlives a restart
-                        elif phase == "before":
+                        if phase == "before":
                             for stage in STAGE_NAMES:
                                 for user in USERS[:2]:
                                     s.chat(_stage_messages(stage, user), model=m)
@@ -735,8 +733,6 @@ def peer(root: Path) -> dict:
                         else:
                             user = f"Ticket {phase + 1} of the week. {USERS[3]}"
                             runs[name].append(_peer_round(s, user, m))
-                            if name == PLAIN:
-                                runs[name][-1]["spawn_to_ready_s"] = s.ready_s
                     finally:
                         s.stop(signal.SIGTERM)  # the peer saves its cache at a clean stop only
                 except (RuntimeError, OSError, urllib.error.URLError) as e:

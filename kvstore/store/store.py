@@ -98,13 +98,17 @@ class Store:
         this), it meets MapResizedError, and the new size is adopted as `_read` adopts it."""
         for _ in range(3):
             try:
-                return self.env.open_db(b"meta", create=create), self.env.open_db(
-                    b"blob", create=create
-                )
+                meta = self.env.open_db(b"meta", create=create)
+                return meta, self.env.open_db(b"blob", create=create)
             except lmdb.MapResizedError:
-                with self._gate.exclusive():
-                    self.env.set_mapsize(0)
+                self._adopt_grown_map()
         raise StoreError(f"{self.path}: the map keeps being resized under this open")
+
+    def _adopt_grown_map(self) -> None:
+        """Take the size another process grew the map to, with this process's readers held off
+        (LMDB's set_mapsize needs no other transaction of this process open)."""
+        with self._gate.exclusive():
+            self.env.set_mapsize(0)
 
     def close(self) -> None:
         if self.env is not None:
@@ -169,8 +173,7 @@ class Store:
                 with self._gate.txn(), self.env.begin(buffers=buffers) as txn:
                     return fn(txn)
             except lmdb.MapResizedError:
-                with self._gate.exclusive():
-                    self.env.set_mapsize(0)  # adopt the size another process grew the map to
+                self._adopt_grown_map()
             except lmdb.ReadersFullError:
                 # Every slot is held, often by readers that died: reader_check() (the daemon
                 # runs it periodically) frees those. Say so instead of a bare lmdb error.

@@ -272,20 +272,17 @@ def _cache_for(
 ) -> tuple[list, list[int]]:
     """(the cache to generate with, the tokens it still has to prefill): the nearest one
     `prompt_cache` holds, else a fresh one."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore import mlxlm
 
     cache, rest = None, tokens
     if prompt_cache is not None:
         if model_key is None:
             raise ValueError("stream_generate: pass model_key for a plain LRUPromptCache")
         cache, rest = prompt_cache.fetch_nearest_cache(model_key, tokens)
-    if cache is not None and not rest:
-        # An exact hit: mlx-lm needs one token to sample from, so re-run the last one.
-        if can_trim_prompt_cache(cache):
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
-        else:
-            cache, rest = None, tokens
+    if cache is not None and tokens and not rest:  # a plain LRUPromptCache's exact hit
+        cache, rest = mlxlm.leave_last_token(prompt_cache, model_key, tokens, cache)
     if cache is None:
         cache = make_prompt_cache(model)
     return cache, rest

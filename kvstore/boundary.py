@@ -15,7 +15,8 @@ catch-all lives at an entry point only, as one of the four `degrade` kinds:
   Logged at debug.
 
 Each logs one line naming what it swallowed, `<what>: <Type>: <message>`, and keeps it on
-`.error` so the caller continues as it would have without kvstore:
+`.error` so the caller continues as it would have without kvstore (`what` may be a function,
+called at the failure, for a line that tells how far the block got):
 
     with library_call("kvstore: learned chains not read into memory") as failed:
         n = warm_chains()
@@ -50,6 +51,8 @@ T = TypeVar("T")
 
 log = logging.getLogger("kvstore")
 
+What = str | Callable[[], str]  # a degrade block's line, or what words it at the failure
+
 # What reading bytes another process or box wrote can raise when they are bad: msgpack's own
 # errors (FormatError, StackError, ExtraData, OutOfData: some are ValueErrors, some not), a
 # UnicodeDecodeError, and the TypeError / KeyError / IndexError / OverflowError of taking a
@@ -71,7 +74,7 @@ class Degrade:
 
     __slots__ = ("what", "level", "trace", "logger", "error")
 
-    def __init__(self, what: str, level: int, trace: bool, logger: logging.Logger):
+    def __init__(self, what: What, level: int, trace: bool, logger: logging.Logger):
         self.what, self.level, self.trace, self.logger = what, level, trace, logger
         self.error: Exception | None = None
 
@@ -90,7 +93,7 @@ class Degrade:
         self.logger.log(
             self.level,
             "%s: %s: %s",
-            self.what,
+            self.what if isinstance(self.what, str) else self.what(),
             type(error).__name__,
             error,
             exc_info=error if self.trace else None,
@@ -99,24 +102,26 @@ class Degrade:
 
 
 def library_call(
-    what: str, *, level: int = logging.WARNING, logger: logging.Logger = log
+    what: What, *, level: int = logging.WARNING, logger: logging.Logger = log
 ) -> Degrade:
     """A library call's work for the app (kvstore.client): the app goes on without kvstore."""
     return Degrade(what, level, False, logger)
 
 
-def serve_hook(what: str, *, level: int = logging.WARNING, logger: logging.Logger = log) -> Degrade:
+def serve_hook(
+    what: What, *, level: int = logging.WARNING, logger: logging.Logger = log
+) -> Degrade:
     """A hook in mlx_lm.server: the request is served as mlx-lm alone would serve it."""
     return Degrade(what, level, False, logger)
 
 
-def daemon_handler(what: str, *, logger: logging.Logger = log) -> Degrade:
+def daemon_handler(what: What, *, logger: logging.Logger = log) -> Degrade:
     """One request, tick or warm of the daemon: it costs that one, never the daemon. Logged at
     error with the traceback: nothing narrower caught it, so it is a bug to fix."""
     return Degrade(what, logging.ERROR, True, logger)
 
 
-def cli_command(what: str, *, level: int = logging.DEBUG, logger: logging.Logger = log) -> Degrade:
+def cli_command(what: What, *, level: int = logging.DEBUG, logger: logging.Logger = log) -> Degrade:
     """An optional part of a CLI command's output (a preview, a hint): the command goes on."""
     return Degrade(what, level, False, logger)
 

@@ -52,6 +52,17 @@ def test_a_daemon_handler_logs_the_traceback_at_error(caplog):
     assert rec.getMessage() == "reconcile: warming pins.toml failed: RuntimeError: a bug"
 
 
+def test_a_line_worded_at_the_failure_tells_how_far_the_block_got(caplog):
+    done = 0
+    with serve_hook(lambda: f"kvstore: warm-up request failed ({done} of 3 done)"):
+        done += 1
+        raise TimeoutError("no answer")
+    [rec] = caplog.records
+    assert (
+        rec.getMessage() == "kvstore: warm-up request failed (1 of 3 done): TimeoutError: no answer"
+    )
+
+
 def test_a_block_that_runs_through_logs_nothing(caplog):
     caplog.set_level(logging.DEBUG, logger="kvstore")
     with library_call("kvstore: x") as failed:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.boundary import foreign
 from kvstore.errors import ManifestError
 from kvstore.pins import coverage
 from kvstore.pins.clock import clock_at, local_now
@@ -129,7 +130,13 @@ class _Requests:
 
     def _apply(self, turns: list[dict], *, tokenize: bool) -> Any:
         # As mlx_lm.server: TokenizerWrapper.apply_chat_template injects enable_thinking.
-        try:
+        def failed(e: Exception) -> ManifestError:
+            return ManifestError(
+                f"pin {self.name!r}: the chat template failed on a request built from these "
+                f"messages: {type(e).__name__}: {e}"
+            )
+
+        with foreign(failed):
             return self.tokenizer.apply_chat_template(
                 self.messages + turns,
                 tools=self.tools,
@@ -138,13 +145,6 @@ class _Requests:
                 **({"return_dict": False} if tokenize and not _is_wrapper(self.tokenizer) else {}),
                 **self.kwargs,
             )
-        except ManifestError:
-            raise
-        except Exception as e:
-            raise ManifestError(
-                f"pin {self.name!r}: the chat template failed on a request built from these "
-                f"messages: {type(e).__name__}: {e}"
-            ) from e
 
 
 def _is_wrapper(tokenizer: Any) -> bool:
@@ -405,5 +405,5 @@ def _offset_ends(tokenizer: Any, text: str, ids: list[int], special: bool) -> li
             reach = max(reach, int(stop))
             ends.append(reach)
         return ends
-    except Exception:  # slow tokenizers have no offsets; decoding still works
-        return None
+    except (NotImplementedError, TypeError, ValueError, KeyError, AttributeError):
+        return None  # slow tokenizers have no offsets (NotImplementedError); decoding still works

@@ -95,7 +95,7 @@ def test_first_generate_bench_runs_and_its_figures_follow_from_its_timings(tmp_p
     from bench.timing import in_fresh_process
 
     model, home = firstcall._setup(tmp_path)
-    res = in_fresh_process("bench.firstcall", [str(model), str(home), "1"])
+    res = in_fresh_process(firstcall.calls, model, home, 1)
     assert len(res["ttft_s"]) == firstcall.CALLS and all(t > 0 for t in res["ttft_s"])
     assert len(res["pin_ttft_s"]) == len(firstcall.PIN_ONLY_LETTERS)
     runs = [

@@ -1,6 +1,6 @@
 """Run the benchmarks and write JSON + PNG plots to bench/results/.
 
-    python -m bench.run --quick                 # under three minutes on a 2-core box
+    python -m bench.run --quick                 # about 4-5 minutes on a shared 2-core box
     python -m bench.run --full                  # the full sizes (up to 1 GiB), ~15 minutes
     python -m bench.run --quick --only hydrate,persist
     python -m bench.run --quick --reference     # also refresh bench/results/reference/

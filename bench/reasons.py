@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from kvstore.client.reasons import RECENT_PROMPTS, Attributor
-from kvstore.reasons import seen_key
+from kvstore.tokens import pack
 
 PROMPT = 2048
 PINS = 8
@@ -42,7 +42,7 @@ def attribution(decode) -> dict[str, float]:
     pins = {tuple(_tokens(rng, 1500)): f"pin{i}" for i in range(PINS)}
     sys_pin = next(iter(pins))
     attr = Attributor()
-    attr.learned = sorted(seen_key(_tokens(rng, rng.randrange(300, 4096))) for _ in range(LEARNED))
+    attr.learned = sorted(pack(_tokens(rng, rng.randrange(300, 4096))) for _ in range(LEARNED))
     for _ in range(RECENT_PROMPTS):
         attr(_tokens(rng, PROMPT), 0, {})
     diverging = list(sys_pin[:14]) + [7] + list(sys_pin[15:]) + _tokens(rng, PROMPT - 1500)

@@ -20,7 +20,7 @@ from typing import Any
 from kvstore.client.reasons import Attributor
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.codec import codec
-from kvstore.reasons import by_reason, describe
+from kvstore.reasons import SpanRecord, by_reason, describe
 
 log = logging.getLogger("kvstore.client")
 
@@ -39,7 +39,7 @@ class CallStats:
     decode_s: float
     generated_tokens: int = 0
     ts: float = 0.0
-    reasons: tuple[dict[str, Any], ...] = ()  # why the prefilled ones were (kvstore.reasons)
+    reasons: tuple[SpanRecord, ...] = ()  # why the prefilled ones were (kvstore.reasons.Span)
 
     def line(self) -> str:
         why = f" ({describe(self.reasons)})" if self.reasons else ""
@@ -109,7 +109,7 @@ class StatsRecorder:
         pins: Mapping[tuple[int, ...], str] | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> CallStats:
-        reasons: tuple[dict[str, Any], ...] = ()
+        reasons: tuple[SpanRecord, ...] = ()
         if prompt is not None:
             reasons = tuple(self.attribute(prompt, cached_tokens, pins or {}, decode))
         call = CallStats(

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
+from kvstore import tokens as tk
 from kvstore.boundary import UNREADABLE
 from kvstore.codec import codec
 from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
@@ -303,8 +304,8 @@ def verify_record(
     except UNREADABLE as e:
         raise RemoteError("corrupt", f"{where}: unreadable meta ({type(e).__name__})") from None
     blob, prov = _blob_and_provenance(data, rest, meta, keys, where)
-    if len(prefix) != 4 * meta.start or block <= 0:
-        raise RemoteError("corrupt", f"{where}: {len(prefix) // 4} tokens before a record at "
+    if len(prefix) != tk.nbytes(meta.start) or block <= 0:
+        raise RemoteError("corrupt", f"{where}: {tk.count(prefix)} tokens before a record at "
                                      f"{meta.start}")  # fmt: skip
     tokens = prefix + meta.tokens
     fp = fingerprint_of(key)

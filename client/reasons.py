@@ -16,6 +16,8 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore import tokens as tk
+from kvstore.boundary import library_call
+from kvstore.errors import KVStoreError
 from kvstore.pins.clock import local_now
 from kvstore.reasons import Known, SpanRecord, Tombstone, attribute
 from kvstore.settings import LOCK_NAME
@@ -101,14 +103,13 @@ class Attributor:
 
     def _read_learned(self) -> None:
         try:
-            if self._learned_from is None:
-                return
-            home, fp = self._learned_from
-            keys, ends = read_learned(home, fp)
-            with self._lock:
-                self.learned, self.learned_ends = keys, ends
-        except Exception as e:  # a diagnostic: never fail a request for it
-            log.debug("kvstore: learned prefixes not read: %s", e)
+            with library_call("kvstore: learned prefixes not read", level=logging.DEBUG):
+                if self._learned_from is None:
+                    return
+                home, fp = self._learned_from
+                keys, ends = read_learned(home, fp)
+                with self._lock:
+                    self.learned, self.learned_ends = keys, ends
         finally:
             self._learned_at = time.monotonic()
             self._refreshing = False
@@ -252,10 +253,10 @@ def after_hydrate(
     if home is not None and fp:
         attr.learned_from(home, bytes.fromhex(fp))
         if model and parts is not None and not getattr(report, "entries", 0) and not attr.learned:
-            try:  # nothing stored for this identity: learned under another one of this path?
+            # nothing stored for this identity: learned under another one of this path?
+            what = "kvstore: learned prefixes of other fingerprints not read"
+            with library_call(what, level=logging.DEBUG):
                 attr.other_model += other_fingerprints(home, bytes.fromhex(fp), model, parts)
-            except Exception as e:  # a diagnostic: never fail the start for it
-                log.debug("kvstore: learned prefixes of other fingerprints not read: %s", e)
 
 
 def daemon_gone(home: Path) -> bool:
@@ -264,7 +265,7 @@ def daemon_gone(home: Path) -> bool:
     socket, or stopped)."""
     try:
         path = socket_path(home)
-    except Exception:
+    except (KVStoreError, OSError, RuntimeError):  # no socket path; Path.home() without HOME
         return False
     if path.exists():
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 
 from kvstore import staticfirst
+from kvstore.boundary import UNREADABLE
 from kvstore.errors import counted
 from kvstore.reasons import Reason
 from kvstore.store.ledger import LEDGER_NAME
@@ -40,7 +41,7 @@ def records(home: Path) -> Iterator[dict[str, Any]]:
                 for rec in unpacker:
                     if isinstance(rec, dict):
                         yield rec
-            except Exception:  # a torn tail: what parsed
+            except UNREADABLE:  # a torn tail: what parsed
                 return
 
 

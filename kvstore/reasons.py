@@ -350,7 +350,7 @@ def texts(
 def _safe(decode: Callable[[Sequence[int]], str], tokens: Sequence[int]) -> str:
     try:
         return str(decode(list(tokens)))
-    except Exception:
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError):  # ids it does not know
         return ""
 
 

@@ -25,6 +25,7 @@ import msgpack
 import xxhash
 
 from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.settings import DEFAULT
 from kvstore.store.chain import chain_hashes, is_cut, packed, position_hash
@@ -86,7 +87,7 @@ class BlockMeta:
             meta = cls(key=key, **msgpack.unpackb(body, raw=False))
         except CorruptEntryError:
             raise
-        except Exception as e:
+        except UNREADABLE as e:
             raise CorruptEntryError(
                 key, f"unreadable record meta ({type(e).__name__}: {e})"
             ) from None

@@ -25,6 +25,7 @@ import msgpack
 import xxhash
 
 from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
 from kvstore.errors import CorruptEntryError
 from kvstore.identity.model import DEFAULT_QUANTIZED_KV_START as DEFAULT_QUANTIZED_KV_START
 from kvstore.identity.model import ModelIdentity
@@ -232,7 +233,7 @@ class EntryMeta:
             meta = cls(key=key, **d)
         except CorruptEntryError:
             raise
-        except Exception as e:
+        except UNREADABLE as e:
             raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
         if problem := meta.type_error():
             raise CorruptEntryError(key, f"unreadable meta ({problem})")

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
 from kvstore.reasons import Tombstone, tail_of, tombstone_digest
 
 log = logging.getLogger("kvstore")
@@ -26,12 +27,15 @@ MAX_TOMBSTONES = 512
 BY_EVICT, BY_BYTES, BY_LEARNED = "kvstore evict", "byte budget", "learned budget"
 
 
+UNREADABLE_FILE: tuple[type[Exception], ...] = (OSError, *UNREADABLE)
+
+
 def _read(home: Path) -> list[dict[str, Any]]:
     try:
         data = msgpack.unpackb((home / TOMBSTONES_NAME).read_bytes(), raw=False)
     except FileNotFoundError:
         return []
-    except Exception as e:  # a torn or foreign file: start over
+    except UNREADABLE_FILE as e:  # a torn or foreign file: start over
         log.warning("tombstones %s: unreadable, ignored (%s)", home / TOMBSTONES_NAME, e)
         return []
     return [t for t in data if isinstance(t, dict)] if isinstance(data, list) else []
@@ -43,7 +47,7 @@ def note(home: Path, metas: Iterable[Any], by: str) -> int:
     for m in metas:
         try:
             rows.append((str(m.model), m.token_ids(), str(m.label)))
-        except Exception:
+        except (AttributeError, TypeError, ValueError):  # a meta without fields, or torn tokens
             continue
     return note_prefixes(home, rows, by)
 

@@ -1,12 +1,13 @@
 """The LMDB store: entry meta (msgpack) and blobs (safetensors bytes) under 32-byte keys.
 
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
-`_write`, the one place that grows the map; every read through `_read`; both recover from
-MapResizedError (another process grew the map) by adopting its size. Blob bytes read through
-`buffers=True` are checksummed and decoded (copied into mlx memory) inside their transaction. The
-meta record and keys live in `kvstore.store.entry`, the process-wide environment and its gate in
-`kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods that encode or
-decode, so listing, stats and eviction never load mlx.
+`write`, the one place that grows the map; every read through `read`; both recover from
+MapResizedError (another process grew the map) by adopting its size. They are the public
+transaction API the store's other tables (kvstore.store.blocks) and readers use. Blob bytes read
+through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
+transaction. The meta record and keys live in `kvstore.store.entry`, the process-wide environment
+and its gate in `kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods
+that encode or decode, so listing, stats and eviction never load mlx.
 """
 
 from __future__ import annotations
@@ -125,9 +126,10 @@ class Store:
         if os.getpid() != self._pid:
             raise StoreError(f"{self.path}: an LMDB environment cannot be used across fork()")
 
-    def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        """The one write path: a transaction, retried after doubling the map when it is full or
-        adopting the size another process grew it to."""
+    def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        """The one write path: `fn(txn)` in a write transaction, its result returned; retried
+        (`fn` runs again) after doubling the map when it is full or adopting the size another
+        process grew it to. StoreError on a read-only store or a failed write."""
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: opened read-only")
@@ -166,7 +168,10 @@ class Store:
                     f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=e.errno
                 ) from None
 
-    def _read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
+    def read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
+        """`fn(txn)` in a short read transaction, its result returned (with `buffers`, values
+        are memoryviews valid only inside `fn`); `fn` runs again when another process grew the
+        map meanwhile."""
         self._check_pid()
         for _ in range(3):
             try:
@@ -183,6 +188,12 @@ class Store:
                     "daemon's periodic reader_check, or close some readers"
                 ) from None
         raise StoreError(f"{self.path}: the map keeps being resized under this reader")
+
+    _read, _write = read, write  # the names this module's own methods use
+
+    def entry_count(self) -> int:
+        """Entries in the store, all models (O(1): the table's own count)."""
+        return int(self.read(lambda txn: txn.stat(self._meta)["entries"]))
 
     def reader_check(self) -> int:
         return self.env.reader_check()

@@ -315,13 +315,14 @@ class _Hooks:
         return out
 
     def is_warm_up(self, tokens: Sequence[int]) -> bool:
-        """Whether `tokens` (a prompt, or prompt + generated) are a warm-up request's: the
-        store tier serves it as a request, but counts, reports, hits and keeps nothing of it."""
-        return any(
-            len(p) <= len(tokens) and p[-1:] == tuple(tokens[len(p) - 1 : len(p)])
-            and tuple(tokens[: len(p)]) == p
-            for p in self.warm_prompts
-        )  # fmt: skip
+        """Whether `tokens` are a warm-up request's: its prompt, a segment of it (the batched
+        path inserts the system segment) or its prompt and output. The store tier serves it as a
+        request, but counts, reports, hits and keeps nothing of it."""
+        for p in self.warm_prompts:
+            n = min(len(p), len(tokens))
+            if n and p[n - 1] == tokens[n - 1] and p[:n] == tuple(tokens[:n]):
+                return True
+        return False
 
     def _on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key

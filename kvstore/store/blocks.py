@@ -7,8 +7,8 @@ hydrate) never see them and old readers ignore them:
   kids   fingerprint + H(start) + H(end) -> b""  (walked from H(0) to find a prompt's chain)
   bstat  b"learned_bytes", b"day:YYYY-MM-DD" (bytes written that local day), b"block_tokens"
 H(p) is `kvstore.store.chain.position_hash`. Every write is one transaction through the Store's
-`write`; reads go through its `read` and work on a read-only Store. No mlx at import (a blob header
-is validated by `kvstore.codec.blocks.inspect`, imported when a record is put).
+`write`; reads are its `reading` transactions and work on a read-only Store. No mlx at import (a
+blob header is validated by `kvstore.codec.blocks.inspect`, imported when a record is put).
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ class BlockStore:
         """Learned records of all models (O(1): the table's own count); 0 without the tables."""
         if not self._open():
             return 0
-        return int(self.store.read(lambda txn: txn.stat(self._db(b"bmeta"))["entries"]))
+        with self.store.reading() as txn:
+            return int(txn.stat(self._db(b"bmeta"))["entries"])
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -243,7 +244,8 @@ class BlockStore:
                 break
             return chain
 
-        return self.store.read(walk, buffers=True)
+        with self.store.reading(buffers=True) as txn:
+            return walk(txn)
 
     def stored_end(self, fingerprint: bytes, tokens: Sequence[int] | bytes) -> int:
         """How far `tokens` is covered by a chain of whole stored records (0 if none)."""
@@ -286,7 +288,8 @@ class BlockStore:
                 out.append(bytes(blob))
             return out
 
-        return self.store.read(fn, buffers=True)
+        with self.store.reading(buffers=True) as txn:
+            return fn(txn)
 
     def chain_to(self, key: bytes) -> list[BlockMeta]:
         """The chain of records from position 0 up to and including the record `key`, found by
@@ -330,7 +333,8 @@ class BlockStore:
                 at = ups[0].key
             return chain[::-1], self._stat_int(txn, BLOCK_TOKENS) or self.block
 
-        chain, block = self.store.read(walk)  # hashed as the records were cut
+        with self.store.reading() as txn:
+            chain, block = walk(txn)  # hashed as the records were cut
         data = b"".join(m.tokens for m in chain)
         hashes = chain_hashes(fp, data, block)
         for m in chain:
@@ -342,18 +346,21 @@ class BlockStore:
         """The block size this store's records are cut at (this view's before any is stored)."""
         if not self._open():
             return self.block
-        return self.store.read(lambda txn: self._stat_int(txn, BLOCK_TOKENS)) or self.block
+        with self.store.reading() as txn:
+            return self._stat_int(txn, BLOCK_TOKENS) or self.block
 
     def learned_bytes(self) -> int:
         if not self._open():
             return 0
-        return self.store.read(lambda txn: self._stat_int(txn, LEARNED_BYTES))
+        with self.store.reading() as txn:
+            return self._stat_int(txn, LEARNED_BYTES)
 
     def written_today(self, day: str | None = None) -> int:
         if not self._open():
             return 0
         key = b"day:" + (day or today()).encode()
-        return self.store.read(lambda txn: self._stat_int(txn, key))
+        with self.store.reading() as txn:
+            return self._stat_int(txn, key)
 
     def records(self) -> list[BlockMeta]:
         """Every readable record's meta (stats, eviction, tests)."""
@@ -369,18 +376,18 @@ class BlockStore:
                     continue
             return out
 
-        return self.store.read(fn)
+        with self.store.reading() as txn:
+            return fn(txn)
 
     def extended(self) -> set[bytes]:
         """Keys of the records another record starts at (the rest are the ends of chains)."""
         if not self._open():
             return set()
-        return self.store.read(
-            lambda txn: {
+        with self.store.reading() as txn:
+            return {
                 parse_kids_row(k).parent
                 for k in txn.cursor(self._db(b"kids")).iternext(values=False)
             }
-        )
 
     def learned_prefixes(
         self, fingerprint: bytes, *, max_tokens: int, limit: int
@@ -413,7 +420,8 @@ class BlockStore:
                     parent_of[row.child] = row.parent
             return metas, parent_of, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
-        metas, parent_of, block = self.store.read(fn)
+        with self.store.reading() as txn:
+            metas, parent_of, block = fn(txn)
         extended = set(parent_of.values())
         ends = [m for m in metas.values() if m.end % block or m.key not in extended]
         ends.sort(key=lambda m: -m.last_used)
@@ -445,7 +453,8 @@ class BlockStore:
                     out[fp] = parts if isinstance(parts, dict) else None
             return out
 
-        return self.store.read(fn)
+        with self.store.reading() as txn:
+            return fn(txn)
 
     def stats(self) -> dict[str, Any]:
         """records, learned bytes, bytes written today, chains (records nothing extends)."""
@@ -466,7 +475,8 @@ class BlockStore:
                 "chains": sum(k not in parents for k in keys),
             }
 
-        return self.store.read(fn)
+        with self.store.reading() as txn:
+            return fn(txn)
 
     def check(self, *, repair: bool = False) -> tuple[int, list[CorruptEntryError]]:
         """Verify every learned record: its meta (seal, token count), its blob (length, checksum,
@@ -484,7 +494,8 @@ class BlockStore:
             links = [bytes(k) for k in txn.cursor(self._db(b"kids")).iternext(values=False)]
             return metas, rows, links, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
-        metas, rows, links, block = self.store.read(scan, buffers=True)
+        with self.store.reading(buffers=True) as txn:
+            metas, rows, links, block = scan(txn)
         self._check_links(metas, links, block, problems)
         out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
         if repair and out:

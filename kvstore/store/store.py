@@ -12,6 +12,7 @@ that encode or decode, so listing, stats and eviction never load mlx.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -169,17 +170,27 @@ class Store:
                 ) from None
 
     def read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
-        """`fn(txn)` in a short read transaction, its result returned (with `buffers`, values
-        are memoryviews valid only inside `fn`); `fn` runs again when another process grew the
-        map meanwhile."""
+        """`fn(txn)` in a short read transaction, its result returned (`reading`, as a call)."""
+        with self.reading(buffers=buffers) as txn:
+            return fn(txn)
+
+    @contextlib.contextmanager
+    def reading(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A short read transaction: `with store.reading() as txn: ...` (with `buffers`, values
+        are memoryviews valid only inside the block). A map another process grew meanwhile is
+        adopted before the transaction begins (LMDB says so at its start)."""
         self._check_pid()
         for _ in range(3):
+            held = contextlib.ExitStack()
             try:
-                with self._gate.txn(), self.env.begin(buffers=buffers) as txn:
-                    return fn(txn)
+                held.enter_context(self._gate.txn())
+                txn = held.enter_context(self.env.begin(buffers=buffers))
             except lmdb.MapResizedError:
+                held.close()
                 self._adopt_grown_map()
+                continue
             except lmdb.ReadersFullError:
+                held.close()
                 # Every slot is held, often by readers that died: reader_check() (the daemon
                 # runs it periodically) frees those. Say so instead of a bare lmdb error.
                 raise StoreError(
@@ -187,6 +198,12 @@ class Store:
                     f"({self.env.max_readers()} max_readers); dead readers are cleared by the "
                     "daemon's periodic reader_check, or close some readers"
                 ) from None
+            except BaseException:
+                held.close()
+                raise
+            with held:
+                yield txn
+            return
         raise StoreError(f"{self.path}: the map keeps being resized under this reader")
 
     _read, _write = read, write  # the names this module's own methods use

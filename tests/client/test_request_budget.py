@@ -180,3 +180,38 @@ def test_a_served_request_on_a_pin_hit_stays_within_its_budget(llama, llama_path
               f"{sorted(t.modules)}; re-entries {t.reentries}")  # fmt: skip
     print(f"serve: {len(trace.modules)} modules, {trace.transitions} transitions")
     trace.check(SERVE_MODULES)
+
+
+def test_a_restore_from_the_store_never_calls_back_up_the_stack(llama, kv_home):
+    """A miss the store serves (learned block records): the cache asks its tier, the tier its
+    learner, and what is restored comes back as a value for the cache to keep; no module is
+    called back while it is up the stack (the restore used to insert through the cache)."""
+    from helpers import mlx_lm_prefill
+
+    from kvstore.client.learn import Learner, LearnTarget
+    from kvstore.client.persistent import PinnedPromptCache
+    from kvstore.codec.blocks import slice_record
+    from kvstore.store.blocks import BlockStore
+    from kvstore.store.chain import cuts
+
+    model, _ = llama
+    fp = bytes(range(16))
+    tokens = [(7 * i + 3) % 200 + 1 for i in range(400)]
+    full = mlx_lm_prefill(model, tokens)
+    with Store(kv_home) as store:
+        records = [(s, e, slice_record(full, s, e)) for s, e in cuts(0, 400)]
+        BlockStore(store).put_records(fp, tokens, records, label="learned")
+    learner = Learner(kv_home, learn=False)
+    learner.add_target("tiny", LearnTarget(fingerprint=fp, model="tiny", model_obj=model,
+                                           extra={}))  # fmt: skip
+    lru = PinnedPromptCache(max_size=2)
+    lru.learner = learner
+    try:
+        trace = RequestTrace()
+        _, rest = trace.run("generation", lambda: lru.fetch_nearest_cache("tiny", tokens + [7]))
+        assert rest == [7]  # restored, not prefilled
+        _, rest = lru.fetch_nearest_cache("tiny", tokens + [8])
+        assert rest == [8]  # kept in memory by the cache
+    finally:
+        learner.close(timeout=2.0)
+    assert not trace.reentries, trace.reentries

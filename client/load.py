@@ -36,7 +36,9 @@ from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
 
 if TYPE_CHECKING:
-    from kvstore.client.persistent import PersistentPromptCache
+    from typing_extensions import Unpack
+
+    from kvstore.client.persistent import CacheKeywords, CacheOptions, PersistentPromptCache
 
 log = logging.getLogger("kvstore.client")
 
@@ -94,7 +96,8 @@ def load(
     tokenizer_config: dict | None = None,
     overlap: bool | None = None,
     warm: bool = True,
-    **keywords: Any,  # IdentityKeywords; CacheOptions' fields one by one, or options=
+    options: CacheOptions | None = None,
+    **keywords: Unpack[CacheKeywords],
 ) -> tuple[Any, Any, PersistentPromptCache]:
     """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
     `PersistentPromptCache` hydrated from the store while the weights loaded.
@@ -102,22 +105,24 @@ def load(
     `model_path` is the model, or its whole `ModelIdentity`; else the identity keywords name the
     rest of it (`adapter_path`, `kv_bits`, `kv_group_size`, `quantized_kv_start`,
     `model_config`: load-time overrides, as `mlx_lm.load(model_config=...)` takes them). The other
-    keywords are the cache's options (`CacheOptions`: model_key, max_size, max_bytes, stats,
-    ...). Like `hydrate`, a store problem or a wrong argument type is one warning in
-    `cache.report`, never an exception (mlx_lm.load's own errors still raise). `overlap` reads
-    the entries on a second thread while the weights load (True), or after them on this one
-    (False); by default only when a core is idle (`kvstore.codec.idle_cores`). `warm` pays what
-    the first `generate` would pay once (`first_call`): without it the first call costs more than
-    the next ones.
+    keywords are the cache's options (`CacheOptions`, or its fields one by one: model_key,
+    max_size, max_bytes, stats, ...). Like `hydrate`, a store problem or a wrong argument type
+    is one warning in `cache.report`, never an exception (mlx_lm.load's own errors still raise).
+    `overlap` reads the entries on a second thread while the weights load (True), or after them
+    on this one (False); by default only when a core is idle (`kvstore.codec.idle_cores`).
+    `warm` pays what the first `generate` would pay once (`first_call`): without it the first
+    call costs more than the next ones.
     """
     from mlx_lm import load as mlx_load
 
     from kvstore.client.persistent import CacheOptions, PersistentPromptCache
 
-    given = model_path
-    if not isinstance(given, ModelIdentity):
-        given = ModelIdentity.given(model_path, keywords)
-    options = CacheOptions.given(keywords, keywords.pop("options", None))
+    rows: dict[str, Any] = dict(keywords)
+    given = ModelIdentity.given(model_path, rows)
+    given = rows.pop("identity", None) or (
+        model_path if isinstance(model_path, ModelIdentity) else given
+    )
+    options = CacheOptions.given(rows, options)
     overrides = given.model_config
     with _Reading(given, home, overlap) as reading:
         model, tokenizer = mlx_load(

@@ -39,11 +39,13 @@ from kvstore.client.reasons import after_hydrate
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
-from kvstore.identity.model import ModelIdentity
+from kvstore.identity.model import IdentityKeywords, ModelIdentity
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from kvstore.identity.fingerprint import Fingerprint
 
 log = logging.getLogger("kvstore.client")
@@ -412,6 +414,21 @@ class CacheOptions:
         return replace(base or cls(), **{k: keywords.pop(k) for k in list(keywords)})
 
 
+class CacheKeywords(IdentityKeywords, total=False):
+    """The keyword arguments `PersistentPromptCache` and `load` take one by one: the model's
+    identity (or the whole `identity`) and the cache's options (CacheOptions' fields)."""
+
+    identity: ModelIdentity
+    model_key: Any
+    max_size: int
+    max_bytes: int
+    persist_chains: bool
+    learn: bool
+    stats: bool
+    verbose: bool | None
+    chat_template_kwargs: Mapping[str, Any] | None
+
+
 class PersistentPromptCache(PinnedPromptCache):
     """An LRUPromptCache for one loaded model that survives restarts through the kvstore daemon.
 
@@ -446,14 +463,14 @@ class PersistentPromptCache(PinnedPromptCache):
         home: str | Path | None = None,
         options: CacheOptions | None = None,
         prefetched: Prefetched | None = None,
-        **keywords: Any,  # IdentityKeywords and CacheOptions' fields, one by one; or identity=
+        **keywords: Unpack[CacheKeywords],
     ):
-        identity = keywords.pop("identity", None)
-        if isinstance(model_path, ModelIdentity):
-            identity = model_path
-        if identity is None:  # as given: checked below (a wrong type is the one warning)
-            identity = ModelIdentity.given(model_path, keywords)
-        self.options = options = CacheOptions.given(keywords, options)
+        rows: dict[str, Any] = dict(keywords)
+        given = ModelIdentity.given(model_path, rows)  # as given: checked when the cache opens
+        identity = rows.pop("identity", None)
+        if identity is None:
+            identity = model_path if isinstance(model_path, ModelIdentity) else given
+        self.options = options = CacheOptions.given(rows, options)
         super().__init__(
             options.max_size, options.max_bytes,
             tier=StoreTier(on_insert=self._offer_chain if options.persist_chains else None),

@@ -105,7 +105,10 @@ class _Hooks:
         self.learner = Learner(home, writer=writer) if learn else None
         # what the server's prompt cache asks of the store (restore, count, learn, hits, offer)
         self.tier = StoreTier(
-            learner=self.learner, writer=writer, on_insert=self.on_insert, quiet=self.is_warm_up
+            learner=self.learner,
+            writer=writer,
+            on_insert=self.on_insert if persist else None,  # --persist-system-prompts
+            quiet=self.is_warm_up,
         )
         self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
         self._stats_lock = threading.Lock()

@@ -13,17 +13,20 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.client.fleetcheck import check_pending, hold_pending
 from kvstore.client.loader import check_loaded_from
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
-from kvstore.identity.model import ModelIdentity
+from kvstore.identity.model import IdentityKeywords, ModelIdentity
 from kvstore.settings import FILEHASH_NAME, resolve_home
 from kvstore.store.blocks import load_entry
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("kvstore.client")
 
@@ -106,21 +109,6 @@ def _provenance(state: dict, codec: Any, mlx_lm: Any) -> dict:
     if mlx_lm is not None:
         out["mlx_lm"] = mlx_lm
     return out
-
-
-def given_identity(
-    model_path: Any,
-    adapter_path: Any,
-    kv_bits: Any,
-    kv_group_size: Any,
-    quantized_kv_start: Any,
-    model_config: Any,
-) -> ModelIdentity:
-    """The identity as an app's keyword arguments give it, types unchecked (`check_arguments`
-    checks them, and gives the identity with its paths as str)."""
-    return ModelIdentity(
-        model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
-    )
 
 
 def check_arguments(identity: ModelIdentity, *, home: Any = None) -> tuple[Path, ModelIdentity]:
@@ -266,11 +254,13 @@ def insert(prompt_cache, model_key: Any, pre: Prefetched, *, model: Any = None) 
         return report
     check_pending(pre, model)
     before = len(prompt_cache)
-    note_from_store = getattr(prompt_cache, "note_from_store", None)
+    # kvstore's own cache (kvstore.client.persistent) takes stored KV apart from a request's
+    insert_stored = getattr(prompt_cache, "insert_stored", None)
     for meta, cache in pre.entries:
-        prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
-        if note_from_store is not None:  # kvstore_prompt_tokens_total counts it as `store`
-            note_from_store(model_key, meta.token_ids())
+        if insert_stored is not None:
+            insert_stored(model_key, meta.token_ids(), cache)
+        else:
+            prompt_cache.insert_cache(model_key, meta.token_ids(), cache, cache_type="system")
         report.entries += 1
         report.tokens += meta.ntokens
         report.nbytes += meta.nbytes
@@ -297,29 +287,30 @@ def insert(prompt_cache, model_key: Any, pre: Prefetched, *, model: Any = None) 
 def hydrate(
     prompt_cache,
     model_key: Any,
-    model_path: str | Path,
+    model_path: str | Path | ModelIdentity,
     *,
     home: str | Path | None = None,
-    adapter_path: str | Path | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    model_config: dict | None = None,
     model: Any = None,
     prefetched: Prefetched | None = None,
+    **identity: Unpack[IdentityKeywords],
 ) -> HydrateReport:
     """Insert every stored entry valid for this model into `prompt_cache` (an LRUPromptCache).
 
-    `model_key` is the key the app's LRUPromptCache uses for this model. Pass the loaded `model` if
-    you have it: its cache layout is then read from it instead of being rebuilt from config.json.
-    `kv_bits`, `kv_group_size` and `quantized_kv_start` must be what the app generates with, and
-    `model_config` the overrides it loaded the model with. `prefetched` (from `prefetch` with the
-    same arguments) skips the reading. Never raises: a store problem or an argument of the wrong
-    type (`home=123`) is the report's one warning, logged, and nothing is inserted.
+    `model_key` is the key the app's LRUPromptCache uses for this model; `model_path` the model
+    (or its whole `ModelIdentity`). Pass the loaded `model` if you have it: its cache layout is
+    then read from it instead of being rebuilt from config.json. The identity keywords
+    (`adapter_path`, `kv_bits`, `kv_group_size`, `quantized_kv_start`, `model_config`) must be
+    what the app generates with and the overrides it loaded the model with. `prefetched` (from
+    `prefetch` with the same identity) skips the reading. Never raises: a store problem or an
+    argument of the wrong type (`home=123`) is the report's one warning, logged, and nothing is
+    inserted.
     """
+    rows: dict[str, Any] = dict(identity)
+    given = model_path if isinstance(model_path, ModelIdentity) else None
+    if given is None:  # as given: prefetch checks it (a wrong type is the report's warning)
+        given = ModelIdentity.given(model_path, rows)
+    if rows:
+        raise TypeError(f"hydrate() got an unexpected keyword argument {next(iter(rows))!r}")
     if prefetched is None:
-        identity = given_identity(
-            model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
-        )  # as given: prefetch checks it (a wrong type is the report's warning)
-        prefetched = prefetch(identity, home=home, model=model)
+        prefetched = prefetch(given, home=home, model=model)
     return insert(prompt_cache, model_key, prefetched, model=model)

@@ -1,28 +1,29 @@
 """Learned prefixes, the client side: report each request's prompt to the daemon, send the KV it
-asks for, restore from the store on a memory miss, and count where served tokens came from.
+asks for, and restore from the store on a memory miss.
 
-A `PinnedPromptCache` (the server's prompt cache in `kvstore serve`, PersistentPromptCache with
-`learn=True`) calls in here from `fetch_nearest_cache` and `insert_cache`:
+A `PinnedPromptCache`'s store tier (kvstore.client.persistent.StoreTier: the server's prompt cache
+in `kvstore serve`, PersistentPromptCache with `learn=True`) calls in here; nothing here calls the
+cache back: what goes into its LRU is returned.
 
-- `Provenance` (always on): which token prefixes in memory were read from the store, so every
-  fetch splits its prompt into `store`, `memory` and `prefill` tokens (kvstore.metrics).
 - `Learner.restore` (the cold tier): when the store serves more of the prompt than memory - a
   chain of learned block records (BlockStore.lookup + codec.blocks.assemble), or a stored entry
-  that prefixes the request (a pin that left memory, today's clock-bound pin) - the KV is read,
-  put in the LRU (the next hit is memory) and returned instead of prefilling. The records read
-  are sent in batches with `touch_blocks` (write-behind), so the learned LRU keeps them.
+  that prefixes the request (a pin that left memory, today's clock-bound pin) - the KV is read
+  and returned (the caller puts it in the LRU: the next hit is memory) instead of prefilling.
+  Whether the store can serve more is answered from an index of what it holds (`StoreIndex`),
+  read again only when the store changed: a request memory served reads no store. The records
+  read are sent in batches with `touch_blocks` (write-behind), so the learned LRU keeps them.
 - `Learner.inserted`: at the end of a request (mlx-lm inserts prompt + generated tokens), one
   write-behind job: `learn` with the prompt; on `want`, the records are sliced from the cache the
   LRU holds (mlx arrays are immutable) and sent with `put_blocks`. The request path pays a list
   copy and a put_nowait.
 - `Learner.split` (layouts with state layers, which cannot be cut after the fact): at a boundary
   the daemon asked for (`snapshot_at`), the request's prefill stops there, a copy of the cache at
-  the boundary is sent as a learned entry, and the prefill goes on from it. And a request whose
-  prompt extends an earlier request's whole prompt (a conversation's next turn: the turn after
-  it extends it again) is split at its own last token: a copy of the state there is kept, and
-  after the response the worker forwards that token on the copy and sends the exact state at
-  the prompt's end. A restart before the next turn then loses no turn (same compute; the
-  request path pays the copy).
+  the boundary is sent as a learned entry (and returned, to be kept in the LRU), and the prefill
+  goes on from it. And a request whose prompt extends an earlier request's whole prompt (a
+  conversation's next turn: the turn after it extends it again) is split at its own last token:
+  a copy of the state there is kept, and after the response the worker forwards that token on
+  the copy and sends the exact state at the prompt's end. A restart before the next turn then
+  loses no turn (same compute; the request path pays the copy).
 """
 
 from __future__ import annotations
@@ -50,11 +51,9 @@ log = logging.getLogger("kvstore.client")
 
 FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most (one frame each)
 PENDING_PROMPTS = 8  # prompts fetched and not yet inserted (batched requests interleave)
-STORE_PREFIXES = 256  # store-read prefixes remembered for provenance
 BOUNDARIES = 64  # snapshot boundaries remembered per model
 PROMPT_ENDS = 32  # recent whole prompts remembered per model (state layouts: turn-end snapshots)
 RESTORE_MIN_GAIN = 16  # tokens the store must serve beyond memory to be worth a read
-METAS_REFRESH_S = 5.0  # seconds between re-reads of the stored entries' list on a miss
 REOPEN_S = 5.0  # seconds between attempts to open a store that is not there yet
 LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never block a request)
 CORRUPT_PREFIXES = 64  # prefixes a corrupt learned record cut short, remembered (reasons)
@@ -109,55 +108,8 @@ def fingerprint_parts(extra: dict) -> dict:
     return {"fingerprint_parts": parts} if isinstance(parts, dict) else {}
 
 
-class Provenance:
-    """Token prefixes whose KV in memory was read from the store (hydrated or restored).
-
-    A later entry that extends one keeps the prefix, so a fetch served by it still counts the
-    store's part as `store` however long it stayed in memory."""
-
-    def __init__(self, cap: int = STORE_PREFIXES):
-        self._prefixes: OrderedDict[tuple[Any, tuple[int, ...]], None] = OrderedDict()
-        self._cap = cap
-        self._lock = threading.Lock()
-        self.counting = True  # False: requests are not counted (serve's warm-up requests)
-
-    def note_store(self, model: Any, tokens: Sequence[int]) -> None:
-        with self._lock:
-            self._prefixes[(model, tuple(tokens))] = None
-            self._prefixes.move_to_end((model, tuple(tokens)))
-            while len(self._prefixes) > self._cap:
-                self._prefixes.popitem(last=False)
-
-    def store_part(self, model: Any, tokens: Sequence[int], served: int) -> int:
-        """How many of the `served` first tokens of `tokens` came from the store."""
-        best = 0
-        if not served:
-            return 0
-        with self._lock:
-            prefixes = [t for m, t in self._prefixes if m == model]
-        for t in prefixes:
-            k = min(len(t), served)
-            if k > best and t[k - 1] == tokens[k - 1] and t[:k] == tuple(tokens[:k]):
-                best = k
-        return best
-
-    def count(self, model: Any, tokens: Sequence[int], served_mem: int, restored: int) -> None:
-        """Add one request to kvstore_prompt_tokens_total."""
-        if not self.counting:
-            return
-        if restored:
-            store, memory = restored, 0
-        else:
-            store = self.store_part(model, tokens, served_mem)
-            memory = served_mem - store
-        served = restored or served_mem
-        metrics.PROMPT_TOKENS.labels(source="store").inc(store)
-        metrics.PROMPT_TOKENS.labels(source="memory").inc(memory)
-        metrics.PROMPT_TOKENS.labels(source="prefill").inc(len(tokens) - served)
-
-
 @dataclass
-class _Restored:
+class Restored:
     cache: list
     n: int  # tokens of the request it serves
     nbytes: int
@@ -170,6 +122,33 @@ SAID_CORRUPT: set[bytes] = set()  # learned records this process said are corrup
 
 
 @dataclass
+class StoreIndex:
+    """What the store holds of one model, read in one pass: the token ids of its learned chains
+    (from position 0 to each chain's end) and of its entries. Valid while the store's last
+    committed transaction is `change`: a request memory served is then answered from here,
+    without reading the store."""
+
+    change: int
+    chains: list[tuple[int, ...]]
+    entries: list[tuple[tuple[int, ...], Any]]  # (token ids, EntryMeta)
+
+    def may_serve(self, tokens: Sequence[int], served: int) -> bool:
+        """Whether the store may serve more of `tokens` than memory's `served`: a chain that
+        shares RESTORE_MIN_GAIN more tokens with them, or an entry that prefixes them past
+        `served`."""
+        need = served + RESTORE_MIN_GAIN
+        head = tuple(tokens[:need])
+        if any(len(c) >= need and c[need - 1] == head[-1] and c[:need] == head
+               for c in self.chains):  # fmt: skip
+            return True
+        n = len(tokens)
+        return any(
+            served < len(t) < n and t[-1] == tokens[len(t) - 1] and t == tuple(tokens[: len(t)])
+            for t, _ in self.entries
+        )
+
+
+@dataclass
 class ColdTier:
     """The store as the second tier of an LRU: one read-only Store per process, opened lazily."""
 
@@ -177,7 +156,7 @@ class ColdTier:
     _store: Any = None
     _blocks: Any = None
     _tried: float = -1e9
-    _metas: dict = field(default_factory=dict)  # fingerprint -> (read at, [(tokens, meta)])
+    _index: dict = field(default_factory=dict)  # fingerprint -> StoreIndex
     _warned: bool = False
     # prefixes a corrupt record would have served: (tokens, what) (kvstore.reasons' `corrupt`)
     corrupt: deque = field(default_factory=lambda: deque(maxlen=CORRUPT_PREFIXES))
@@ -207,22 +186,62 @@ class ColdTier:
             self._blocks = None
         return True
 
+    def blocks(self) -> Any:
+        """The store's learned-block tables (a BlockStore), or None (no store, or none in it)."""
+        return self._blocks if self._open() else None
+
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
             self._store = None
+        self._blocks, self._index = None, {}
 
-    def restore(self, target: LearnTarget, tokens: Sequence[int], served: int) -> _Restored | None:
+    def index(self, target: LearnTarget) -> StoreIndex:
+        """What the store holds of `target`'s model, read again only when the store changed
+        since (its last transaction id, read without a transaction)."""
+        change = int(self._store.env.info()["last_txnid"])
+        index = self._index.get(target.fingerprint)
+        if index is None or index.change != change:
+            index = self._read_index(target, change)
+            self._index[target.fingerprint] = index
+        return index
+
+    def _read_index(self, target: LearnTarget, change: int) -> StoreIndex:
+        from kvstore.store.entry import unpack_tokens
+
+        chains: list[tuple[int, ...]] = []
+        if self._blocks is not None and target.is_sliceable():
+            prefixes = self._blocks.learned_prefixes(target.fingerprint, max_tokens=1 << 40,
+                                                     limit=1 << 40)  # fmt: skip
+            chains = [tuple(unpack_tokens(t)) for t, _ in prefixes]
+        metas = self._store.metas(target.fingerprint, errors=[])
+        entries = [(tuple(m.token_ids()), m) for m in metas if not unchecked(m)]
+        return StoreIndex(change, chains, entries)
+
+    def refresh(self, targets: Sequence[LearnTarget]) -> None:
+        """Read the index again where the store changed (off the request path: a timer)."""
+        if self._store is None:
+            return
+        for target in targets:
+            try:
+                self.index(target)
+            except (KVStoreError, OSError) as e:
+                log.debug("kvstore: store index not read: %s", e)
+
+    def restore(self, target: LearnTarget, tokens: Sequence[int], served: int) -> Restored | None:
         """The store's KV of the longest prefix of `tokens` it holds beyond `served` (at most
         len(tokens) - 1: mlx-lm leaves a token to prefill), or None."""
         if len(tokens) - 1 - served < RESTORE_MIN_GAIN or not self._open():
             return None
         try:
+            index = self.index(target)
+            if not index.may_serve(tokens, served):
+                return None
             hit = None
             if self._blocks is not None and target.is_sliceable():
                 hit = self._from_records(target, tokens, served)
             best = hit.n if hit is not None else served
-            entry = self._from_entries(target, tokens, best)
+            entry = self._from_entries(index, target, tokens, best)
             return entry or hit
         except (KVStoreError, OSError, ValueError) as e:  # never fail a request: prefill instead
             if not self._warned:
@@ -250,7 +269,7 @@ class ColdTier:
             if n - served < RESTORE_MIN_GAIN:
                 return None
         cache = assemble(blobs, chain, n, target.template())
-        return _Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records",
+        return Restored(cache, n, sum(len(b) for b in blobs), f"{len(chain)} records",
                          [m.key for m in chain])  # fmt: skip
 
     def _say_corrupt(
@@ -299,15 +318,11 @@ class ColdTier:
             out.append(unpack_tokens(b"".join(m.tokens for m in chain)))
         return out
 
-    def _from_entries(self, target: LearnTarget, tokens: Sequence[int], served: int):
-        now = time.monotonic()
-        got = self._metas.get(target.fingerprint)
-        if got is None or now - got[0] >= METAS_REFRESH_S:
-            metas = self._store.metas(target.fingerprint, errors=[])
-            got = (now, [(tuple(m.token_ids()), m) for m in metas if not unchecked(m)])
-            self._metas[target.fingerprint] = got
+    def _from_entries(
+        self, index: StoreIndex, target: LearnTarget, tokens: Sequence[int], served: int
+    ) -> Restored | None:
         best = None
-        for t, meta in got[1]:
+        for t, meta in index.entries:
             if served < len(t) < len(tokens) and (best is None or len(t) > len(best[0])):
                 if t[-1] == tokens[len(t) - 1] and t == tuple(tokens[: len(t)]):
                     best = (t, meta)
@@ -318,11 +333,11 @@ class ColdTier:
             from kvstore.store.blocks import load_entry
 
             _, cache = load_entry(self._store, meta.key, meta.tokens)
-        except KeyError:  # evicted since the list was read
-            self._metas.pop(target.fingerprint, None)
+        except KeyError:  # evicted since the index was read
+            self._index.pop(target.fingerprint, None)
             return None
-        return _Restored(cache, len(t), meta.nbytes, f"entry {meta.label!r}",
-                         prompt_end=meta.extra.get("prompt_end") is True)  # fmt: skip
+        return Restored(cache, len(t), meta.nbytes, f"entry {meta.label!r}",
+                        prompt_end=meta.extra.get("prompt_end") is True)  # fmt: skip
 
 
 class Learner:
@@ -365,9 +380,12 @@ class Learner:
 
     # -- the request path (generation thread) -------------------------------------------------
 
-    def restore(self, lru: Any, model: Any, tokens: Sequence[int], served: int):
-        """(cache, rest, n) from the store when it serves more than memory's `served`, else None.
-        The restored KV goes into `lru` under tokens[:n] (marked as read from the store)."""
+    def restore(
+        self, model: Any, tokens: Sequence[int], served: int, *, used: bool = True
+    ) -> Restored | None:
+        """The store's KV of a longer prefix of `tokens` than memory's `served`, or None. The
+        caller keeps `cache` in its LRU (read from the store) and generates on a copy. `used`:
+        its records are touched (False for a request that is not counted: serve's warm-up)."""
         target = self.targets.get(model)
         if target is None:
             return None
@@ -375,10 +393,9 @@ class Learner:
         hit = self.cold.restore(target, tokens, served)
         if hit is None:
             return None
-        lru.insert_restored(model, list(tokens[: hit.n]), hit.cache)
         if hit.prompt_end:  # a turn's end before a restart: this turn's end is snapshotted too
             self._note_end(model, tokens[: hit.n])
-        if hit.keys and not self._no_touch:
+        if used and hit.keys and not self._no_touch:
             with self._lock:
                 self._touched.setdefault(target.fingerprint, []).extend(hit.keys)
             if time.monotonic() - self._touched_sent >= TOUCH_BATCH_S:
@@ -390,30 +407,34 @@ class Learner:
             "kvstore: restored %d tokens (%s, %.1f MiB) from the store in %.1f ms (memory had %d)",
             hit.n, hit.what, hit.nbytes / 2**20, dt * 1e3, served,
         )  # fmt: skip
-        return copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
+        return hit
 
-    def warm(self, lru: Any, model: Any) -> int:
+    def refresh(self) -> None:
+        """Read the store's index again where it changed (a timer's work, off the request path:
+        the next request memory serves then reads nothing of the store)."""
+        self.cold.refresh(list(self.targets.values()))
+
+    def warm(self, model: Any) -> list[tuple[list[int], list]]:
         """At a server's start: the model's most recently used learned chains read from the
-        store into `lru` (marked as read from it), so the first request after a restart that
-        continues one is served from memory instead of waiting for the cold tier's read. Never
-        raises (a store problem leaves it to the cold tier); returns how many went in."""
+        store, as (token ids, KV) for the caller's LRU (read from the store), so the first
+        request after a restart that continues one is served from memory instead of waiting for
+        the cold tier's read. Never raises (a store problem leaves it to the cold tier)."""
         target = self.targets.get(model)
         if target is None or not target.is_sliceable():
-            return 0  # state layouts keep snapshots at boundaries: the cold tier serves them
-        n = 0
+            return []  # state layouts keep snapshots at boundaries: the cold tier serves them
+        out: list[tuple[list[int], list]] = []
         try:
             for tokens in self.cold.recent_chains(target, WARM_CHAINS, WARM_CHAIN_BYTES):
                 # one token more than the chain, so that the store serves the whole chain (a
                 # restore leaves the prompt's last token to prefill)
                 hit = self.cold.restore(target, [*tokens, 0], 0)
                 if hit is not None and hit.n == len(tokens):
-                    lru.insert_restored(model, tokens, hit.cache)
+                    out.append((tokens, hit.cache))
                     self._warmed.setdefault(model, []).append((tuple(tokens), hit.keys))
-                    n += 1
         except Exception as e:  # an optimisation: never keep the server from starting
             log.warning("kvstore: learned chains not read into memory: %s: %s",
                         type(e).__name__, e)  # fmt: skip
-        return n
+        return out
 
     def fetched(self, model: Any, tokens: Sequence[int]) -> None:
         """Remember the prompt of a request about to run: its insert_cache reports it."""
@@ -435,20 +456,24 @@ class Learner:
                         self._touched.setdefault(target.fingerprint, []).extend(keys)
                 return
 
-    def split(self, lru: Any, model: Any, tokens: Sequence[int], cache: Any, rest: list):
+    def split(
+        self, model: Any, tokens: Sequence[int], cache: Any, rest: list
+    ) -> tuple[Any, list, list[tuple[list[int], list]]]:
         """For a layout with state layers: prefill up to a boundary the daemon asked for, send a
         copy of the cache there as a learned entry, and go on from it; then, when the prompt
         extends a recent request's whole prompt, prefill up to its last token and keep a copy
-        there (`inserted` sends the state at the prompt's end). Returns (cache, rest)."""
+        there (`inserted` sends the state at the prompt's end). Returns (cache, rest, keep):
+        `keep`, the (token ids, KV) of a boundary's snapshot, for the caller's LRU."""
         target = self.targets.get(model)
+        keep: list[tuple[list[int], list]] = []
         if target is None or target.kv_bits is not None:
-            return cache, rest
+            return cache, rest, keep
         bounds = self._boundaries.get(model)
         if bounds:
-            cache, rest = self._split_at_boundary(lru, model, target, tokens, cache, rest)
+            cache, rest = self._split_at_boundary(model, target, tokens, cache, rest, keep)
         if self.learn and not self._unsupported and rest and self._extends_an_end(model, tokens):
             cache, rest = self._split_at_end(model, target, tokens, cache, rest)
-        return cache, rest
+        return cache, rest, keep
 
     def _prefill(self, target: LearnTarget, cache: Any, ids: Sequence[int]) -> list:
         import mlx.core as mx
@@ -461,7 +486,7 @@ class Learner:
             mx.eval([cache_api.state(c) for c in cache])
         return cache
 
-    def _split_at_boundary(self, lru, model, target: LearnTarget, tokens, cache, rest):
+    def _split_at_boundary(self, model, target: LearnTarget, tokens, cache, rest, keep: list):
         bounds = self._boundaries[model]
         served, n = len(tokens) - len(rest), len(tokens)
         with self._lock:
@@ -476,7 +501,7 @@ class Learner:
             del bounds[p]
         cache = self._prefill(target, cache, tokens[served:p])
         snapshot = copy.deepcopy(cache)
-        lru.insert_restored(model, list(tokens[:p]), copy.deepcopy(snapshot), from_store=False)
+        keep.append((list(tokens[:p]), copy.deepcopy(snapshot)))
         prefix = list(tokens[:p])
         if self.writer.submit(
             Job(
@@ -546,7 +571,7 @@ class Learner:
 
         # Normally a no-op; a lazy graph (the batched path's extracted caches) must be evaluated
         # on this thread's stream: the worker has no access to it.
-        mx.eval([cache_api.state(c) for c in cache])
+        mx.eval([c.state for c in cache])
         if not target.is_sliceable():
             self._note_end(model, prompt)
             with self._lock:
@@ -721,9 +746,7 @@ class Learner:
         from kvstore.store.entry import pack_tokens
 
         layers = kv_layers(cache)
-        if not layers or not STATE_ONLY_SNAPSHOTS or not self.cold._open():
-            return []
-        blocks = self.cold._blocks
+        blocks = self.cold.blocks() if layers and STATE_ONLY_SNAPSHOTS else None
         if blocks is None:
             return []
         self._block = blocks.cut_at()

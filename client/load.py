@@ -23,15 +23,22 @@ KV under the new files' fingerprint, so such a model hydrates nothing.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvstore.client.hydrate import Prefetched, check_arguments, given_identity, prefetch
+from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.codec import idle_cores
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import ModelIdentity
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from kvstore.client.persistent import CacheKeywords, CacheOptions, PersistentPromptCache
 
 log = logging.getLogger("kvstore.client")
 
@@ -40,82 +47,95 @@ WARM_ENTRY_BYTES = 64 << 20  # the largest stored prefix load's warm-up forward 
 WARM_SUFFIX_TOKENS = 16
 
 
+class _Reading:
+    """The store's entries for a model, read on a second thread while its weights load (or
+    after them, on the caller's), with the files' identity taken before mlx-lm reads them."""
+
+    def __init__(self, identity: ModelIdentity, home: Any, overlap: bool | None):
+        self.identity, self.home = identity, home
+        self.entries: Prefetched | None = None
+        try:  # as given: checked here, and said once by the cache when wrong
+            self.identity = check_arguments(identity, home=home)[1]
+            self.usable = True
+        except KVStoreError:
+            self.usable = False
+        self.before = fingerprint_files(self.identity, home=home) if self.usable else None
+        # Reading beside the load pays off only on a core nothing else runs on: else the two
+        # threads share one core and the GIL, and the sum costs more (see the module doc).
+        self.overlap = self.usable and (idle_cores() >= 1 if overlap is None else overlap)
+        self.thread = threading.Thread(target=self._read, name="kvstore-prefetch", daemon=True)
+
+    def _read(self) -> None:
+        self.entries = prefetch(self.identity, home=self.home, fingerprint=self.before)
+
+    def __enter__(self) -> _Reading:
+        if self.overlap:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.overlap:
+            self.thread.join()  # also when the load fails: never leave mlx work on a thread
+
+    def result(self, model: Any, model_path: Any) -> Prefetched | None:
+        """The entries read under the files `model` was loaded from; None when they changed
+        (or the thread died): the cache then reads again (and refuses) with the model."""
+        same_files = tag_loaded(model, self.before, model_path)
+        if self.usable and not self.overlap and same_files:
+            self._read()  # after the load, on this thread
+        got = self.entries
+        if got is None or not same_files or self.before is None:
+            return None
+        return got if got.report.fingerprint == self.before.hex else None
+
+
 def load(
-    model_path: str | Path,
+    model_path: str | Path | ModelIdentity,
     *,
     home: str | Path | None = None,
-    adapter_path: str | Path | None = None,
     tokenizer_config: dict | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = 5000,
-    model_config: dict | None = None,
     overlap: bool | None = None,
     warm: bool = True,
-    **cache_options: Any,
-) -> tuple[Any, Any, Any]:
+    options: CacheOptions | None = None,
+    **keywords: Unpack[CacheKeywords],
+) -> tuple[Any, Any, PersistentPromptCache]:
     """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
     `PersistentPromptCache` hydrated from the store while the weights loaded.
 
-    `model_config` are load-time overrides, as `mlx_lm.load(model_config=...)` takes them (they
-    are part of the entries' identity). `cache_options` go to `PersistentPromptCache`
-    (model_key, max_size, max_bytes, stats, ...).
-    Like `hydrate`, a store problem or a wrong argument type is one warning in
-    `cache.report`, never an exception (mlx_lm.load's own errors still raise). `overlap` reads
-    the entries on a second thread while the weights load (True), or after them on this one
-    (False); by default only when a core is idle (`kvstore.codec.idle_cores`). `warm` pays what
-    the first `generate` would pay once (`first_call`): without it the first call costs more than
-    the next ones.
+    `model_path` is the model, or its whole `ModelIdentity`; else the identity keywords name the
+    rest of it (`adapter_path`, `kv_bits`, `kv_group_size`, `quantized_kv_start`,
+    `model_config`: load-time overrides, as `mlx_lm.load(model_config=...)` takes them). The other
+    keywords are the cache's options (`CacheOptions`, or its fields one by one: model_key,
+    max_size, max_bytes, stats, ...). Like `hydrate`, a store problem or a wrong argument type
+    is one warning in `cache.report`, never an exception (mlx_lm.load's own errors still raise).
+    `overlap` reads the entries on a second thread while the weights load (True), or after them
+    on this one (False); by default only when a core is idle (`kvstore.codec.idle_cores`).
+    `warm` pays what the first `generate` would pay once (`first_call`): without it the first
+    call costs more than the next ones.
     """
     from mlx_lm import load as mlx_load
 
-    from kvstore.client.persistent import PersistentPromptCache
+    from kvstore.client.persistent import CacheOptions, PersistentPromptCache
 
-    read: dict[str, Prefetched] = {}
-    # what the entries are keyed by: the same for the fingerprint, the prefetch and the cache
-    identity = given_identity(
-        model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
-    )  # as given: checked below, and said once by the cache when wrong
-    try:
-        identity = check_arguments(identity, home=home)[1]
-        usable = True
-    except KVStoreError:  # said once, by the cache below
-        usable = False
-    # the files' identity before mlx-lm reads them
-    before = fingerprint_files(identity, home=home) if usable else None
-
-    def prefetch_entries() -> None:
-        read["entries"] = prefetch(identity, home=home, fingerprint=before)
-
-    # Reading beside the load pays off only on a core nothing else runs on: else the two threads
-    # share one core and the GIL, and the sum costs more than one after the other (see module doc).
-    overlap = usable and (idle_cores() >= 1 if overlap is None else overlap)
-    reader = threading.Thread(target=prefetch_entries, name="kvstore-prefetch", daemon=True)
-    if overlap:
-        reader.start()
-    try:
+    rows: dict[str, Any] = dict(keywords)
+    given = ModelIdentity.given(model_path, rows)
+    given = rows.pop("identity", None) or (
+        model_path if isinstance(model_path, ModelIdentity) else given
+    )
+    options = CacheOptions.given(rows, options)
+    overrides = given.model_config
+    with _Reading(given, home, overlap) as reading:
         model, tokenizer = mlx_load(
-            str(model_path),
+            str(given.path),
             tokenizer_config=tokenizer_config,
-            model_config=dict(model_config) if isinstance(model_config, dict) else model_config,
-            adapter_path=None if adapter_path is None else str(adapter_path),
+            model_config=dict(overrides) if isinstance(overrides, dict) else overrides,
+            adapter_path=None if given.adapter is None else str(given.adapter),
         )
-    finally:
-        if overlap:
-            reader.join()  # also when the load fails: never leave mlx work running on a thread
-    same_files = tag_loaded(model, before, model_path)
-    if usable and not overlap and same_files:
-        prefetch_entries()  # after the load, on this thread
-    prefetched = read.get("entries")  # None if the thread died or files changed: read again below
-    if prefetched is not None and not (
-        same_files and before is not None and prefetched.report.fingerprint == before.hex
-    ):
-        prefetched = None  # read under other files: the cache re-reads (and refuses) with the model
+    prefetched = reading.result(model, given.path)
     largest, largest_tokens, pinned = _warm_entry(prefetched)
     cache = PersistentPromptCache(
-        model, tokenizer, model_path, home=home, identity=identity, prefetched=prefetched,
-        **cache_options,
-    )  # fmt: skip
+        model, tokenizer, reading.identity, home=home, options=options, prefetched=prefetched
+    )
     if warm:
         grown = first_call(model, tokenizer, largest, largest_tokens)
         if pinned and largest is not None and grown is not None:
@@ -185,8 +205,6 @@ def first_call(
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvstore import client
-
     try:
         if getattr(tokenizer, "chat_template", None):
             tokenizer.apply_chat_template(
@@ -195,8 +213,10 @@ def first_call(
                 tokenize=False,
             )
         tokenizer.encode(tokenizer.decode(list(tokens)) if tokens else "x")
-        for name in ("generate", "stream_generate"):  # the package's lazy names of the call
-            getattr(client, name)
+        # the package's lazy `generate` names (looked up, not imported: the package imports us)
+        package = sys.modules[__name__.rpartition(".")[0]]
+        for name in ("generate", "stream_generate"):
+            getattr(package, name)
         kv = copy.deepcopy(entry) if entry is not None else make_prompt_cache(model)
         suffix = [0] * WARM_SUFFIX_TOKENS
         for _ in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=1, prompt_cache=kv):

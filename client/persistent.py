@@ -1,52 +1,58 @@
-"""PersistentPromptCache: mlx-lm's LRUPromptCache, hydrated from the store, with runtime pins.
+"""The client's prompt cache: mlx-lm's LRUPromptCache with pins, over a store tier.
 
-Pins live in the LRU's trie, so `fetch_nearest_cache` finds them with mlx-lm's own search and
-copy semantics, but not in its eviction order or byte count, so the LRU never evicts them. One
-mlx-lm behaviour needs undoing: inserting a trimmable cache pops every stored prefix of it, which
-would drop a pin as soon as a chained transcript extends it; `insert_cache` puts those pins back.
+`PinnedPromptCache` is the one class that overrides `fetch_nearest_cache` and `insert_cache`. Pins
+live in the LRU's trie, so a fetch finds them with mlx-lm's own search and copy semantics, but
+not in its eviction order or byte count, so the LRU never evicts them. One mlx-lm behaviour needs
+undoing: inserting a trimmable cache pops every stored prefix of it, which would drop a pin as
+soon as a chained transcript extends it; the insert puts those pins back. What a request asks of
+the store - restore a miss, count where its tokens came from, learn, record hits, offer an insert
+to be stored - the cache asks of its `StoreTier`, which returns values and never calls the cache
+back. KV read from the store (hydrate, a restore, a pin found there) goes in through
+`insert_stored`, never through the request path's insert.
 
-New pins (and, opt-in, chained transcripts) go to the daemon through the write-behind queue.
+`PersistentPromptCache` is that cache for one loaded model in an app: hydrated from the store,
+with runtime pins and per-call stats; new pins (and, opt-in, chained transcripts) go to the daemon
+through the write-behind queue. `kvstore serve` builds the server's cache with its own tier.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
+import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
-from kvstore import mlxlm
+from kvstore import metrics, mlxlm
 from kvstore.client.fleetcheck import unchecked
-from kvstore.client.hydrate import (
-    HydrateReport,
-    Prefetched,
-    check_arguments,
-    given_identity,
-    insert,
-    prefetch,
-)
-from kvstore.client.learn import Learner, LearnTarget, Provenance
+from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
+from kvstore.client.learn import Learner, LearnTarget
 from kvstore.client.reasons import after_hydrate
 from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
-from kvstore.identity.model import ModelIdentity
+from kvstore.identity.model import IdentityKeywords, ModelIdentity
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from kvstore.identity.fingerprint import Fingerprint
 
 log = logging.getLogger("kvstore.client")
 
 PIN_TYPE = "system"  # the LRU cache_type pins are filed under (as hydrate files stored entries)
 HIT_BATCH_S = 5.0  # seconds between batches of hits sent to the daemon
+STORE_PREFIXES = 256  # store-read prefixes remembered for provenance
 
 
 @dataclass(frozen=True)
@@ -61,36 +67,198 @@ class Pin:
     valid_date: str | None = None  # clock-bound: the template prints the date; valid this day
 
 
+class Provenance:
+    """Token prefixes whose KV in memory was read from the store (hydrated or restored).
+
+    A later entry that extends one keeps the prefix, so a fetch served by it still counts the
+    store's part as `store` however long it stayed in memory."""
+
+    def __init__(self, cap: int = STORE_PREFIXES):
+        self._prefixes: OrderedDict[tuple[Any, tuple[int, ...]], None] = OrderedDict()
+        self._cap = cap
+        self._lock = threading.Lock()
+
+    def note_store(self, model: Any, tokens: Sequence[int]) -> None:
+        with self._lock:
+            self._prefixes[(model, tuple(tokens))] = None
+            self._prefixes.move_to_end((model, tuple(tokens)))
+            while len(self._prefixes) > self._cap:
+                self._prefixes.popitem(last=False)
+
+    def store_part(self, model: Any, tokens: Sequence[int], served: int) -> int:
+        """How many of the `served` first tokens of `tokens` came from the store."""
+        best = 0
+        if not served:
+            return 0
+        with self._lock:
+            prefixes = [t for m, t in self._prefixes if m == model]
+        for t in prefixes:
+            k = min(len(t), served)
+            if k > best and t[k - 1] == tokens[k - 1] and t[:k] == tuple(tokens[:k]):
+                best = k
+        return best
+
+    def count(self, model: Any, tokens: Sequence[int], served_mem: int, restored: int) -> None:
+        """Add one request to kvstore_prompt_tokens_total."""
+        if restored:
+            store, memory = restored, 0
+        else:
+            store = self.store_part(model, tokens, served_mem)
+            memory = served_mem - store
+        served = restored or served_mem
+        metrics.PROMPT_TOKENS.labels(source="store").inc(store)
+        metrics.PROMPT_TOKENS.labels(source="memory").inc(memory)
+        metrics.PROMPT_TOKENS.labels(source="prefill").inc(len(tokens) - served)
+
+
+# offer(model, tokens, kv, cache_type) -> whether the insert was sent towards the store
+OnInsert = Callable[[Any, Sequence[int], list, str], bool]
+
+
+class StoreTier:
+    """What a prompt cache asks of the store on the request path: restore a miss the store
+    serves better (the learner's cold tier), count where a request's tokens came from, learn
+    (report the request; send the KV the daemon wants), record hits on stored entries (touch,
+    batched through the write-behind), and offer a request's insert to be stored (`on_insert`).
+
+    It returns values and never calls the cache back. `quiet(tokens)` names requests that are
+    restored and served as any other but not counted, reported, hit or kept (`kvstore serve`'s
+    warm-up requests); `on_insert` is the library's chain persisting or serve's system prompts.
+    Hits are recorded for one model (`serving`): the one whose entries the store holds."""
+
+    def __init__(
+        self,
+        *,
+        learner: Learner | None = None,
+        writer: WriteBehind | None = None,
+        on_insert: OnInsert | None = None,
+        quiet: Callable[[Sequence[int]], bool] | None = None,
+    ):
+        self.provenance = Provenance()
+        self.learner = learner
+        self.writer = writer
+        self.on_insert = on_insert
+        self.quiet = quiet
+        self.model: Any = None  # the model key hits are recorded for
+        self.fingerprint: bytes | None = None  # its entries' fingerprint
+        self.stored: set[tuple[int, ...]] = set()  # token ids the store holds an entry of
+        self.offered: set[tuple[int, ...]] = set()  # sent towards the store from here
+        self._hits: list[tuple[int, ...]] = []  # stored prefixes that served a fetch, unsent
+        self._hits_sent = time.monotonic()
+
+    def serving(self, model: Any, fingerprint: bytes | None) -> None:
+        """Hits are now recorded for `model`, whose entries are filed under `fingerprint`."""
+        self.model, self.fingerprint = model, fingerprint
+        self.stored, self.offered = set(), set()
+
+    def is_quiet(self, tokens: Sequence[int]) -> bool:
+        return self.quiet is not None and self.quiet(tokens)
+
+    def note_stored(self, model: Any, tokens: Sequence[int]) -> None:
+        """The KV of `tokens` in memory was read from the store: counted as `store` when it
+        serves, and its uses are hits."""
+        self.provenance.note_store(model, tokens)
+        self.stored.add(tuple(tokens))
+
+    def restore(self, model: Any, tokens: Sequence[int], served: int, *, quiet: bool) -> Any:
+        """The learner's restore (a `kvstore.client.learn.Restored`), or None."""
+        if self.learner is None:
+            return None
+        return self.learner.restore(model, tokens, served, used=not quiet)
+
+    def split(
+        self, model: Any, tokens: Sequence[int], cache: Any, rest: list
+    ) -> tuple[Any, list, list[tuple[list[int], list]]]:
+        """The learner's split at a learned boundary (state layouts): (cache, rest, keep)."""
+        if self.learner is None:
+            return cache, rest, []
+        return self.learner.split(model, tokens, cache, rest)
+
+    def served(
+        self, model: Any, tokens: Sequence[int], memory: int, restored: int, served: int
+    ) -> None:
+        """A request's fetch is done: count its tokens by source, remember its prompt for the
+        learner, and record a hit on the stored prefix that served it."""
+        self.provenance.count(model, tokens, memory, restored)
+        if self.learner is not None:
+            self.learner.fetched(model, tokens)
+        if served and model == self.model and self.fingerprint is not None:
+            self._hit(tokens, served)
+
+    def inserted(self, model: Any, tokens: Sequence[int], kv: list, cache_type: str) -> None:
+        """A request's insert (its end, or the batched path's system segment)."""
+        if self.learner is not None:
+            self.learner.inserted(model, tokens, kv)
+        if self.on_insert is not None and self.on_insert(model, tokens, kv, cache_type):
+            self.offered.add(tuple(tokens))  # stored soon: its later uses are hits
+
+    def _hit(self, tokens: Sequence[int], served: int) -> None:
+        """Remember which stored prefix a fetch reused (hits, last_used: the order the daemon's
+        budget evicts in), sent every HIT_BATCH_S seconds. A prefix counts whether its stored
+        entry or an in-memory transcript extending it served."""
+        best = max(
+            (t for t in self.stored | self.offered
+             if len(t) <= served and tuple(tokens[: len(t)]) == t),
+            key=len,
+            default=None,
+        )  # fmt: skip
+        if best is None:
+            return
+        self._hits.append(best)
+        if time.monotonic() - self._hits_sent >= HIT_BATCH_S:
+            self.send_hits()
+
+    def send_hits(self) -> None:
+        """Hits on stored entries (touch) and on restored learned records (touch_blocks); their
+        keys are made on the write-behind's thread."""
+        hits, self._hits, self._hits_sent = self._hits, [], time.monotonic()
+        if hits and self.writer is not None and self.fingerprint is not None:
+            self.writer.submit(Job(f"{len(hits)} hits", _toucher(self.fingerprint, hits)))
+        if self.learner is not None:
+            self.learner.send_touched()
+
+    def refresh(self) -> None:
+        """Off the request path (a timer): read the store's index again where it changed."""
+        if self.learner is not None:
+            self.learner.refresh()
+
+
+def _toucher(fingerprint: bytes, hits: list[tuple[int, ...]]) -> Callable[[Any], Any]:
+    def touch(client: Any) -> Any:
+        from kvstore.store.entry import entry_key
+
+        return client.request("touch", keys=[entry_key(fingerprint, t) for t in hits])
+
+    return touch
+
+
 class PinnedPromptCache(LRUPromptCache):
-    """An LRUPromptCache whose pins sit in its trie but outside its eviction order and byte count.
+    """An LRUPromptCache whose pins sit in its trie but outside its eviction order and byte
+    count, over a `StoreTier` (restore, count, learn, hits, offer).
 
     `fetch_nearest_cache` finds pins with mlx-lm's own search and copy semantics; the LRU never
     evicts them, and inserting a trimmable cache that extends a pin (mlx-lm pops every stored
     prefix of it) puts the pin back. PersistentPromptCache and `kvstore serve` keep pins this way.
     """
 
-    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+    def __init__(
+        self, max_size: int = 10, max_bytes: int = 1 << 63, *, tier: StoreTier | None = None
+    ):
         super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self.tier = tier if tier is not None else StoreTier()
         self._pins: dict[tuple[Any, tuple[int, ...]], tuple[Any, Any]] = {}  # -> (pin, entry)
-        self.provenance = Provenance()  # which prefixes in memory were read from the store
-        self.learner: Learner | None = None  # learning and the cold tier (kvstore.client.learn)
-        self._restoring = False  # inserting KV read from the store: not a request's end
+        self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # inserted as pins: -> label
 
-    def note_from_store(self, model: Any, tokens: Sequence[int]) -> None:
-        """The KV just inserted for `tokens` was read from the store (hydrate calls this)."""
-        self.provenance.note_store(model, tokens)
+    @property
+    def learner(self) -> Learner | None:
+        """The store tier's learner (learning and the cold tier), if any."""
+        return self.tier.learner
 
-    def insert_restored(
-        self, model: Any, tokens: list[int], cache: list, *, from_store: bool = True
-    ) -> None:
-        """Put KV the learner restored (or split off) into the LRU: no report, no persist."""
-        self._restoring = True
-        try:
-            self.insert_cache(model, tokens, cache, cache_type="system")
-        finally:
-            self._restoring = False
-        if from_store:
-            self.note_from_store(model, tokens)
+    @learner.setter
+    def learner(self, learner: Learner | None) -> None:
+        self.tier.learner = learner
+
+    # -- the request path -------------------------------------------------------------------
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         """mlx-lm's fetch; then the store when it serves more (the cold tier), a split at a
@@ -98,18 +266,110 @@ class PinnedPromptCache(LRUPromptCache):
         cache, rest = super().fetch_nearest_cache(model, tokens)
         if cache is not None and tokens and not rest:
             cache, rest = mlxlm.leave_last_token(self, model, tokens, cache)
-        served = len(tokens) - len(rest)
+        memory = len(tokens) - len(rest)
+        quiet = self.tier.is_quiet(tokens)
         restored = 0
-        learner = self.learner
-        if learner is not None:
-            hit = learner.restore(self, model, tokens, served)
-            if hit is not None:
-                cache, rest, restored = hit
-        self.provenance.count(model, tokens, served, restored)
-        if learner is not None:
-            learner.fetched(model, tokens)
-            cache, rest = learner.split(self, model, tokens, cache, rest)
+        hit = self.tier.restore(model, tokens, memory, quiet=quiet)
+        if hit is not None:
+            if not quiet:  # in memory now: the next hit is memory's
+                self._insert(model, list(tokens[: hit.n]), hit.cache, cache_type="system")
+                self.tier.note_stored(model, tokens[: hit.n])
+            cache, rest, restored = copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
+        if quiet:
+            return cache, rest
+        cache, rest, keep = self.tier.split(model, tokens, cache, rest)
+        for t, kv in keep:  # a learned boundary's snapshot, computed here
+            self._insert(model, t, kv, cache_type="system")
+        self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest))
         return cache, rest
+
+    def insert_cache(
+        self,
+        model: Any,
+        tokens: list[int],
+        prompt_cache: list[Any],
+        *,
+        cache_type: str = "assistant",
+    ) -> bool:
+        """A request's insert: mlx-lm's, with pins kept, then the store tier's (learn, offer).
+        False (nothing inserted) for a pin's exact tokens or a quiet request's."""
+        if self.tier.is_quiet(tokens):
+            return False
+        label = self._to_pin.pop((model, tuple(tokens)), None)
+        if label is not None:
+            self.attach_pin(model, tokens, prompt_cache, label)
+            return True
+        if not self._insert(model, tokens, prompt_cache, cache_type=cache_type):
+            return False
+        self.tier.inserted(model, tokens, prompt_cache, cache_type)
+        return True
+
+    # -- what is not a request --------------------------------------------------------------
+
+    def insert_stored(self, model: Any, tokens: Sequence[int], kv: list) -> bool:
+        """KV read from the store (hydrate): kept (as a pin when `keep_pins` named it), counted
+        as the store's when it serves, its uses hits; nothing reported or sent."""
+        label = self._to_pin.pop((model, tuple(tokens)), None)
+        if label is not None:
+            self.attach_pin(model, tokens, kv, label)
+            inserted = True
+        else:
+            inserted = self._insert(model, list(tokens), kv, cache_type=PIN_TYPE)
+        self.tier.note_stored(model, tokens)
+        return inserted
+
+    def _insert(self, model: Any, tokens: list[int], kv: list[Any], *, cache_type: str) -> bool:
+        """mlx-lm's insert, with pins kept; False (nothing inserted) for a pin's exact tokens."""
+        ident = tuple(tokens)
+        if (model, ident) in self._pins:
+            return False  # the pin already holds exactly this KV; replacing it would unpin it
+        shadowed = []
+        if self._pins and can_trim_prompt_cache(kv):
+            shadowed = [
+                (t, entry)
+                for (m, t), (_, entry) in self._pins.items()
+                if m == model and len(t) < len(ident) and ident[: len(t)] == t
+            ]
+        # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
+        # are not in its byte count: count them in first so its budget check sees true numbers.
+        for _, entry in shadowed:
+            mlxlm.lru_count(self, entry, +1)
+        super().insert_cache(model, tokens, kv, cache_type=cache_type)
+        for t, entry in shadowed:
+            mlxlm.trie_add(self, model, t, entry)
+        return True
+
+    # -- pins -------------------------------------------------------------------------------
+
+    def attach_pin(self, model: Any, tokens: Sequence[int], cache: list, pin: Any) -> None:
+        """Keep `cache`, the KV of exactly `tokens`, as a pin (`pin` says which, for the owner)."""
+        tokens = tuple(tokens)
+        entry = mlxlm.cache_entry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
+        prev = mlxlm.trie_add(self, model, tokens, entry)
+        if prev is not None and (model, tokens) not in self._pins:
+            # an LRU entry of the same tokens: take it off the LRU's books
+            mlxlm.lru_forget(self, model, tokens, prev)
+        self._pins[(model, tokens)] = (pin, entry)
+
+    def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
+        """The next inserts of these entries' tokens become pins. Pins of other models are
+        let go (`kvstore serve` holds one model; loading one again hydrates them again)."""
+        for m, tokens in [k for k in self._pins if k[0] != model]:
+            mlxlm.trie_pop(self, m, tokens)
+            del self._pins[(m, tokens)]
+        self._to_pin = {(model, tuple(meta.token_ids())): meta.label for meta in metas}
+
+    def pins_of(self, model: Any) -> dict[tuple[int, ...], int]:
+        """This model's pins: tokens -> bytes of KV."""
+        return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
+
+    def pin_labels(self, model: Any) -> dict[tuple[int, ...], str]:
+        """This model's pins: tokens -> label (what a `diverged` reason names)."""
+        return {
+            t: str(getattr(pin, "label", None) or getattr(pin, "name", pin))
+            for (m, t), (pin, _) in self._pins.items()
+            if m == model
+        }
 
     def __len__(self) -> int:
         return mlxlm.lru_len(self) + len(self._pins)
@@ -123,45 +383,50 @@ class PinnedPromptCache(LRUPromptCache):
         """Bytes of the pins' KV: resident whatever the LRU's limits."""
         return sum(entry.nbytes for _, entry in self._pins.values())
 
-    def insert_cache(
-        self,
-        model: Any,
-        tokens: list[int],
-        prompt_cache: list[Any],
-        *,
-        cache_type: str = "assistant",
-    ) -> bool:
-        """mlx-lm's insert, with pins kept; False (nothing inserted) for a pin's exact tokens."""
-        ident = tuple(tokens)
-        if (model, ident) in self._pins:
-            return False  # the pin already holds exactly this KV; replacing it would unpin it
-        shadowed = []
-        if self._pins and can_trim_prompt_cache(prompt_cache):
-            shadowed = [
-                (t, entry)
-                for (m, t), (_, entry) in self._pins.items()
-                if m == model and len(t) < len(ident) and ident[: len(t)] == t
-            ]
-        # mlx-lm pops (and un-counts the bytes of) every stored prefix of a trimmable insert. Pins
-        # are not in its byte count: count them in first so its budget check sees true numbers.
-        for _, entry in shadowed:
-            mlxlm.lru_count(self, entry, +1)
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        for t, entry in shadowed:
-            mlxlm.trie_add(self, model, t, entry)
-        if self.learner is not None and not self._restoring:
-            self.learner.inserted(model, tokens, prompt_cache)
-        return True
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        # what mlx_lm.server logs per request: pins are not in any of the LRU's types
+        stats = super().stats_by_type()
+        stats["pinned"] = {"n_sequences": len(self._pins), "n_bytes": self.pinned_nbytes}
+        return stats
 
-    def attach_pin(self, model: Any, tokens: Sequence[int], cache: list, pin: Any) -> None:
-        """Keep `cache`, the KV of exactly `tokens`, as a pin (`pin` says which, for the owner)."""
-        tokens = tuple(tokens)
-        entry = mlxlm.cache_entry(cache, sum(c.nbytes for c in cache), PIN_TYPE)
-        prev = mlxlm.trie_add(self, model, tokens, entry)
-        if prev is not None and (model, tokens) not in self._pins:
-            # an LRU entry of the same tokens: take it off the LRU's books
-            mlxlm.lru_forget(self, model, tokens, prev)
-        self._pins[(model, tokens)] = (pin, entry)
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """How a PersistentPromptCache keeps, counts and sends KV (its model's identity and home
+    apart). Each is also a keyword argument of `PersistentPromptCache` and `load`."""
+
+    model_key: Any = None  # the LRU's key of the model; default: the model path
+    max_size: int = 10  # LRU entries, pins apart
+    max_bytes: int = 1 << 63  # bytes of LRU entries, pins apart
+    persist_chains: bool = False  # send chained transcripts to the daemon too
+    learn: bool = False  # report prompts; restore from the store on a memory miss
+    stats: bool = True  # record each call's prefill stats
+    verbose: bool | None = None  # print each call's line (None: unless logging shows it)
+    chat_template_kwargs: Mapping[str, Any] | None = None  # what the app's requests render with
+
+    @classmethod
+    def given(cls, keywords: dict[str, Any], base: CacheOptions | None = None) -> CacheOptions:
+        """`base` (default: the defaults) with the options named in `keywords` (taken out of
+        it); TypeError for a keyword that is none of them."""
+        names = {f.name for f in fields(cls)}
+        if unknown := sorted(set(keywords) - names):
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+        return replace(base or cls(), **{k: keywords.pop(k) for k in list(keywords)})
+
+
+class CacheKeywords(IdentityKeywords, total=False):
+    """The keyword arguments `PersistentPromptCache` and `load` take one by one: the model's
+    identity (or the whole `identity`) and the cache's options (CacheOptions' fields)."""
+
+    identity: ModelIdentity
+    model_key: Any
+    max_size: int
+    max_bytes: int
+    persist_chains: bool
+    learn: bool
+    stats: bool
+    verbose: bool | None
+    chat_template_kwargs: Mapping[str, Any] | None
 
 
 class PersistentPromptCache(PinnedPromptCache):
@@ -171,14 +436,16 @@ class PersistentPromptCache(PinnedPromptCache):
     >>> cache.pin("classify", messages=[{"role": "system", "content": ROUTER}])
     >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
 
-    `model_config` names the overrides the model was loaded with (`mlx_lm.load(model_config=)`);
-    its own arguments are read from `model` either way. `identity` (a ModelIdentity) may be given
-    instead of `adapter_path`, `kv_bits`, `kv_group_size`, `quantized_kv_start` and
-    `model_config`. Load it with `kvstore.client.load` and a
-    weight
-    file changed since is caught: nothing is hydrated or persisted for that model. A model from
-    plain `mlx_lm.load` is compared with its files (a sample of its weights) instead. Before each
-    store the files are checked again: KV is filed only under the fingerprint of the weights that
+    Built from the model, its tokenizer, its identity (a path, or a `ModelIdentity`), the home
+    and `options` (CacheOptions). The keyword rows of both are accepted as before
+    (`adapter_path=`, `kv_bits=`, ..., `learn=`, `stats=`, ...): the model as loaded
+    (`model_config`: the overrides of `mlx_lm.load(model_config=)`; its own arguments are read
+    from `model` either way) and how the cache keeps KV. Constructing it hydrates the store's
+    entries for the model (read now, or `prefetched` by `kvstore.client.load`) and starts the
+    write-behind to the daemon. Load it with `kvstore.client.load` and a weight file changed
+    since is caught: nothing is hydrated or persisted for that model. A model from plain
+    `mlx_lm.load` is compared with its files (a sample of its weights) instead. Before each store
+    the files are checked again: KV is filed only under the fingerprint of the weights that
     computed it. Like `hydrate`, it never raises for a store problem or a wrong argument type:
     the report holds one warning and the cache works as a plain LRUPromptCache.
 
@@ -191,56 +458,54 @@ class PersistentPromptCache(PinnedPromptCache):
         self,
         model: Any,
         tokenizer: Any,
-        model_path: str | Path,
+        model_path: str | Path | ModelIdentity,
         *,
-        model_key: Any = None,
         home: str | Path | None = None,
-        adapter_path: str | Path | None = None,
-        kv_bits: int | None = None,
-        kv_group_size: int = 64,
-        quantized_kv_start: int = 5000,
-        model_config: dict | None = None,
-        max_size: int = 10,
-        max_bytes: int = 1 << 63,
-        persist_chains: bool = False,
-        learn: bool = False,
-        stats: bool = True,
-        verbose: bool | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
+        options: CacheOptions | None = None,
         prefetched: Prefetched | None = None,
-        identity: ModelIdentity | None = None,
+        **keywords: Unpack[CacheKeywords],
     ):
-        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        rows: dict[str, Any] = dict(keywords)
+        given = ModelIdentity.given(model_path, rows)  # as given: checked when the cache opens
+        identity = rows.pop("identity", None)
+        if identity is None:
+            identity = model_path if isinstance(model_path, ModelIdentity) else given
+        self.options = options = CacheOptions.given(rows, options)
+        super().__init__(
+            options.max_size, options.max_bytes,
+            tier=StoreTier(on_insert=self._offer_chain if options.persist_chains else None),
+        )  # fmt: skip
         self.model, self.tokenizer = model, tokenizer
-        self.model_path = str(model_path)
-        self.model_key = self.model_path if model_key is None else model_key
-        if identity is None:  # as given: checked below (a wrong type is the one warning)
-            identity = given_identity(
-                model_path, adapter_path, kv_bits, kv_group_size, quantized_kv_start, model_config
-            )
-        # the model as the entries are keyed: what every hydrate, prefill and store here uses
-        self.identity = identity
-        self.home: Path | None = None
-        try:
-            self.home, self.identity = check_arguments(identity, home=home)
-            bad_argument = None
-        except KVStoreError as e:
-            self.home, bad_argument = None, f"kvstore: not hydrating or persisting: {e}"
-        self.persist_chains = persist_chains
+        self.identity = identity  # the model as its entries are keyed (checked: with str paths)
+        self.model_path = str(identity.path)
+        self.model_key = self.model_path if options.model_key is None else options.model_key
         # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self._hydrated: set[tuple[int, ...]] = set()  # token tuples the store already holds
+        self.chat_template_kwargs = dict(options.chat_template_kwargs or {})
         self.stored_labels: dict[tuple[int, ...], str] = {}  # hydrated entries: tokens -> label
         self.stored_dates: dict[tuple[int, ...], str] = {}  # of those, clock-bound: -> ISO day
-        self._offered: set[tuple[int, ...]] = set()  # sent to the daemon once already
-        self._hits: list[bytes] = []  # keys of stored entries that served a fetch, not yet sent
-        self._hits_sent = time.monotonic()
-        self._hydrating = True
-        # the Fingerprint, with the files it hashed: re-checked before each store
-        self._fp: Fingerprint | None = None
+        self._fp: Fingerprint | None = None  # with the files it hashed: re-checked before a store
         self._files_warned = False  # the files changed since: said once, nothing stored after
-        # no writer (nothing sent anywhere) without a usable home
-        self._writer = WriteBehind(self.home) if self.home is not None else None
+        self._template_hash: bytes | None = None
+        self.fingerprint: bytes | None = None
+        self.home: Path | None = None
+        self._writer: WriteBehind | None = None
+        self.stats: StatsRecorder | None = None
+        self.vocab_size: int | None = None  # ids the model takes (a prompt's ids are checked)
+        self.report: HydrateReport = self._open(home, prefetched)
+
+    def _open(self, home: str | Path | None, prefetched: Prefetched | None) -> HydrateReport:
+        """The I/O of construction: check the arguments, start the write-behind and the stats,
+        hydrate, and attach the learner. Never raises for a store problem or a wrong argument."""
+        from kvstore.warm.prefill import model_vocab_size
+
+        self.vocab_size = model_vocab_size(self.model)
+        bad = None
+        try:
+            self.home, self.identity = check_arguments(self.identity, home=home)
+        except KVStoreError as e:
+            bad = f"kvstore: not hydrating or persisting: {e}"
+        if self.home is not None:  # no writer (nothing sent anywhere) without a usable home
+            self._writer = self.tier.writer = WriteBehind(self.home)
         # Unsent stats and pins still reach the daemon when the app exits without close().
         ref = weakref.ref(self)
 
@@ -251,45 +516,40 @@ class PersistentPromptCache(PinnedPromptCache):
 
         self._at_exit = at_exit
         atexit.register(self._at_exit)
-        self.stats = (
-            StatsRecorder(
-                self.model_path, writer=self._writer, send=self._writer is not None, verbose=verbose
+        options = self.options
+        if options.stats:
+            sends = self._writer is not None
+            self.stats = StatsRecorder(
+                self.model_path, writer=self._writer, send=sends, verbose=options.verbose
             )
-            if stats
-            else None
-        )
-        self._template_hash: bytes | None = None
-        self.fingerprint: bytes | None = None
-        self.report: HydrateReport = self._hydrate(prefetched, home, bad_argument)
+        if bad is not None:
+            log.warning("%s", bad)
+            report = HydrateReport(warning=bad)
+        else:
+            report = self._hydrate(prefetched, home)
         if self.stats is not None:  # what the reasons of prefilled tokens need from it
             after_hydrate(
-                self.stats.attribute, self.report, self.home, self.model_path, self.stored_dates,
+                self.stats.attribute, report, self.home, self.model_path, self.stored_dates,
                 self._fp.parts if self._fp is not None else None,
             )  # fmt: skip
-        fp = self.report.fingerprint
-        self.fingerprint = bytes.fromhex(fp) if fp else None
-        if learn and self.fingerprint is not None and self._writer is not None:
+        if options.learn and self.fingerprint is not None and self._writer is not None:
             self._attach_learner()
+        return report
 
-    def _hydrate(
-        self, prefetched: Prefetched | None, home: str | Path | None, bad_argument: str | None
-    ) -> HydrateReport:
+    def _hydrate(self, prefetched: Prefetched | None, home: str | Path | None) -> HydrateReport:
         """Insert the stored entries of this model (read now unless `prefetched`); the report."""
-        try:
-            if bad_argument is not None:
-                log.warning("%s", bad_argument)
-                return HydrateReport(warning=bad_argument)
-            if prefetched is None:  # else read already, while the weights loaded (client.load)
-                prefetched = prefetch(self.identity, home=home, model=self.model)
-            self._fp = prefetched.fingerprint
-            # the stored entries a `diverged` reason names (kvstore.reasons)
-            self.stored_labels = {tuple(m.token_ids()): m.label for m, _ in prefetched.entries}
-            self.stored_dates = {
-                tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date
-            }
-            return insert(self, self.model_key, prefetched, model=self.model)
-        finally:
-            self._hydrating = False
+        if prefetched is None:  # else read already, while the weights loaded (client.load)
+            prefetched = prefetch(self.identity, home=home, model=self.model)
+        self._fp = prefetched.fingerprint
+        fp = prefetched.report.fingerprint
+        self.fingerprint = bytes.fromhex(fp) if fp else None
+        self.tier.serving(self.model_key, self.fingerprint)
+        # the stored entries a `diverged` reason names (kvstore.reasons)
+        self.stored_labels = {tuple(m.token_ids()): m.label for m, _ in prefetched.entries}
+        self.stored_dates = {
+            tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date
+        }
+        return insert(self, self.model_key, prefetched, model=self.model)
 
     def _attach_learner(self) -> None:
         """Learn this process's recurring prefixes; restore from the store on a memory miss."""
@@ -297,10 +557,11 @@ class PersistentPromptCache(PinnedPromptCache):
 
         if self.home is None or self.fingerprint is None:
             return  # (never: attached only with a usable home and a fingerprint)
-        self.learner = Learner(self.home, writer=self._writer)
+        learner = Learner(self.home, writer=self._writer)
+        self.tier.learner = learner
         if self.stats is not None:
-            self.stats.attribute.learner = self.learner
-        self.learner.add_target(
+            self.stats.attribute.learner = learner
+        learner.add_target(
             self.model_key,
             LearnTarget(
                 fingerprint=self.fingerprint,
@@ -317,70 +578,20 @@ class PersistentPromptCache(PinnedPromptCache):
             ),
         )
 
-    # -- LRUPromptCache, with pins kept out of its eviction (PinnedPromptCache) -------------
-
     @property
     def pins(self) -> dict[str, Pin]:
         return {pin.name: pin for pin, _ in self._pins.values()}
 
-    def insert_cache(
-        self,
-        model: Any,
-        tokens: list[int],
-        prompt_cache: list[Any],
-        *,
-        cache_type: str = "assistant",
-    ) -> bool:
-        if (self._hydrating or self._restoring) and (model, tuple(tokens)) not in self._pins:
-            self._hydrated.add(tuple(tokens))
-        if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
-            return False
-        if (
-            self.persist_chains
-            and not (self._hydrating or self._restoring)
-            and model == self.model_key
-        ):
-            self._persist(list(tokens), prompt_cache, label="chain", pinned=False)
-        return True
+    def pin_labels(self, model: Any) -> dict[tuple[int, ...], str]:
+        """The stored entries' labels and this model's pins: tokens -> label."""
+        labels = dict(self.stored_labels) if model == self.model_key else {}
+        return {**labels, **super().pin_labels(model)}
 
-    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
-        cache, rest = super().fetch_nearest_cache(model, tokens)
-        if cache is not None and model == self.model_key and len(rest) < len(tokens):
-            self._record_hit(tokens, len(tokens) - len(rest))
-        return cache, rest
-
-    def _record_hit(self, tokens: list[int], served: int) -> None:
-        """Tell the daemon which stored prefix a fetch reused (hits, last_used: the order its
-        budget evicts in), batched through the write-behind queue every HIT_BATCH_S seconds.
-        A prefix counts whether its stored entry or an in-memory transcript extending it served."""
-        if self.fingerprint is None:
-            return
-        best = max(
-            (
-                t
-                for t in self._hydrated | self._offered
-                if len(t) <= served and tuple(tokens[: len(t)]) == t
-            ),
-            key=len,
-            default=None,
+    def _offer_chain(self, model: Any, tokens: Sequence[int], kv: list, cache_type: str) -> bool:
+        """`persist_chains`: a request's transcript of this model goes to the daemon."""
+        return model == self.model_key and self._persist(
+            list(tokens), kv, label="chain", pinned=False
         )
-        if best is None:
-            return
-        from kvstore.store.entry import entry_key
-
-        self._hits.append(entry_key(self.fingerprint, best))
-        if time.monotonic() - self._hits_sent >= HIT_BATCH_S:
-            self._send_hits()
-
-    def _send_hits(self) -> None:
-        """Hits on stored entries (touch) and on restored learned records (touch_blocks)."""
-        keys, self._hits, self._hits_sent = self._hits, [], time.monotonic()
-        if keys and self._writer is not None:
-            self._writer.submit(
-                Job(f"{len(keys)} hits", lambda client: client.request("touch", keys=keys))
-            )
-        if self.learner is not None:
-            self.learner.send_touched()
 
     # -- pins --------------------------------------------------------------------------------
 
@@ -431,7 +642,7 @@ class PersistentPromptCache(PinnedPromptCache):
             source = "prefill"
             cache = prefill(self.model, ids, identity=self.identity)
         queued, persist_s = False, 0.0
-        if source != "store" and ids not in self._hydrated:
+        if source != "store" and ids not in self.tier.stored:
             t1 = time.perf_counter()
             queued = self._persist(list(ids), cache, label=name, pinned=True, extra=extra)
             persist_s = time.perf_counter() - t1
@@ -441,7 +652,7 @@ class PersistentPromptCache(PinnedPromptCache):
         )  # fmt: skip
         self.attach_pin(self.model_key, pin.tokens, cache, pin)
         if source == "store":
-            self.note_from_store(self.model_key, pin.tokens)
+            self.tier.note_stored(self.model_key, pin.tokens)
         log.info(
             "kvstore: pinned %r: %d tokens from %s in %.3f s", name, len(ids), source, pin.seconds
         )
@@ -490,7 +701,6 @@ class PersistentPromptCache(PinnedPromptCache):
             return "", None
         if unchecked(meta):  # fetched from the fleet since start: checked at the next one
             return "", None
-        self._hydrated.add(ids)
         return "store", cache
 
     # -- write-behind ------------------------------------------------------------------------
@@ -502,7 +712,7 @@ class PersistentPromptCache(PinnedPromptCache):
         ident = tuple(tokens)
         if self.fingerprint is None or self._writer is None or self._files_warned:
             return False
-        if ident in self._offered:
+        if ident in self.tier.offered:
             return False
         import mlx.core as mx
 
@@ -514,7 +724,7 @@ class PersistentPromptCache(PinnedPromptCache):
         job = Job(what, lambda c: self._send(c, tokens, cache, label, pinned, extra or {}))
         if not self._writer.submit(job):
             return False
-        self._offered.add(ident)
+        self.tier.offered.add(ident)
         return True
 
     def _send(
@@ -584,7 +794,7 @@ class PersistentPromptCache(PinnedPromptCache):
 
     def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Send queued pins and stats to the daemon; wait (at most `timeout`) until it has them."""
-        self._send_hits()
+        self.tier.send_hits()
         if self.stats is not None:
             self.stats.flush(timeout)
         return self._writer.flush(timeout) if self._writer is not None else True
@@ -592,7 +802,7 @@ class PersistentPromptCache(PinnedPromptCache):
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush, then stop the write-behind thread. The cache itself keeps working."""
         atexit.unregister(self._at_exit)
-        self._send_hits()
+        self.tier.send_hits()
         if self.stats is not None:
             self.stats.close(timeout)
         if self._writer is not None:

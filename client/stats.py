@@ -17,9 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore import mlxlm
 from kvstore.client.reasons import Attributor
 from kvstore.client.writebehind import Job, WriteBehind
-from kvstore.codec import codec
 from kvstore.reasons import SpanRecord, by_reason, describe
 
 log = logging.getLogger("kvstore.client")
@@ -150,6 +150,10 @@ class StatsRecorder:
                 s.prefilled[reason] = s.prefilled.get(reason, 0) + n
         return out
 
+    def send(self) -> None:
+        """Hand every unsent record to the write-behind now (a timer's work); no wait."""
+        self._send(force=True)
+
     def flush(self, timeout: float = 10.0) -> bool:
         """Send every unsent record now and wait for the daemon to take them."""
         self._send(force=True)
@@ -200,7 +204,7 @@ def stream_generate(
     """
     import mlx_lm
 
-    tokens = _prompt_ids(model, tokenizer, prompt)
+    tokens = _prompt_ids(model, tokenizer, prompt, _vocab_of(prompt_cache, model))
     if model_key is None:
         model_key = getattr(prompt_cache, "model_key", None)
     if stats is None:
@@ -236,35 +240,43 @@ def stream_generate(
                 decode=getattr(tokenizer, "decode", None),
             )
         if prompt_cache is not None:
-            transcript = tokens + generated
-            held = codec.cache_tokens(cache)
             # mlx-lm runs one token ahead: key the entry by what the cache really holds.
-            if held is not None and held <= len(transcript):
-                transcript = transcript[:held]
-            if held == len(transcript) or (held is None and codec.keeps_no_offset(cache)):
+            transcript = mlxlm.generated_transcript(cache, tokens + generated)
+            if transcript is not None:
                 prompt_cache.insert_cache(model_key, transcript, cache)
 
 
 def _pins_of(prompt_cache: Any, model_key: Any) -> dict[tuple[int, ...], str]:
     """The cache's pins of this model: tokens -> label (what a `diverged` reason names)."""
-    out = dict(getattr(prompt_cache, "stored_labels", None) or {})
-    for (m, tokens), (pin, _) in dict(getattr(prompt_cache, "_pins", None) or {}).items():
-        if m == model_key:
-            out[tuple(tokens)] = str(getattr(pin, "label", None) or getattr(pin, "name", pin))
-    return out
+    labels = getattr(prompt_cache, "pin_labels", None)  # kvstore's caches (client/persistent.py)
+    return dict(labels(model_key)) if labels is not None else {}
 
 
-def _prompt_ids(model: Any, tokenizer: Any, prompt: str | Sequence[int]) -> list[int]:
+def _vocab_of(prompt_cache: Any, model: Any) -> int | None:
+    """The model's vocabulary size as its PersistentPromptCache read it once, or None."""
+    if prompt_cache is not None and getattr(prompt_cache, "model", None) is model:
+        return getattr(prompt_cache, "vocab_size", None)
+    return None
+
+
+def _prompt_ids(
+    model: Any, tokenizer: Any, prompt: str | Sequence[int], vocab: int | None = None
+) -> list[int]:
     """The prompt's token ids: a string encoded as mlx_lm.stream_generate encodes it, the app's
-    own ids checked against the model's vocabulary."""
+    own ids checked against the model's vocabulary (`vocab`, when known already)."""
     if isinstance(prompt, str):
         bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
         special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=special))
+    ids = list(prompt)
+    if vocab is not None and all(type(t) is int and 0 <= t < vocab for t in ids):
+        return ids
     # the app's own ids: one past the embedding would crash the process in mlx
     from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
-    return list(check_token_ids(prompt, model_vocab_size(model), what="prompt"))
+    if vocab is None:
+        vocab = model_vocab_size(model)
+    return list(check_token_ids(ids, vocab, what="prompt"))
 
 
 def _cache_for(

@@ -213,6 +213,28 @@ def leave_last_token(lru: Any, model: Any, tokens: list[int], cache: list) -> tu
     return shorter, [*rest, tokens[-1]]
 
 
+def generated_transcript(cache: list, transcript: list[int]) -> list[int] | None:
+    """The part of a generation's `transcript` (prompt + generated tokens) its `cache` holds:
+    mlx-lm runs one token ahead, so the last generated token is not in it. The offset every
+    offset-keeping layer agrees on (a pure state-space model's layers keep none: the whole
+    transcript); None when they disagree or hold more (nothing to file it under)."""
+    offsets: set[int] = set()
+
+    def visit(c: Any) -> None:
+        if type(c).__name__ == "CacheList":
+            for x in c.caches:
+                visit(x)
+        elif isinstance(getattr(c, "offset", None), int):
+            offsets.add(c.offset)
+
+    for c in cache:
+        visit(c)
+    if not offsets:
+        return transcript
+    held = offsets.pop() if len(offsets) == 1 else None
+    return transcript[:held] if held is not None and held <= len(transcript) else None
+
+
 # -- mlx_lm.server ------------------------------------------------------------------------------
 
 

@@ -53,7 +53,7 @@ class LearnedGauges:
             metrics.WRITTEN_TODAY.set(got["written_today"])
 
     def _read(self) -> dict[str, int] | None:
-        from kvstore.settings import DEFAULTS, load_settings
+        from kvstore.settings import DEFAULT, load_settings
         from kvstore.store.blocks import BlockStore, is_snapshot
         from kvstore.store.store import Store
 
@@ -62,18 +62,16 @@ class LearnedGauges:
                 return None  # no store yet: the daemon has not made one
             self._store = Store(self.home, readonly=True)
         store = self._store
-        if self._blocks is None or self._blocks._dbs is None:
+        if self._blocks is None:
             self._blocks = BlockStore(store)
         blocks = self._blocks
         budget = int(load_settings(self.home).get("learned_max_bytes",  # type: ignore[call-overload]
-                                                  DEFAULTS["learned_max_bytes"]))  # fmt: skip
-        n_entries = store._read(lambda txn: txn.stat(store._meta)["entries"])
+                                                  DEFAULT.learned_max_bytes))  # fmt: skip
+        n_entries = store.entry_count()
         if n_entries != self._snapshots[0]:
             snaps = sum(m.nbytes for m in store.metas(errors=[]) if is_snapshot(m))
             self._snapshots = (n_entries, snaps)
-        records = 0
-        if blocks._open():
-            records = store._read(lambda txn: txn.stat(blocks._db(b"bmeta"))["entries"])
+        records = blocks.record_count()
         return {
             "records": records,
             "bytes": blocks.learned_bytes() + self._snapshots[1],

@@ -7,18 +7,19 @@ of `serve()` by thin subclasses:
 - `mlx_lm.server.ModelProvider` -> hydrates the store's entries for a model right after
   `ModelProvider._load` loaded it, under the key the server uses (`ModelProvider.model_key`,
   the tuple (model_path, adapter_path, draft_model_path)).
-- `mlx_lm.server.LRUPromptCache` -> the instance `mlx_lm.server.run` builds is the one hydrated;
-  stored pins are kept in it as kvstore.client.persistent keeps them (PinnedPromptCache): outside
-  the
-  LRU's eviction, --prompt-cache-size and --prompt-cache-bytes, and put back when a conversation
-  extends one, so every request a pin prefixes is served it whatever the churn; with
-  --persist-system-prompts its `insert_cache(..., cache_type="system")` calls (the batched
-  path snapshots the system-prompt segment under that type) are also sent to the daemon.
+- `mlx_lm.server.LRUPromptCache` -> the client's own cache (kvstore.client.persistent's
+  PinnedPromptCache) built with serve's store tier: the instance `mlx_lm.server.run` builds is
+  the one hydrated; stored pins are kept in it outside the LRU's eviction, --prompt-cache-size
+  and --prompt-cache-bytes, and put back when a conversation extends one, so every request a pin
+  prefixes is served it whatever the churn. Serve's differences are the tier's values: its
+  `on_insert` (with --persist-system-prompts, `insert_cache(..., cache_type="system")` calls -
+  the batched path snapshots the system-prompt segment under that type - are sent to the
+  daemon) and its `quiet` (the warm-up requests).
 
 With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
 re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.boundary).
 
-Unless --no-learn, the prompt cache carries a Learner (kvstore.client.learn): prompts are
+Unless --no-learn, the store tier carries a Learner (kvstore.client.learn): prompts are
 reported to the daemon, which learns the prefixes that recur, and a memory miss the store can
 serve is restored from it. `_run_http_server` gets a handler subclass that answers `GET /metrics`
 and keeps `/health` at 503 until the model is loaded, hydrated and warmed up (one throwaway
@@ -46,7 +47,7 @@ from kvstore import mlxlm
 from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
-from kvstore.client.persistent import HIT_BATCH_S, PersistentPromptCache, PinnedPromptCache
+from kvstore.client.persistent import HIT_BATCH_S, PinnedPromptCache, StoreTier
 from kvstore.client.reasons import after_hydrate
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
@@ -102,6 +103,13 @@ class _Hooks:
         writer = WriteBehind(home, maxsize=LEARN_QUEUE)
         self.writer = writer
         self.learner = Learner(home, writer=writer) if learn else None
+        # what the server's prompt cache asks of the store (restore, count, learn, hits, offer)
+        self.tier = StoreTier(
+            learner=self.learner,
+            writer=writer,
+            on_insert=self.on_insert if persist else None,  # --persist-system-prompts
+            quiet=self.is_warm_up,
+        )
         self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
         self._stats_lock = threading.Lock()
         self.labels: dict[tuple[int, ...], str] = {}  # stored entries' tokens -> label
@@ -118,6 +126,7 @@ class _Hooks:
         self.warm_thread_started = False
         self.warm_secret = secrets.token_hex(8)  # marks this server's own warm-up requests
         self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
+        self.warm_prompts: list[tuple[int, ...]] = []  # the warm-up requests' prompts
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
@@ -169,6 +178,7 @@ class _Hooks:
         while not self._stopped.wait(HIT_BATCH_S):
             try:
                 self.flush()
+                self.tier.refresh()  # so that a request memory serves reads nothing of the store
             except Exception as e:  # never let the timer die silently; never stop the server
                 log.debug("kvstore: flushing hits and stats: %s", e)
 
@@ -182,11 +192,10 @@ class _Hooks:
 
     def flush(self) -> None:
         """Send the held-back hits and stats records (batched as the library batches them)."""
-        if self.cache is not None:
-            self.cache.flush_hits()
+        self.tier.send_hits()
         with self._stats_lock:
             if self.stats is not None:
-                self.stats._send(force=True)
+                self.stats.send()
 
     def stop_with(self, why: str) -> None:
         """Stop the server (the main thread's serve_forever, as Ctrl-C does): `why` is the one
@@ -248,9 +257,7 @@ class _Hooks:
                         done, len(self.warm_tokens), e)  # fmt: skip
         finally:
             self.warming = False
-            if self.learner is not None:
-                with self.learner._lock:
-                    self.learner._touched = {}  # only the warm-up restored anything yet
+            self.warm_prompts = []
             self.gauges.refresh(force=True)
             self.ready = True
             log.info("kvstore: ready (%s)", provider.model_key[0])
@@ -304,10 +311,21 @@ class _Hooks:
         """The warm-up request `i`'s prompt: pin i's tokens, then the rendered user turn."""
         prompt, segments, types, *rest = out
         pin = self.warm_tokens[i] if i < len(self.warm_tokens) else None
-        if pin is None:
-            return out
-        tail = list(segments[-1]) if types and types[-1] != "system" else list(prompt[-16:])
-        return (pin + tail, [pin, tail], ["system", "user"], *rest)
+        if pin is not None:
+            tail = list(segments[-1]) if types and types[-1] != "system" else list(prompt[-16:])
+            out = (pin + tail, [pin, tail], ["system", "user"], *rest)
+        self.warm_prompts.append(tuple(out[0]))
+        return out
+
+    def is_warm_up(self, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` are a warm-up request's: its prompt, a segment of it (the batched
+        path inserts the system segment) or its prompt and output. The store tier serves it as a
+        request, but counts, reports, hits and keeps nothing of it."""
+        for p in self.warm_prompts:
+            n = min(len(p), len(tokens))
+            if n and p[n - 1] == tokens[n - 1] and p[:n] == tuple(tokens[:n]):
+                return True
+        return False
 
     def _on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
@@ -333,9 +351,10 @@ class _Hooks:
         self.cache.keep_pins(key, [meta for meta, _ in prefetched.entries if meta.pinned])
         labels = {tuple(meta.token_ids()): meta.label for meta, _ in prefetched.entries}
         dated = {tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date}
+        fingerprint = prefetched.report.fingerprint
+        self.tier.serving(key, bytes.fromhex(fingerprint) if fingerprint else None)
         report = insert(self.cache, key, prefetched, model=provider.model)
         self.labels = labels
-        self.cache.served_by_store(key, report.fingerprint, set(self.labels))
         with self._stats_lock:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
@@ -371,10 +390,12 @@ class _Hooks:
             if self.learner is not None:
                 self.learner.add_target(key, target)
                 t0 = time.perf_counter()
-                if warmed := self.learner.warm(self.cache, key):
+                if warmed := self.learner.warm(key):
+                    for tokens, kv in warmed:
+                        self.cache.insert_stored(key, tokens, kv)
                     dt = time.perf_counter() - t0
                     log.info("kvstore: %s read into memory in %.3f s",
-                             counted(warmed, "learned chain"), dt)  # fmt: skip
+                             counted(len(warmed), "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
                 self.targets[key] = target
 
@@ -409,17 +430,21 @@ class _Hooks:
         if warning:
             log.warning("%s", warning)
 
-    def on_insert(self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str):
+    def on_insert(
+        self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str
+    ) -> bool:
+        """The store tier's offer of a request's insert: with --persist-system-prompts, the
+        system segment goes to the daemon. Whether it was sent (its later uses are hits)."""
         target = self.targets.get(model_key)
-        if getattr(self.cache, "_restoring", False):
-            return  # read from the store (or a learned split): stored already, or on its way
-        if self.persister is not None and cache_type == "system" and target is not None:
-            try:
-                extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
-                self.persister.offer(target, tokens, cache, extra)
-                self.cache._offered.add(tuple(tokens))  # stored soon: its later uses are hits
-            except Exception as e:  # never fail the insert the server asked for
-                log.warning("kvstore: not persisting a system prefix: %s", e)
+        if self.persister is None or cache_type != "system" or target is None:
+            return False
+        try:
+            extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
+            self.persister.offer(target, tokens, cache, extra)
+            return True
+        except Exception as e:  # never fail the insert the server asked for
+            log.warning("kvstore: not persisting a system prefix: %s", e)
+            return False
 
 
 def _cause(e: BaseException, model_path: Any = None) -> str:
@@ -435,8 +460,8 @@ def _cause(e: BaseException, model_path: Any = None) -> str:
 def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
     """The classes serve installs in `server`: model provider, prompt cache, response
     generator and HTTP handler, each calling `hooks`."""
-    cache = type("PersistentServerCache", (_ServerCache,), {"hooks": hooks})
-    return _provider(server, hooks), cache, _generator(server, hooks), _handler(server, hooks)
+    provider, generator = _provider(server, hooks), _generator(server, hooks)
+    return provider, _cache(hooks), generator, _handler(server, hooks)
 
 
 def _provider(server: Any, hooks: _Hooks) -> type:
@@ -492,90 +517,16 @@ def _provider(server: Any, hooks: _Hooks) -> type:
     return PersistentModelProvider
 
 
-class _ServerCache(PinnedPromptCache):
-    """The server's prompt cache; stored pins of the loaded model are kept as pins. Its
-    subclass in `_subclasses` sets `hooks`, the server's."""
+def _cache(hooks: _Hooks) -> type:
+    """The class mlx_lm.server builds its prompt cache from (`LRUPromptCache(max_size[,
+    max_bytes])`): the client's PinnedPromptCache given serve's store tier. It overrides nothing;
+    the instance is the one `hooks` hydrates."""
 
-    hooks: _Hooks
+    def __init__(self: PinnedPromptCache, max_size: int = 10, max_bytes: int = 1 << 63) -> None:
+        PinnedPromptCache.__init__(self, max_size, max_bytes, tier=hooks.tier)
+        hooks.cache = self
 
-    # Hits on stored entries reach the daemon as the library's do (touch, batched every
-    # HIT_BATCH_S through the write-behind; restored learned records through the learner).
-    _record_hit = PersistentPromptCache._record_hit
-    _send_hits = PersistentPromptCache._send_hits
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._to_pin: dict[tuple[Any, tuple[int, ...]], str] = {}  # -> label
-        self.learner = self.hooks.learner
-        self._writer = self.hooks.writer
-        self.fingerprint: bytes | None = None  # the loaded model's, once hydrated
-        self._hit_model: Any = None
-        self._hydrated: set[tuple[int, ...]] = set()  # tokens of entries the store holds
-        self._offered: set[tuple[int, ...]] = set()  # sent to the daemon (persisted)
-        self._hits: list[bytes] = []
-        self._hits_sent = time.monotonic()
-        self.hooks.cache = self
-
-    def served_by_store(self, model: Any, fingerprint: str | None, tokens: set) -> None:
-        """The loaded model's stored entries (hydrated): a fetch they serve is a hit."""
-        self.fingerprint = bytes.fromhex(fingerprint) if fingerprint else None
-        self._hit_model = model
-        self._hydrated = set(tokens)
-        self._offered = set()
-
-    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
-        if self.hooks.warming:  # a warm-up request: not counted, not reported, not a hit
-            learner, self.provenance.counting = self.learner, False
-            learning = learner is not None and learner.learn
-            if learner is not None:
-                learner.learn = False
-            try:
-                return super().fetch_nearest_cache(model, tokens)
-            finally:
-                self.provenance.counting = True
-                if learner is not None:
-                    learner.learn = learning
-        cache, rest = super().fetch_nearest_cache(model, tokens)
-        if cache is not None and model == self._hit_model and len(rest) < len(tokens):
-            self._record_hit(tokens, len(tokens) - len(rest))
-        return cache, rest
-
-    def flush_hits(self) -> None:
-        """Send the hits held back (the server's timer, and its stop)."""
-        if self._hits or (self.learner is not None and self.learner._touched):
-            self._send_hits()
-
-    def keep_pins(self, model: Any, metas: Sequence[Any]) -> None:
-        """The next inserts of these entries' tokens become pins. Pins of other models are
-        let go: the server holds one model, and loading one again hydrates them again."""
-        for m, tokens in [k for k in self._pins if k[0] != model]:
-            mlxlm.trie_pop(self, m, tokens)
-            del self._pins[(m, tokens)]
-        self._to_pin = {(model, tuple(meta.token_ids())): meta.label for meta in metas}
-
-    def pins_of(self, model: Any) -> dict[tuple[int, ...], int]:
-        """This model's pins: tokens -> bytes of KV."""
-        return {t: entry.nbytes for (m, t), (_, entry) in self._pins.items() if m == model}
-
-    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant") -> bool:
-        if self.hooks.warming:
-            return False  # a warm-up request's KV: thrown away
-        if self._restoring and model == self._hit_model:
-            self._hydrated.add(tuple(tokens))  # read from the store: its uses are hits
-        label = self._to_pin.pop((model, tuple(tokens)), None)
-        if label is not None:
-            self.attach_pin(model, tokens, prompt_cache, label)
-            return True
-        if not super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type):
-            return False
-        self.hooks.on_insert(model, tokens, prompt_cache, cache_type)
-        return True
-
-    def stats_by_type(self) -> dict[str, dict[str, int]]:
-        # what mlx_lm.server logs per request: pins are not in any of the LRU's types
-        stats = super().stats_by_type()
-        stats["pinned"] = {"n_sequences": len(self._pins), "n_bytes": self.pinned_nbytes}
-        return stats
+    return type("PersistentServerCache", (PinnedPromptCache,), {"__init__": __init__})
 
 
 def _generator(server: Any, hooks: _Hooks) -> type:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypedDict
 
 from kvstore.errors import ManifestError, got
 
@@ -29,6 +30,20 @@ DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized fro
 
 # What an entry's meta `extra` stores the identity under (its path is the meta's `model` field).
 STATE_KEYS = ("adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "model_config")
+
+
+class IdentityKeywords(TypedDict, total=False):
+    """The keyword arguments an app names its model's identity with (`load`, `hydrate`,
+    `PersistentPromptCache`), as mlx_lm's load and generate take them."""
+
+    adapter_path: str | Path | None
+    kv_bits: int | None
+    kv_group_size: int
+    quantized_kv_start: int
+    model_config: dict | None
+
+
+IDENTITY_KEYWORDS = tuple(IdentityKeywords.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,15 @@ class ModelIdentity:
             "quantized_kv_start": self.quantized_kv_start,
             "model_config": self.model_config,
         }
+
+    @classmethod
+    def given(cls, path: Any, keywords: dict[str, Any] | None = None) -> ModelIdentity:
+        """The identity an app's keyword arguments name (IdentityKeywords; the ones of them in
+        `keywords` are taken out of it), as given: types unchecked (the client checks them and
+        turns a wrong one into its one warning)."""
+        rows = {k: keywords.pop(k) for k in IDENTITY_KEYWORDS if k in keywords} if keywords else {}
+        adapter = rows.pop("adapter_path", None)
+        return cls(path, adapter, **rows)
 
     @classmethod
     def from_state(cls, state: dict[str, Any], path: str) -> ModelIdentity:

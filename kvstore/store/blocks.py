@@ -7,8 +7,8 @@ hydrate) never see them and old readers ignore them:
   kids   fingerprint + H(start) + H(end) -> b""  (walked from H(0) to find a prompt's chain)
   bstat  b"learned_bytes", b"day:YYYY-MM-DD" (bytes written that local day), b"block_tokens"
 H(p) is `kvstore.store.chain.position_hash`. Every write is one transaction through the Store's
-`_write`; reads go through `_read` and work on a read-only Store. No mlx at import (a blob header
-is validated by `kvstore.codec.blocks.inspect`, imported when a record is put).
+`write`; reads are its `reading` transactions and work on a read-only Store. No mlx at import (a
+blob header is validated by `kvstore.codec.blocks.inspect`, imported when a record is put).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class EvictedRecords(NamedTuple):
 
 
 class BlockStore:
-    """A view over an open Store: its environment, its `_read` / `_write` helpers."""
+    """A view over an open Store: the learned-block tables, read and written through the Store's
+    transactions (`Store.read` / `Store.write`)."""
 
     def __init__(self, store: Store, *, block: int = DEFAULT.block_tokens):
         self.store = store
@@ -134,6 +135,17 @@ class BlockStore:
 
     def _db(self, name: bytes) -> Any:
         return self._dbs[name]
+
+    def opened(self) -> bool:
+        """Whether the store has the learned-block tables (an older one may not, yet)."""
+        return self._open()
+
+    def record_count(self) -> int:
+        """Learned records of all models (O(1): the table's own count); 0 without the tables."""
+        if not self._open():
+            return 0
+        with self.store.reading() as txn:
+            return int(txn.stat(self._db(b"bmeta"))["entries"])
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -220,7 +232,8 @@ class BlockStore:
                 break
             return chain
 
-        return self.store._read(walk, buffers=True)
+        with self.store.reading(buffers=True) as txn:
+            return walk(txn)
 
     def stored_end(self, fingerprint: bytes, tokens: Sequence[int] | bytes) -> int:
         """How far `tokens` is covered by a chain of whole stored records (0 if none)."""
@@ -263,7 +276,8 @@ class BlockStore:
                 out.append(bytes(blob))
             return out
 
-        return self.store._read(fn, buffers=True)
+        with self.store.reading(buffers=True) as txn:
+            return fn(txn)
 
     def chain_to(self, key: bytes) -> list[BlockMeta]:
         """The chain of records from position 0 up to and including the record `key`, found by
@@ -307,7 +321,8 @@ class BlockStore:
                 at = ups[0].key
             return chain[::-1], self._stat_int(txn, BLOCK_TOKENS) or self.block
 
-        chain, block = self.store._read(walk)  # hashed as the records were cut
+        with self.store.reading() as txn:
+            chain, block = walk(txn)  # hashed as the records were cut
         data = b"".join(m.tokens for m in chain)
         hashes = chain_hashes(fp, data, block)
         for m in chain:
@@ -319,18 +334,21 @@ class BlockStore:
         """The block size this store's records are cut at (this view's before any is stored)."""
         if not self._open():
             return self.block
-        return self.store._read(lambda txn: self._stat_int(txn, BLOCK_TOKENS)) or self.block
+        with self.store.reading() as txn:
+            return self._stat_int(txn, BLOCK_TOKENS) or self.block
 
     def learned_bytes(self) -> int:
         if not self._open():
             return 0
-        return self.store._read(lambda txn: self._stat_int(txn, LEARNED_BYTES))
+        with self.store.reading() as txn:
+            return self._stat_int(txn, LEARNED_BYTES)
 
     def written_today(self, day: str | None = None) -> int:
         if not self._open():
             return 0
         key = b"day:" + (day or today()).encode()
-        return self.store._read(lambda txn: self._stat_int(txn, key))
+        with self.store.reading() as txn:
+            return self._stat_int(txn, key)
 
     def records(self) -> list[BlockMeta]:
         """Every readable record's meta (stats, eviction, tests)."""
@@ -346,18 +364,18 @@ class BlockStore:
                     continue
             return out
 
-        return self.store._read(fn)
+        with self.store.reading() as txn:
+            return fn(txn)
 
     def extended(self) -> set[bytes]:
         """Keys of the records another record starts at (the rest are the ends of chains)."""
         if not self._open():
             return set()
-        return self.store._read(
-            lambda txn: {
+        with self.store.reading() as txn:
+            return {
                 parse_kids_row(k).parent
                 for k in txn.cursor(self._db(b"kids")).iternext(values=False)
             }
-        )
 
     def learned_prefixes(
         self, fingerprint: bytes, *, max_tokens: int, limit: int
@@ -390,7 +408,8 @@ class BlockStore:
                     parent_of[row.child] = row.parent
             return metas, parent_of, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
-        metas, parent_of, block = self.store._read(fn)
+        with self.store.reading() as txn:
+            metas, parent_of, block = fn(txn)
         extended = set(parent_of.values())
         ends = [m for m in metas.values() if m.end % block or m.key not in extended]
         ends.sort(key=lambda m: -m.last_used)
@@ -422,7 +441,8 @@ class BlockStore:
                     out[fp] = parts if isinstance(parts, dict) else None
             return out
 
-        return self.store._read(fn)
+        with self.store.reading() as txn:
+            return fn(txn)
 
     def stats(self) -> dict[str, Any]:
         """records, learned bytes, bytes written today, chains (records nothing extends)."""
@@ -443,7 +463,8 @@ class BlockStore:
                 "chains": sum(k not in parents for k in keys),
             }
 
-        return self.store._read(fn)
+        with self.store.reading() as txn:
+            return fn(txn)
 
     def check(self, *, repair: bool = False) -> tuple[int, list[CorruptEntryError]]:
         """Verify every learned record: its meta (seal, token count), its blob (length, checksum,
@@ -461,7 +482,8 @@ class BlockStore:
             links = [bytes(k) for k in txn.cursor(self._db(b"kids")).iternext(values=False)]
             return metas, rows, links, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
-        metas, rows, links, block = self.store._read(scan, buffers=True)
+        with self.store.reading(buffers=True) as txn:
+            metas, rows, links, block = scan(txn)
         self._check_links(metas, links, block, problems)
         out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
         if repair and out:
@@ -561,7 +583,7 @@ class BlockStore:
                     txn.delete(link, db=self._db(b"kids"))
             self._add(txn, LEARNED_BYTES, -freed)
 
-        self.store._write(fn)
+        self.store.write(fn)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -639,12 +661,12 @@ class BlockStore:
             self._add(txn, day_key, written)
             return written
 
-        return self.store._write(fn)
+        return self.store.write(fn)
 
     def count_written(self, nbytes: int, day: str | None = None) -> None:
         """Add learned bytes written outside records (state snapshots) to the day's counter."""
         day_key = b"day:" + (day or today()).encode()
-        self.store._write(lambda txn: self._add(txn, day_key, nbytes))
+        self.store.write(lambda txn: self._add(txn, day_key, nbytes))
 
     def touch(self, keys: list[bytes], *, now: float | None = None) -> int:
         """Mark records used now (last_used, hits + 1); returns how many are still stored."""
@@ -660,7 +682,7 @@ class BlockStore:
                     n += 1
             return n
 
-        return self.store._write(fn)
+        return self.store.write(fn)
 
     def delete(self, keys: list[bytes]) -> int:
         """Remove records (and their kids rows); returns bytes freed."""
@@ -672,7 +694,7 @@ class BlockStore:
             self._add(txn, LEARNED_BYTES, -freed)
             return freed
 
-        return self.store._write(fn)
+        return self.store.write(fn)
 
     def _delete(self, txn, key: bytes, parent: bytes | None = None) -> int:
         meta = self._get_meta(txn, key)
@@ -735,7 +757,7 @@ class BlockStore:
             self._add(txn, LEARNED_BYTES, -freed)
             return dropped
 
-        return self.store._write(fn)
+        return self.store.write(fn)
 
     def evict_learned(self, max_bytes: int) -> int:
         """`evict_learned_records`' bytes freed."""
@@ -782,7 +804,7 @@ class BlockStore:
             self._add(txn, LEARNED_BYTES, -freed)
             return EvictedRecords(freed, evicted, [_prefix(m, metas, parent_of) for m in evicted])
 
-        return self.store._write(fn)
+        return self.store.write(fn)
 
 
 def _prefix(m: BlockMeta, metas: dict[bytes, BlockMeta], parent_of: dict[bytes, bytes]) -> bytes:

@@ -1,16 +1,18 @@
 """The LMDB store: entry meta (msgpack) and blobs (safetensors bytes) under 32-byte keys.
 
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
-`_write`, the one place that grows the map; every read through `_read`; both recover from
-MapResizedError (another process grew the map) by adopting its size. Blob bytes read through
-`buffers=True` are checksummed and decoded (copied into mlx memory) inside their transaction. The
-meta record and keys live in `kvstore.store.entry`, the process-wide environment and its gate in
-`kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods that encode or
-decode, so listing, stats and eviction never load mlx.
+`write`, the one place that grows the map; every read through `read`; both recover from
+MapResizedError (another process grew the map) by adopting its size. They are the public
+transaction API the store's other tables (kvstore.store.blocks) and readers use. Blob bytes read
+through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
+transaction. The meta record and keys live in `kvstore.store.entry`, the process-wide environment
+and its gate in `kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods
+that encode or decode, so listing, stats and eviction never load mlx.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
@@ -126,9 +128,10 @@ class Store:
         if os.getpid() != self._pid:
             raise StoreError(f"{self.path}: an LMDB environment cannot be used across fork()")
 
-    def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
-        """The one write path: a transaction, retried after doubling the map when it is full or
-        adopting the size another process grew it to."""
+    def write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
+        """The one write path: `fn(txn)` in a write transaction, its result returned; retried
+        (`fn` runs again) after doubling the map when it is full or adopting the size another
+        process grew it to. StoreError on a read-only store or a failed write."""
         self._check_pid()
         if self.readonly:
             raise StoreError(f"{self.path}: opened read-only")
@@ -167,15 +170,28 @@ class Store:
                     f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=e.errno
                 ) from None
 
-    def _read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
+    def read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
+        """`fn(txn)` in a short read transaction, its result returned (`reading`, as a call)."""
+        with self.reading(buffers=buffers) as txn:
+            return fn(txn)
+
+    @contextlib.contextmanager
+    def reading(self, *, buffers: bool = False) -> Iterator[lmdb.Transaction]:
+        """A short read transaction: `with store.reading() as txn: ...` (with `buffers`, values
+        are memoryviews valid only inside the block). A map another process grew meanwhile is
+        adopted before the transaction begins (LMDB says so at its start)."""
         self._check_pid()
         for _ in range(3):
+            held = contextlib.ExitStack()
             try:
-                with self._gate.txn(), self.env.begin(buffers=buffers) as txn:
-                    return fn(txn)
+                held.enter_context(self._gate.txn())
+                txn = held.enter_context(self.env.begin(buffers=buffers))
             except lmdb.MapResizedError:
+                held.close()
                 self._adopt_grown_map()
+                continue
             except lmdb.ReadersFullError:
+                held.close()
                 # Every slot is held, often by readers that died: reader_check() (the daemon
                 # runs it periodically) frees those. Say so instead of a bare lmdb error.
                 raise StoreError(
@@ -183,7 +199,19 @@ class Store:
                     f"({self.env.max_readers()} max_readers); dead readers are cleared by the "
                     "daemon's periodic reader_check, or close some readers"
                 ) from None
+            except BaseException:
+                held.close()
+                raise
+            with held:
+                yield txn
+            return
         raise StoreError(f"{self.path}: the map keeps being resized under this reader")
+
+    _read, _write = read, write  # the names this module's own methods use
+
+    def entry_count(self) -> int:
+        """Entries in the store, all models (O(1): the table's own count)."""
+        return int(self.read(lambda txn: txn.stat(self._meta)["entries"]))
 
     def reader_check(self) -> int:
         return self.env.reader_check()

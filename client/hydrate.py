@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.boundary import library_call
 from kvstore.client.fleetcheck import check_pending, hold_pending
 from kvstore.client.loader import check_loaded_from
 from kvstore.errors import KVStoreError, counted
@@ -169,45 +170,47 @@ def prefetch(
     model_path = identity.path
     pre = Prefetched(str(model_path))
     report = pre.report
-    try:
-        home, identity = check_arguments(identity, home=home)
-        if identity.adapter is None and _has_adapter(model):
-            raise KVStoreError(
-                "the model has LoRA layers but no adapter_path was given; pass the adapter the "
-                "model was loaded with (its weights are part of the entries' identity)"
-            )
-        fp = fingerprint
-        if fp is None or model is not None or fp.identity != identity:
-            fp = model_fingerprint(
-                identity, model_object=model, hash_cache=FileHashCache(home / FILEHASH_NAME)
-            )
-        check_loaded_from(model, fp)
-        report.fingerprint = fp.hex
-        pre.fingerprint = fp
-        vocab = _vocab_size(model, identity)
-        with Store(home, readonly=True) as store:
-            errors: list = []
-            metas = store.metas(fp.digest, errors=errors)
-            report.skipped += [f"{e.key.hex()}: {e.reason}" for e in errors]
-            # oldest first, so the LRU keeps the most recently used when it overflows
-            for meta in sorted(metas, key=lambda m: (m.pinned, m.last_used)):
-                try:
-                    _check_stored_ids(meta, vocab)
-                    pre.entries.append(load_entry(store, meta.key, meta.tokens))
-                except (KVStoreError, ValueError) as e:
-                    report.skipped.append(f"{meta.key.hex()}: {e}")
-                    report.corrupt.append((tuple(meta.token_ids()), meta.label))
-                except KeyError:
-                    report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
-            hold_pending(pre, home, identity)  # inserted only once checked with the model
-            if not metas and not errors:
-                report.warning = _other_versions(store, model_path)
-                report.other_model = _what_differs(store, model_path, fp.parts, identity)
-    except KVStoreError as e:
-        report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
-    except Exception as e:  # the cache must never take the app down
+    with library_call("kvstore: hydrate failed", level=logging.DEBUG) as failed:
+        try:
+            home, identity = check_arguments(identity, home=home)
+            if identity.adapter is None and _has_adapter(model):
+                raise KVStoreError(
+                    "the model has LoRA layers but no adapter_path was given; pass the adapter the "
+                    "model was loaded with (its weights are part of the entries' identity)"
+                )
+            fp = fingerprint
+            if fp is None or model is not None or fp.identity != identity:
+                fp = model_fingerprint(
+                    identity, model_object=model, hash_cache=FileHashCache(home / FILEHASH_NAME)
+                )
+            check_loaded_from(model, fp)
+            report.fingerprint = fp.hex
+            pre.fingerprint = fp
+            vocab = _vocab_size(model, identity)
+            with Store(home, readonly=True) as store:
+                errors: list = []
+                metas = store.metas(fp.digest, errors=errors)
+                report.skipped += [f"{e.key.hex()}: {e.reason}" for e in errors]
+                # oldest first, so the LRU keeps the most recently used when it overflows
+                for meta in sorted(metas, key=lambda m: (m.pinned, m.last_used)):
+                    try:
+                        _check_stored_ids(meta, vocab)
+                        pre.entries.append(load_entry(store, meta.key, meta.tokens))
+                    except (KVStoreError, ValueError) as e:
+                        report.skipped.append(f"{meta.key.hex()}: {e}")
+                        report.corrupt.append((tuple(meta.token_ids()), meta.label))
+                    except KeyError:
+                        report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
+                hold_pending(pre, home, identity)  # inserted only once checked with the model
+                if not metas and not errors:
+                    report.warning = _other_versions(store, model_path)
+                    report.other_model = _what_differs(store, model_path, fp.parts, identity)
+        except KVStoreError as e:
+            report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
+    if failed.error is not None:  # the cache must never take the app down
+        err = failed.error
         report.warning = (
-            f"kvstore: not hydrating {model_path}: unexpected {type(e).__name__}: {e}; "
+            f"kvstore: not hydrating {model_path}: unexpected {type(err).__name__}: {err}; "
             "prefilling as usual"
         )
     report.seconds = time.perf_counter() - t0

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
+from kvstore.boundary import serve_hook
 from kvstore.client import modelthread
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
@@ -175,13 +176,15 @@ class ColdTier:
         except (KVStoreError, OSError) as e:  # no store yet: the daemon has not made one
             log.debug("kvstore: no store to restore from yet: %s", e)
             return False
+        import lmdb
+
         try:
             from kvstore.store.blocks import BlockStore
 
             self._blocks = BlockStore(self._store)
         except ImportError:  # a core without block records: entries only
             self._blocks = None
-        except Exception as e:  # an older store without the record DBs: entries only
+        except (KVStoreError, lmdb.Error) as e:  # an older store without the record DBs
             log.debug("kvstore: no block records in %s: %s", self.home, e)
             self._blocks = None
         return True
@@ -423,7 +426,8 @@ class Learner:
         if target is None or not target.is_sliceable():
             return []  # state layouts keep snapshots at boundaries: the cold tier serves them
         out: list[tuple[list[int], list]] = []
-        try:
+        # an optimisation: never keep the server from starting
+        with serve_hook("kvstore: learned chains not read into memory"):
             for tokens in self.cold.recent_chains(target, WARM_CHAINS, WARM_CHAIN_BYTES):
                 # one token more than the chain, so that the store serves the whole chain (a
                 # restore leaves the prompt's last token to prefill)
@@ -431,9 +435,6 @@ class Learner:
                 if hit is not None and hit.n == len(tokens):
                     out.append((tokens, hit.cache))
                     self._warmed.setdefault(model, []).append((tuple(tokens), hit.keys))
-        except Exception as e:  # an optimisation: never keep the server from starting
-            log.warning("kvstore: learned chains not read into memory: %s: %s",
-                        type(e).__name__, e)  # fmt: skip
         return out
 
     def fetched(self, model: Any, tokens: Sequence[int]) -> None:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.boundary import library_call
 from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.codec import idle_cores
@@ -205,7 +206,7 @@ def first_call(
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache
 
-    try:
+    with library_call("kvstore: first-call warm-up skipped", level=logging.DEBUG):
         if getattr(tokenizer, "chat_template", None):
             tokenizer.apply_chat_template(
                 [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}],
@@ -222,6 +223,4 @@ def first_call(
         for _ in mlx_lm.stream_generate(model, tokenizer, suffix, max_tokens=1, prompt_cache=kv):
             pass
         return kv
-    except Exception as e:
-        log.debug("kvstore: first-call warm-up skipped: %s: %s", type(e).__name__, e)
-        return None
+    return None

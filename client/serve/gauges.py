@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
+from kvstore.boundary import serve_hook
 
 log = logging.getLogger("kvstore.serve")
 
@@ -38,10 +39,10 @@ class LearnedGauges:
             if not force and now - self._at < self.refresh_s:
                 return
             self._at = now
-            try:
+            # no store yet, or a damaged one: the gauges stay as they were
+            with serve_hook("kvstore: learned gauges not read", level=logging.DEBUG) as failed:
                 got = self._read()
-            except Exception as e:  # no store yet, or a damaged one: the gauges stay as they were
-                log.debug("kvstore: learned gauges not read: %s", e)
+            if failed.error is not None:
                 self.close()
                 return
             if got is None:

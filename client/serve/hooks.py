@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import mlxlm
+from kvstore.boundary import serve_hook
 from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
@@ -176,11 +177,10 @@ class _Hooks:
 
     def _flush_every(self) -> None:
         while not self._stopped.wait(HIT_BATCH_S):
-            try:
+            # never let the timer die silently; never stop the server
+            with serve_hook("kvstore: flushing hits and stats", level=logging.DEBUG):
                 self.flush()
                 self.tier.refresh()  # so that a request memory serves reads nothing of the store
-            except Exception as e:  # never let the timer die silently; never stop the server
-                log.debug("kvstore: flushing hits and stats: %s", e)
 
     def close(self, timeout: float) -> None:
         """Stop the timer, send what is held back, and wait for the write-behind (at most
@@ -244,17 +244,16 @@ class _Hooks:
         self.warm_tokens = [list(t) for t in pins] or [None]
         done = 0
         self.warming = True
-        try:
-            for i in range(len(self.warm_tokens)):
-                if self.fatal is not None:
-                    return
-                self._warm_request(provider.cli_args, i)
-                done += 1
-            log.info("kvstore: %s through the server in %.3f s",
-                     counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
-        except Exception as e:  # an optimisation: never keep the server down
-            log.warning("kvstore: warm-up request failed (%d of %d done): %s",
-                        done, len(self.warm_tokens), e)  # fmt: skip
+        n = len(self.warm_tokens)
+        try:  # an optimisation: a failure never keeps the server down
+            with serve_hook(lambda: f"kvstore: warm-up request failed ({done} of {n} done)"):
+                for i in range(n):
+                    if self.fatal is not None:
+                        return
+                    self._warm_request(provider.cli_args, i)
+                    done += 1
+                log.info("kvstore: %s through the server in %.3f s",
+                         counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
         finally:
             self.warming = False
             self.warm_prompts = []
@@ -438,13 +437,11 @@ class _Hooks:
         target = self.targets.get(model_key)
         if self.persister is None or cache_type != "system" or target is None:
             return False
-        try:
+        with serve_hook("kvstore: not persisting a system prefix"):  # never fail the insert
             extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
             self.persister.offer(target, tokens, cache, extra)
             return True
-        except Exception as e:  # never fail the insert the server asked for
-            log.warning("kvstore: not persisting a system prefix: %s", e)
-            return False
+        return False
 
 
 def _cause(e: BaseException, model_path: Any = None) -> str:
@@ -486,21 +483,22 @@ def _provider(server: Any, hooks: _Hooks) -> type:
             # mlx_lm.server has no model_config option: give it to this load
             config = mlxlm.load_with_config(server, model_path, hooks.model_config)
             try:
-                with config:
-                    super()._load(model_path, adapter_path, draft_model_path, **kw)
-            except Exception as e:
-                why = f"cannot load model {model_path}: {_cause(e, model_path)}"
-                if last is None and model_path == getattr(self.cli_args, "model", None):
-                    if hooks.fatal is None:  # the server's own model: nothing to serve, stop
-                        hooks.stop_with(why)
-                        return  # not raised: mlx-lm would log its thread's death with a traceback
-                # a model asked for by one request: that request's error; the last model stays
-                for n, v in held.items():
-                    setattr(self, n, v)
-                log.warning("kvstore: %s (a request asked for it)", why)
-                raise ServeError(
-                    why + (f"; still serving {last[0]}" if last is not None else "")
-                ) from None
+                with serve_hook("kvstore: model load failed", level=logging.DEBUG) as failed:
+                    with config:
+                        super()._load(model_path, adapter_path, draft_model_path, **kw)
+                if failed.error is not None:
+                    why = f"cannot load model {model_path}: {_cause(failed.error, model_path)}"
+                    if last is None and model_path == getattr(self.cli_args, "model", None):
+                        if hooks.fatal is None:  # the server's own model: nothing to serve, stop
+                            hooks.stop_with(why)
+                            return  # not raised: mlx-lm would log a traceback
+                    # a model asked for by one request: that request's error; the last model stays
+                    for n, v in held.items():
+                        setattr(self, n, v)
+                    log.warning("kvstore: %s (a request asked for it)", why)
+                    raise ServeError(
+                        why + (f"; still serving {last[0]}" if last is not None else "")
+                    ) from None
             finally:
                 if reader is not None:
                     reader.join()
@@ -540,10 +538,11 @@ def _generator(server: Any, hooks: _Hooks) -> type:
         def _generate(self):
             # mlx-lm's generation thread: when it dies the server answers nothing and /health
             # says 503 forever, which no supervisor restarts. Stop with one line instead.
-            try:
+            what = "mlx_lm.server's generation thread died"
+            with serve_hook(f"kvstore: {what}", level=logging.DEBUG) as failed:
                 super()._generate()
-            except Exception as e:
-                hooks.stop_with(f"mlx_lm.server's generation thread died: {type(e).__name__}: {e}")
+            if (e := failed.error) is not None:
+                hooks.stop_with(f"{what}: {type(e).__name__}: {e}")
 
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
@@ -553,12 +552,10 @@ def _generator(server: Any, hooks: _Hooks) -> type:
                 return hooks.warm_tokenize(out, warm)
             if hooks.boundary is None:
                 return out
-            try:
+            with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
                 cli_args = self.model_provider.cli_args
                 return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
-            except Exception as e:  # never fail the request: mlx-lm's own segment then
-                log.warning("kvstore: keeping mlx-lm's system segment: %s", e)
-                return out
+            return out
 
     return StableSegmentGenerator
 

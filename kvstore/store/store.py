@@ -182,16 +182,20 @@ class Store:
         adopted before the transaction begins (LMDB says so at its start)."""
         self._check_pid()
         for _ in range(3):
-            held = contextlib.ExitStack()
-            try:
-                held.enter_context(self._gate.txn())
-                txn = held.enter_context(self.env.begin(buffers=buffers))
-            except lmdb.MapResizedError:
-                held.close()
+            with contextlib.ExitStack() as opening:  # closes what was opened if a begin fails
+                held = opening.enter_context(contextlib.ExitStack())
+                try:
+                    held.enter_context(self._gate.txn())
+                    txn = held.enter_context(self.env.begin(buffers=buffers))
+                except (lmdb.MapResizedError, lmdb.ReadersFullError) as e:
+                    failed: Exception | None = e
+                else:
+                    failed = None
+                    opening.pop_all()
+            if isinstance(failed, lmdb.MapResizedError):
                 self._adopt_grown_map()
                 continue
-            except lmdb.ReadersFullError:
-                held.close()
+            if failed is not None:
                 # Every slot is held, often by readers that died: reader_check() (the daemon
                 # runs it periodically) frees those. Say so instead of a bare lmdb error.
                 raise StoreError(
@@ -199,9 +203,6 @@ class Store:
                     f"({self.env.max_readers()} max_readers); dead readers are cleared by the "
                     "daemon's periodic reader_check, or close some readers"
                 ) from None
-            except BaseException:
-                held.close()
-                raise
             with held:
                 yield txn
             return

@@ -384,12 +384,16 @@ class Store:
                     old = EntryMeta.unpack(key, old_raw)
                 except CorruptEntryError:
                     old = None
-            same = old is not None and old.checksum == checksum and old.tokens == tokens
+            same = (
+                old
+                if old is not None and old.checksum == checksum and old.tokens == tokens
+                else None
+            )
             meta = replace(
                 draft,
-                pinned=draft.pinned or bool(same and old.pinned),
-                created=old.created if same else now,
-                hits=old.hits if same else 0,
+                pinned=draft.pinned or bool(same and same.pinned),
+                created=same.created if same else now,
+                hits=same.hits if same else 0,
             )
             txn.put(key, blob, db=self._blob)
             txn.put(key, meta.pack(), db=self._meta)

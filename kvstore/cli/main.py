@@ -89,7 +89,7 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
         progress(f"warming through the daemon for {home}; its log shows the progress")
         with client:
-            report = warm_ops.report_from_wire(client.warm(m.path))
+            report = warm_ops.send(client, m.path)
     else:
 
         def warn(msg: str) -> None:

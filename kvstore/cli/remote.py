@@ -441,7 +441,7 @@ def _writers(client, store, home: Path):
 
     def put(key, blob, fields):
         if client is not None:
-            client.put(key, blob, fields)
+            put_ops.send(client, key, blob, fields)
         else:
             store.put(key, blob, **fields)
 
@@ -451,7 +451,7 @@ def _writers(client, store, home: Path):
             label=label, model=extra["model"], extra=extra,
         )  # fmt: skip
         if client is not None:
-            client.op("put_blocks", req)
+            client.send(req)
         else:
             block = int(load_settings(home)["block_tokens"])
             put_ops.put_blocks(BlockStore(store, block=block), req)
@@ -462,7 +462,7 @@ def _writers(client, store, home: Path):
 
         req = request_of(verdicts)
         if client is not None:
-            client.op("fleet_checked", req)
+            client.send(req)
         else:
             fleet_checked(store, home, req)
 

@@ -18,7 +18,7 @@ from kvstore.cli.options import (
     user_errors,
 )
 from kvstore.store.keys import digest_hex
-from kvstore.wire.daemon_client import DaemonClient, DaemonWriter, connect_writer
+from kvstore.wire.daemon_client import DaemonClient, connect_writer
 
 
 @click.command(name="export")
@@ -121,6 +121,7 @@ def import_cmd(
     \b
     kvstore import cache.safetensors --model ./Qwen3-0.6B --prompt "You are..." --pin
     """
+    from kvstore.ops.put import DaemonWriter
     from kvstore.warm.transfer import AlreadyStored, import_file
 
     if tokens_file is not None and prompt is not None:

@@ -1,4 +1,5 @@
-"""`put` (one entry, verified before commit) and `put_blocks` (learned records)."""
+"""`put` (one entry, verified before commit) and `put_blocks` (learned records), and a put's
+request as a client sends it to the daemon (`request`, `send`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ from typing import Any
 from kvstore.errors import CodecError
 from kvstore.store.blocks import BlockStore
 from kvstore.store.chain import chain_hashes, position_hash
-from kvstore.store.entry import KEY_BYTES, EntryMeta, blob_checksum, tokens_match_key
+from kvstore.store.entry import (
+    KEY_BYTES,
+    EntryMeta,
+    blob_checksum,
+    tokens_match_key,
+    with_model_location,
+)
 from kvstore.store.store import Store
+from kvstore.wire.daemon_client import DaemonClient
 from kvstore.wire.messages import PutBlocksRequest, PutRequest
 
 _PUT_FIELDS: dict[str, tuple[type, str]] = {
@@ -116,3 +124,32 @@ def put_blocks(blocks: BlockStore, req: PutBlocksRequest) -> tuple[int, list[byt
     hashes = chain_hashes(fp, data, blocks.block)
     keys = [fp + position_hash(fp, data, e, blocks.block, hashes) for _, e, _ in rows]
     return written, keys
+
+
+def request(key: bytes, blob: bytes, fields: dict[str, Any]) -> PutRequest:
+    """A put as the daemon takes it. The model is located here, in the putting process's cwd and
+    environment (the daemon's may resolve a relative path or hub id to something else, or not at
+    all); the checksum lets the daemon tell the blob it received is the one sent."""
+    return PutRequest(
+        key=key,
+        fields=with_model_location(fields),
+        nbytes=len(blob),
+        checksum=blob_checksum(blob),
+        blob=blob,
+    )
+
+
+def send(client: DaemonClient, key: bytes, blob: bytes, fields: dict[str, Any]) -> EntryMeta:
+    """Store an entry through the daemon (it checks, commits and holds the budget)."""
+    reply = client.send(request(key, blob, fields))
+    return EntryMeta.unpack(reply.key, reply.meta)
+
+
+class DaemonWriter:
+    """A Store-shaped `put` that goes through the daemon (for code written against Store)."""
+
+    def __init__(self, client: DaemonClient):
+        self.client = client
+
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
+        return send(self.client, key, blob, fields)

@@ -10,6 +10,8 @@ from typing import Any
 from kvstore.pins.manifest import Manifest
 from kvstore.store.store import Store
 from kvstore.warm.warm import PinResult, Purged, WarmReport
+from kvstore.wire.daemon_client import DaemonClient
+from kvstore.wire.messages import WarmRequest
 
 
 def warm(
@@ -29,6 +31,13 @@ def warm(
         if fetch is not None:
             fetch.record(report)
     return report
+
+
+def send(client: DaemonClient, manifest: str | Path) -> WarmReport:
+    """Reconcile a manifest in the daemon (it is the writer, and watches the manifest from then
+    on) and return its report. Waits for the warm, however long it takes."""
+    reply = client.send(WarmRequest(str(Path(manifest).absolute())))
+    return report_from_wire(reply.reports[0])
 
 
 def report_to_wire(report: WarmReport, manifest: Manifest) -> dict[str, Any]:

@@ -180,18 +180,11 @@ class Commands:
 
         def job():
             # Decoded here, on the writer (main) thread: see kvstore.daemon.writer on mlx and
-            # threads.
-            meta = put_ops.put(self.store, req, blob)
-            self.learning.after_put(meta)  # kvstore.daemon.learn: write budget, snapshot cap
-            log.info(
-                "put %s %r of %s: %d tokens, %d bytes",
-                req.key.hex(),
-                meta.label,
-                meta.model,
-                meta.ntokens,
-                meta.nbytes,
-            )
-            self.upkeep.enforce_budget()
+            # threads. after_put: kvstore.daemon.learn's write budget and snapshot cap.
+            meta = put_ops.put(self.store, req, blob, budget=self.upkeep.budget,
+                               after=self.learning.after_put)  # fmt: skip
+            log.info("put %s %r of %s: %d tokens, %d bytes", req.key.hex(), meta.label,
+                     meta.model, meta.ntokens, meta.nbytes)  # fmt: skip
             return meta
 
         meta = self.write("put", job)
@@ -207,10 +200,6 @@ class Commands:
         done = self.write("evict", job)
         for m, why in done.unknown:
             log.warning("evict --stale kept %s %r of %s: %s", m.key.hex(), m.label, m.model, why)
-        for m in done.victims:
-            log.info(
-                "evicted %s %r of %s (%d bytes): requested", m.key.hex(), m.label, m.model, m.nbytes
-            )
         for o in done.owned:  # evicted all the same: the next reconcile of that manifest re-warms
             log.info(
                 "evicted pin %r is kept by manifest %s (%s)",

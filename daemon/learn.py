@@ -13,6 +13,8 @@ from typing import Any
 from kvstore import metrics
 from kvstore.learn import MIN_LCP, LearnPolicy, worth_storing
 from kvstore.ops import put as put_ops
+from kvstore.ops.budget import Budget
+from kvstore.ops.evict import evict, snapshot_cap
 from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot, learned_summary, today
 from kvstore.store.chain import chain_hashes
@@ -34,8 +36,8 @@ log = logging.getLogger("kvstore.daemon")
 class Learning:
     """Learned prefixes: the daemon's part that answers learn, put_blocks and touch_blocks.
 
-    `write(name, fn)` runs `fn` on the writer thread and waits; `enforce_budget` and
-    `drop_learned_under` are the upkeep's; `uploader()` is the fleet tier's upload queue, or None.
+    `write(name, fn)` runs `fn` on the writer thread and waits; `budget` and `drop_learned_under`
+    are the upkeep's; `uploader()` is the fleet tier's upload queue, or None.
     """
 
     def __init__(
@@ -46,13 +48,13 @@ class Learning:
         settings: dict[str, Any],
         write: Callable[[str, Callable[[], Any]], Any],
         *,
-        enforce_budget: Callable[[], Any],
+        budget: Budget,
         drop_learned_under: Callable[[EntryMeta], Any],
         uploader: Callable[[], Any],
     ):
         self.store, self.blocks, self.ledger, self.settings = store, blocks, ledger, settings
         self.write = write
-        self.enforce_budget, self.drop_learned_under = enforce_budget, drop_learned_under
+        self.budget, self.drop_learned_under = budget, drop_learned_under
         self.uploader = uploader
         self._learn_lock = threading.Lock()  # connection threads share the policy
         self._bytes_per_token: dict[bytes, float] = {}  # per fingerprint, from put_blocks
@@ -152,7 +154,7 @@ class Learning:
         rows = req.records
 
         def job():
-            written, keys = put_ops.put_blocks(self.blocks, req)
+            written, keys = put_ops.put_blocks(self.blocks, req, budget=self.budget)
             with self._learn_lock:
                 self.policy.landed(keys)
             uploader = self.uploader()  # the fleet tier, or None
@@ -164,7 +166,6 @@ class Learning:
             metrics.WRITTEN_BYTES.labels(kind="learned").inc(written)
             log.info("put_blocks %r of %s: %d records, %d bytes written", req.label, req.model,
                      len(rows), written)  # fmt: skip
-            self.enforce_budget()
             self.learned_stats(self.store.metas(errors=[]))  # gauges
             return written
 
@@ -198,18 +199,8 @@ class Learning:
                                    meta.tokens.startswith(m.tokens))
         ]  # fmt: skip
         same_chain.sort(key=lambda m: m.ntokens, reverse=True)
-        drop = same_chain[cap:]
-        if drop:
-            self.store.delete(m.key for m in drop)
-            for m in drop:
-                metrics.EVICTIONS.labels(reason="snapshot_cap").inc()
-                log.info(
-                    "evicted learned snapshot %s (%d tokens): more than "
-                    "max_snapshots_per_prefix=%d on its chain",
-                    m.key.hex(),
-                    m.ntokens,
-                    cap,
-                )
+        # the shallowest go, tombstoned like any eviction: a later miss on one reads `evicted`
+        evict(self.budget.home, snapshot_cap(cap), store=self.store, entries=same_chain[cap:])
 
     def learned_stats(self, metas: list) -> dict[str, Any]:
         summary = learned_summary(self.blocks, metas, self.settings, self._paused)

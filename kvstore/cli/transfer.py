@@ -121,7 +121,7 @@ def import_cmd(
     \b
     kvstore import cache.safetensors --model ./Qwen3-0.6B --prompt "You are..." --pin
     """
-    from kvstore.ops.put import DaemonWriter
+    from kvstore.ops.put import DaemonWriter, LocalWriter
     from kvstore.warm.transfer import AlreadyStored, import_file
 
     if tokens_file is not None and prompt is not None:
@@ -134,7 +134,9 @@ def import_cmd(
         reader = open_store(home) if client is not None else None
         try:
             meta = import_file(
-                DaemonWriter(store) if isinstance(store, DaemonClient) else store,
+                DaemonWriter(store)
+                if isinstance(store, DaemonClient)
+                else LocalWriter(store, home),
                 file,
                 model=model,
                 tokens_file=tokens_file,

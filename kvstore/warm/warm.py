@@ -546,8 +546,6 @@ def warm(
     home: Path,
     progress: Callable[[str], None] | None = None,
     put: Callable[[bytes, bytes, dict], object] | None = None,
-    delete: Callable[[list[bytes]], object] | None = None,
-    edit: Callable[[dict[bytes, MetaEdit]], int] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
@@ -556,7 +554,8 @@ def warm(
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
     own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
-    `put`, `delete` and `edit` (Store.edit_meta) override where writes go (e.g. the daemon).
+    `put` is kvstore.ops.put's (kvstore.ops.warm passes it: checks, budget); without it (tests)
+    the store is written directly.
     Pins render as requests on the local day of `now` do (default: the real clock). `may_load`
     (the daemon's memory check) may defer a model's load: its missing pins are reported
     "deferred". `bounds` (default: max_pin_tokens from the home's settings) bound each pin's
@@ -567,8 +566,7 @@ def warm(
     report = WarmReport()
     say = progress or (lambda msg: None)
     put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
-    delete = delete or store.delete
-    edit = edit or store.edit_meta
+    delete, edit = store.delete, store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:

@@ -230,7 +230,7 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         a, b, c3 = (make_entry(f"lru-{i}", [900 + i] * 40) for i in range(3))
         nbytes = len(a[1])
         settings.write_text(original + f"max_bytes = {pinned_bytes + int(2.5 * nbytes)}\n")
-        shared.request("reload")
+        shared.request("warm")
         with DaemonClient(shared.home) as c:
             put_ops.send(c, *a)
             put_ops.send(c, *b)
@@ -246,7 +246,7 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         assert [t.by for t in gone] == ["byte budget"]
 
         settings.write_text(original + f"max_bytes = {pinned_bytes // 2}\n")  # pins alone exceed
-        shared.request("reload")
+        shared.request("warm")
         with DaemonClient(shared.home) as c:
             put_ops.send(c, *make_entry("lru-3", [777] * 40))
         labels = {e["label"] for e in entries(shared.home).values()}
@@ -255,7 +255,7 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         shared.wait_log("pins alone hold")
     finally:
         settings.write_text(original)
-        shared.request("reload")
+        shared.request("warm")
         shared.request("evict", unpinned=True)
 
 
@@ -455,10 +455,10 @@ def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama
 
 _BROKEN_WARM = """
 import sys
-import kvstore.daemon.upkeep as upkeep
+import kvstore.ops.warm as warm_ops
 def broken(manifest, *args, **kwargs):
     raise RuntimeError("the warm broke")
-upkeep.warm = broken
+warm_ops.warm = broken
 from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])
 """
@@ -477,7 +477,7 @@ def test_a_failing_boot_reconcile_is_logged_and_the_daemon_serves_on(tmp_path, l
         assert d.request("ping")["pid"] == d.pid
         assert d.request("ls") == []
         # a reload nobody waits on fails the same way, and is logged again
-        d.request("reload")
+        d.request("warm")
         assert d.text().count(f"reconcile: warming {manifest} failed") >= 2
     finally:
         rc, _ = d.stop()

@@ -99,31 +99,26 @@ class Learning:
             log.warning("%s", msg)
 
     def learn(self, req: LearnRequest) -> LearnReply:
-        reply = self._learn(req)
-        return LearnReply(reply["want"], reply["snapshot_at"], reply["paused"],
-                          reply.get("paused_by"))  # fmt: skip
-
-    def _learn(self, req: LearnRequest) -> dict[str, Any]:
         fp, data, sliceable, model = req.fingerprint, req.tokens, req.sliceable, req.model
         policy = self.policy
         hashes = chain_hashes(fp, data, policy.block)
         with self._learn_lock:
             end = policy.learned_end(fp, data, hashes)
-        reply: dict[str, Any] = {"want": [], "snapshot_at": [], "paused": None}
         paused = self.learn_paused()
         if paused:
-            reply["paused"], reply["paused_by"] = paused, "write_budget"
-            return reply
+            return LearnReply(paused=paused, paused_by="write_budget")
         if end == 0:
-            return reply
+            return LearnReply()
         bpt = self._bytes_per_token.get(fp)
         if not worth_storing(bpt and bpt * end, end, self._prefill_tps(model)):
             log.debug("learn: %d tokens of %s not worth storing (prefill is faster)", end, model)
-            return reply
+            return LearnReply()
+        want: list[list[int]] = []
+        snapshot_at: list[int] = []
         if sliceable:
             stored = min(self.blocks.stored_end(fp, data[: 4 * end]), end)
             if stored >= end or end - self._pinned_end(fp, data[: 4 * end]) < MIN_LCP:
-                return reply  # stored: as records, or in a pin (one copy)
+                return LearnReply()  # stored: as records, or in a pin (one copy)
             why = policy.paused(
                 written_today=0,
                 write_budget=1,
@@ -132,10 +127,9 @@ class Learning:
             )
             if why:
                 self._note_paused(why)
-                reply["paused"], reply["paused_by"] = why, "learned_budget"
-                return reply
+                return LearnReply(paused=why, paused_by="learned_budget")
             with self._learn_lock:
-                reply["want"] = [list(r) for r in policy.wants(fp, data, hashes, stored, end)]
+                want = [list(r) for r in policy.wants(fp, data, hashes, stored, end)]
         else:
             key = fp + packed_prefix_hash(data[: 4 * end])
             if self.store.get_meta(key) is None:
@@ -144,11 +138,11 @@ class Learning:
                     now = policy.clock()
                     if policy.inflight.get(marker, 0) <= now:
                         policy.inflight[marker] = now + policy.inflight_s
-                        reply["snapshot_at"] = [end]
-        if reply["want"] or reply["snapshot_at"]:
-            log.info("learn: %s of %s: want %s, snapshot at %s", req.label or "-",
-                     model, reply["want"], reply["snapshot_at"])  # fmt: skip
-        return reply
+                        snapshot_at = [end]
+        if want or snapshot_at:
+            log.info("learn: %s of %s: want %s, snapshot at %s", req.label or "-", model, want,
+                     snapshot_at)  # fmt: skip
+        return LearnReply(want, snapshot_at)
 
     def put_blocks(self, req: PutBlocksRequest) -> PutBlocksReply:
         rows = req.records

@@ -38,7 +38,7 @@ from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.store import Store
 from kvstore.warm.prefill import stop_when
-from kvstore.warm.warm import PrefillBounds, WarmReport, max_pin_tokens
+from kvstore.warm.warm import STORED, PinStatus, PrefillBounds, WarmReport, max_pin_tokens
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -225,7 +225,7 @@ class Upkeep:
                 trim_heap()  # kvstore.warm.warm released the model; hand its freed pages back too
         self._log_pins(report)
         for p in report.pins:  # a pin stores its prefix: learned records of it are dropped
-            if p.status in ("present", "warmed", "fetched") and p.key:
+            if p.status in STORED and p.key:
                 meta = self.store.get_meta(bytes.fromhex(p.key))
                 if meta is not None:
                     self.drop_learned_under(meta)
@@ -249,8 +249,8 @@ class Upkeep:
     @staticmethod
     def _log_pins(report: WarmReport) -> None:
         for p in report.pins:  # where each pin's KV came from
-            if p.status not in ("failed", "deferred"):
-                source = {"warmed": "prefilled", "present": "already present"}.get(
+            if p.status in STORED:
+                source = {PinStatus.WARMED: "prefilled", PinStatus.PRESENT: "already present"}.get(
                     p.status, p.status
                 )
                 why = f" ({p.remote})" if p.remote else ""
@@ -265,7 +265,7 @@ class Upkeep:
         rss: RssSampler,
     ) -> None:
         """The warm's summary line, its failures, its deferred models and `last_warm`."""
-        present = sum(p.status == "present" for p in report.pins)
+        present = sum(p.status is PinStatus.PRESENT for p in report.pins)
         log.info(
             "warm %s done in %.2fs: %d warmed, %d fetched, %d present, %d failed, %d purged, "
             "%s loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",

@@ -131,12 +131,11 @@ def import_cmd(
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
     # Whether the KV is stored already is read from the store itself (read-only beside a daemon).
     with client or open_store(home, write=True) as store:
-        reader = open_store(home) if client is not None else None
+        local = None if isinstance(store, DaemonClient) else store
+        reader = open_store(home) if local is None else None
         try:
             meta = import_file(
-                DaemonWriter(store)
-                if isinstance(store, DaemonClient)
-                else LocalWriter(store, home),
+                DaemonWriter(store) if local is None else LocalWriter(local, home),
                 file,
                 model=model,
                 tokens_file=tokens_file,
@@ -147,7 +146,7 @@ def import_cmd(
                 pin=pin,
                 trust=trust,
                 home=home,
-                reader=reader,
+                reader=reader if reader is not None else local,
             )
         except AlreadyStored as e:
             click.echo(str(e))

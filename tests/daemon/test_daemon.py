@@ -528,7 +528,7 @@ def test_reconcile_logs_a_failing_manifest_and_warms_the_next(tmp_path, llama_pa
         warmed.append(manifest.path)
         return WarmReport()
 
-    monkeypatch.setattr(upkeep_mod, "warm", fake_warm)
+    monkeypatch.setattr(upkeep_mod.warm_ops, "warm", fake_warm)
     home = tmp_path / "home"
     home.mkdir()
     with Store(home) as store:

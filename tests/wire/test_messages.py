@@ -184,3 +184,24 @@ def test_fleet_checked_takes_entry_keys_and_string_fields_only():
         FleetCheckedRequest.from_wire({"refused": [{"key": "not bytes"}]})
     with pytest.raises(ValueError, match="'uploader' must be a string"):
         FleetCheckedRequest.from_wire({"refused": [{"key": key, "uploader": 7}]})
+
+
+def test_the_wire_imports_no_storage():
+    """Both ends share kvstore.wire: it holds the frames and messages, none of the store."""
+    import ast
+    from pathlib import Path
+
+    import kvstore.wire
+
+    for path in Path(kvstore.wire.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("kvstore.store", "kvstore.ops", "kvstore.warm")), (
+                    f"{path.name} imports {name}"
+                )

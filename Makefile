@@ -75,7 +75,7 @@ stress: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run --full
 
-# under three minutes on a 2-core box; `make bench-quick REFERENCE=1` refreshes bench/results/reference
+# about 4-5 minutes on a shared 2-core box; `make bench-quick REFERENCE=1` refreshes bench/results/reference
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick $(if $(REFERENCE),--reference)
 

@@ -1,8 +1,10 @@
 """The upgrade canary's tolerance, measured: how far float rounding moves a tiny llama's KV, and how
 far a real change of the computation (a RoPE base override) does, as kvstore.warm.canary measures it
-(largest per-layer relative RMS difference).
+(largest per-layer relative RMS difference). The tolerance must sit above the rounding and below the
+change: `targets` says whether it does.
 
     python -m bench.canary_noise
+    python -m bench.run --quick --only canary_noise
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from kvstore.warm.prefill import prefill
 TOKENS = list(range(3, 303))
 
 
-def run() -> dict:
+def run(quick: bool = True) -> dict:
+    """Each case's difference from the float32 reference and the tolerance there (one size)."""
     with tempfile.TemporaryDirectory(prefix="kvbench-canary-") as tmp:
         path = str(make_tiny_model(Path(tmp) / "llama", "llama"))
         base, _ = load(path)
@@ -39,6 +42,24 @@ def run() -> dict:
     for what, (diff, tol) in out.items():
         print(f"  {what:36}: relative RMS {diff:.3g} (tolerance there {tol:.3g})")
     return {k: {"difference": d, "tolerance": t} for k, (d, t) in out.items()}
+
+
+def targets(res: dict) -> list[dict]:
+    """bench.run's rows: float rounding within the tolerance, a real change of the computation
+    beyond it."""
+    out = []
+    for case, r in res.items():
+        change = case.startswith("RoPE")
+        d, tol = r["difference"], r["tolerance"]
+        out.append({
+            "target": f"upgrade canary: {case} {'beyond' if change else 'within'} the tolerance "
+                      f"({tol:.3g}), tiny llama",
+            "measured": float(f"{d:.3g}"),
+            "unit": "relative RMS",
+            "ok": d > tol if change else d <= tol,
+            "note": "",
+        })  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.timing import Stats, in_fresh_process
+from bench.timing import Stats, fresh_rounds, worker
 
 # imports stay inside functions: a worker's own import time is part of what it reports
 MB = 2**20
@@ -52,9 +51,9 @@ def target(size_mb: int) -> float:
 ALTERNATIVES = ("kvstore", "load_prompt_cache", "fresh memory", "fresh pages")
 
 
-def _worker(argv: list[str]) -> None:
-    """One timed call in this new interpreter; prints a JSON line (call wall and CPU seconds, all
-    threads; CPU time is the steadier figure on a shared machine)."""
+def first_call(argv: list[str]) -> dict:
+    """One timed call in a new interpreter (`bench.timing.worker`): call wall and CPU seconds, all
+    threads (CPU time is the steadier figure on a shared machine), and the imports' seconds."""
     t_start = time.perf_counter()
     ap = argparse.ArgumentParser()
     ap.add_argument("alternative", choices=ALTERNATIVES)
@@ -93,7 +92,7 @@ def _worker(argv: list[str]) -> None:
         mx.eval([c.state for c in cache])
         LRUPromptCache().insert_cache("m", list(range(a.tokens)), cache, cache_type="system")
         call, cpu = time.perf_counter() - imported, time.process_time() - cpu
-    print(json.dumps({"call_s": call, "cpu_s": cpu, "import_s": imported - t_start}))
+    return {"call_s": call, "cpu_s": cpu, "import_s": imported - t_start}
 
 
 def fault_in(nbytes: int) -> None:
@@ -139,23 +138,18 @@ def measure(root: Path, model: Path, shape, size_mb: int, reps: int) -> dict:
     home = root / f"{shape.name}-{size_mb}"
     tokens = shape.tokens_for(size_mb * MB)
     path, nbytes = _store_entry(home, model, shape, tokens)
-    args = {
-        "kvstore": ["kvstore", "--home", str(home), "--model", str(model)],
-        "load_prompt_cache": ["load_prompt_cache", "--file", str(path), "--tokens", str(tokens)],
-        "fresh memory": ["fresh memory", "--tokens", str(nbytes)],
-        "fresh pages": ["fresh pages", "--tokens", str(nbytes)],
-    }
-    samples: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
-    cpu: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
-    imports: dict[str, list[float]] = {n: [] for n in ALTERNATIVES}
-    for r in range(reps + 1):  # the first round (untimed) brings both files into the page cache
-        k = r % len(ALTERNATIVES)
-        for name in ALTERNATIVES[k:] + ALTERNATIVES[:k]:
-            res = in_fresh_process("bench.coldstart", args[name])
-            if r:
-                samples[name].append(res["call_s"])
-                cpu[name].append(res["cpu_s"])
-                imports[name].append(res["import_s"])
+    cases = {
+        "kvstore": worker(first_call, "kvstore", "--home", home, "--model", model),
+        "load_prompt_cache": worker(first_call, "load_prompt_cache", "--file", path,
+                                    "--tokens", tokens),
+        "fresh memory": worker(first_call, "fresh memory", "--tokens", nbytes),
+        "fresh pages": worker(first_call, "fresh pages", "--tokens", nbytes),
+    }  # fmt: skip
+    # round 0 (untimed) brings both files into the page cache
+    runs = fresh_rounds(cases, reps=reps)
+    samples = {n: [r["call_s"] for r in v] for n, v in runs.items()}
+    cpu = {n: [r["cpu_s"] for r in v] for n, v in runs.items()}
+    imports = {n: [r["import_s"] for r in v] for n, v in runs.items()}
     shutil.rmtree(home)
     stats = {n: Stats.of(s) for n, s in samples.items()}
     # each round ran both in turn: the ratio pair by pair, robust to a burst that hit one round
@@ -204,9 +198,6 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        _worker(sys.argv[2:])
-    else:
-        ap = argparse.ArgumentParser(description=__doc__)
-        ap.add_argument("--full", action="store_true")
-        print(json.dumps(run(not ap.parse_args().full), indent=1))
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--full", action="store_true")
+    print(json.dumps(run(not ap.parse_args().full), indent=1))

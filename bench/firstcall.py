@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.timing import in_fresh_process
+from bench.timing import fresh_rounds, worker
 
 SYSTEM = (
     "You are the router. "
@@ -32,9 +32,11 @@ SYSTEM = (
 )
 CALLS = 10
 PIN_ONLY_LETTERS = "ABCDEFGHJ"  # first letters that no other call's user turn starts with
+MODES = ("warm", "no warm")  # kvstore.client.load(warm=True), and warm=False
 
 
-def _worker(argv: list[str]) -> None:
+def calls(argv: list[str]) -> dict:
+    """One process's `load` and calls (`bench.timing.worker`): load seconds, each call's TTFT."""
     model_path, home, warm = argv[0], argv[1], argv[2] == "1"
     import mlx_lm  # noqa: F401  (imported before the timer, as an app has it)
 
@@ -58,7 +60,7 @@ def _worker(argv: list[str]) -> None:
     # call 1 was (calls 2-10 also reuse the user turn's start from the call before)
     pin_ttft_s = [ttft(letter + user_turn(0)[1:]) for letter in PIN_ONLY_LETTERS]
     cache.close()
-    print(json.dumps({"load_s": load_s, "ttft_s": ttft_s, "pin_ttft_s": pin_ttft_s}))
+    return {"load_s": load_s, "ttft_s": ttft_s, "pin_ttft_s": pin_ttft_s}
 
 
 def user_turn(i: int) -> str:
@@ -114,14 +116,8 @@ def run(quick: bool) -> dict:
     reps = 4 if quick else 8
     with tempfile.TemporaryDirectory(prefix="kvbench-firstcall-") as tmp:
         model, home = _setup(Path(tmp))
-        samples: dict[str, list[dict]] = {"warm": [], "no warm": []}
-        for r in range(reps + 1):  # round 0 (untimed) fills the page cache
-            for mode in ("warm", "no warm") if r % 2 else ("no warm", "warm"):
-                res = in_fresh_process(
-                    "bench.firstcall", [str(model), str(home), "1" if mode == "warm" else "0"]
-                )
-                if r:
-                    samples[mode].append(res)
+        cases = {mode: worker(calls, model, home, int(mode == "warm")) for mode in MODES}
+        samples = fresh_rounds(cases, reps=reps)  # round 0 (untimed) fills the page cache
     out = summarize(samples)
     for mode, row in out.items():
         print(
@@ -140,7 +136,4 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        _worker(sys.argv[2:])
-    else:
-        print(json.dumps(run("--full" not in sys.argv), indent=1))
+    print(json.dumps(run("--full" not in sys.argv), indent=1))

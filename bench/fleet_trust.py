@@ -13,6 +13,7 @@ over a store of fetched pins still pending their check (checked, then the verdic
 store), against the next start, when they have passed and are inserted as they are.
 
     python -m bench.fleet_trust [--check-only | --start]
+    python -m bench.run --quick --only fleet_trust   # the tiny llama's check only, smaller seals
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def _best(fn, *args, **kw) -> float:
     return min(times)
 
 
-def run() -> list[dict]:
+def seal_costs(sizes: tuple[int, ...] = SIZES) -> list[dict]:
+    """Seal, verify and verify with the key, per entry size (tokens)."""
     k = secrets.token_bytes(32)
     keyed = RemoteSettings(endpoint="http://x", bucket="b", box_id="box-bench", fleet_keys=(k,))
     rows = []
-    for tokens in SIZES:
+    for tokens in sizes:
         key, blob, meta = _entry(tokens)
         body = object_header(meta) + blob
         data = body + seal(keyed, body)
@@ -89,7 +91,7 @@ CHECK_MODELS = (
 CHECK_SIZES = (148, 1024, 2048)  # tokens of the fetched entry (148: the tests' classify pin)
 
 
-def check_costs() -> Iterator[dict]:
+def check_costs(models: tuple = CHECK_MODELS) -> Iterator[dict]:
     from kvstore import mlxlm
     from kvstore.fleet.check import check_cache
     from kvstore.identity.model import ModelIdentity
@@ -97,7 +99,7 @@ def check_costs() -> Iterator[dict]:
     from kvstore.warm.prefill import prefill
 
     identity = ModelIdentity("bench")
-    for name, overrides in CHECK_MODELS:
+    for name, overrides in models:
         config = {**ARCHITECTURES["llama"], **overrides}
         model_class, args_class = mlxlm.model_classes(config)
         mx.random.seed(0)
@@ -159,6 +161,53 @@ def start_cost() -> dict:
     return {"pins": START_PINS, "tokens": tokens, "pending_s": times[0], "passed_s": times[1]}
 
 
+def run(quick: bool) -> dict:
+    """All three for bench.run; quick: the tiny llama's check only, entries up to 32 MiB."""
+    seals = seal_costs(SIZES[:2] if quick else SIZES)
+    checks = list(check_costs(CHECK_MODELS[:1] if quick else CHECK_MODELS))
+    start = start_cost()
+    for r in seals:
+        print(f"  seal {r['mib']:.1f} MiB {r['seal_s']:.3f}s, verify {r['verify_s']:.3f}s, with "
+              f"the key {r['verify_keyed_s']:.3f}s", flush=True)  # fmt: skip
+    for r in checks:
+        print(f"  check {r['model']}, {r['tokens']} tokens: {r['check_s']:.4f}s (prefill "
+              f"{r['prefill_s']:.3f}s)", flush=True)  # fmt: skip
+    print(f"  client.load over {start['pins']} pending pins {start['pending_s']:.3f}s, passed "
+          f"{start['passed_s']:.3f}s", flush=True)  # fmt: skip
+    return {"seal": seals, "check": checks, "start": start}
+
+
+def targets(res: dict) -> list[dict]:
+    """bench.run's rows (context: what the fleet key and the semantic check cost)."""
+    rows = []
+
+    def add(name, value, unit, note=""):
+        rows.append({"target": name, "measured": value, "unit": unit, "ok": None, "note": note})
+
+    for r in res["seal"]:
+        add(
+            f"fleet key: verify with the key, {r['mib']:.0f} MiB object",
+            round(r["verify_keyed_s"], 4),
+            "s",
+            f"seal {r['seal_s']:.4f} s, verify without the key {r['verify_s']:.4f} s",
+        )
+    for r in res["check"]:
+        add(
+            f"semantic check of a fetched entry: {r['model']}, {r['tokens']} tokens",
+            round(r["check_s"], 4),
+            "s",
+            f"prefilling it: {r['prefill_s']:.3f} s",
+        )
+    st = res["start"]
+    add(
+        f"kvstore.client.load over {st['pins']} fetched pins pending their check (tiny llama)",
+        round(st["pending_s"], 3),
+        "s",
+        f"{st['passed_s']:.3f} s once they passed",
+    )
+    return rows
+
+
 def main() -> None:
     import sys
 
@@ -179,7 +228,7 @@ def main() -> None:
         return
     print()
     print(f"{'tokens':>7} {'MiB':>7} {'seal':>8} {'verify':>8} {'+MAC':>8} {'MAC share':>9}")
-    for r in run():
+    for r in seal_costs():
         extra = r["verify_keyed_s"] - r["verify_s"]
         print(f"{r['tokens']:7d} {r['mib']:7.1f} {r['seal_s']:7.3f}s {r['verify_s']:7.3f}s "
               f"{r['verify_keyed_s']:7.3f}s {extra / r['verify_keyed_s']:8.0%}")  # fmt: skip

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.timing import Stats, in_fresh_process
+from bench.timing import Stats, fresh_rounds, worker
 
 MB = 2**20
 ALTERNATIVES = ("mlx_lm.load", "kvstore.client.load", "load, then hydrate", "load, then touch")
@@ -35,7 +34,9 @@ ARCH = {
 ENTRIES_MB = {True: [64, 64], False: [256, 256]}
 
 
-def _worker(argv: list[str]) -> None:
+def start(argv: list[str]) -> dict:
+    """One alternative's start in a new interpreter (`bench.timing.worker`): its call's seconds
+    after the imports, the imports' seconds."""
     t_start = time.perf_counter()
     alternative, model, home, n = argv[0], argv[1], argv[2], int(argv[3])
     if alternative == "mlx_lm.load":
@@ -77,7 +78,7 @@ def _worker(argv: list[str]) -> None:
     out = {"call_s": done - imported, "import_s": imported - t_start}
     if alternative == "kvstore.client.load":
         out["overlapped"] = overlapped
-    print(json.dumps(out))
+    return out
 
 
 def make_model(path: Path, quick: bool) -> int:
@@ -136,15 +137,10 @@ def run(quick: bool) -> dict:
         model, home = root / "model", root / "home"
         weights = make_model(model, quick)
         entries = _store_entries(home, model, ENTRIES_MB[quick])
-        n = str(len(ENTRIES_MB[quick]))
-        samples: dict[str, list[dict]] = {a: [] for a in ALTERNATIVES}
-        for r in range(reps + 1):  # round 0 (untimed) fills the page cache and the layout cache
-            k = r % len(ALTERNATIVES)
-            for name in ALTERNATIVES[k:] + ALTERNATIVES[:k]:
-                args = [name, str(model), str(home), n, str(entries)]
-                res = in_fresh_process("bench.overlap", args)
-                if r:
-                    samples[name].append(res)
+        n = len(ENTRIES_MB[quick])
+        args = (model, home, n, entries)
+        # round 0 (untimed) fills the page cache and the layout cache
+        samples = fresh_rounds({a: worker(start, a, *args) for a in ALTERNATIVES}, reps=reps)
     stats = {a: Stats.of([s["call_s"] for s in v]) for a, v in samples.items()}
     loads = samples["kvstore.client.load"]
     overlapped = sum(bool(s.get("overlapped")) for s in loads)
@@ -171,9 +167,6 @@ def run(quick: bool) -> dict:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        _worker(sys.argv[2:])
-    else:
-        ap = argparse.ArgumentParser(description=__doc__)
-        ap.add_argument("--full", action="store_true")
-        print(json.dumps(run(not ap.parse_args().full), indent=1))
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--full", action="store_true")
+    print(json.dumps(run(not ap.parse_args().full), indent=1))

@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.timing import fresh_rounds, worker
 
 MOTIVATING_STATIC_SHARE = 0.45
 VOCAB = 512
@@ -219,22 +218,11 @@ def _decode_plan(tier: dict, rates: dict) -> list[int]:
     return [max(1, total // n)] * n
 
 
-def _run_child(model_path: Path, home: Path | None, spec_path: Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "bench.pipeline",
-        "--child",
-        "--model",
-        str(model_path),
-        "--spec",
-        str(spec_path),
-    ]
-    if home is not None:
-        cmd += ["--home", str(home)]
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def replay(argv: list[str]) -> dict:
+    """One fresh process's replay of every tier (`bench.timing.worker`): MODEL, HOME ("" for the
+    cold run: no store), the spec file."""
+    model, home, spec = argv
+    return child(Path(model), Path(home) if home else None, json.loads(Path(spec).read_text()))
 
 
 def run(quick: bool) -> dict:
@@ -257,11 +245,9 @@ def run(quick: bool) -> dict:
             tier["decode"] = _decode_plan(tier, rates)
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps({"tiers": all_tiers}))
-        runs: dict[str, list] = {"cold": [], "kvstore": []}
-        for r in range(reps):  # alternate, rotating which goes first
-            for mode in ("cold", "kvstore") if r % 2 == 0 else ("kvstore", "cold"):
-                res = _run_child(model_path, home if mode == "kvstore" else None, spec_path)
-                runs[mode].append(res)
+        cases = {"cold": worker(replay, model_path, "", spec_path),
+                 "kvstore": worker(replay, model_path, home, spec_path)}  # fmt: skip
+        runs = fresh_rounds(cases, reps=reps, warmup=0)  # alternating, first place rotating
     table = {}
     for name, tier in all_tiers.items():
         row = {}
@@ -299,21 +285,7 @@ def run(quick: bool) -> dict:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--child", action="store_true")
-    ap.add_argument("--model", type=Path)
-    ap.add_argument("--home", type=Path)
-    ap.add_argument("--spec", type=Path)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    if args.child:
-        spec = json.loads(args.spec.read_text())
-        print(json.dumps(child(args.model, args.home, spec)))
-        return 0
-    print(json.dumps(run(args.quick), indent=1))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    print(json.dumps(run(ap.parse_args().quick), indent=1))

@@ -9,7 +9,8 @@
 3. The worked example of docs/reasons.md: a pin warmed with yesterday's date, three requests
    with today's through the library, their records in a ledger, `kvstore explain` on it.
 
-    python -m bench.reasons
+    python -m bench.reasons                      # all three, the worked example printed
+    python -m bench.run --quick --only reasons   # 1 and 2, as rows of the targets table
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from kvstore.client.reasons import RECENT_PROMPTS, Attributor
-from kvstore.reasons import seen_key
+from kvstore.tokens import pack
 
 PROMPT = 2048
 PINS = 8
@@ -41,7 +42,7 @@ def attribution(decode) -> dict[str, float]:
     pins = {tuple(_tokens(rng, 1500)): f"pin{i}" for i in range(PINS)}
     sys_pin = next(iter(pins))
     attr = Attributor()
-    attr.learned = sorted(seen_key(_tokens(rng, rng.randrange(300, 4096))) for _ in range(LEARNED))
+    attr.learned = sorted(pack(_tokens(rng, rng.randrange(300, 4096))) for _ in range(LEARNED))
     for _ in range(RECENT_PROMPTS):
         attr(_tokens(rng, PROMPT), 0, {})
     diverging = list(sys_pin[:14]) + [7] + list(sys_pin[15:]) + _tokens(rng, PROMPT - 1500)
@@ -132,18 +133,48 @@ def worked_example() -> str:
         return out.output.replace(str(model_path), "/models/router-model")
 
 
-def main() -> None:
+def run(quick: bool = True) -> dict:
+    """1 and 2 (one size: the day is what a user asks `explain` about)."""
     from mlx_lm.utils import load_tokenizer
 
     from kvstore.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvbench-reasons-") as tmp:
         tokenizer = load_tokenizer(make_tiny_model(Path(tmp) / "llama", "llama"))
-        for what, ms in attribution(tokenizer.decode).items():
-            print(f"attribution, {what}: {ms:.4f}")
+        attr = attribution(tokenizer.decode)
+    for what, ms in attr.items():
+        print(f"  attribution, {what}: {ms:.4f}", flush=True)
     walls = explain_a_day()
-    print(f"kvstore explain --since 1d --json over {DAY_RECORDS:,} records: "
-          + ", ".join(f"{w:.2f} s" for w in walls))  # fmt: skip
+    print(f"  kvstore explain --since 1d --json over {DAY_RECORDS:,} records: "
+          + ", ".join(f"{w:.2f} s" for w in walls), flush=True)  # fmt: skip
+    return {"attribution_ms": attr, "explain_s": walls, "records": DAY_RECORDS,
+            "prompt_tokens": PROMPT, "pins": PINS, "learned": LEARNED}  # fmt: skip
+
+
+def targets(res: dict) -> list[dict]:
+    """bench.run's rows (context: no target is set for them)."""
+    a = res["attribution_ms"]
+    rows = [
+        {"target": f"attribution on the request path, a {res['prompt_tokens']}-token prompt "
+                   f"{how} ({res['pins']} pins, {res['learned']} learned prefixes)",
+         "measured": round(a[f"{what}: median ms"], 4), "unit": "ms", "ok": None,
+         "note": f"p99 {a[f'{what}: p99 ms']:.4f} ms"}
+        for what, how in (("diverged", "that diverges inside a pin"),
+                          ("served", "served its pin whole"))
+    ]  # fmt: skip
+    rows.append({
+        "target": f"`kvstore explain --since 1d --json` over {res['records']:,} ledger records "
+                  "(a new process)",
+        "measured": round(statistics.median(res["explain_s"]), 2),
+        "unit": "s",
+        "ok": None,
+        "note": ", ".join(f"{w:.2f}" for w in res["explain_s"]),
+    })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    run()
     print("worked example:")
     print(worked_example())
     print(json.dumps({"prompt_tokens": PROMPT, "pins": PINS, "learned": LEARNED,

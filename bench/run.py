@@ -1,6 +1,6 @@
 """Run the benchmarks and write JSON + PNG plots to bench/results/.
 
-    python -m bench.run --quick                 # under three minutes on a 2-core box
+    python -m bench.run --quick                 # about 4-5 minutes on a shared 2-core box
     python -m bench.run --full                  # the full sizes (up to 1 GiB), ~15 minutes
     python -m bench.run --quick --only hydrate,persist
     python -m bench.run --quick --reference     # also refresh bench/results/reference/
@@ -25,7 +25,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
-    "startup", "learned", "firstreq", "firstcall",
+    "startup", "learned", "firstreq", "firstcall", "fleet_trust", "reasons", "canary_noise",
 )  # fmt: skip
 
 
@@ -150,12 +150,17 @@ def targets(res: dict) -> list[dict]:
             "loads every command, the daemon's and client's too")  # fmt: skip
     if le := res.get("learned"):
         out.extend(learned_targets(le))
-    if fr := res.get("firstreq"):  # issue 22: each pinned stage's first request after a restart
-        from bench.firstreq import targets as firstreq_targets
-
-        out.extend(firstreq_targets(fr))
+    if "firstreq" in res:  # issue 22: each pinned stage's first request after a restart
+        out.extend(own_targets("firstreq", res))
     out.extend(restart_targets(res))
+    for name in ("fleet_trust", "reasons", "canary_noise"):
+        out.extend(own_targets(name, res))
     return out
+
+
+def own_targets(name: str, res: dict) -> list[dict]:
+    """The rows a module builds from its result with its own `targets`, if it ran."""
+    return importlib.import_module(f"bench.{name}").targets(res[name]) if name in res else []
 
 
 def _floor_note(stats: dict) -> str:

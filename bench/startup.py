@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-from bench.timing import interleave
+from bench.timing import Stats, fresh_rounds
 
 BASELINE = "import lmdb, click"
 
@@ -23,22 +23,15 @@ BASELINE = "import lmdb, click"
 def measure(python: str, cli: str, reps: int) -> dict:
     """Median wall time of each command over `reps` fresh processes, and each over the baseline."""
     with tempfile.TemporaryDirectory(prefix="kvbench-startup-") as home:
+        # the other interpreter's own packages: no checkout on its path
         env = dict(os.environ, KVSTORE_HOME=home, TRANSFORMERS_VERBOSITY="error")
-
-        def runs(*argv: str):
-            def go() -> None:
-                subprocess.run([python, *argv], check=True, capture_output=True, env=env, cwd=home)
-
-            return go
-
-        stats = interleave(
-            {
-                "import lmdb, click": runs("-c", BASELINE),
-                "kvstore ls (empty home)": runs("-m", cli, "ls", "--home", home),
-                "kvstore --help": runs("-m", cli, "--help"),
-            },
-            reps=reps,
-        )
+        cases = {
+            "import lmdb, click": ["-c", BASELINE],
+            "kvstore ls (empty home)": ["-m", cli, "ls", "--home", home],
+            "kvstore --help": ["-m", cli, "--help"],
+        }
+        runs = fresh_rounds(cases, reps=reps, python=python, env=env, cwd=Path(home))
+        stats = {k: Stats.of([r["process_s"] for r in v]) for k, v in runs.items()}
     base = stats["import lmdb, click"].median
     out = {k: v.to_json() for k, v in stats.items()}
     out["ratios"] = {k: v.median / base for k, v in stats.items() if k != "import lmdb, click"}

@@ -8,6 +8,8 @@ prefill cost.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstore.client.hydrate import HydrateReport, hydrate
 
 # Imported eagerly: the function then shadows its submodule's name on the package for good.
@@ -30,9 +32,51 @@ _LAZY = {
     "run_parity": "kvstore.client.parity",
     "patched_server": "kvstore.client.serve.hooks",
 }
+if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their real types
+    from kvstore.client.analyze import (
+        StageReport,
+        load_capture,
+    )
+    from kvstore.client.parity import (
+        ParityReport,
+        load_prompts,
+        run_parity,
+    )
+    from kvstore.client.persistent import (
+        PersistentPromptCache,
+        Pin,
+    )
+    from kvstore.client.serve.hooks import (
+        patched_server,
+    )
+    from kvstore.client.stats import (
+        CallStats,
+        LabelSummary,
+        StatsRecorder,
+        generate,
+        stream_generate,
+    )
+
 # kvstore.client.serve.command.serve and kvstore.client.analyze.analyze are not re-exported: a
 # package attribute cannot be both the submodule and the function of the same name.
 
-__all__ = ["HydrateReport", "hydrate", "load", *_LAZY]
+__all__ = [  # static, so type checkers see every name (the lazy ones as TYPE_CHECKING imports)
+    "CallStats",
+    "HydrateReport",
+    "LabelSummary",
+    "ParityReport",
+    "PersistentPromptCache",
+    "Pin",
+    "StageReport",
+    "StatsRecorder",
+    "generate",
+    "hydrate",
+    "load",
+    "load_capture",
+    "load_prompts",
+    "patched_server",
+    "run_parity",
+    "stream_generate",
+]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

@@ -21,6 +21,7 @@ from kvstore.cli.options import home_option  # every command takes --home (analy
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 from kvstore.staticfirst import moved_lines, static_lines
+from kvstore.tokens import common_prefix
 
 CONTEXT = 30  # characters of stable text shown before the first dynamic block
 DYNAMIC = 50  # at most this many characters of the dynamic block (it ends at a line end)
@@ -134,15 +135,6 @@ def _generic_chat(messages: Sequence[dict], tools: Any) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
-def common_prefix(seqs: Sequence[Sequence]) -> int:
-    n = 0
-    for column in zip(*seqs, strict=False):
-        if any(x != column[0] for x in column[1:]):
-            break
-        n += 1
-    return n
-
-
 def static_first(calls: list[Capture]) -> tuple[list[Capture], int, int]:
     """The calls reordered static-first; also (static lines, lines) of the first call."""
     if any(c.messages is None for c in calls):
@@ -196,7 +188,7 @@ def _share(stable: int | None, lengths: Sequence[int]) -> float:
 def analyze_stage(stage: str, calls: list[Capture], renderer: Renderer) -> StageReport:
     texts, tokens = _measure(renderer, calls)
     nbytes = [len(t.encode()) for t in texts]
-    chars = common_prefix(texts)
+    chars = common_prefix(*texts)
     # Stable bytes end at a character boundary: a split multi-byte character is not stable.
     stable_bytes = len(texts[0][:chars].encode())
     same = len(set(texts)) == 1
@@ -205,14 +197,14 @@ def analyze_stage(stage: str, calls: list[Capture], renderer: Renderer) -> Stage
     dyn_end = min(len(first), chars + DYNAMIC, line_end if line_end >= 0 else len(first))
     if dyn_end == chars:  # the dynamic block starts with a line break: show the next line
         dyn_end = min(len(first), chars + DYNAMIC)
-    stable_tokens = common_prefix(tokens) if tokens else None
+    stable_tokens = common_prefix(*tokens) if tokens else None
     reordered, n_static, n_lines = static_first(calls)
     r_texts, r_tokens = _measure(renderer, reordered)
     if r_tokens is not None:
-        reorder = _share(common_prefix(r_tokens), [len(t) for t in r_tokens])
+        reorder = _share(common_prefix(*r_tokens), [len(t) for t in r_tokens])
     else:
         reorder = _share(
-            len(r_texts[0][: common_prefix(r_texts)].encode()), [len(t.encode()) for t in r_texts]
+            len(r_texts[0][: common_prefix(*r_texts)].encode()), [len(t.encode()) for t in r_texts]
         )
     return StageReport(
         stage=stage,

@@ -16,7 +16,10 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import Any, TypeVar
+
+from kvstore.boundary import settle
 
 T = TypeVar("T")
 
@@ -42,12 +45,11 @@ def _run(jobs: queue.SimpleQueue) -> None:
     import mlx.core as mx
 
     stream = mx.new_stream(mx.default_device())  # mlx streams belong to the thread that made them
+
+    def on_stream(fn: Callable[[], Any]) -> Any:
+        with mx.stream(stream):
+            return fn()
+
     while True:
         fn, done = jobs.get()
-        try:
-            with mx.stream(stream):
-                result: Any = fn()
-        except BaseException as e:  # handed to the caller, never the end of this thread
-            done.set_exception(e)
-        else:
-            done.set_result(result)
+        settle(done, partial(on_stream, fn))  # handed to the caller, never the end of this thread

@@ -97,6 +97,8 @@ class PinnedPromptCache(LRUPromptCache):
         """mlx-lm's fetch; then the store when it serves more (the cold tier), a split at a
         learned boundary (state layouts), and the request's tokens counted by source."""
         cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and tokens and not rest:
+            cache, rest = mlxlm.leave_last_token(self, model, tokens, cache)
         served = len(tokens) - len(rest)
         restored = 0
         learner = self.learner

@@ -4,11 +4,9 @@ and whether the store could be read. Attribution itself is pure (kvstore.reasons
 
 from __future__ import annotations
 
-import array
 import bisect
 import logging
 import socket
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -17,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
+from kvstore import tokens as tk
+from kvstore.boundary import library_call
+from kvstore.errors import KVStoreError
 from kvstore.pins.clock import local_now
-from kvstore.reasons import Known, Tombstone, attribute, seen_key
+from kvstore.reasons import Known, SpanRecord, Tombstone, attribute
 from kvstore.settings import LOCK_NAME
 from kvstore.wire.daemon_client import lock_holder, socket_path
 
@@ -36,7 +37,7 @@ LEARNED_REFRESH_S = 10.0  # seconds between re-reads of them (on a thread of the
 
 class Attributor:
     def __init__(self) -> None:
-        self.recent: deque[bytes] = deque()  # seen_keys in arrival order, to drop the oldest
+        self.recent: deque[bytes] = deque()  # packed, in arrival order, to drop the oldest
         self.sorted: list[bytes] = []  # the same, sorted (kvstore.reasons bisects)
         self.tombstones: deque[Tombstone] = deque(maxlen=TOMBSTONES)
         self.unavailable = False
@@ -46,12 +47,12 @@ class Attributor:
         self.write_budget = False
         self.learner: Any = None  # its `paused` (the daemon's last word) says the write budget
         self.corrupt: deque[tuple[tuple[int, ...], str]] = deque(maxlen=CORRUPT)
-        self.learned: list[bytes] = []  # this model's learned prefixes as seen_keys, sorted
+        self.learned: list[bytes] = []  # this model's learned prefixes, packed, sorted
         self.learned_ends: dict[bytes, int] = {}  # of those cut at LEARNED_TOKENS: their length
         self._learned_from: tuple[Path, bytes] | None = None  # (home, fingerprint)
         self._learned_at = 0.0
         self._refreshing = False
-        # the pins last given, by identity, and their (seen_key, label): pins change rarely
+        # the pins last given, by identity, and their (packed, label): pins change rarely
         self._pins_seen: list[tuple[int, ...]] = []
         self._pin_keys: list[tuple[bytes, str]] = []
         self._decode: Any = None  # the decode last given, and texts it gave (kvstore.reasons)
@@ -81,12 +82,12 @@ class Attributor:
         return cached
 
     def _keys_of(self, pins: Mapping[tuple[int, ...], str]) -> list[tuple[bytes, str]]:
-        """The pins as (seen_key, label), kept while the same token tuples come (an identity
+        """The pins as (packed, label), kept while the same token tuples come (an identity
         check each: hashing a long tuple costs more than the attribution)."""
         seen = self._pins_seen
         if len(seen) != len(pins) or any(a is not b for a, b in zip(seen, pins, strict=False)):
             self._pins_seen = list(pins)
-            self._pin_keys = [(seen_key(t), str(name)) for t, name in pins.items()]
+            self._pin_keys = [(tk.pack(t), str(name)) for t, name in pins.items()]
         return self._pin_keys
 
     def failed_checks(self, tokens: Sequence[int], what: str) -> None:
@@ -102,14 +103,13 @@ class Attributor:
 
     def _read_learned(self) -> None:
         try:
-            if self._learned_from is None:
-                return
-            home, fp = self._learned_from
-            keys, ends = read_learned(home, fp)
-            with self._lock:
-                self.learned, self.learned_ends = keys, ends
-        except Exception as e:  # a diagnostic: never fail a request for it
-            log.debug("kvstore: learned prefixes not read: %s", e)
+            with library_call("kvstore: learned prefixes not read", level=logging.DEBUG):
+                if self._learned_from is None:
+                    return
+                home, fp = self._learned_from
+                keys, ends = read_learned(home, fp)
+                with self._lock:
+                    self.learned, self.learned_ends = keys, ends
         finally:
             self._learned_at = time.monotonic()
             self._refreshing = False
@@ -129,7 +129,7 @@ class Attributor:
         served: int,
         pins: Mapping[tuple[int, ...], str],
         decode: Callable[[Sequence[int]], str] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[SpanRecord]:
         if decode is not None:
             decode = self._decoder(decode)
         other_day: list[tuple[tuple[int, ...], str]] = []
@@ -139,7 +139,7 @@ class Attributor:
             if stale:
                 other_day = [(t, f"{pins[t]} ({self.dated[t]})") for t in stale]
                 pins = {t: v for t, v in pins.items() if t not in stale}
-        key = seen_key(prompt)
+        key = tk.pack(prompt)
         with self._lock:
             known = Known(
                 pins=pins,
@@ -156,7 +156,7 @@ class Attributor:
                 corrupt=[*self.corrupt, *_corrupt(self.learner)],
             )
             spans = attribute(prompt, served, known, decode, key=key)
-            t = key[: 4 * RECENT_TOKENS]  # 4 bytes a token: 64 prompts stay small
+            t = tk.cut(key, 0, RECENT_TOKENS)  # 64 prompts stay small
             self.recent.append(t)
             bisect.insort(self.sorted, t)
             if len(self.recent) > RECENT_PROMPTS:
@@ -195,14 +195,9 @@ def read_learned(home: Path, fingerprint: bytes) -> tuple[list[bytes], dict[byte
         )
     keys, ends = [], {}
     for packed, end in got:
-        a = array.array("I")
-        a.frombytes(packed)  # little-endian uint32
-        if sys.byteorder == "big":
-            a.byteswap()
-        key = seen_key(a)
-        keys.append(key)
-        if len(key) // 4 < end:
-            ends[key] = end
+        keys.append(packed)
+        if tk.count(packed) < end:
+            ends[packed] = end
     return sorted(keys), ends
 
 
@@ -214,7 +209,6 @@ def other_fingerprints(
     from kvstore.errors import KVStoreError
     from kvstore.reasons import identity_diff
     from kvstore.store.blocks import BlockStore
-    from kvstore.store.entry import unpack_tokens
     from kvstore.store.store import Store
 
     try:
@@ -230,7 +224,7 @@ def other_fingerprints(
                 continue
             what = identity_diff(stored, parts) if stored is not None else "fingerprint"
             for packed, _ in blocks.learned_prefixes(fp, max_tokens=LEARNED_TOKENS, limit=64):
-                out.append((tuple(unpack_tokens(packed)), what))
+                out.append((tuple(tk.unpack(packed)), what))
     return out
 
 
@@ -259,10 +253,10 @@ def after_hydrate(
     if home is not None and fp:
         attr.learned_from(home, bytes.fromhex(fp))
         if model and parts is not None and not getattr(report, "entries", 0) and not attr.learned:
-            try:  # nothing stored for this identity: learned under another one of this path?
+            # nothing stored for this identity: learned under another one of this path?
+            what = "kvstore: learned prefixes of other fingerprints not read"
+            with library_call(what, level=logging.DEBUG):
                 attr.other_model += other_fingerprints(home, bytes.fromhex(fp), model, parts)
-            except Exception as e:  # a diagnostic: never fail the start for it
-                log.debug("kvstore: learned prefixes of other fingerprints not read: %s", e)
 
 
 def daemon_gone(home: Path) -> bool:
@@ -271,7 +265,7 @@ def daemon_gone(home: Path) -> bool:
     socket, or stopped)."""
     try:
         path = socket_path(home)
-    except Exception:
+    except (KVStoreError, OSError, RuntimeError):  # no socket path; Path.home() without HOME
         return False
     if path.exists():
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

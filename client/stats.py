@@ -20,7 +20,7 @@ from typing import Any
 from kvstore.client.reasons import Attributor
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.codec import codec
-from kvstore.reasons import by_reason, describe
+from kvstore.reasons import SpanRecord, by_reason, describe
 from kvstore.wire.messages import RecordRequest
 
 log = logging.getLogger("kvstore.client")
@@ -40,7 +40,7 @@ class CallStats:
     decode_s: float
     generated_tokens: int = 0
     ts: float = 0.0
-    reasons: tuple[dict[str, Any], ...] = ()  # why the prefilled ones were (kvstore.reasons)
+    reasons: tuple[SpanRecord, ...] = ()  # why the prefilled ones were (kvstore.reasons.Span)
 
     def line(self) -> str:
         why = f" ({describe(self.reasons)})" if self.reasons else ""
@@ -110,7 +110,7 @@ class StatsRecorder:
         pins: Mapping[tuple[int, ...], str] | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> CallStats:
-        reasons: tuple[dict[str, Any], ...] = ()
+        reasons: tuple[SpanRecord, ...] = ()
         if prompt is not None:
             reasons = tuple(self.attribute(prompt, cached_tokens, pins or {}, decode))
         call = CallStats(
@@ -273,20 +273,17 @@ def _cache_for(
 ) -> tuple[list, list[int]]:
     """(the cache to generate with, the tokens it still has to prefill): the nearest one
     `prompt_cache` holds, else a fresh one."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore import mlxlm
 
     cache, rest = None, tokens
     if prompt_cache is not None:
         if model_key is None:
             raise ValueError("stream_generate: pass model_key for a plain LRUPromptCache")
         cache, rest = prompt_cache.fetch_nearest_cache(model_key, tokens)
-    if cache is not None and not rest:
-        # An exact hit: mlx-lm needs one token to sample from, so re-run the last one.
-        if can_trim_prompt_cache(cache):
-            trim_prompt_cache(cache, 1)
-            rest = tokens[-1:]
-        else:
-            cache, rest = None, tokens
+    if cache is not None and tokens and not rest:  # a plain LRUPromptCache's exact hit
+        cache, rest = mlxlm.leave_last_token(prompt_cache, model_key, tokens, cache)
     if cache is None:
         cache = make_prompt_cache(model)
     return cache, rest

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import metrics
+from kvstore import tokens as tk
 from kvstore.learn import MIN_LCP, LearnPolicy, worth_storing
 from kvstore.ops import put as put_ops
 from kvstore.ops.budget import Budget
@@ -78,9 +79,9 @@ class Learning:
         """Tokens of the longest pin of this model that prefixes `data` (packed), or 0."""
         best = 0
         for m in self.store.metas(fp, errors=[]):
-            if m.pinned and not is_snapshot(m) and len(m.tokens) > 4 * best:
+            if m.pinned and not is_snapshot(m) and len(m.tokens) > tk.nbytes(best):
                 if data.startswith(m.tokens):
-                    best = len(m.tokens) // 4
+                    best = tk.count(m.tokens)
         return best
 
     def learn_paused(self) -> str | None:
@@ -116,8 +117,8 @@ class Learning:
         want: list[list[int]] = []
         snapshot_at: list[int] = []
         if sliceable:
-            stored = min(self.blocks.stored_end(fp, data[: 4 * end]), end)
-            if stored >= end or end - self._pinned_end(fp, data[: 4 * end]) < MIN_LCP:
+            stored = min(self.blocks.stored_end(fp, tk.cut(data, 0, end)), end)
+            if stored >= end or end - self._pinned_end(fp, tk.cut(data, 0, end)) < MIN_LCP:
                 return LearnReply()  # stored: as records, or in a pin (one copy)
             why = policy.paused(
                 written_today=0,
@@ -131,7 +132,7 @@ class Learning:
             with self._learn_lock:
                 want = [list(r) for r in policy.wants(fp, data, hashes, stored, end)]
         else:
-            key = fp + packed_prefix_hash(data[: 4 * end])
+            key = fp + packed_prefix_hash(tk.cut(data, 0, end))
             if self.store.get_meta(key) is None:
                 marker = b"snap" + key
                 with self._learn_lock:

@@ -6,6 +6,8 @@ on first use, so the command line starts fast for commands that touch no model.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvstore.errors import (
     CodecError,
     CorruptEntryError,
@@ -33,6 +35,25 @@ _LAZY = {
     "connect": "kvstore.wire.daemon_client",
 }
 
+if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their real types
+    from kvstore.identity.fingerprint import (
+        Fingerprint,
+        model_fingerprint,
+        template_hash,
+    )
+    from kvstore.store.entry import (
+        EntryMeta,
+        entry_key,
+        prefix_hash,
+    )
+    from kvstore.store.store import (
+        Store,
+    )
+    from kvstore.wire.daemon_client import (
+        DaemonClient,
+        connect,
+    )
+
 __all__ = [
     "CodecError",
     "CorruptEntryError",
@@ -42,7 +63,16 @@ __all__ = [
     "ModelError",
     "ProtocolError",
     "StoreError",
-    *_LAZY,
+    # the lazy ones, also TYPE_CHECKING imports so type checkers see them
+    "DaemonClient",
+    "EntryMeta",
+    "Fingerprint",
+    "Store",
+    "connect",
+    "entry_key",
+    "model_fingerprint",
+    "prefix_hash",
+    "template_hash",
 ]
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

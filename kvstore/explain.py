@@ -1,5 +1,5 @@
 """`kvstore explain`: from the prefill ledger, why prompt tokens were prefilled, per model and
-stage, and the divergences that cost the most (kvstore.reasons' `diverged` spans)."""
+stage, and the divergences that cost the most (kvstore.reasons' `diverged` spans, as records)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 import msgpack
 
 from kvstore import staticfirst
+from kvstore.boundary import UNREADABLE
 from kvstore.errors import counted
+from kvstore.reasons import Reason
 from kvstore.store.ledger import LEDGER_NAME
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -39,7 +41,7 @@ def records(home: Path) -> Iterator[dict[str, Any]]:
                 for rec in unpacker:
                     if isinstance(rec, dict):
                         yield rec
-            except Exception:  # a torn tail: what parsed
+            except UNREADABLE:  # a torn tail: what parsed
                 return
 
 
@@ -80,7 +82,7 @@ def explain(
             for sp in spans:
                 r = sp["reason"]
                 pre[r] = pre.get(r, 0) + sp["tokens"]
-                if r == "diverged":
+                if r == Reason.DIVERGED:
                     dk = (sp.get("entry"), sp.get("position"), sp.get("stored_text", ""),
                           sp.get("request_text", ""))  # fmt: skip
                     d = divs[key].get(dk)

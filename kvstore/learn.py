@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvstore.store.blocks import common_tokens
+from kvstore import tokens as tk
 from kvstore.store.chain import cuts, position_hash
 
 MIN_LCP = 64  # tokens: a shorter common prefix is not worth a record
@@ -75,14 +75,14 @@ class LearnPolicy:
         if depth < MIN_LCP:
             depth = 0
         if self._extends(fp, data, hashes):
-            depth = len(data) // 4
+            depth = tk.count(data)
         self._count(fp, data, hashes)
         return depth
 
     def _recurring_end(self, fp: bytes, data: bytes, hashes: list[bytes]) -> int:
         need = self.min_requests - 1  # earlier requests that must share it
         if need == 0:
-            return len(data) // 4
+            return tk.count(data)
         b, k = self.block, -1
         for i, h in enumerate(hashes):
             node = self.nodes.get(fp + h)
@@ -92,12 +92,12 @@ class LearnPolicy:
         if k < 0:
             return 0
         conts = self.nodes[fp + hashes[k]][1]
-        mine = data[4 * k * b : 4 * (k + 1) * b]
-        shared = sorted((common_tokens(c, mine) for c in conts), reverse=True)
+        mine = tk.cut(data, k * b, (k + 1) * b)
+        shared = sorted((tk.common_prefix(c, mine) for c in conts), reverse=True)
         return k * b + (shared[need - 1] if len(shared) >= need else 0)
 
     def _extends(self, fp: bytes, data: bytes, hashes: list[bytes]) -> bool:
-        n = len(data) // 4
+        n = tk.count(data)
         for h in hashes:
             for end, hend in self.ends.get(fp + h, {}).items():
                 if end < n and position_hash(fp, data, end, self.block, hashes) == hend:
@@ -105,12 +105,12 @@ class LearnPolicy:
         return False
 
     def _count(self, fp: bytes, data: bytes, hashes: list[bytes]) -> None:
-        b, n = self.block, len(data) // 4
+        b, n = self.block, tk.count(data)
         for k, h in enumerate(hashes):
             key = fp + h
             node = self.nodes.pop(key, None) or [0, []]
             node[0] += 1
-            cont = data[4 * k * b : 4 * (k + 1) * b]
+            cont = tk.cut(data, k * b, (k + 1) * b)
             if cont:  # duplicates count: each is one request
                 node[1] = (node[1] + [cont])[-MAX_CONTS:]
             self.nodes[key] = node

@@ -58,6 +58,7 @@ REQUIRED: tuple[Internal, ...] = (
     Internal(f"{SERVER}:ModelProvider", "model_key", "the LRU's key of the loaded model"),
     Internal(f"{SERVER}:ModelProvider", "cli_args", "the server's options (host, port, ...)"),
     Internal(f"{SERVER}:ResponseGenerator", "_tokenize", "serve's warm-up and system segment"),
+    Internal(f"{SERVER}:ResponseGenerator", "_generate", "serve stops when its thread dies"),
     Internal(f"{SERVER}:APIHandler", "do_GET", "serve answers GET /metrics and /health"),
 )
 
@@ -196,6 +197,20 @@ def trie_search(c: Any, model: Any, tokens: Sequence[int]) -> Any:
 
 def trie_get(c: Any, model: Any, tokens: Sequence[int]) -> Any:
     return c._trie.get(model, list(tokens))
+
+
+def leave_last_token(lru: Any, model: Any, tokens: list[int], cache: list) -> tuple[Any, list]:
+    """(cache, rest) for a prompt an LRUPromptCache holds whole, where mlx-lm returns an empty
+    remainder that its generators refuse: the model must still run the last token for the first
+    output's logits. A trimmable cache steps back one token; a state cache cannot, so the nearest
+    prefix `lru` holds that is shorter than the prompt serves it (or none: all prefilled)."""
+    from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+    if can_trim_prompt_cache(cache):
+        trim_prompt_cache(cache, 1)
+        return cache, list(tokens[-1:])
+    shorter, rest = LRUPromptCache.fetch_nearest_cache(lru, model, list(tokens[:-1]))
+    return shorter, [*rest, tokens[-1]]
 
 
 # -- mlx_lm.server ------------------------------------------------------------------------------

@@ -2,54 +2,85 @@
 reason (the names are a contract: serve's log line, `kvstore_prefilled_tokens_total{reason}`,
 the library's report, the ledger and `kvstore explain` use them).
 
-Pure and cheap: prefix comparisons are slice compares (C speed, a binary search over the
-length), so attributing a request against a few dozen candidates stays far under 0.1 ms.
+`attribute` runs RULES in order along the prompt, each telling the tokens of its reason(s) as
+`Span`s. Pure and cheap: prefixes are compared packed (kvstore.tokens) by slice compares (C
+speed, a binary search over the length), so a request against a few dozen candidates costs a
+fraction of a millisecond (`python -m bench.reasons` measures it).
 """
 
 from __future__ import annotations
 
-import array
 import bisect
 import hashlib
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from functools import cached_property
 from typing import Any
 
-REASONS = ("suffix", "diverged", "model_changed", "other_date", "evicted", "not_learned_yet",
-           "write_budget", "corrupt", "unavailable", "cold")  # fmt: skip
+from kvstore import tokens as tk
+
+
+class Reason(str, Enum):
+    """Why prefilled tokens were not served (a str: its value is what every output prints). A
+    new reason is a member here, a rule in RULES and a row in docs/reasons.md."""
+
+    SUFFIX = "suffix"
+    DIVERGED = "diverged"
+    MODEL_CHANGED = "model_changed"
+    OTHER_DATE = "other_date"
+    EVICTED = "evicted"
+    NOT_LEARNED_YET = "not_learned_yet"
+    WRITE_BUDGET = "write_budget"
+    CORRUPT = "corrupt"
+    UNAVAILABLE = "unavailable"
+    COLD = "cold"
+
+    def __str__(self) -> str:  # "cold", not "Reason.COLD", in f-strings and labels alike
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+REASONS = tuple(r.value for r in Reason)
 CONTEXT_CHARS = 40  # decoded text on each side of a divergence
+MAX_TEXT = 160  # characters of a span's text a ledger record keeps
+MAX_SPANS = 64  # spans a ledger record keeps (more: its reasons are dropped)
+SpanRecord = dict[str, Any]  # a Span as `Span.record()` gives it (and a ledger record keeps it)
 
 
-def common_prefix(a: Sequence[int] | bytes, b: Sequence[int] | bytes) -> int:
-    """Length of the longest common prefix of two token sequences, or of two byte strings
-    (binary search on slices: compares at C speed)."""
-    if not (isinstance(a, bytes) and isinstance(b, bytes)):
-        a, b = tuple(a), tuple(b)
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # invariant: a[:lo] == b[:lo], a[:hi+1] != b[:hi+1]
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+@dataclass
+class Span:
+    """Adjacent prefilled tokens of one reason, with what that reason names; `record()` is its
+    form in reports, the ledger and the wire (fields that are None left out, in this order)."""
+
+    reason: Reason
+    tokens: int
+    by: str | None = None  # evicted: "kvstore evict", "byte budget", "learned budget"
+    ts: float | None = None  # evicted: when
+    entry: str | None = None  # the stored prefix it names (a pin's label, a learned chain, ...)
+    position: int | None = None  # diverged, other_date: the first prompt token that differs
+    stored_length: int | None = None  # diverged: the stored prefix's length
+    stored_text: str | None = None  # diverged: decoded text around the position, stored ...
+    request_text: str | None = None  # ... and the request's
+    differs: str | None = None  # model_changed: what differs (identity_diff)
+
+    def details(self) -> dict[str, Any]:
+        return {k: v for k in _DETAILS if (v := getattr(self, k)) is not None}
+
+    def record(self) -> SpanRecord:
+        return {"reason": self.reason.value, "tokens": self.tokens, **self.details()}
 
 
-def seen_key(tokens: Sequence[int], limit: int | None = None) -> bytes:
-    """Tokens as big-endian uint32 bytes: 4 bytes a token, and sorted as the tokens sort."""
-    a = array.array("I", tokens[:limit] if limit is not None else tokens)
-    if sys.byteorder == "little":
-        a.byteswap()
-    return a.tobytes()
+_DETAILS = tuple(f.name for f in fields(Span))[2:]
 
 
-def prefix_hash(tokens: Sequence[int] | bytes) -> str:
-    """A tombstone's hash of a prefix: of its `seen_key` bytes (or those bytes, given)."""
-    key = tokens if isinstance(tokens, bytes) else seen_key(tokens)
-    return hashlib.blake2b(key, digest_size=8).hexdigest()
+def tombstone_digest(prompt: Sequence[int] | bytes) -> str:
+    """A tombstone's hash of a prefix (its tokens or packed bytes): blake2b-64 of its ids as
+    big-endian uint32, the layout the home's tombstones were first written with."""
+    packed = prompt if isinstance(prompt, bytes) else tk.pack(prompt)
+    return hashlib.blake2b(tk.swapped(packed), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -61,49 +92,190 @@ class Tombstone:
     by: str  # "byte budget", "learned budget", "kvstore evict"
     ts: float
     entry: str = ""
-    tail: bytes = b""  # its last TAIL_TOKENS tokens as seen_key bytes: most misses end at them
+    tail: bytes = b""  # its last TAIL_TOKENS tokens, packed: most misses end at them
 
     @classmethod
     def of(cls, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> Tombstone:
-        key = seen_key(tokens)
-        return cls(len(tokens), prefix_hash(key), by, ts, entry, tail_of(key))
+        key = tk.pack(tokens)
+        return cls(len(tokens), tombstone_digest(key), by, ts, entry, tail_of(key))
 
     def covers(self, prompt: Sequence[int] | bytes) -> bool:
-        """Whether the prompt (its tokens, or its `seen_key`) starts with this prefix."""
-        key = prompt if isinstance(prompt, bytes) else seen_key(prompt)
-        n = 4 * self.length
+        """Whether the prompt (its tokens, or packed) starts with this prefix."""
+        key = prompt if isinstance(prompt, bytes) else tk.pack(prompt)
+        n = tk.nbytes(self.length)
         if len(key) < n or (self.tail and key[n - len(self.tail) : n] != self.tail):
             return False
-        return prefix_hash(key[:n]) == self.digest
+        return tombstone_digest(key[:n]) == self.digest
 
 
 TAIL_TOKENS = 2
 
 
 def tail_of(key: bytes) -> bytes:
-    """The last TAIL_TOKENS tokens of a `seen_key` (a tombstone's cheap first check)."""
-    return key[-4 * TAIL_TOKENS :] if key else b""
+    """The last TAIL_TOKENS tokens of packed tokens (a tombstone's cheap first check)."""
+    return tk.cut(key, -TAIL_TOKENS) if key else b""
 
 
 @dataclass
 class Known:
-    """What this process knows when a request comes (any part may be empty)."""
+    """What this process knows when a request comes (any part may be empty). Prefixes given as
+    bytes are packed token ids (kvstore.tokens)."""
 
     pins: Mapping[tuple[int, ...], str] = field(default_factory=dict)  # stored, this model
-    # the same pins as (seen_key, label), when the caller keeps their keys (taken over `pins`)
+    # the same pins as (packed, label), when the caller keeps them packed (taken over `pins`)
     pin_keys: Sequence[tuple[bytes, str]] = ()
-    # learned prefixes stored for this model as `seen_key`s, sorted (bisect); a key holds at
-    # most a cap of tokens: `learned_ends` gives the stored length of those it cuts
+    # learned prefixes stored for this model, packed, sorted (bisect); one holds at most a cap
+    # of tokens: `learned_ends` gives the stored length of those it cuts
     learned: Sequence[bytes] = ()
     learned_ends: Mapping[bytes, int] = field(default_factory=dict)
     other_day: Sequence[tuple[Sequence[int], str]] = ()  # clock-bound pins of another day
     other_model: Sequence[tuple[Sequence[int], str]] = ()  # (tokens, what differs)
     model_changed: str = ""  # this path stored under another fingerprint: what differs
     tombstones: Sequence[Tombstone] = ()
-    seen: Sequence[bytes] = ()  # recent prompts of this model as `seen_key`s, sorted (bisect)
+    seen: Sequence[bytes] = ()  # recent prompts of this model, packed, sorted (bisect)
     corrupt: Sequence[tuple[Sequence[int], str]] = ()  # failed their checks
     unavailable: bool = False  # the store cannot be read / the daemon is down, nothing stored
     write_budget: bool = False  # learning paused by the daily write budget
+
+
+@dataclass
+class _Walk:
+    """One attribution under way: the spans told so far, up to `pos` along the prompt."""
+
+    prompt: Sequence[int]
+    served: int
+    known: Known
+    decode: Callable[[Sequence[int]], str] | None
+    key: bytes  # the prompt, packed
+    spans: list[Span] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.n = len(self.prompt)
+        self.pos = max(0, min(self.served, self.n))  # told up to here
+
+    def agree(self, tokens: Sequence[int] | bytes) -> int:
+        """Tokens the prompt shares with these (token ids or packed)."""
+        return tk.common_prefix(self.key, tokens if type(tokens) is bytes else tk.pack(tokens))
+
+    def take(self, end: int, reason: Reason, **details: Any) -> None:
+        """The prompt's tokens from `pos` to `end` are `reason`'s (none when `end` <= `pos`)."""
+        end = min(end, self.n)
+        if end <= self.pos:
+            return
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last.reason is reason and not details and not last.details():
+            last.tokens += end - self.pos
+        else:
+            self.spans.append(Span(reason, end - self.pos, **details))
+        self.pos = end
+
+    @cached_property
+    def learned(self) -> tuple[int, bytes | None, int]:
+        """`_learned_divergence` of the prompt against this model's learned prefixes."""
+        k = self.known
+        return _learned_divergence(self.key, k.learned, k.learned_ends)
+
+
+def _corrupt(w: _Walk) -> None:
+    """A stored prefix the request holds whole that could not serve it: its tokens are lost to
+    that (and a divergence before its end is not why: the request is the other prefix's)."""
+    for tokens, what in w.known.corrupt:
+        if w.agree(tokens) == len(tokens):
+            w.take(len(tokens), Reason.CORRUPT, entry=what)
+
+
+def _evicted(w: _Walk) -> None:
+    """The longest evicted prefixes the request starts with (each length hashed once)."""
+    hashed: dict[int, str] = {}
+    n, key, size = w.n, w.key, tk.SIZE
+    for t in sorted(w.known.tombstones, key=lambda t: -t.length):
+        if w.pos < t.length <= n:
+            end = size * t.length
+            if t.tail and key[end - len(t.tail) : end] != t.tail:
+                continue
+            if t.length not in hashed:
+                hashed[t.length] = tombstone_digest(key[:end])
+            if hashed[t.length] == t.digest:
+                w.take(t.length, Reason.EVICTED, by=t.by, ts=t.ts, entry=t.entry)
+
+
+def _diverged(w: _Walk) -> None:
+    """What a stored prefix of this model would have served, had the request not differed: of
+    those the request leaves before their end, the one reaching furthest."""
+    k = w.known
+    candidates: list[tuple[Sequence[int] | bytes, str, int]] = (
+        [(key, name, tk.count(key)) for key, name in k.pin_keys]
+        if k.pin_keys
+        else [(t, name, len(t)) for t, name in k.pins.items()]
+    )
+    _, stored, length = w.learned
+    if stored is not None:
+        candidates.append((stored, f"learned chain of {length} tokens", length))
+    # end, at, entry, its tokens (or packed, as far as known), its stored length
+    best: tuple[int, int, str, Sequence[int] | bytes, int] | None = None
+    for tokens, name, length in candidates:
+        at = w.agree(tokens)
+        if at >= length:
+            continue  # all of it agrees: served (or not served for a reason below)
+        end = min(length, w.n)
+        if at >= w.pos and end > w.pos and (best is None or end > best[0]):
+            best = (end, at, name, tokens, length)
+    if best is None:
+        return
+    end, at, name, tokens, length = best
+    texts_: dict[str, str] = {}
+    if w.decode is not None:
+        stored_tokens = tk.unpack(tokens) if isinstance(tokens, bytes) else tokens
+        texts_["stored_text"], texts_["request_text"] = texts(stored_tokens, w.prompt, at,
+                                                              w.decode)  # fmt: skip
+    w.take(end, Reason.DIVERGED, entry=name, position=at, stored_length=length, **texts_)
+
+
+def _unavailable(w: _Walk) -> None:
+    if w.known.unavailable:
+        w.take(w.n, Reason.UNAVAILABLE)
+
+
+def _model_changed(w: _Walk) -> None:
+    for tokens, what in w.known.other_model:
+        w.take(w.agree(tokens), Reason.MODEL_CHANGED, differs=what)
+    if w.known.model_changed:
+        w.take(w.n, Reason.MODEL_CHANGED, differs=w.known.model_changed)
+
+
+def _other_date(w: _Walk) -> None:
+    for tokens, name in w.known.other_day:
+        at = w.agree(tokens)
+        if at < len(tokens):  # what it holds past `at` is another day's
+            w.take(min(len(tokens), w.n), Reason.OTHER_DATE, entry=name, position=at)
+
+
+def _learned_whole(w: _Walk) -> None:
+    """Stored as a learned prefix, whole: learned, whatever else it is."""
+    w.take(w.learned[0], Reason.SUFFIX)
+
+
+def _seen(w: _Walk) -> None:
+    """A prefix of a recent prompt: the one sharing the most sits next to it in sorted order."""
+    seen = w.known.seen
+    i = bisect.bisect_left(seen, w.key)
+    at = max((tk.common_prefix(w.key, s) for s in seen[max(0, i - 1) : i + 1]), default=0)
+    w.take(at, Reason.WRITE_BUDGET if w.known.write_budget else Reason.NOT_LEARNED_YET)
+
+
+def _rest(w: _Walk) -> None:
+    k = w.known
+    nothing = not (k.pins or k.pin_keys or k.learned or k.seen or k.other_day or k.other_model
+                   or k.tombstones or k.corrupt)  # fmt: skip
+    w.take(w.n, Reason.COLD if nothing and w.served == 0 else Reason.SUFFIX)
+
+
+# In order along the prompt, each from where the last one stopped: what a stored prefix the
+# request holds whole tells (corrupt, evicted) comes before a divergence inside it.
+RULES: tuple[Callable[[_Walk], None], ...] = (
+    _corrupt, _evicted, _diverged, _unavailable, _model_changed, _other_date, _learned_whole,
+    _seen, _rest,
+)  # fmt: skip
 
 
 def attribute(
@@ -113,92 +285,14 @@ def attribute(
     decode: Callable[[Sequence[int]], str] | None = None,
     *,
     key: bytes | None = None,
-) -> list[dict[str, Any]]:
-    """The prompt's prefilled tokens (`prompt[served:]`), in order, as reason spans:
-    [{"reason", "tokens", ...}], adjacent spans of one reason merged; their tokens sum to
-    `len(prompt) - served`. `key`: the prompt's `seen_key`, when the caller has it."""
-    n = len(prompt)
-    key = seen_key(prompt) if key is None else key
-
-    def agree(tokens: Sequence[int] | bytes) -> int:  # tokens the prompt shares with these
-        return common_prefix(key, tokens if isinstance(tokens, bytes) else seen_key(tokens)) // 4
-
-    pos = max(0, min(served, n))
-    out: list[dict[str, Any]] = []
-
-    def take(end: int, reason: str, **extra: Any) -> None:
-        nonlocal pos
-        end = min(end, n)
-        if end <= pos:
-            return
-        if out and out[-1]["reason"] == reason and not extra and len(out[-1]) == 2:
-            out[-1]["tokens"] += end - pos
-        else:
-            out.append({"reason": reason, "tokens": end - pos, **extra})
-        pos = end
-
-    # a stored prefix the request holds whole that could not serve it: its tokens are lost to
-    # that (and a divergence before its end is not why: the request is the other prefix's)
-    for tokens, what in known.corrupt:
-        if agree(tokens) == len(tokens):
-            take(len(tokens), "corrupt", entry=what)
-    hashed: dict[int, str] = {}  # prefix length -> its hash: each length hashed once
-    for t in sorted(known.tombstones, key=lambda t: -t.length):
-        if pos < t.length <= n:
-            end = 4 * t.length
-            if t.tail and key[end - len(t.tail) : end] != t.tail:
-                continue
-            if t.length not in hashed:
-                hashed[t.length] = prefix_hash(key[: 4 * t.length])
-            if hashed[t.length] == t.digest:
-                take(t.length, "evicted", by=t.by, ts=t.ts, entry=t.entry)
-
-    # what a stored prefix of this model would have served, had the request not differed
-    # end, at, entry, its tokens or seen_key (as far as known), its stored length
-    best: tuple[int, int, str, Sequence[int] | bytes, int] | None = None
-    candidates: list[tuple[Sequence[int] | bytes, str, int]] = (
-        [(k, name, len(k) // 4) for k, name in known.pin_keys]
-        if known.pin_keys
-        else [(t, name, len(t)) for t, name in known.pins.items()]
-    )
-    held, stored, length = _learned_divergence(key, known.learned, known.learned_ends)
-    if stored is not None:
-        candidates.append((stored, f"learned chain of {length} tokens", length))
-    for tokens, name, length in candidates:
-        at = agree(tokens)
-        if at >= length:
-            continue  # all of it agrees: served (or not served for a reason below)
-        end = min(length, n)
-        if at >= pos and end > pos and (best is None or end > best[0]):
-            best = (end, at, name, tokens, length)
-    if best is not None:
-        end, at, name, tokens, length = best
-        extra: dict[str, Any] = {"entry": name, "position": at, "stored_length": length}
-        if decode is not None:
-            stored_tokens = tokens_of(tokens) if isinstance(tokens, bytes) else tokens
-            extra["stored_text"], extra["request_text"] = texts(stored_tokens, prompt, at, decode)
-        take(end, "diverged", **extra)
-
-    if known.unavailable:
-        take(n, "unavailable")
-    for tokens, what in known.other_model:
-        take(agree(tokens), "model_changed", differs=what)
-    if known.model_changed:
-        take(n, "model_changed", differs=known.model_changed)
-    for tokens, name in known.other_day:
-        at = agree(tokens)
-        if at < len(tokens):  # what it holds past `at` is another day's
-            take(min(len(tokens), n), "other_date", entry=name, position=at)
-    # the seen prompt sharing the longest prefix sits next to the prompt in sorted order
-    i = bisect.bisect_left(known.seen, key)
-    near = known.seen[max(0, i - 1) : i + 1]
-    seen_at = max((common_prefix(key, s) // 4 for s in near), default=0)
-    take(held, "suffix")  # stored as a learned prefix, whole: learned, whatever else it is
-    take(seen_at, "write_budget" if known.write_budget else "not_learned_yet")
-    nothing = not (known.pins or known.pin_keys or known.learned or known.seen or known.other_day
-                   or known.other_model or known.tombstones or known.corrupt)  # fmt: skip
-    take(n, "cold" if nothing and served == 0 else "suffix")
-    return out
+) -> list[SpanRecord]:
+    """The prompt's prefilled tokens (`prompt[served:]`), in order, as reason spans (their
+    records: [{"reason", "tokens", ...}]), adjacent spans of one reason merged; their tokens
+    sum to `len(prompt) - served`. `key`: the prompt packed, when the caller has it."""
+    w = _Walk(prompt, served, known, decode, tk.pack(prompt) if key is None else key)
+    for rule in RULES:
+        rule(w)
+    return [s.record() for s in w.spans]
 
 
 LEARNED_TIES = 64  # learned prefixes looked at on each side of the request's place in order
@@ -208,7 +302,7 @@ def _learned_divergence(
     key: bytes, learned: Sequence[bytes], ends: Mapping[bytes, int]
 ) -> tuple[int, bytes | None, int]:
     """(how far a learned prefix the request holds whole reaches, the learned prefix the
-    request leaves inside before its end: its seen_key as far as kept or None, its stored
+    request leaves inside before its end: packed as far as kept or None, its stored
     length). The prefixes sharing the most with the request sit next
     to it in sorted order; a learned prefix that ends right where the request leaves is where
     the requests that taught it differed too (a branch: the request's own content, `suffix`),
@@ -216,31 +310,29 @@ def _learned_divergence(
     if not learned:
         return 0, None, 0
     i = bisect.bisect_left(learned, key)
-    at = max(common_prefix(key, learned[j]) // 4 for j in (i - 1, i) if 0 <= j < len(learned))
+    at = max(tk.common_prefix(key, learned[j]) for j in (i - 1, i) if 0 <= j < len(learned))
     if at == 0:
         return 0, None, 0
-    head = key[: 4 * at]
+    head = tk.cut(key, 0, at)
     tied: list[bytes] = []
     for step, j in ((-1, i - 1), (1, i)):
         while (
-            0 <= j < len(learned) and len(tied) < 2 * LEARNED_TIES and learned[j][: 4 * at] == head
+            0 <= j < len(learned)
+            and len(tied) < 2 * LEARNED_TIES
+            and tk.cut(learned[j], 0, at) == head
         ):
             tied.append(learned[j])
             j += step
-    if any(ends.get(s, len(s) // 4) <= at or len(s) // 4 <= at for s in tied):
+    if any(ends.get(s, tk.count(s)) <= at or tk.count(s) <= at for s in tied):
         return at, None, 0  # it ends here, or agrees as far as it is kept
-    s = min(tied, key=lambda s: ends.get(s, len(s) // 4))
+    length = min(ends.get(s, tk.count(s)) for s in tied)
+    shortest = [s for s in tied if ends.get(s, tk.count(s)) == length]
+    if len(shortest) > 1:  # the nearest below the request in token order, else above
+        order, mine = tk.swapped, tk.swapped(key)  # big-endian bytes sort as their tokens do
+        below = [s for s in shortest if order(s) < mine]
+        shortest = [max(below, key=order) if below else min(shortest, key=order)]
     # the request holds the learned prefixes before the one it leaves (a shorter one at least)
-    return 0, s, ends.get(s, len(s) // 4)
-
-
-def tokens_of(key: bytes) -> list[int]:
-    """`seen_key`'s tokens back."""
-    a = array.array("I")
-    a.frombytes(key)
-    if sys.byteorder == "little":
-        a.byteswap()
-    return a.tolist()
+    return 0, shortest[0], length
 
 
 def texts(
@@ -258,11 +350,12 @@ def texts(
 def _safe(decode: Callable[[Sequence[int]], str], tokens: Sequence[int]) -> str:
     try:
         return str(decode(list(tokens)))
-    except Exception:
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError):  # ids it does not know
         return ""
 
 
 def by_reason(spans: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Tokens by reason, from span records."""
     out: dict[str, int] = {}
     for s in spans:
         out[s["reason"]] = out.get(s["reason"], 0) + int(s["tokens"])
@@ -270,25 +363,25 @@ def by_reason(spans: Iterable[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def describe(spans: Sequence[Mapping[str, Any]]) -> str:
-    """For a log line: "suffix 12, diverged 300 (entry 'sys' at 14)"."""
+    """Span records for a log line: "suffix 12, diverged 300 (entry 'sys' at 14)"."""
     parts = []
     for s in spans:
         p = f"{s['reason']} {s['tokens']}"
-        if s["reason"] == "diverged":
+        if s["reason"] == Reason.DIVERGED:
             p += f" ({s.get('entry')!s} at {s.get('position')})"
         elif s.get("by"):
             p += f" (by {s['by']})"
         elif s.get("differs"):
             p += f" ({s['differs']})"
-        elif s["reason"] == "corrupt" and s.get("entry"):
+        elif s["reason"] == Reason.CORRUPT and s.get("entry"):
             p += f" ({s['entry']})"
         parts.append(p)
     return ", ".join(parts)
 
 
-def clean(spans: Any) -> list[dict[str, Any]] | None:
+def clean(spans: Any) -> list[SpanRecord] | None:
     """A ledger record's reasons as a client sent them, or None when they are not well-formed."""
-    if not isinstance(spans, list) or len(spans) > 64:
+    if not isinstance(spans, list) or len(spans) > MAX_SPANS:
         return None
     out = []
     for s in spans:
@@ -300,7 +393,7 @@ def clean(spans: Any) -> list[dict[str, Any]] | None:
         keep: dict[str, Any] = {}
         for k, v in s.items():
             if isinstance(k, str) and isinstance(v, str):
-                keep[k] = v[: 4 * CONTEXT_CHARS]
+                keep[k] = v[:MAX_TEXT]
             elif isinstance(k, str) and isinstance(v, (int, float)):
                 keep[k] = v
         out.append(keep)

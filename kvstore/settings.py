@@ -10,6 +10,7 @@ import os
 import stat
 import sys
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -144,15 +145,14 @@ def write_atomically(path: Path, data: bytes) -> None:
     and a return means the new one is on disk: temp file fsynced, renamed over, and the
     directory fsynced (the rename is an entry in it, lost with it otherwise). Raises OSError."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
+    with ExitStack() as undo:  # the temp file removed again if anything stops the write
+        undo.callback(tmp.unlink, missing_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        undo.pop_all()
     fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)

@@ -586,6 +586,14 @@ def _generator(server: Any, hooks: _Hooks) -> type:
                 ctx._kvstore_warm_up = True
             return ctx, hooks.recorded(ctx, responses)
 
+        def _generate(self):
+            # mlx-lm's generation thread: when it dies the server answers nothing and /health
+            # says 503 forever, which no supervisor restarts. Stop with one line instead.
+            try:
+                super()._generate()
+            except Exception as e:
+                hooks.stop_with(f"mlx_lm.server's generation thread died: {type(e).__name__}: {e}")
+
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
             hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text

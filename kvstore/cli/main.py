@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
+from kvstore.boundary import foreign
 from kvstore.cli import admin, explain, manifests, remote, transfer
 from kvstore.cli.options import (
     home_option,
@@ -43,10 +44,9 @@ class _PluginGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         cmd = super().get_command(ctx, name)
         if cmd is None and (ep := self._plugins().get(name)) is not None:
-            try:
+            # a broken plugin must not take the core CLI down
+            with foreign(lambda e: click.ClickException(f"command {name!r} unavailable: {e}")):
                 cmd = ep.load()
-            except Exception as e:  # a broken plugin must not take the core CLI down
-                raise click.ClickException(f"command {name!r} unavailable: {e}") from None
         return cmd
 
 

@@ -21,11 +21,13 @@ import struct
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
+from kvstore.boundary import settle
 from kvstore.codec.safetensors import DTYPES, Layout
 
 # From here on the one-buffer path (pages populated in one call, then copied and checked chunk by
@@ -81,17 +83,6 @@ def checksum(buf) -> int:
     return h.intdigest()
 
 
-class _Job:
-    def __init__(self, fn: Callable[[], object]):
-        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
-
-    def result(self) -> object:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
 class _Copiers:
     """Worker threads started by the hydrating thread and joined before `arrays` returns. mlx's
     io thread (which calls readinto) only queues jobs and waits: creating threads there would
@@ -108,17 +99,12 @@ class _Copiers:
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            try:
-                job.value = job.fn()
-            except BaseException as e:  # handed to whoever waits on the job
-                job.error = e
-            finally:
-                job.done.set()
+            settle(*job)  # its result or error handed to whoever waits on it
 
-    def submit(self, fn: Callable[[], object]) -> _Job:
-        job = _Job(fn)
-        self.jobs.put(job)
-        return job
+    def submit(self, fn: Callable[[], object]) -> Future:
+        done: Future = Future()
+        self.jobs.put((done, fn))
+        return done
 
     def close(self) -> None:
         for _ in self.threads:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvstore import tokens as tk
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.fleet.objects import Remote, verify_record
 from kvstore.store.blocks import BlockStore
-from kvstore.store.entry import unpack_tokens
 from kvstore.store.keys import fingerprint_of
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def pull_records(
         if (
             check is not None
             and meta.start == 0
-            and check(o.key, label, unpack_tokens(tokens), blob, v.provenance.box)
+            and check(o.key, label, tk.unpack(tokens), blob, v.provenance.box)
         ):
             failed += 1
             continue

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
+from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
 from kvstore.codec import codec
 from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
 from kvstore.fleet.settings import RemoteSettings
@@ -150,7 +152,7 @@ def authenticate(
         try:
             p = msgpack.unpackb(bytes(tail[:plen]), raw=False)
             prov = Provenance(str(p["box"]), str(p["mlx"]), str(p["mlx_lm"]))
-        except Exception:
+        except UNREADABLE:
             raise RemoteError("corrupt", f"{where}: unreadable provenance") from None
     shown = (prov or Provenance.unknown()).shown()
     if not keys:
@@ -299,11 +301,11 @@ def verify_record(
         meta = BlockMeta.unpack(key, bytes(head["record"]))
     except CorruptEntryError as e:
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
-    except Exception as e:
+    except UNREADABLE as e:
         raise RemoteError("corrupt", f"{where}: unreadable meta ({type(e).__name__})") from None
     blob, prov = _blob_and_provenance(data, rest, meta, keys, where)
-    if len(prefix) != 4 * meta.start or block <= 0:
-        raise RemoteError("corrupt", f"{where}: {len(prefix) // 4} tokens before a record at "
+    if len(prefix) != tk.nbytes(meta.start) or block <= 0:
+        raise RemoteError("corrupt", f"{where}: {tk.count(prefix)} tokens before a record at "
                                      f"{meta.start}")  # fmt: skip
     tokens = prefix + meta.tokens
     fp = fingerprint_of(key)
@@ -349,6 +351,7 @@ class Remote:
     def __init__(self, rs: RemoteSettings):
         try:
             import boto3
+            from botocore import exceptions as bx
             from botocore.config import Config
         except ImportError:
             raise RemoteError(
@@ -357,6 +360,10 @@ class Remote:
 
         self.settings = rs
         self.bucket = rs.bucket
+        # What a call through boto3 raises when the remote refuses, fails or is out of reach (and
+        # the RemoteError of a check of ours): `_error` words each; anything else is a bug.
+        failures = (RemoteError, OSError, bx.ClientError, bx.BotoCoreError)
+        self.failures: tuple[type[Exception], ...] = failures
         self.client = boto3.session.Session().client(
             "s3",
             endpoint_url=rs.endpoint,
@@ -402,7 +409,7 @@ class Remote:
             return RemoteError("unreachable", f"{self.where()}: {what}: unreachable ({e})")
         if isinstance(e, (OSError, bx.BotoCoreError)):
             return RemoteError("unreachable", f"{self.where()}: {what}: {type(e).__name__}: {e}")
-        raise e
+        raise e  # not among self.failures: a bug, raised as it came
 
     @staticmethod
     def _status(e: Exception) -> int | None:
@@ -418,7 +425,7 @@ class Remote:
         """The bucket exists and these credentials may use it."""
         try:
             self.client.head_bucket(Bucket=self.bucket)
-        except Exception as e:
+        except self.failures as e:
             if self._status(e) == 404:
                 raise RemoteError("bucket", f"{self.where()}: no such bucket") from None
             raise self._error(e, "checking the bucket") from None
@@ -427,7 +434,7 @@ class Remote:
         """The box an object's S3 metadata names (unsigned: for listing; None: not recorded)."""
         try:
             res = self.client.head_object(Bucket=self.bucket, Key=name)
-        except Exception as e:
+        except self.failures as e:
             raise self._error(e, f"looking up {name}") from None
         return res.get("Metadata", {}).get("box")
 
@@ -440,7 +447,7 @@ class Remote:
                     Bucket=self.bucket, Key=name or object_name(self.settings, key)
                 )["ContentLength"]
             )
-        except Exception as e:
+        except self.failures as e:
             if self._status(e) == 404:
                 return None
             raise self._error(
@@ -472,7 +479,7 @@ class Remote:
                         )
             finally:
                 body.close()
-        except Exception as e:
+        except self.failures as e:
             raise self._error(e, f"fetching entry {key.hex()}") from None
         if got != size:
             raise RemoteError("corrupt", f"{self.where()}: entry {key.hex()}: object cut short")
@@ -500,7 +507,7 @@ class Remote:
                         yield RemoteObject(
                             key, o["Key"], int(o["Size"]), o["LastModified"].timestamp()
                         )
-        except Exception as e:
+        except self.failures as e:
             raise self._error(e, what) from None
 
     def other_versions(self) -> list[str]:
@@ -508,7 +515,7 @@ class Remote:
         root = object_root(self.settings)
         try:
             res = self.client.list_objects_v2(Bucket=self.bucket, Prefix=root, Delimiter="/")
-        except Exception as e:
+        except self.failures as e:
             raise self._error(e, "listing format versions") from None
         found = [p["Prefix"][len(root) :].rstrip("/") for p in res.get("CommonPrefixes", [])]
         return [v for v in found if v != f"v{FORMAT_VERSION}"]
@@ -566,7 +573,7 @@ class Remote:
                 )  # fmt: skip
                 return "uploaded"
             return self._upload_parts(name, header, nbytes, read_blob, sealer, meta, cond)
-        except Exception as e:
+        except self.failures as e:
             if self._status(e) == 412:  # someone created it between our HEAD and our create
                 return "exists"
             raise self._error(e, what) from None
@@ -586,7 +593,7 @@ class Remote:
         upload_id = self.client.create_multipart_upload(
             Bucket=self.bucket, Key=name, Metadata=meta
         )["UploadId"]
-        trailer = b""
+        trailer, completed = b"", False
         try:
             parts = []
             for number, start in enumerate(range(0, total, size), 1):
@@ -605,13 +612,17 @@ class Remote:
                 Bucket=self.bucket, Key=name, UploadId=upload_id,
                 MultipartUpload={"Parts": parts}, **cond,
             )  # fmt: skip
+            completed = True
             return "uploaded"
-        except BaseException:
-            try:  # parts of an upload nobody completes are billed until aborted
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
-            except Exception:
-                pass  # `remote gc` aborts uploads left behind
-            raise
+        finally:
+            if not completed:  # failed or interrupted: parts nobody completes are billed
+                self._abort(name, upload_id)
+
+    def _abort(self, name: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
+        except self.failures as e:  # `remote gc` aborts uploads left behind
+            log.debug("remote: %s: aborting the upload of %s: %s", self.where(), name, e)
 
     def delete(self, names: list[str]) -> int:
         n = 0
@@ -627,7 +638,7 @@ class Remote:
                         f"{self.where()}: deleting {first.get('Key')}: {first.get('Code')} "
                         f"({counted(len(errors), 'object')} not deleted)",
                     )
-        except Exception as e:
+        except self.failures as e:
             raise self._error(e, "deleting objects") from None
         return n
 
@@ -644,6 +655,6 @@ class Remote:
                         Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
                     )
                     n += 1
-        except Exception as e:
+        except self.failures as e:
             raise self._error(e, "aborting stale multipart uploads") from None
         return n

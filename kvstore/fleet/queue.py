@@ -23,6 +23,7 @@ from typing import Any
 import lmdb
 import msgpack
 
+from kvstore.boundary import daemon_handler
 from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
 from kvstore.fleet.blocks import upload_record
 from kvstore.fleet.objects import Remote
@@ -361,22 +362,26 @@ class Uploader(threading.Thread):
             log.error("remote: sweep failed: %s", e)
         while not self._stop_event.is_set():
             self._wake.clear()
-            try:
-                self._drain()
-            except RemoteError as e:
-                if e.cause != self._cause:
-                    log.error(
-                        "remote: upload paused: %s; %d entr(ies) kept in the queue, retrying "
-                        "every %gs", e, len(self.queue.pending()), self.retry_interval,
-                    )  # fmt: skip
-                    self._cause = e.cause
-                self._stop_event.wait(self.retry_interval)
-                continue
-            except Exception:  # a bug must not kill the worker silently
-                log.exception("remote: uploader failed; retrying")
+            with daemon_handler("remote: uploader failed; retrying") as failed:  # never silently
+                drained = self._drain_or_pause()
+            if failed.error is not None or not drained:
                 self._stop_event.wait(self.retry_interval)
                 continue
             self._wake.wait(IDLE_SECONDS)
+
+    def _drain_or_pause(self) -> bool:
+        """Upload what is queued: True, or False when the remote failed (said once a cause)."""
+        try:
+            self._drain()
+        except RemoteError as e:
+            if e.cause != self._cause:
+                log.error(
+                    "remote: upload paused: %s; %d entr(ies) kept in the queue, retrying "
+                    "every %gs", e, len(self.queue.pending()), self.retry_interval,
+                )  # fmt: skip
+                self._cause = e.cause
+            return False
+        return True
 
     def _drain(self) -> None:
         kinds: tuple[tuple[str, Callable[..., str], Any], ...] = (

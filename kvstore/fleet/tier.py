@@ -6,7 +6,7 @@ push` (`warm_tier`). Both read through the same fetcher when [remote] downloads.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,12 +48,11 @@ def daemon_tier(
     fetcher = (
         WarmFetcher(remote, UploadQueue(home), ledger=ledger, store=store) if rs.download else None
     )
-    try:
-        uploader = start_uploader(remote, store, home) if rs.upload else None
-    except BaseException:
+    with ExitStack() as undo:  # the fetcher's queue closed again if the uploader cannot start
         if fetcher is not None:
-            fetcher.queue.close()
-        raise
+            undo.callback(fetcher.queue.close)
+        uploader = start_uploader(remote, store, home) if rs.upload else None
+        undo.pop_all()
     return DaemonTier(remote, rs, uploader, fetcher)
 
 

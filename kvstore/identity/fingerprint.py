@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from kvstore.boundary import UNREADABLE, foreign
 from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ModelError
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
@@ -89,6 +90,9 @@ class Fingerprint:
             )
 
 
+_UNREADABLE_FILE: tuple[type[Exception], ...] = (OSError, *UNREADABLE)
+
+
 class FileHashCache:
     """Full-content hashes keyed by file identity, kept in one msgpack file written atomically."""
 
@@ -101,7 +105,7 @@ class FileHashCache:
                 self._data = msgpack.unpackb(path.read_bytes(), raw=False)
                 if not isinstance(self._data, dict):
                     self._data = {}
-            except Exception:  # a damaged cache only costs a re-hash
+            except _UNREADABLE_FILE:  # a damaged cache only costs a re-hash
                 self._data = {}
 
     @staticmethod
@@ -182,7 +186,7 @@ def resolve_model_path(model: str | Path) -> Path:
 
             cache_dir = os.environ.get("HF_HUB_CACHE") or None  # read now, not at import
             return Path(snapshot_download(str(model), local_files_only=True, cache_dir=cache_dir))
-        except Exception as e:
+        except (ImportError, OSError, ValueError) as e:  # not cached: OSError; a bad id: ValueError
             raise ModelError(
                 f"model {model!r}: no directory {where} and not in the local hub cache "
                 f"({type(e).__name__}); download it first (e.g. `hf download {model}`)"
@@ -223,11 +227,9 @@ def build_architecture(config: dict, model_dir: Path):
             f"{model_dir}: its config runs custom code (model_file); pass the loaded model "
             "(model=...) so its layout is read from it"
         )
-    try:
+    with foreign(lambda e: ModelError(f"{model_dir}: cannot build the model from its config: {e}")):
         model_class, args_class = mlxlm.model_classes(config)
         return model_class(args_class.from_dict(config))
-    except Exception as e:
-        raise ModelError(f"{model_dir}: cannot build the model from its config: {e}") from None
 
 
 def cache_layout(model_dir: Path, model=None, *, model_config: dict | None = None) -> tuple:

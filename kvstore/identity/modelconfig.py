@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvstore.boundary import foreign
 from kvstore.errors import ModelError
 
 # Config keys mlx_lm.utils.load_model reads itself, not through the ModelArgs.
@@ -71,24 +72,27 @@ def load_tokenizer(model_dir: Path, model: str) -> Any:
     the model, the file and transformers' own message, not a traceback from inside it."""
     from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
 
-    try:
-        return mlx_load_tokenizer(model_dir)
-    except Exception as e:
+    def rejected(e: Exception) -> ModelError:
         why = " ".join(str(e).split()) or type(e).__name__  # transformers' words, on one line
-        raise ModelError(
+        return ModelError(
             f"model {model!r}: transformers rejects {_rejected_file(model_dir)}: {why}"
-        ) from None
+        )
+
+    with foreign(rejected):
+        return mlx_load_tokenizer(model_dir)
 
 
 def _rejected_file(model_dir: Path) -> str:
     """Which of a model's files transformers refused: config.json when its config alone fails
     to load, else the tokenizer's files."""
+    config = str(model_dir / "config.json")
     try:
-        from transformers import AutoConfig
+        with foreign(lambda e: ModelError(config)):
+            from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(str(model_dir))
-    except Exception:
-        return str(model_dir / "config.json")
+            AutoConfig.from_pretrained(str(model_dir))
+    except ModelError:
+        return config
     return f"the tokenizer files in {model_dir} (tokenizer.json, tokenizer_config.json)"
 
 

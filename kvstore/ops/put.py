@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvstore import tokens as tk
 from kvstore.errors import CodecError
 from kvstore.ops.budget import Budget
 from kvstore.store.blocks import BlockStore
@@ -72,7 +73,7 @@ def check_put_fields(fields: dict[str, Any]) -> None:
 def check_request(req: PutRequest, *, max_bytes: int) -> None:
     """The key, fields and size of a put, before its blob is read."""
     key, tokens = req.key, req.fields.get("tokens")
-    if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % 4:
+    if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % tk.SIZE:
         raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
     check_put_fields(req.fields)
     # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
@@ -107,7 +108,7 @@ def check_kv(req: PutRequest, blob: bytes) -> None:
         ):
             raise ValueError(f"put {key.hex()}: extra.kv_layers must name empty KV layers")
         cache = [c for i, c in enumerate(cache) if i not in set(layers)]
-    held, ntokens = codec.cache_tokens(cache), len(req.fields["tokens"]) // 4
+    held, ntokens = codec.cache_tokens(cache), tk.count(req.fields["tokens"])
     if held != ntokens and not (held is None and codec.keeps_no_offset(cache)):
         what = f"the KV holds {held} tokens" if held is not None else "its layers disagree"
         raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")

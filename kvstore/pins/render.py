@@ -15,10 +15,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore import tokens as tk
+from kvstore.boundary import foreign
 from kvstore.errors import ManifestError
 from kvstore.pins import coverage
 from kvstore.pins.clock import clock_at, local_now
@@ -129,7 +130,13 @@ class _Requests:
 
     def _apply(self, turns: list[dict], *, tokenize: bool) -> Any:
         # As mlx_lm.server: TokenizerWrapper.apply_chat_template injects enable_thinking.
-        try:
+        def failed(e: Exception) -> ManifestError:
+            return ManifestError(
+                f"pin {self.name!r}: the chat template failed on a request built from these "
+                f"messages: {type(e).__name__}: {e}"
+            )
+
+        with foreign(failed):
             return self.tokenizer.apply_chat_template(
                 self.messages + turns,
                 tools=self.tools,
@@ -138,13 +145,6 @@ class _Requests:
                 **({"return_dict": False} if tokenize and not _is_wrapper(self.tokenizer) else {}),
                 **self.kwargs,
             )
-        except ManifestError:
-            raise
-        except Exception as e:
-            raise ManifestError(
-                f"pin {self.name!r}: the chat template failed on a request built from these "
-                f"messages: {type(e).__name__}: {e}"
-            ) from e
 
 
 def _is_wrapper(tokenizer: Any) -> bool:
@@ -162,11 +162,11 @@ def _render_chat(tokenizer: Any, prefix: PrefixSpec, now: dt.datetime) -> Render
     first = [_user(CHAT_PROBES[0])]
     ids0 = req.ids(first, now)
     text0 = req.text(first, now)
-    keep_req = _common_prefix_len([ids0] + [req.ids([_user(p)], now) for p in CHAT_PROBES[1:]])
+    keep_req = tk.common_prefix(ids0, *[req.ids([_user(p)], now) for p in CHAT_PROBES[1:]])
     times = [dt.datetime.combine(now.date(), t, now.tzinfo) for t in PROBE_TIMES]
-    keep_time = _common_prefix_len([ids0] + [req.ids(first, t) for t in times])
+    keep_time = tk.common_prefix(ids0, *[req.ids(first, t) for t in times])
     days = [now + dt.timedelta(days=d) for d in PROBE_DAYS]
-    keep_day = _common_prefix_len([ids0] + [req.ids(first, d) for d in days])
+    keep_day = tk.common_prefix(ids0, *[req.ids(first, d) for d in days])
     keep = min(keep_req, keep_time)
 
     chars = _CharIndex(tokenizer, text0, ids0, False)
@@ -266,7 +266,7 @@ def _later_turn(
         except ManifestError as e:
             log.info("pin %r: %s not checked: %s", req.name, coverage.LATER_TURN_KINDS[kind], e)
             return None
-        shared = _common_prefix_len([tokens, ids])
+        shared = tk.common_prefix(tokens, ids)
         if worst is None or shared < worst.shared:
             worst = _LaterTurn(shared, text)
     return worst
@@ -312,7 +312,7 @@ def _render_text(tokenizer: Any, prefix: PrefixSpec) -> RenderedPin:
     special = _wants_special_tokens(tokenizer, text)
     rendered = _encode(tokenizer, text, special)
     probe_ids = [_encode(tokenizer, text + p, special) for p in TEXT_PROBES]
-    keep = _common_prefix_len([rendered, *probe_ids])
+    keep = tk.common_prefix(rendered, *probe_ids)
     chars = _CharIndex(tokenizer, text, rendered, special)
     # Whitespace at the end is not content a cache miss would cost.
     content_chars = len(text.rstrip())
@@ -355,16 +355,6 @@ def _as_ids(out: Any) -> list[int]:
     return [int(t) for t in out]
 
 
-def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    n = 0
-    # Lengths differ on purpose: the shortest sequence bounds the common prefix.
-    for column in zip(*seqs, strict=False):
-        if any(t != column[0] for t in column[1:]):
-            break
-        n += 1
-    return n
-
-
 class _CharIndex:
     """Maps token counts to character offsets in the rendered string."""
 
@@ -405,5 +395,5 @@ def _offset_ends(tokenizer: Any, text: str, ids: list[int], special: bool) -> li
             reach = max(reach, int(stop))
             ends.append(reach)
         return ends
-    except Exception:  # slow tokenizers have no offsets; decoding still works
-        return None
+    except (NotImplementedError, TypeError, ValueError, KeyError, AttributeError):
+        return None  # slow tokenizers have no offsets (NotImplementedError); decoding still works

@@ -24,6 +24,8 @@ import lmdb
 import msgpack
 import xxhash
 
+from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.settings import DEFAULT
 from kvstore.store.chain import chain_hashes, is_cut, packed, position_hash
@@ -85,32 +87,17 @@ class BlockMeta:
             meta = cls(key=key, **msgpack.unpackb(body, raw=False))
         except CorruptEntryError:
             raise
-        except Exception as e:
+        except UNREADABLE as e:
             raise CorruptEntryError(
                 key, f"unreadable record meta ({type(e).__name__}: {e})"
             ) from None
-        if len(meta.tokens) != 4 * (meta.end - meta.start) or not 0 <= meta.start < meta.end:
+        if len(meta.tokens) != tk.nbytes(meta.end - meta.start) or not 0 <= meta.start < meta.end:
             raise CorruptEntryError(key, "record meta does not match its token count")
         return meta
 
     @property
     def ntokens(self) -> int:
         return self.end - self.start
-
-
-def common_tokens(a: bytes, b: bytes) -> int:
-    """How many leading packed uint32 token ids `a` and `b` share."""
-    n = min(len(a), len(b)) // 4
-    if a[: 4 * n] == b[: 4 * n]:
-        return n
-    lo, hi = 0, n  # a[:4*lo] == b[:4*lo], a[:4*hi] != b[:4*hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[: 4 * mid] == b[: 4 * mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class EvictedRecords(NamedTuple):
@@ -186,12 +173,13 @@ class BlockStore:
     ) -> list[BlockMeta]:
         """The longest chain of stored records that prefixes `tokens`, from position 0. The last
         record may match only partly (the request diverges inside it; its `end` is unchanged):
-        the caller serves p + common_tokens of it. Stops at a missing or unreadable record; the
-        unreadable ones passed on the way are appended to `corrupt`, if given."""
+        the caller serves p + the tokens it shares with it (kvstore.tokens.common_prefix). Stops
+        at a missing or unreadable record; the unreadable ones passed on the way are appended to
+        `corrupt`, if given."""
         if not self._open():
             return []
         data = packed(tokens)
-        n = len(data) // 4
+        n = tk.count(data)
         hashes = chain_hashes(fingerprint, data, self.block)
 
         def walk(txn) -> list[BlockMeta]:
@@ -215,12 +203,12 @@ class BlockStore:
                             corrupt.append(CorruptEntryError(key, _truncated(meta, len(blob))))
                         continue  # missing or truncated: never served
                     if meta.end <= n and (full is None or meta.end > full.end):
-                        if meta.tokens == data[4 * p : 4 * meta.end] and digest_of(
+                        if meta.tokens == tk.cut(data, p, meta.end) and digest_of(
                             key
                         ) == position_hash(fingerprint, data, meta.end, self.block, hashes):
                             full = meta
                             continue
-                    j = common_tokens(meta.tokens, data[4 * p :])
+                    j = tk.common_prefix(meta.tokens, tk.cut(data, p))
                     if j > best:
                         partial, best = meta, j
                 if full is not None:
@@ -236,11 +224,11 @@ class BlockStore:
 
     def stored_end(self, fingerprint: bytes, tokens: Sequence[int] | bytes) -> int:
         """How far `tokens` is covered by a chain of whole stored records (0 if none)."""
-        n = len(packed(tokens)) // 4
+        n = tk.count(packed(tokens))
         chain = self.lookup(fingerprint, tokens)
         if chain and (
             chain[-1].end > n
-            or chain[-1].tokens != packed(tokens)[4 * chain[-1].start : 4 * chain[-1].end]
+            or chain[-1].tokens != tk.cut(packed(tokens), chain[-1].start, chain[-1].end)
         ):
             chain = chain[:-1]
         return chain[-1].end if chain else 0
@@ -250,7 +238,7 @@ class BlockStore:
         if not chain:
             return 0
         last = chain[-1]
-        return last.start + common_tokens(last.tokens, packed(tokens)[4 * last.start :])
+        return last.start + tk.common_prefix(last.tokens, tk.cut(packed(tokens), last.start))
 
     def read_blobs(
         self, metas: list[BlockMeta], *, corrupt: list[CorruptEntryError] | None = None
@@ -410,7 +398,7 @@ class BlockStore:
         for m in ends[:limit]:
             tokens = _prefix(m, metas, parent_of)
             if tokens:
-                out.append((tokens[: 4 * max_tokens], m.end))
+                out.append((tk.cut(tokens, 0, max_tokens), m.end))
         return out
 
     def fingerprints_of(self, models: set[str]) -> dict[bytes, dict | None]:
@@ -598,7 +586,7 @@ class BlockStore:
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise StoreError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
         data = packed(tokens)
-        n = len(data) // 4
+        n = tk.count(data)
         hashes = chain_hashes(fingerprint, data, self.block)
         rows = []
         for start, end, blob in records:
@@ -632,13 +620,13 @@ class BlockStore:
                 if (
                     old is not None
                     and old.start == start
-                    and old.tokens == data[4 * start : 4 * end]
+                    and old.tokens == tk.cut(data, start, end)
                 ):
                     continue
                 if old is not None:  # unreadable or a collision: replaced
                     self._add(txn, LEARNED_BYTES, -old.nbytes)
                 meta = BlockMeta(
-                    key=key, start=start, end=end, tokens=data[4 * start : 4 * end],
+                    key=key, start=start, end=end, tokens=tk.cut(data, start, end),
                     nbytes=len(blob), checksum=blob_checksum(blob), codec=CODEC_VERSION,
                     classes=classes, created=now, last_used=now, hits=0, label=label,
                     extra=dict(extra or {}),
@@ -716,13 +704,16 @@ class BlockStore:
         leaf first; a record something else extends stays, and so does every record before it,
         and never one with pins > 0. One write transaction; returns the records dropped."""
         data = packed(tokens)
-        n = len(data) // 4
+        n = tk.count(data)
         chain = self.lookup(fingerprint, data)
         covered = []
         for m in chain:
-            if m.end <= n and m.tokens == data[4 * m.start : 4 * m.end]:
+            if m.end <= n and m.tokens == tk.cut(data, m.start, m.end):
                 covered.append(m)
-            elif m.end <= n + slack and common_tokens(m.tokens, data[4 * m.start :]) == n - m.start:
+            elif (
+                m.end <= n + slack
+                and tk.common_prefix(m.tokens, tk.cut(data, m.start)) == n - m.start
+            ):
                 covered.append(m)  # runs at most `slack` tokens past the pin
             else:
                 break
@@ -865,7 +856,7 @@ def fill_kv_layers(store: Store, meta: Any, cache: list) -> list:
     from kvstore.codec.blocks import assemble
 
     layers = [int(i) for i in meta.extra["kv_layers"]]
-    n = len(meta.tokens) // 4
+    n = tk.count(meta.tokens)
     blocks = BlockStore(store, block=int(meta.extra.get("kv_block", DEFAULT.block_tokens)))
     corrupt: list[CorruptEntryError] = []
     chain = blocks.lookup(meta.fingerprint, meta.tokens, corrupt=corrupt)

@@ -1,7 +1,7 @@
 """Chain hashes of a prompt: the key of every position, whoever cut it.
 
 h_0 = xxh3_128(b"kvstore-chain-v1" + fingerprint); h_k = xxh3_128(h_{k-1} + packed block k) for
-every full block of `block` tokens (packed as `kvstore.store.entry.pack_tokens`). A position p is
+every full block of `block` tokens (packed as `kvstore.tokens.pack`). A position p is
 keyed by H(p): h_{p/B} at a block boundary, else xxh3_128(h_{p//B} + packed tokens from that
 boundary to p). A learned record [start, end) is filed under fingerprint + H(end), so prompts that
 share a start share its records. Pure Python + xxhash: no mlx.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvstore.store.entry import pack_tokens
+from kvstore import tokens as tk
 from kvstore.store.keys import HASH_BYTES as HASH_BYTES
 
 CHAIN_SEED = b"kvstore-chain-v1"
@@ -25,16 +25,16 @@ def packed(tokens: TokensLike) -> bytes:
     """Token ids packed as little-endian uint32 (bytes are taken as already packed)."""
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         data = bytes(tokens)
-        if len(data) % 4:
-            raise ValueError("packed tokens must be a multiple of 4 bytes")
+        if len(data) % tk.SIZE:
+            raise ValueError(f"packed tokens must be a multiple of {tk.SIZE} bytes")
         return data
-    return pack_tokens(tokens)
+    return tk.pack(tokens)
 
 
 def chain_hashes(fingerprint: bytes, tokens: TokensLike, block: int = 256) -> list[bytes]:
     """[h_0, h_1, ..., h_{n//block}]: one 16-byte hash per full block, after the root."""
     data = packed(tokens)
-    step = 4 * block
+    step = tk.nbytes(block)
     digest = xxhash.xxh3_128_digest
     h = digest(CHAIN_SEED + fingerprint)
     out = [h]
@@ -53,14 +53,14 @@ def position_hash(
 ) -> bytes:
     """H(p), the key of position p of `tokens` (0 <= p <= len(tokens))."""
     data = packed(tokens)
-    if not 0 <= p <= len(data) // 4:
-        raise ValueError(f"position {p} is outside 0..{len(data) // 4}")
+    if not 0 <= p <= tk.count(data):
+        raise ValueError(f"position {p} is outside 0..{tk.count(data)}")
     if hashes is None:
-        hashes = chain_hashes(fingerprint, data[: 4 * p], block)
+        hashes = chain_hashes(fingerprint, tk.cut(data, 0, p), block)
     k, r = divmod(p, block)
     if r == 0:
         return hashes[k]
-    return xxhash.xxh3_128_digest(hashes[k] + data[4 * k * block : 4 * p])
+    return xxhash.xxh3_128_digest(hashes[k] + tk.cut(data, k * block, p))
 
 
 def cuts(start: int, end: int, block: int = 256) -> list[tuple[int, int]]:

@@ -24,6 +24,8 @@ from typing import Any
 import msgpack
 import xxhash
 
+from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
 from kvstore.errors import CorruptEntryError
 from kvstore.identity.model import DEFAULT_QUANTIZED_KV_START as DEFAULT_QUANTIZED_KV_START
 from kvstore.identity.model import ModelIdentity
@@ -31,22 +33,9 @@ from kvstore.store.keys import FINGERPRINT_BYTES as FINGERPRINT_BYTES
 from kvstore.store.keys import KEY_BYTES as KEY_BYTES
 from kvstore.store.keys import digest_of, fingerprint_of
 
-
 # -- keys ----------------------------------------------------------------------------------------
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32: compact in meta and compared in one memcmp."""
-    try:
-        import numpy as np  # here, not at the top: `kvstore ls` and `stats` start without numpy
-
-        return np.asarray(tokens, dtype="<u4").tobytes()
-    except (OverflowError, ValueError, TypeError):
-        raise ValueError("token ids must be integers in 0 .. 2**32-1") from None
-
-
-def unpack_tokens(data: bytes) -> list[int]:
-    import numpy as np
-
-    return np.frombuffer(data, dtype="<u4").tolist()
+pack_tokens = tk.pack  # token ids as meta and keys hold them (kvstore.tokens: one layout)
+unpack_tokens = tk.unpack
 
 
 def prefix_hash(tokens: Sequence[int]) -> bytes:
@@ -244,11 +233,11 @@ class EntryMeta:
             meta = cls(key=key, **d)
         except CorruptEntryError:
             raise
-        except Exception as e:
+        except UNREADABLE as e:
             raise CorruptEntryError(key, f"unreadable meta ({type(e).__name__}: {e})") from None
         if problem := meta.type_error():
             raise CorruptEntryError(key, f"unreadable meta ({problem})")
-        if len(meta.tokens) != 4 * meta.ntokens or meta.fingerprint != fingerprint_of(key):
+        if len(meta.tokens) != tk.nbytes(meta.ntokens) or meta.fingerprint != fingerprint_of(key):
             raise CorruptEntryError(key, "meta does not match its key or token count")
         if not tokens_match_key(key, meta.tokens):
             raise CorruptEntryError(key, "its tokens do not hash to its key")

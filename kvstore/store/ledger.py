@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 
+from kvstore.boundary import UNREADABLE
 from kvstore.reasons import clean as clean_reasons
 
 log = logging.getLogger("kvstore")
@@ -75,7 +76,7 @@ class Ledger:
                     for rec in unpacker:
                         if isinstance(rec, dict):
                             self._add(rec)
-                except Exception as e:  # a torn or foreign tail: keep what parsed
+                except UNREADABLE as e:  # a torn or foreign tail: keep what parsed
                     log.warning("ledger %s: unreadable tail skipped (%s)", self.path, e)
                     return
 

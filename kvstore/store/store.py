@@ -21,6 +21,7 @@ from typing import Any
 
 import lmdb
 
+from kvstore import tokens as tk
 from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
 from kvstore.settings import DEFAULT, STORE_DIR
@@ -321,14 +322,14 @@ class Store:
             raise StoreError(f"unknown meta field(s): {sorted(unknown)}")
 
         tokens = fields.get("tokens")
-        if not isinstance(tokens, bytes) or len(tokens) % 4:
+        if not isinstance(tokens, bytes) or len(tokens) % tk.SIZE:
             raise StoreError("field 'tokens' must be packed uint32 token ids (bytes)")
         if not tokens_match_key(key, tokens):  # every read would refuse it as corrupt
             raise StoreError(f"entry {key.hex()}: key does not match the entry's tokens")
         draft = EntryMeta(
             key=key,
             tokens=tokens,
-            ntokens=len(tokens) // 4,
+            ntokens=tk.count(tokens),
             label=fields.get("label", ""),
             pinned=fields.get("pinned", False),
             model=fields.get("model", ""),

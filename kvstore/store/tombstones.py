@@ -1,7 +1,9 @@
 """Tombstones of recent evictions: which prefix (its length and a hash of its tokens), of which
 model, by what (`byte budget`, `learned budget`, `kvstore evict`) and when, so that a later miss
 on it is `evicted` (kvstore.reasons) rather than `cold`. The daemon writes (it evicts); clients
-read. A small file in the home, rewritten whole (the last MAX_TOMBSTONES)."""
+read. A small file in the home, rewritten whole (the last MAX_TOMBSTONES). Its rows keep the
+layout they were first written with: `digest` as kvstore.reasons.tombstone_digest, `tail` the
+last tokens as big-endian uint32 (in memory a Tombstone's tail is packed as kvstore.tokens)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from typing import Any
 
 import msgpack
 
-from kvstore.reasons import Tombstone, prefix_hash, seen_key, tail_of
+from kvstore import tokens as tk
+from kvstore.boundary import UNREADABLE
+from kvstore.reasons import Tombstone, tail_of, tombstone_digest
 
 log = logging.getLogger("kvstore")
 
@@ -23,12 +27,15 @@ MAX_TOMBSTONES = 512
 BY_EVICT, BY_BYTES, BY_LEARNED = "kvstore evict", "byte budget", "learned budget"
 
 
+UNREADABLE_FILE: tuple[type[Exception], ...] = (OSError, *UNREADABLE)
+
+
 def _read(home: Path) -> list[dict[str, Any]]:
     try:
         data = msgpack.unpackb((home / TOMBSTONES_NAME).read_bytes(), raw=False)
     except FileNotFoundError:
         return []
-    except Exception as e:  # a torn or foreign file: start over
+    except UNREADABLE_FILE as e:  # a torn or foreign file: start over
         log.warning("tombstones %s: unreadable, ignored (%s)", home / TOMBSTONES_NAME, e)
         return []
     return [t for t in data if isinstance(t, dict)] if isinstance(data, list) else []
@@ -40,7 +47,7 @@ def note(home: Path, metas: Iterable[Any], by: str) -> int:
     for m in metas:
         try:
             rows.append((str(m.model), m.token_ids(), str(m.label)))
-        except Exception:
+        except (AttributeError, TypeError, ValueError):  # a meta without fields, or torn tokens
             continue
     return note_prefixes(home, rows, by)
 
@@ -51,9 +58,10 @@ def note_prefixes(home: Path, rows: Iterable[tuple[str, Sequence[int], str]], by
     new = []
     for model, tokens, entry in rows:
         if len(tokens):
-            key = seen_key(tokens)
-            new.append({"model": model, "length": len(tokens), "digest": prefix_hash(key),
-                        "by": by, "ts": now, "entry": entry, "tail": tail_of(key)})  # fmt: skip
+            key = tk.pack(tokens)
+            new.append({"model": model, "length": len(tokens), "digest": tombstone_digest(key),
+                        "by": by, "ts": now, "entry": entry,
+                        "tail": tk.swapped(tail_of(key))})  # fmt: skip
     if not new:
         return 0
     kept = (_read(home) + new)[-MAX_TOMBSTONES:]
@@ -75,9 +83,10 @@ def load(home: Path, model: str | Iterable[str]) -> list[Tombstone]:
         try:
             if t["model"] in models:
                 tail = t.get("tail", b"")
+                ok = isinstance(tail, bytes) and len(tail) % tk.SIZE == 0
                 out.append(Tombstone(int(t["length"]), str(t["digest"]), str(t["by"]),
                                      float(t["ts"]), str(t.get("entry", "")),
-                                     tail if isinstance(tail, bytes) else b""))  # fmt: skip
+                                     tk.swapped(tail) if ok else b""))  # fmt: skip
         except (KeyError, TypeError, ValueError):
             continue
     return out

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvstore.boundary import foreign
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import (  # what a manifest (and generate) may ask for
     KV_BITS,
@@ -70,14 +71,12 @@ def probe_layers(model_dir: Path, *, adapter: str | None, model_config: dict | N
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_adapters, load_model
 
-    try:
+    with foreign(lambda e: KVStoreError(f"model {model_dir}: cannot probe its KV layout: {e}")):
         model, _ = load_model(model_dir, lazy=True, model_config=dict(model_config or {}))
         if adapter is not None:
             model = load_adapters(model, adapter)
         cache = make_prompt_cache(model)
         model(mx.array([[0]], dtype=mx.uint32), cache=cache)  # a graph only: nothing evaluated
-    except Exception as e:
-        raise KVStoreError(f"model {model_dir}: cannot probe its KV layout: {e}") from None
     return [_layer(c, f"layer {i}") for i, c in enumerate(cache)]
 
 
@@ -162,14 +161,14 @@ def loaded_for_check(identity: ModelIdentity, model_dir: Path, fp) -> Iterator[A
 
     from kvstore.warm.warm import release_model
 
-    try:
+    with foreign(
+        lambda e: KVStoreError(f"model {identity.path!r}: cannot load it to check KV: {e}")
+    ):
         loaded, _ = load(
             str(model_dir),
             adapter_path=identity.adapter,
             model_config=dict(identity.model_config or {}),
         )
-    except Exception as e:
-        raise KVStoreError(f"model {identity.path!r}: cannot load it to check KV: {e}") from None
     try:
         fp.check_unchanged(f"checking KV against model {identity.path!r}")
         yield loaded

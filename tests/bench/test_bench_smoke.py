@@ -95,7 +95,7 @@ def test_first_generate_bench_runs_and_its_figures_follow_from_its_timings(tmp_p
     from bench.timing import in_fresh_process
 
     model, home = firstcall._setup(tmp_path)
-    res = in_fresh_process("bench.firstcall", [str(model), str(home), "1"])
+    res = in_fresh_process(firstcall.calls, model, home, 1)
     assert len(res["ttft_s"]) == firstcall.CALLS and all(t > 0 for t in res["ttft_s"])
     assert len(res["pin_ttft_s"]) == len(firstcall.PIN_ONLY_LETTERS)
     runs = [
@@ -133,3 +133,55 @@ def test_restart_targets_take_each_sizes_own_threshold():
     ]  # fmt: skip
     got = run.restart_targets({"hydrate": {"rows": hyd}})
     assert [(t["measured"], t["ok"]) for t in got] == [(1.2, True), (0.9, False)]
+
+
+def test_startup_times_each_command_in_fresh_processes_round_robin():
+    """bench.startup through the fresh-process harness: every command run `reps` times after the
+    untimed round, each ratio the command's median over the baseline's."""
+    import sys
+
+    from bench import startup
+
+    res = startup.measure(sys.executable, "kvstore", reps=2)
+    for name in ("import lmdb, click", "kvstore ls (empty home)", "kvstore --help"):
+        assert res[name]["n"] == 2 and res[name]["median"] > 0
+    base = res["import lmdb, click"]["median"]
+    assert res["ratios"]["kvstore --help"] == pytest.approx(res["kvstore --help"]["median"] / base)
+
+
+def test_worker_names_a_bench_function_by_its_importable_module():
+    from bench import firstcall
+    from bench.timing import worker
+
+    assert worker(firstcall.calls, "m", 1) == [
+        "-m", "bench.timing", "bench.firstcall:calls", "m", "1"
+    ]  # fmt: skip
+
+
+def test_canary_tolerance_sits_between_rounding_and_a_real_change():
+    """bench.canary_noise's rows: float rounding of a whole tiny llama within the tolerance, a
+    RoPE base override beyond it (what the upgrade canary's tolerance is chosen by)."""
+    from bench import canary_noise
+
+    rows = run.own_targets("canary_noise", {"canary_noise": canary_noise.run()})
+    assert len(rows) == 4 and all(r["ok"] is True for r in rows), rows
+
+
+def test_reasons_and_fleet_trust_rows_follow_from_their_measures():
+    from bench import fleet_trust, reasons
+
+    attr = reasons.attribution(lambda ids: "text")
+    assert set(attr) == {f"{w}: {q} ms" for w in ("diverged", "served") for q in ("median", "p99")}
+    res = {"attribution_ms": attr, "explain_s": [0.9, 0.7, 0.8], "records": 10, "prompt_tokens": 2,
+           "pins": 1, "learned": 1}  # fmt: skip
+    rows = run.targets({"reasons": res})
+    assert [r["measured"] for r in rows] == [
+        round(attr["diverged: median ms"], 4), round(attr["served: median ms"], 4), 0.8
+    ]  # fmt: skip
+    (seal,) = fleet_trust.seal_costs((64,))
+    assert 0 < seal["verify_s"] and 0 < seal["seal_s"] and seal["tokens"] == 64
+    check = {"model": "m", "tokens": 148, "prefill_s": 0.01, "check_s": 0.005}
+    start = {"pins": 8, "tokens": 100, "pending_s": 0.2, "passed_s": 0.02}
+    rows = run.targets({"fleet_trust": {"seal": [seal], "check": [check], "start": start}})
+    assert [r["measured"] for r in rows] == [round(seal["verify_keyed_s"], 4), 0.005, 0.2]
+    assert all(r["ok"] is None for r in rows)  # context: no target is set for them

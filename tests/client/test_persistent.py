@@ -107,8 +107,8 @@ def test_pin_persists_and_a_new_cache_and_process_hydrate_it(
     with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home) as second:
         assert second.report.entries == 1
         assert second.pin("classify", messages=ROUTER).source == "memory"
-        cached, rest = second.fetch_nearest_cache(second.model_key, list(pin.tokens))
-        assert rest == []
+        cached, rest = second.fetch_nearest_cache(second.model_key, [*pin.tokens, 7])
+        assert rest == [7]
         assert_same_kv(cached, prefill(model, pin.tokens))
         prompt = chat(tokenizer, CLASSIFY, "The site is down again.")
         generate(second, model, tokenizer, prompt, label="classify", max_tokens=4)
@@ -149,9 +149,9 @@ def test_pins_survive_lru_pressure(arch, llama_path, hybrid_path, llama):
             generate(cache, model, tokenizer, transcript, label="stage", max_tokens=2)
         assert len(cache._lru) <= 2
         assert set(cache.pins) == {"classify", "synthesize"}
-        for pin in pins:
-            got, rest = cache.fetch_nearest_cache(cache.model_key, list(pin.tokens))
-            assert rest == [], pin.name
+        for pin in pins:  # a prompt that continues the pin by one token
+            got, rest = cache.fetch_nearest_cache(cache.model_key, [*pin.tokens, 7])
+            assert rest == [7], pin.name
             assert_same_kv(got, prefill(model, pin.tokens))
         # the LRU's byte count still covers exactly its own entries
         own = sum(cache._trie.get(m, t).nbytes for m, t in cache._lru._lrus["assistant"])
@@ -164,6 +164,31 @@ def test_pins_survive_lru_pressure(arch, llama_path, hybrid_path, llama):
         prompt = chat(tokenizer, SYNTHESIZE, "write it up")
         generate(cache, model, tokenizer, prompt, label="synthesize", max_tokens=2)
         assert cache.stats.calls[-1].cached_tokens >= len(pins[1].tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_a_prompt_stored_whole_still_prefills_its_last_token(arch, llama_path, hybrid_path, llama):
+    """mlx-lm's generators refuse an empty remainder ("Sequence N has an empty prompt" killed
+    `kvstore serve`'s generation thread): a prompt whose every token is stored gets its last
+    token to prefill, from the KV one token shorter (trimmable) or from a shorter stored prefix
+    (a state layout cannot step back)."""
+    path = llama_path if arch == "llama" else hybrid_path
+    model, tokenizer = llama if arch == "llama" else load(str(path))
+    with PersistentPromptCache(model, tokenizer, path, verbose=False) as cache:
+        pin = cache.pin("classify", messages=ROUTER)
+        whole = [*pin.tokens, 11, 12, 13]
+        cache.attach_pin(cache.model_key, whole, prefill(model, whole), "whole")
+        got, rest = cache.fetch_nearest_cache(cache.model_key, whole)
+        if arch == "llama":
+            assert rest == [13]
+            assert_same_kv(got, prefill(model, whole[:-1]))
+        else:  # the pin, the nearest shorter prefix, serves it
+            assert rest == [11, 12, 13]
+            assert_same_kv(got, prefill(model, pin.tokens))
+        # and the library generates from it what mlx-lm generates from nothing stored
+        text = generate(cache, model, tokenizer, whole, label="whole", max_tokens=4)
+        assert text == mlx_lm.generate(model, tokenizer, whole, max_tokens=4)
+        assert cache.stats.calls[-1].cached_tokens == len(whole) - len(rest)
 
 
 def _pin_entries(cache):

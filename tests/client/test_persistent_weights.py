@@ -106,6 +106,6 @@ def test_unchanged_or_touched_files_still_store_and_hydrate(daemon, model_copy):
     assert sorted(e["label"] for e in ls(daemon.home)) == ["first", "second"]
     fresh_model, _, fresh = client.load(model_copy, home=daemon.home, stats=False)
     assert fresh.report.entries == 2
-    hydrated, rest = fresh.fetch_nearest_cache(fresh.model_key, list(first.tokens))
-    assert rest == []
+    hydrated, rest = fresh.fetch_nearest_cache(fresh.model_key, [*first.tokens, 7])
+    assert rest == [7]
     assert_same_kv(hydrated, prefill(fresh_model, first.tokens))

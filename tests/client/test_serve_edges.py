@@ -6,6 +6,7 @@ range-checked."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import urllib.error
@@ -13,7 +14,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import CLASSIFY, Proc, Serve, serving, wait_for, warm_two_pins
+from helpers import CLASSIFY, Proc, Serve, manifest_for, serving, wait_for, warm_two_pins
+
+from bench.learned import Server as BenchServer
+from bench.learned import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -290,3 +294,76 @@ def test_the_imports_are_frozen_before_mlx_lm_loads_the_model(kv_home, monkeypat
     assert seen["argv"] == ["mlx_lm.server", "--model", "some/model", "--port", "0"]
     assert seen["frozen"] > 10_000, seen  # before: 0, and the load's collection walked them all
     assert frozen_after <= seen["frozen"]  # nothing frozen once the server runs (some freed)
+
+
+# -- a prompt the store holds whole; a generation thread that dies ------------------------------
+
+WHOLE = "You are a helpful assistant. Answer every question in one short sentence."
+
+
+def _complete(server: Serve, prompt: str) -> dict:
+    body = json.dumps(dict(prompt=prompt, max_tokens=3, temperature=0.0)).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_a_prompt_stored_whole_is_served_and_the_server_stays_up(llama_path, kv_home, tmp_path):
+    """A text pin sent as it is to /v1/completions: every prompt token is stored. mlx-lm's
+    generation thread died on the empty remainder ("Sequence N has an empty prompt") and every
+    later request failed; now the last token is prefilled and the server goes on."""
+    manifest = manifest_for(
+        tmp_path, llama_path, f'[[model.prefix]]\nname = "whole"\ntext = "{WHOLE}"'
+    )
+    r = subprocess.run([sys.executable, "-m", "kvstore", "warm", "--home", str(kv_home),
+                        "--manifest", str(manifest)], capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    pin = _ls(kv_home)["whole"]
+    server = Serve(kv_home, llama_path, tmp_path / "serve.log", "--no-learn")
+    try:
+        server.wait_ready()
+        for _ in range(2):  # a user resends the prompt it already sent
+            reply = _complete(server, WHOLE)
+            assert reply["usage"]["prompt_tokens"] == pin["tokens"], reply  # stored whole
+            assert reply["choices"][0]["text"], reply
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == pin["tokens"] - 1
+        assert server.get("/health")[0] == 200
+        assert "empty prompt" not in server.tail(20000)
+    finally:
+        assert server.stop() == 0, server.tail()
+
+
+_DIES = """
+import os
+from mlx_lm.models.cache import LRUPromptCache
+fetch = LRUPromptCache.fetch_nearest_cache
+def boom(self, model, tokens):  # on the generation thread, outside its try
+    if os.path.exists(os.environ["BREAK"]):  # once the test says so: serve's warm-up passes
+        raise RuntimeError("the test broke it")
+    return fetch(self, model, tokens)
+LRUPromptCache.fetch_nearest_cache = boom
+from kvstore.cli.main import main
+main()
+"""
+
+
+def test_a_generation_thread_that_dies_ends_the_server_in_one_line(llama_path, kv_home, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-c", _DIES, "serve", "--home", str(kv_home), "--model",
+            str(llama_path), "--port", str(port), "--no-learn"]  # fmt: skip
+    server = BenchServer(argv, port, log, env={**os.environ, "BREAK": str(tmp_path / "break")})
+    try:
+        server.wait_ready()
+        (tmp_path / "break").touch()
+        with pytest.raises((urllib.error.URLError, ConnectionError, TimeoutError)):
+            server.chat([{"role": "user", "content": "hello"}])
+        code = server.proc.wait(timeout=EXIT_TIMEOUT)  # before: alive, /health 503 forever
+    finally:
+        server.stop()
+    out = log.read_text()
+    assert code == 1, out
+    lines = _error_lines(out)
+    assert len(lines) == 1, out
+    assert "generation thread died: RuntimeError: the test broke it" in lines[0], out

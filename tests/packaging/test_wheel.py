@@ -71,3 +71,37 @@ def test_it_imports_beside_python_daemon_and_an_apps_own_client_module(wheel, tm
         [sys.executable, "-c", code], cwd=app, env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_users_type_checker_sees_the_public_names_types(wheel, tmp_path):
+    """The lazy exports keep their types for a user's mypy (PEP 561 marker, TYPE_CHECKING
+    imports): installed as a wheel in a venv of its own, every public name of `kvstore` and
+    `kvstore.client` is revealed as its real type, none as Any."""
+    pytest.importorskip("mypy", reason="mypy (the test extra) is not installed")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python3*/site-packages")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), wheel],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    import kvstore
+    import kvstore.client
+
+    names = [f"kvstore.{n}" for n in kvstore.__all__]
+    names += [f"kvstore.client.{n}" for n in kvstore.client.__all__]
+    app = tmp_path / "app.py"
+    app.write_text("import kvstore\nimport kvstore.client\n" + "".join(
+        f"reveal_type({n})\n" for n in names
+    ))  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--python-executable", str(venv / "bin" / "python"),
+         "--ignore-missing-imports", "--no-incremental", "--follow-imports=silent", str(app)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    revealed = [line for line in out.stdout.splitlines() if "Revealed type" in line]
+    assert len(revealed) == len(names), out.stdout + out.stderr
+    untyped = [f"{n}: {line}" for n, line in zip(names, revealed) if '"Any"' in line]
+    assert not untyped, "\n".join(untyped)

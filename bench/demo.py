@@ -115,6 +115,7 @@ def run_calls(model_path: Path, home: Path) -> int:
 def wait_for_boot_warm(home: Path, daemon: subprocess.Popen, timeout: float = 300.0) -> dict:
     """Poll the daemon until its boot warm has run; returns its last_warm record."""
     from kvstore.wire.daemon_client import connect
+    from kvstore.wire.messages import StatsRequest
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,7 +124,7 @@ def wait_for_boot_warm(home: Path, daemon: subprocess.Popen, timeout: float = 30
         client = connect(home, timeout=5)
         if client is not None:
             with client:
-                last = client.request("stats")["daemon"]["last_warm"]
+                last = (client.send(StatsRequest()).daemon or {})["last_warm"]
             if last:
                 return last
         time.sleep(0.2)

@@ -197,9 +197,10 @@ def _kv_bytes_per_token(model_path: Path) -> tuple[float, int]:
 
 def _daemon_stats(home: Path) -> dict:
     from kvstore.wire.daemon_client import DaemonClient
+    from kvstore.wire.messages import StatsRequest
 
     with DaemonClient(home) as c:
-        return c.request("stats")
+        return c.send(StatsRequest()).to_wire()
 
 
 def _stop_daemon(daemon: subprocess.Popen) -> None:

@@ -111,14 +111,12 @@ def _record(home: Path, verdicts: list[Checked]) -> None:
     req = request_of(verdicts)
     try:
         with Route(home, timeout=10.0) as route:
-            if route.client is not None and route.client.supports("fleet_checked") is False:
-                raise KVStoreError("the daemon is older than this client (no fleet_checked)")
 
             def local() -> Any:
                 with Store(home) as store:
                     return fleet_checked(store, home, req)
 
-            route.run("fleet_checked", req, local)
+            route.run(req, local)
     except KVStoreError as e:
         log.warning("kvstore: the fleet check of %s is not recorded: %s",
                     counted(len(verdicts), "entry"), e)  # fmt: skip

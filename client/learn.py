@@ -42,11 +42,10 @@ from kvstore import metrics
 from kvstore.boundary import serve_hook
 from kvstore.client import modelthread
 from kvstore.client.fleetcheck import unchecked
-from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
+from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_entry
 from kvstore.codec import cache_api
 from kvstore.errors import KVStoreError
-from kvstore.wire.codes import ErrorCode
-from kvstore.wire.messages import LearnReply, PutBlocksReply
+from kvstore.wire.messages import LearnRequest, PutBlocksRequest, Record, TouchBlocksRequest
 
 log = logging.getLogger("kvstore.client")
 
@@ -611,14 +610,7 @@ class Learner:
         return lambda client: self._touch(client, fingerprint, keys)
 
     def _touch(self, client: Any, fingerprint: bytes, keys: list[bytes]) -> None:
-        if self._no_touch:
-            return
-        try:
-            client.request("touch_blocks", fingerprint=fingerprint, keys=keys)
-        except KVStoreError as e:
-            if getattr(e, "code", None) is not ErrorCode.UNKNOWN_OP:
-                raise
-            self._no_touch = True  # an older daemon: its LRU orders by writes only
+        client.send(TouchBlocksRequest(fingerprint, keys))
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -628,29 +620,12 @@ class Learner:
         if self._unsupported or (target.files_ok is not None and not target.files_ok()):
             return
         sliceable = target.is_sliceable()
-        try:
-            reply = client.request(
-                "learn",
-                fingerprint=target.fingerprint,
-                tokens=pack_tokens(prompt),
-                sliceable=sliceable,
-                model=target.model,
-                label=target.label,
-                extra=target.extra,
-            )
-        except KVStoreError as e:
-            if getattr(e, "code", None) is ErrorCode.UNKNOWN_OP:
-                self._unsupported = True
-                log.warning(
-                    "kvstore: the daemon of %s does not learn prefixes (an older version); "
-                    "restart it to learn",
-                    self.home,
-                )
-                return
-            raise
+        reply = client.send(
+            LearnRequest(target.fingerprint, pack_tokens(prompt), sliceable, target.model,
+                         target.label, target.extra)
+        )  # fmt: skip
         self.reported += 1
         metrics.LEARN_REPORTS.inc()
-        reply = LearnReply.from_wire(reply)
         paused = reply.paused
         self.paused_by = reply.paused_by  # a seen prefix then reads write_budget
         metrics.LEARN_PAUSED.set(1 if paused else 0)
@@ -687,16 +662,9 @@ class Learner:
         and count what the daemon stored."""
         from kvstore.store.entry import pack_tokens
 
-        reply = client.request(
-            "put_blocks",
-            fingerprint=target.fingerprint,
-            tokens=pack_tokens(tokens),
-            records=records,
-            label=target.label,
-            model=target.model,
-            extra=target.extra,
-        )
-        done = PutBlocksReply.from_wire({"stored": len(records), **(reply or {})})
+        rows = [Record(**r) for r in records]
+        done = client.send(PutBlocksRequest(target.fingerprint, pack_tokens(tokens), rows,
+                                            target.label, target.model, target.extra))  # fmt: skip
         self.records_sent += int(done.stored)
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
 
@@ -764,10 +732,8 @@ class Learner:
 
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list, *,
                        prompt_end: bool = False) -> None:  # fmt: skip
-        from kvstore.codec import codec
         from kvstore.codec.blocks import state_part
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
-        from kvstore.store.entry import entry_fields, entry_key
 
         if target.files_ok is not None and not target.files_ok():
             return
@@ -778,24 +744,12 @@ class Learner:
         if layers:  # the KV layers went as shared records: the snapshot holds the state only
             cache = state_part(cache, layers)
             more = {"kv_layers": layers, "kv_block": self._block}
-        classes = codec.cache_classes(cache)
-        blob = codec.encode(cache, {"model": target.model, "tokenizer_config": "{}"})
-        fields = entry_fields(
-            prefix,
-            label="learned",
-            pinned=False,
-            model=target.model,
-            template_hash=target.template_hash,
-            classes=classes,
-            state=target.extra,
-            source="learned",
-            learned=True,
-            prompt_end=prompt_end,
-            **more,
-        )
-        client.put(entry_key(target.fingerprint, prefix), blob, fields.as_kwargs())
+        sent = store_entry(client, target.fingerprint, prefix, cache, model=target.model,
+                           template_hash=target.template_hash, label="learned", pinned=False,
+                           state=target.extra, source="learned", learned=True,
+                           prompt_end=prompt_end, **more)  # fmt: skip
         self.snapshots_sent += 1
-        metrics.WRITTEN_BYTES.labels(kind="learned").inc(len(blob))
+        metrics.WRITTEN_BYTES.labels(kind="learned").inc(sent)
 
     # -- shutdown -------------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from kvstore.errors import KVStoreError
 from kvstore.identity.model import IdentityKeywords, ModelIdentity
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
+from kvstore.wire.messages import TouchRequest
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -227,7 +228,7 @@ def _toucher(fingerprint: bytes, hits: list[tuple[int, ...]]) -> Callable[[Any],
     def touch(client: Any) -> Any:
         from kvstore.store.entry import entry_key
 
-        return client.request("touch", keys=[entry_key(fingerprint, t) for t in hits])
+        return client.send(TouchRequest([entry_key(fingerprint, t) for t in hits]))
 
     return touch
 
@@ -730,30 +731,17 @@ class PersistentPromptCache(PinnedPromptCache):
     def _send(
         self, client: Any, tokens: list[int], cache: list, label: str, pinned: bool, extra: dict
     ) -> None:
-        from kvstore.codec import codec
-        from kvstore.identity.codehash import runtime_versions
+        from kvstore.client.writebehind import store_entry
         from kvstore.identity.fingerprint import template_hash
-        from kvstore.store.entry import entry_fields, entry_key
 
         if self.fingerprint is None or not self._files_hold_these_weights():
             return
         if self._template_hash is None:
             self._template_hash = template_hash(self.model_path)
-        blob = codec.encode(cache, {"model": self.model_path, "tokenizer_config": "{}"})
-        fields = entry_fields(
-            tokens,
-            label=label,
-            pinned=pinned,
-            model=self.model_path,
-            template_hash=self._template_hash,
-            classes=codec.cache_classes(cache),
-            state=self.identity.state,
-            source="pin" if pinned else "chain",
-            owners=["app"],
-            runtime=runtime_versions(),
-            extra={**extra, **self._parts()},
-        )
-        client.put(entry_key(self.fingerprint, tokens), blob, fields.as_kwargs())
+        store_entry(client, self.fingerprint, tokens, cache, model=self.model_path,
+                    template_hash=self._template_hash, label=label, pinned=pinned,
+                    state=self.identity.state, source="pin" if pinned else "chain",
+                    owners=["app"], extra={**extra, **self._parts()})  # fmt: skip
 
     def _parts(self) -> dict:
         """The fingerprint's parts, as entries record them (what a later `model_changed` names)."""

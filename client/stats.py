@@ -21,6 +21,7 @@ from kvstore import mlxlm
 from kvstore.client.reasons import Attributor
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.reasons import SpanRecord, by_reason, describe
+from kvstore.wire.messages import RecordRequest
 
 log = logging.getLogger("kvstore.client")
 
@@ -175,7 +176,7 @@ class StatsRecorder:
         self._writer.submit(
             Job(
                 f"{len(batch)} prefill stats records",
-                lambda client: client.request("record", records=batch),
+                lambda client: client.send(RecordRequest(batch)),
             )
         )
 

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,3 +166,47 @@ class WriteBehind:
                 log.debug("kvstore: %s", e)
                 return None
         return self._client
+
+
+def store_entry(
+    client: Any,
+    fingerprint: bytes,
+    tokens: Sequence[int],
+    cache: list,
+    *,
+    model: str,
+    template_hash: bytes | None,
+    label: str,
+    pinned: bool,
+    state: Mapping[str, Any] | None,
+    source: str,
+    extra: Mapping[str, Any] | None = None,
+    **more: Any,
+) -> int:
+    """Encode `cache` and store it through the daemon as the entry of `tokens` under
+    `fingerprint`: the one way a client stores an entry (an app's pin or chain, a served system
+    prefix, a learned snapshot). Every entry records the runtime versions it was made with;
+    `more` (an app pin's `owners`, a snapshot's `learned` ...) goes into its extra, in order.
+    Runs on the write-behind's worker; returns the bytes sent."""
+    from kvstore.codec import codec
+    from kvstore.identity.codehash import runtime_versions
+    from kvstore.ops import put as put_ops
+    from kvstore.store.entry import entry_fields, entry_key
+
+    classes = codec.cache_classes(cache)
+    blob = codec.encode(cache, {"model": model, "tokenizer_config": "{}"})
+    fields = entry_fields(
+        tokens,
+        label=label,
+        pinned=pinned,
+        model=model,
+        template_hash=template_hash,
+        classes=classes,
+        state=state,
+        source=source,
+        **more,
+        runtime=runtime_versions(),
+        extra=extra,
+    )
+    put_ops.send(client, entry_key(fingerprint, tokens), blob, fields.as_kwargs())
+    return len(blob)

@@ -14,6 +14,8 @@ from kvstore import metrics
 from kvstore import tokens as tk
 from kvstore.learn import MIN_LCP, LearnPolicy, worth_storing
 from kvstore.ops import put as put_ops
+from kvstore.ops.budget import Budget
+from kvstore.ops.evict import evict, snapshot_cap
 from kvstore.settings import DEFAULTS
 from kvstore.store.blocks import BlockStore, is_snapshot, learned_summary, today
 from kvstore.store.chain import chain_hashes
@@ -35,8 +37,8 @@ log = logging.getLogger("kvstore.daemon")
 class Learning:
     """Learned prefixes: the daemon's part that answers learn, put_blocks and touch_blocks.
 
-    `write(name, fn)` runs `fn` on the writer thread and waits; `enforce_budget` and
-    `drop_learned_under` are the upkeep's; `uploader()` is the fleet tier's upload queue, or None.
+    `write(name, fn)` runs `fn` on the writer thread and waits; `budget` and `drop_learned_under`
+    are the upkeep's; `uploader()` is the fleet tier's upload queue, or None.
     """
 
     def __init__(
@@ -47,13 +49,13 @@ class Learning:
         settings: dict[str, Any],
         write: Callable[[str, Callable[[], Any]], Any],
         *,
-        enforce_budget: Callable[[], Any],
+        budget: Budget,
         drop_learned_under: Callable[[EntryMeta], Any],
         uploader: Callable[[], Any],
     ):
         self.store, self.blocks, self.ledger, self.settings = store, blocks, ledger, settings
         self.write = write
-        self.enforce_budget, self.drop_learned_under = enforce_budget, drop_learned_under
+        self.budget, self.drop_learned_under = budget, drop_learned_under
         self.uploader = uploader
         self._learn_lock = threading.Lock()  # connection threads share the policy
         self._bytes_per_token: dict[bytes, float] = {}  # per fingerprint, from put_blocks
@@ -98,31 +100,26 @@ class Learning:
             log.warning("%s", msg)
 
     def learn(self, req: LearnRequest) -> LearnReply:
-        reply = self._learn(req)
-        return LearnReply(reply["want"], reply["snapshot_at"], reply["paused"],
-                          reply.get("paused_by"))  # fmt: skip
-
-    def _learn(self, req: LearnRequest) -> dict[str, Any]:
         fp, data, sliceable, model = req.fingerprint, req.tokens, req.sliceable, req.model
         policy = self.policy
         hashes = chain_hashes(fp, data, policy.block)
         with self._learn_lock:
             end = policy.learned_end(fp, data, hashes)
-        reply: dict[str, Any] = {"want": [], "snapshot_at": [], "paused": None}
         paused = self.learn_paused()
         if paused:
-            reply["paused"], reply["paused_by"] = paused, "write_budget"
-            return reply
+            return LearnReply(paused=paused, paused_by="write_budget")
         if end == 0:
-            return reply
+            return LearnReply()
         bpt = self._bytes_per_token.get(fp)
         if not worth_storing(bpt and bpt * end, end, self._prefill_tps(model)):
             log.debug("learn: %d tokens of %s not worth storing (prefill is faster)", end, model)
-            return reply
+            return LearnReply()
+        want: list[list[int]] = []
+        snapshot_at: list[int] = []
         if sliceable:
             stored = min(self.blocks.stored_end(fp, tk.cut(data, 0, end)), end)
             if stored >= end or end - self._pinned_end(fp, tk.cut(data, 0, end)) < MIN_LCP:
-                return reply  # stored: as records, or in a pin (one copy)
+                return LearnReply()  # stored: as records, or in a pin (one copy)
             why = policy.paused(
                 written_today=0,
                 write_budget=1,
@@ -131,10 +128,9 @@ class Learning:
             )
             if why:
                 self._note_paused(why)
-                reply["paused"], reply["paused_by"] = why, "learned_budget"
-                return reply
+                return LearnReply(paused=why, paused_by="learned_budget")
             with self._learn_lock:
-                reply["want"] = [list(r) for r in policy.wants(fp, data, hashes, stored, end)]
+                want = [list(r) for r in policy.wants(fp, data, hashes, stored, end)]
         else:
             key = fp + packed_prefix_hash(tk.cut(data, 0, end))
             if self.store.get_meta(key) is None:
@@ -143,17 +139,17 @@ class Learning:
                     now = policy.clock()
                     if policy.inflight.get(marker, 0) <= now:
                         policy.inflight[marker] = now + policy.inflight_s
-                        reply["snapshot_at"] = [end]
-        if reply["want"] or reply["snapshot_at"]:
-            log.info("learn: %s of %s: want %s, snapshot at %s", req.label or "-",
-                     model, reply["want"], reply["snapshot_at"])  # fmt: skip
-        return reply
+                        snapshot_at = [end]
+        if want or snapshot_at:
+            log.info("learn: %s of %s: want %s, snapshot at %s", req.label or "-", model, want,
+                     snapshot_at)  # fmt: skip
+        return LearnReply(want, snapshot_at)
 
     def put_blocks(self, req: PutBlocksRequest) -> PutBlocksReply:
         rows = req.records
 
         def job():
-            written, keys = put_ops.put_blocks(self.blocks, req)
+            written, keys = put_ops.put_blocks(self.blocks, req, budget=self.budget)
             with self._learn_lock:
                 self.policy.landed(keys)
             uploader = self.uploader()  # the fleet tier, or None
@@ -165,7 +161,6 @@ class Learning:
             metrics.WRITTEN_BYTES.labels(kind="learned").inc(written)
             log.info("put_blocks %r of %s: %d records, %d bytes written", req.label, req.model,
                      len(rows), written)  # fmt: skip
-            self.enforce_budget()
             self.learned_stats(self.store.metas(errors=[]))  # gauges
             return written
 
@@ -199,18 +194,8 @@ class Learning:
                                    meta.tokens.startswith(m.tokens))
         ]  # fmt: skip
         same_chain.sort(key=lambda m: m.ntokens, reverse=True)
-        drop = same_chain[cap:]
-        if drop:
-            self.store.delete(m.key for m in drop)
-            for m in drop:
-                metrics.EVICTIONS.labels(reason="snapshot_cap").inc()
-                log.info(
-                    "evicted learned snapshot %s (%d tokens): more than "
-                    "max_snapshots_per_prefix=%d on its chain",
-                    m.key.hex(),
-                    m.ntokens,
-                    cap,
-                )
+        # the shallowest go, tombstoned like any eviction: a later miss on one reads `evicted`
+        evict(self.budget.home, snapshot_cap(cap), store=self.store, entries=same_chain[cap:])
 
     def learned_stats(self, metas: list) -> dict[str, Any]:
         summary = learned_summary(self.blocks, metas, self.settings, self._paused)

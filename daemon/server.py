@@ -87,7 +87,7 @@ class Daemon:
             self.ledger,
             settings,
             lambda name, fn: self.writer.submit(name, fn, reported=True).result(),
-            enforce_budget=self.upkeep.enforce_budget,
+            budget=self.upkeep.budget,
             drop_learned_under=self.upkeep.drop_learned_under,
             uploader=lambda: self.upkeep.uploader,
         )

@@ -1,8 +1,9 @@
 """Keeping the store true: reconcile manifests (warm) and hold the byte budget.
 
-Everything here runs on the writer thread. The warm itself is kvstore.warm.warm.warm: it purges
-stale
-pins, loads a model only when a pin is missing, and releases it afterwards.
+Everything here runs on the writer thread. The warm itself is kvstore.ops.warm (the one warm: it
+purges stale pins, loads a model only when a pin is missing, releases it afterwards, and puts
+through the put operation); the daemon adds its memory gate and its log lines around it. The
+budgets are kvstore.ops.budget's.
 """
 
 from __future__ import annotations
@@ -28,18 +29,16 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
 )
 from kvstore.learn import MIN_LCP
-from kvstore.ops.warm import report_to_wire
+from kvstore.ops import warm as warm_ops
+from kvstore.ops.budget import Budget
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.pins.registry import canonical
 from kvstore.settings import DEFAULTS
-from kvstore.store import tombstones
 from kvstore.store.blocks import BlockStore, is_snapshot
-from kvstore.store.entry import unpack_tokens
-from kvstore.store.eviction import select_for_eviction
 from kvstore.store.store import Store
 from kvstore.warm.prefill import stop_when
-from kvstore.warm.warm import PrefillBounds, WarmReport, max_pin_tokens, warm
+from kvstore.warm.warm import STORED, PinStatus, PrefillBounds, WarmReport, max_pin_tokens
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -132,7 +131,7 @@ class Upkeep:
         # Manifests whose warm waits for memory to load a model: path -> why, since, bytes needed.
         # Written on the writer thread, read (copied) by stats and the accept loop's re-check.
         self.deferred: dict[str, dict[str, Any]] = {}
-        self._pins_over_budget = False
+        self.budget = Budget(store, self.blocks, home, settings)
         self._versions: VersionWatch | None = None
         self.uploader: Any = None  # the fleet tier (kvstore.fleet.queue), when [remote] is set
         self.fetcher: Any = None
@@ -207,14 +206,16 @@ class Upkeep:
         short: dict[str, int] = {}  # model path -> bytes its load needs, for models deferred
         with RssSampler() as rss, stop_when(self.stopping.is_set):
             try:
-                report = warm(
+                report = warm_ops.warm(
                     manifest,
                     self.store,
                     home=self.home,
                     progress=self._progress,
+                    warn=log.warning,
+                    fetch=self.fetcher,
+                    budget=self.budget,
                     purge=purge,
                     now=now,
-                    fetch=self.fetcher,
                     may_load=lambda plan: self._may_load(plan, short),
                     bounds=self.bounds,
                 )
@@ -223,16 +224,13 @@ class Upkeep:
             if report.models_loaded:
                 trim_heap()  # kvstore.warm.warm released the model; hand its freed pages back too
         self._log_pins(report)
-        if self.fetcher is not None:
-            self.fetcher.record(report)
         for p in report.pins:  # a pin stores its prefix: learned records of it are dropped
-            if p.status in ("present", "warmed", "fetched") and p.key:
+            if p.status in STORED and p.key:
                 meta = self.store.get_meta(bytes.fromhex(p.key))
                 if meta is not None:
                     self.drop_learned_under(meta)
         self._after_warm(report, manifest, cause, short, rss)
-        self.enforce_budget()
-        return report_to_wire(report, manifest)
+        return warm_ops.report_to_wire(report, manifest)
 
     def _may_load(self, plan: Any, short: dict[str, int]) -> str | None:
         """The daemon must not double a model's memory: no load unless it fits now."""
@@ -251,8 +249,8 @@ class Upkeep:
     @staticmethod
     def _log_pins(report: WarmReport) -> None:
         for p in report.pins:  # where each pin's KV came from
-            if p.status not in ("failed", "deferred"):
-                source = {"warmed": "prefilled", "present": "already present"}.get(
+            if p.status in STORED:
+                source = {PinStatus.WARMED: "prefilled", PinStatus.PRESENT: "already present"}.get(
                     p.status, p.status
                 )
                 why = f" ({p.remote})" if p.remote else ""
@@ -267,7 +265,7 @@ class Upkeep:
         rss: RssSampler,
     ) -> None:
         """The warm's summary line, its failures, its deferred models and `last_warm`."""
-        present = sum(p.status == "present" for p in report.pins)
+        present = sum(p.status is PinStatus.PRESENT for p in report.pins)
         log.info(
             "warm %s done in %.2fs: %d warmed, %d fetched, %d present, %d failed, %d purged, "
             "%s loaded; rss %.0f MiB before, %.0f MiB peak, %.0f MiB after",
@@ -391,83 +389,5 @@ class Upkeep:
             self._versions.start()
 
     def enforce_budget(self) -> list[str]:
-        """Hold the learned budget (learned_max_bytes: leaf records and learned snapshot entries,
-        least recently used first), then the store's (max_bytes: unpinned entries LRU, then
-        learned records). Pins are never evicted."""
-        budget = int(self.settings["max_bytes"])
-        metas = self.store.metas(errors=[])
-        evicted = self._enforce_learned(metas)
-        if evicted:
-            gone = set(evicted)
-            metas = [m for m in metas if m.key.hex() not in gone]
-        learned = self.blocks.learned_bytes()
-        total = sum(m.nbytes for m in metas) + learned
-        if total > budget:
-            victims = select_for_eviction(metas, to_size=max(0, budget - learned), home=self.home)
-            if victims:
-                self.store.delete(m.key for m in victims)
-                tombstones.note(self.home, victims, tombstones.BY_BYTES)
-            for m in victims:
-                evicted.append(m.key.hex())
-                metrics.EVICTIONS.labels(reason="budget").inc()
-                log.info(
-                    "evicted %s %r of %s (%d bytes, last used %s): over the budget max_bytes=%d",
-                    m.key.hex(),
-                    m.label,
-                    m.model,
-                    m.nbytes,
-                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.last_used)),
-                    budget,
-                )
-            kept = sum(m.nbytes for m in metas) - sum(m.nbytes for m in victims)
-            if kept + learned > budget:
-                evicted += self._evict_records(max(0, budget - kept), "max_bytes", budget)
-        pinned = sum(m.nbytes for m in metas if m.pinned)
-        over = pinned > budget
-        if over and not self._pins_over_budget:
-            log.warning(
-                "pins alone hold %d bytes, over the budget max_bytes=%d: pins are never "
-                "evicted automatically; raise max_bytes or pin less",
-                pinned,
-                budget,
-            )
-        self._pins_over_budget = over
-        return evicted
-
-    def _evict_records(self, to_bytes: int, setting: str, budget: int) -> list[str]:
-        freed, records, prefixes = self.blocks.evict_learned_records(to_bytes)
-        by = tombstones.BY_LEARNED if setting == "learned_max_bytes" else tombstones.BY_BYTES
-        tombstones.note_prefixes(self.home, [
-            (str(r.extra.get("model", "")), unpack_tokens(p), f"learned chain of {r.end} tokens")
-            for r, p in zip(records, prefixes, strict=False) if p and freed
-        ], by)  # fmt: skip
-        out = []
-        for r in records if freed else []:
-            out.append(r.key.hex())
-            metrics.EVICTIONS.labels(reason="learned_budget").inc()
-            log.info("evicted learned record %s [%d, %d) (%d bytes): over the budget %s=%d",
-                     r.key.hex(), r.start, r.end, r.nbytes, setting, budget)  # fmt: skip
-        return out
-
-    def _enforce_learned(self, metas: list) -> list[str]:
-        """Learned data over learned_max_bytes: leaf records go first, then snapshots (LRU)."""
-        budget = int(self.settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"]))
-        snaps = sorted((m for m in metas if is_snapshot(m)), key=lambda m: m.last_used)
-        snap_bytes = sum(m.nbytes for m in snaps)
-        evicted = self._evict_records(max(0, budget - snap_bytes), "learned_max_bytes", budget)
-        over = self.blocks.learned_bytes() + snap_bytes - budget
-        drop = []
-        for m in snaps:
-            if over <= 0:
-                break
-            drop.append(m)
-            over -= m.nbytes
-        if drop:
-            self.store.delete(m.key for m in drop)
-            tombstones.note(self.home, drop, tombstones.BY_LEARNED)
-            for m in drop:
-                evicted.append(m.key.hex())
-                metrics.EVICTIONS.labels(reason="learned_budget").inc()
-                log.info("evicted learned snapshot %s (%d bytes): over the budget "
-                         "learned_max_bytes=%d", m.key.hex(), m.nbytes, budget)  # fmt: skip
-        return evicted
+        """Hold the byte budgets (kvstore.ops.budget); the hex keys evicted."""
+        return self.budget.enforce()

@@ -172,7 +172,7 @@ class Proc:
 
     def request(self, cmd: str, **args):
         with DaemonClient(self.home) as c:
-            return c.request(cmd, **args)
+            return c.raw(cmd, args)
 
     def wait_warm(self) -> dict:
         return wait_for(lambda: self.request("stats")["daemon"]["last_warm"], START_TIMEOUT,

@@ -53,9 +53,8 @@ class SystemPromptPersister:
     def _send(
         self, client: Any, target: LearnTarget, tokens: list[int], cache: list, extra: dict
     ) -> None:
-        from kvstore.codec import codec
-        from kvstore.identity.codehash import runtime_versions
-        from kvstore.store.entry import entry_fields, entry_key, pack_tokens
+        from kvstore.client.writebehind import store_entry
+        from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
 
         key = entry_key(target.fingerprint, tokens)
@@ -66,19 +65,18 @@ class SystemPromptPersister:
         identity = target.identity
         if identity is None:
             raise ValueError("a system prefix needs the served model's identity")
-        blob = codec.encode(cache, {"model": identity.path, "tokenizer_config": "{}"})
-        fields = entry_fields(
+        store_entry(
+            client,
+            target.fingerprint,
             tokens,
-            label="system",
-            pinned=False,
+            cache,
             model=identity.path,
             template_hash=target.template_hash,
-            classes=codec.cache_classes(cache),
+            label="system",
+            pinned=False,
             state=identity.state,
             source="serve",
-            runtime=runtime_versions(),
             extra={**extra, **fingerprint_parts(target.extra)},
         )
-        client.put(key, blob, fields.as_kwargs())
         self.sent += 1
         log.info("kvstore: persisted a %d-token system prefix of %s", len(tokens), identity.path)

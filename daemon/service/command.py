@@ -194,6 +194,7 @@ def tail(path: Path, n: int = STATUS_LOG_LINES) -> list[str]:
 def socket_answer(home: Path) -> str:
     from kvstore.errors import KVStoreError
     from kvstore.wire.daemon_client import connect, socket_path
+    from kvstore.wire.messages import PingRequest
 
     try:
         where = socket_path(home)
@@ -201,7 +202,7 @@ def socket_answer(home: Path) -> str:
         if c is None:
             return f"{where}: no answer"
         with c:
-            pid = c.ping().get("pid")
+            pid = c.send(PingRequest()).pid
         return f"{where}: answers (pid {pid})"
     except (KVStoreError, OSError) as e:
         return f"no answer ({e})"

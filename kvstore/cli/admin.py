@@ -25,7 +25,7 @@ from kvstore.cli.options import (
 from kvstore.errors import counted
 from kvstore.store.keys import fingerprint_of, short_hex
 from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
-from kvstore.wire.messages import Owned, RepairReply, Unknown
+from kvstore.wire.messages import Owned, RepairRequest, StatsRequest, Unknown
 
 
 def _age(ts: float) -> str:
@@ -224,7 +224,6 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
             to_size=size,
         )
         reply = route.run(
-            "evict",
             req,
             lambda: entries.evict(
                 store, req, home=home, watched=entries.started_manifests(home)
@@ -319,11 +318,7 @@ def _stats_data(home: Path, client) -> dict:
 
     if client is not None:
         with client:
-            data = client.call("stats")
-        if "ledger" not in data:  # an older daemon
-            data["ledger"] = Ledger(home).stats()
-        data.setdefault("settings", load_settings(home))
-        return data
+            return client.send(StatsRequest()).to_wire()
     if not (home / "store" / "data.mdb").is_file():
         reply = stats_ops.empty(home, settings=load_settings(home), ledger=Ledger(home).stats())
         return reply.to_local_json()
@@ -439,7 +434,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     with Route(home, connect=repair) as route:  # never write beside a daemon
         if route.client is not None:
             progress(f"repairing through the daemon for {home}; it checks every entry")
-            reply: RepairReply = route.client.op("repair", timeout=None)
+            reply = route.client.send(RepairRequest())
         else:
             with open_store(home, write=repair) as store:
                 bar = (
@@ -525,8 +520,11 @@ def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
 def _rewarm(home: Path, differs: list) -> None:
     """Drop each differing model's entries and warm its manifest again (through the daemon when
     one runs: it is the writer)."""
+    from kvstore.ops import warm as warm_ops
     from kvstore.ops.route import Route
-    from kvstore.warm.warm import warm
+
+    def warn(msg: str) -> None:
+        click.echo(f"warning: {msg}", err=True)
 
     with open_store(home) as store:
         keys = [m.key for _, fp in differs for m in store.metas(fp, errors=[])]
@@ -534,9 +532,9 @@ def _rewarm(home: Path, differs: list) -> None:
         _evict_keys(route, store, home, keys)
         for manifest in {m.path: m for m, _ in differs}.values():
             if route.client is not None:
-                route.client.warm(manifest.path)
+                warm_ops.send(route.client, manifest.path)
             else:
-                warm(manifest, store, home=home, progress=progress)
+                warm_ops.warm(manifest, store, home=home, progress=progress, warn=warn)
     click.echo(f"dropped {counted(len(keys), 'entry')} and re-warmed their manifests")
 
 
@@ -601,4 +599,4 @@ def _evict_keys(route, store, home: Path, keys: list[bytes]) -> None:
     if not keys:
         return
     req = EvictRequest(keys=list(keys))
-    route.run("evict", req, lambda: entries.evict(store, req, home=home, watched=set()))
+    route.run(req, lambda: entries.evict(store, req, home=home, watched=set()).reply())

@@ -82,6 +82,7 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     from kvstore.ops import warm as warm_ops
     from kvstore.pins.manifest import load_manifest
     from kvstore.settings import MANIFEST_NAME
+    from kvstore.warm.warm import PinStatus
 
     manifest = manifest or home / MANIFEST_NAME
     m = load_manifest(manifest)
@@ -89,7 +90,7 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
         progress(f"warming through the daemon for {home}; its log shows the progress")
         with client:
-            report = warm_ops.report_from_wire(client.warm(m.path))
+            report = warm_ops.send(client, m.path)
     else:
 
         def warn(msg: str) -> None:
@@ -112,15 +113,15 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         )
     for p in report.pins:
         # where the pin's KV came from: prefilled here, already present, or fetched (fleet tier)
-        source = {"warmed": "prefilled", "present": "present"}.get(p.status, p.status)
+        source = "prefilled" if p.status is PinStatus.WARMED else p.status
         line = f"{source:9} {p.name:20} {p.tokens:6d} tokens  {p.model}"
-        if p.status in ("warmed", "fetched"):
+        if p.status in (PinStatus.WARMED, PinStatus.FETCHED):
             line += f"  ({human_size(p.nbytes)}, {p.seconds:.2f}s)"
         if p.valid_date:  # the template prints the date: re-warmed daily
             line += f"  valid {p.valid_date}"
         if p.remote:
             line += f"  [remote: {p.remote}]"
-        if p.status == "deferred":  # the daemon warms it once memory allows
+        if p.status is PinStatus.DEFERRED:  # the daemon warms it once memory allows
             line += f"  ({p.error})"
         click.echo(line)
         if p.warning:

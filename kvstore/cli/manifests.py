@@ -15,6 +15,7 @@ from kvstore.cli.options import home_option, user_errors
 from kvstore.errors import counted
 from kvstore.pins.registry import canonical, registered
 from kvstore.wire.daemon_client import connect
+from kvstore.wire.messages import ManifestsRequest
 
 
 class _Row(TypedDict):  # one registered manifest, as `--json` prints it
@@ -45,9 +46,9 @@ def manifests(ctx: click.Context, as_json: bool, home: Path) -> None:
     fixed: list[str] = []
     if client is not None:
         with client:
-            res = client.request("manifests")
-        watched = {canonical(p) for p in res["watched"]}
-        fixed = [p for p in res["fixed"] if Path(p) not in {r.path for r in entries}]
+            res = client.send(ManifestsRequest())
+        watched = {canonical(p) for p in res.watched}
+        fixed = [p for p in res.fixed if Path(p) not in {r.path for r in entries}]
     rows: list[_Row] = [
         {
             "path": str(r.path),
@@ -96,7 +97,6 @@ def remove(path: Path, home: Path) -> None:
     with Route(home) as route:
         client = route.client
         reply = route.run(
-            "manifest_remove",
             ManifestRemoveRequest(str(target)),
             lambda: ManifestRemoveReply(removed=manifest_ops.remove(home, target)[1]),
         )

@@ -433,28 +433,29 @@ def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: 
 def _writers(client, store, home: Path):
     """`put(key, blob, fields)`, `put_records(fp, tokens, rows, label, extra)` and
     `checked(verdicts)` (kvstore.fleet.check): through the daemon when one runs (it is the
-    writer), else the same operations on the store here."""
+    writer), else the same operations on the store here (a blob from another box: its KV is
+    decoded and checked, as the daemon checks it)."""
     from kvstore.ops import put as put_ops
-    from kvstore.settings import load_settings
-    from kvstore.store.blocks import BlockStore
+    from kvstore.ops.budget import Budget
     from kvstore.wire.messages import PutBlocksRequest, Record
 
+    budget = Budget.of(store, home) if client is None else None
+
     def put(key, blob, fields):
-        if client is not None:
-            client.put(key, blob, fields)
+        if budget is None:
+            put_ops.send(client, key, blob, fields)
         else:
-            store.put(key, blob, **fields)
+            put_ops.put(store, put_ops.request(key, blob, fields), blob, budget=budget)
 
     def put_records(fp, tokens, rows, label, extra):
         req = PutBlocksRequest(
             fingerprint=fp, tokens=tokens, records=[Record(s, e, b) for s, e, b in rows],
             label=label, model=extra["model"], extra=extra,
         )  # fmt: skip
-        if client is not None:
-            client.op("put_blocks", req)
+        if budget is None:
+            client.send(req)
         else:
-            block = int(load_settings(home)["block_tokens"])
-            put_ops.put_blocks(BlockStore(store, block=block), req)
+            put_ops.put_blocks(budget.blocks, req, budget=budget)
 
     def checked(verdicts):
         from kvstore.fleet.check import request_of
@@ -462,7 +463,7 @@ def _writers(client, store, home: Path):
 
         req = request_of(verdicts)
         if client is not None:
-            client.op("fleet_checked", req)
+            client.send(req)
         else:
             fleet_checked(store, home, req)
 

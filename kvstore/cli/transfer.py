@@ -18,7 +18,7 @@ from kvstore.cli.options import (
     user_errors,
 )
 from kvstore.store.keys import digest_hex
-from kvstore.wire.daemon_client import DaemonClient, DaemonWriter, connect_writer
+from kvstore.wire.daemon_client import DaemonClient, connect_writer
 
 
 @click.command(name="export")
@@ -121,6 +121,7 @@ def import_cmd(
     \b
     kvstore import cache.safetensors --model ./Qwen3-0.6B --prompt "You are..." --pin
     """
+    from kvstore.ops.put import DaemonWriter, LocalWriter
     from kvstore.warm.transfer import AlreadyStored, import_file
 
     if tokens_file is not None and prompt is not None:
@@ -130,10 +131,11 @@ def import_cmd(
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
     # Whether the KV is stored already is read from the store itself (read-only beside a daemon).
     with client or open_store(home, write=True) as store:
-        reader = open_store(home) if client is not None else None
+        local = None if isinstance(store, DaemonClient) else store
+        reader = open_store(home) if local is None else None
         try:
             meta = import_file(
-                DaemonWriter(store) if isinstance(store, DaemonClient) else store,
+                DaemonWriter(store) if local is None else LocalWriter(local, home),
                 file,
                 model=model,
                 tokens_file=tokens_file,
@@ -144,7 +146,7 @@ def import_cmd(
                 pin=pin,
                 trust=trust,
                 home=home,
-                reader=reader,
+                reader=reader if reader is not None else local,
             )
         except AlreadyStored as e:
             click.echo(str(e))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.ops.evict import evict as evict_entries
+from kvstore.ops.evict import requested
 from kvstore.pins.registry import canonical
-from kvstore.store import tombstones
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 from kvstore.wire.messages import EvictReply, EvictRequest, LsRequest, Owned, Unknown
@@ -63,8 +63,7 @@ def evict(store: Store, req: EvictRequest, *, home: Path, watched: set[Path]) ->
         home=home,
         unknown=out.unknown,
     )
-    out.deleted = store.delete(m.key for m in out.victims)
-    tombstones.note(home, out.victims, tombstones.BY_EVICT)  # a later miss on them: `evicted`
+    out.deleted = len(evict_entries(home, requested(), store=store, entries=out.victims))
     out.owned = [
         Owned(m.label, m.model, path, canonical(path) in watched)
         for m in out.victims
@@ -87,11 +86,6 @@ def started_manifests(home: Path) -> set[Path]:
     if (home / MANIFEST_NAME).is_file():
         paths.add(canonical(home / MANIFEST_NAME))
     return paths
-
-
-def delete_keys(store: Store, keys: Iterable[bytes]) -> int:
-    """Delete these entries (a `--deep --repair` that found them differ)."""
-    return store.delete(keys)
 
 
 def touch(store: Store, keys: list[bytes]) -> Any:

@@ -1,15 +1,28 @@
-"""`put` (one entry, verified before commit) and `put_blocks` (learned records)."""
+"""`put` (one entry) and `put_blocks` (learned records): the one write of each, from any command
+or process (the daemon's handlers, a warm, `import`, `remote pull`). Each checks what it writes,
+stores it and holds the byte budgets (kvstore.ops.budget, which evicts through kvstore.ops.evict).
+A client hands its put to the daemon with `send` (`request` builds what it sends)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvstore import tokens as tk
 from kvstore.errors import CodecError
+from kvstore.ops.budget import Budget
 from kvstore.store.blocks import BlockStore
 from kvstore.store.chain import chain_hashes, position_hash
-from kvstore.store.entry import KEY_BYTES, EntryMeta, blob_checksum, tokens_match_key
+from kvstore.store.entry import (
+    KEY_BYTES,
+    EntryMeta,
+    blob_checksum,
+    tokens_match_key,
+    with_model_location,
+)
 from kvstore.store.store import Store
+from kvstore.wire.daemon_client import DaemonClient
 from kvstore.wire.messages import PutBlocksRequest, PutRequest
 
 _PUT_FIELDS: dict[str, tuple[type, str]] = {
@@ -101,14 +114,34 @@ def check_kv(req: PutRequest, blob: bytes) -> None:
         raise ValueError(f"put {key.hex()}: {what}, but the entry is {ntokens} tokens")
 
 
-def put(store: Store, req: PutRequest, blob: bytes) -> EntryMeta:
-    """Check the KV, then store it (the model was located by the putting client)."""
-    check_kv(req, blob)
-    return store.put(req.key, blob, locate=False, **req.fields)
+def put(
+    store: Store,
+    req: PutRequest,
+    blob: bytes,
+    *,
+    budget: Budget,
+    after: Callable[[EntryMeta], object] | None = None,
+    decode: bool = True,
+) -> EntryMeta:
+    """Store one entry: its fields checked, its KV decoded and compared with its tokens
+    (`decode`: a blob from another process; False for one this process just encoded from a
+    cache), then `after(meta)` (the daemon's accounting of what it stores) and the budgets held.
+    The model was located by whoever built the request (`request`)."""
+    check_put_fields(req.fields)
+    if decode:
+        check_kv(req, blob)
+    meta = store.put(req.key, blob, locate=False, **req.fields)
+    if after is not None:
+        after(meta)
+    budget.enforce()
+    return meta
 
 
-def put_blocks(blocks: BlockStore, req: PutBlocksRequest) -> tuple[int, list[bytes]]:
-    """Store learned records; returns the bytes newly written and the records' keys."""
+def put_blocks(
+    blocks: BlockStore, req: PutBlocksRequest, *, budget: Budget
+) -> tuple[int, list[bytes]]:
+    """Store learned records and hold the budgets; returns the bytes newly written and the
+    records' keys."""
     fp, data = req.fingerprint, req.tokens
     rows = [(r.start, r.end, r.blob) for r in req.records]
     written = blocks.put_records(
@@ -116,4 +149,45 @@ def put_blocks(blocks: BlockStore, req: PutBlocksRequest) -> tuple[int, list[byt
     )
     hashes = chain_hashes(fp, data, blocks.block)
     keys = [fp + position_hash(fp, data, e, blocks.block, hashes) for _, e, _ in rows]
+    budget.enforce()
     return written, keys
+
+
+def request(key: bytes, blob: bytes, fields: dict[str, Any]) -> PutRequest:
+    """A put as the daemon takes it. The model is located here, in the putting process's cwd and
+    environment (the daemon's may resolve a relative path or hub id to something else, or not at
+    all); the checksum lets the daemon tell the blob it received is the one sent."""
+    return PutRequest(
+        key=key,
+        fields=with_model_location(fields),
+        nbytes=len(blob),
+        checksum=blob_checksum(blob),
+        blob=blob,
+    )
+
+
+def send(client: DaemonClient, key: bytes, blob: bytes, fields: dict[str, Any]) -> EntryMeta:
+    """Store an entry through the daemon (it checks, commits and holds the budget)."""
+    reply = client.send(request(key, blob, fields))
+    return EntryMeta.unpack(reply.key, reply.meta)
+
+
+class LocalWriter:
+    """A Store-shaped `put` that is the put operation on a store here (no daemon holds the home):
+    for code written against Store (an import)."""
+
+    def __init__(self, store: Store, home: Path):
+        self.store, self.budget = store, Budget.of(store, home)
+
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
+        return put(self.store, request(key, blob, fields), blob, budget=self.budget, decode=False)
+
+
+class DaemonWriter:
+    """A Store-shaped `put` that goes through the daemon (for code written against Store)."""
+
+    def __init__(self, client: DaemonClient):
+        self.client = client
+
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
+        return send(self.client, key, blob, fields)

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvstore.wire.daemon_client import DaemonClient, connect_writer
-from kvstore.wire.messages import Message
+from kvstore.wire.messages import Reply, Request
 
-R = TypeVar("R")
+R = TypeVar("R", bound=Reply)
 
 
 class Route:
-    """`with Route(home) as r: r.run(name, request, local)`: through `r.client` when a daemon
-    answers, else `local()` (the same operation, called here)."""
+    """`with Route(home) as r: r.run(request, local)`: through `r.client` when a daemon answers,
+    else `local()` (the same operation, called here); either way the request's reply type."""
 
     def __init__(
         self,
@@ -36,16 +36,11 @@ class Route:
         return self.client is None
 
     def run(
-        self,
-        name: str,
-        request: Message,
-        local: Callable[[], R],
-        *,
-        timeout: float | None = -1.0,
-    ) -> R | Any:
+        self, request: Request[R], local: Callable[[], R], *, timeout: float | None = -1.0
+    ) -> R:
         if self.client is None:
             return local()
-        return self.client.op(name, request, timeout=timeout)
+        return self.client.send(request, timeout=timeout)
 
     def close(self) -> None:
         if self.client is not None:

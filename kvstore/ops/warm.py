@@ -1,15 +1,24 @@
-"""`warm`: reconcile a manifest into the store, and a warm report on the wire and back."""
+"""`warm`: reconcile a manifest into the store (the one warm: the CLI's, the daemon's and
+`verify --deep`'s), and a warm report on the wire and back."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvstore.ops import put as put_ops
+from kvstore.ops.budget import Budget
 from kvstore.pins.manifest import Manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import PinResult, Purged, WarmReport
+from kvstore.warm.plan import ModelPlan
+from kvstore.warm.warm import PinResult, PrefillBounds, Purged, WarmReport
+from kvstore.wire.daemon_client import DaemonClient
+from kvstore.wire.messages import WarmRequest
+
+HERE = "here"  # `fetch`: open the home's fleet tier for this warm (a process with no daemon)
 
 
 def warm(
@@ -19,16 +28,46 @@ def warm(
     home: Path,
     progress: Callable[[str], None],
     warn: Callable[[str], None],
+    fetch: Any = HERE,
+    budget: Budget | None = None,
+    purge: bool = True,
+    now: dt.datetime | None = None,
+    may_load: Callable[[ModelPlan], str | None] | None = None,
+    bounds: PrefillBounds | None = None,
 ) -> WarmReport:
-    """Warm `manifest` into `store`, fetching through the fleet tier when one is set."""
-    from kvstore.fleet.tier import warm_tier
+    """Warm `manifest` into `store`: each pin it stores goes through the put operation, and the
+    byte budgets hold at its end. Fetches through the fleet tier: the home's, opened here, or
+    the daemon's own (`fetch`, None for none). `may_load` and `bounds` are the daemon's memory
+    gate and each pin's prefill bounds (kvstore.warm.warm)."""
     from kvstore.warm.warm import warm as do_warm
 
-    with warm_tier(home, store, warn=warn) as fetch:
-        report = do_warm(manifest, store, home=home, progress=progress, fetch=fetch)
-        if fetch is not None:
-            fetch.record(report)
-    return report
+    held = budget if budget is not None else Budget.of(store, home)
+
+    def put(key: bytes, blob: bytes, fields: dict[str, Any]) -> Any:
+        req = put_ops.request(key, blob, fields)
+        return put_ops.put(store, req, blob, budget=held, decode=False)
+
+    def run(tier: Any) -> WarmReport:
+        report = do_warm(manifest, store, home=home, progress=progress, put=put, purge=purge,
+                         now=now, fetch=tier, may_load=may_load, bounds=bounds)  # fmt: skip
+        if tier is not None:
+            tier.record(report)
+        held.enforce()  # purges and settings change too
+        return report
+
+    if fetch is not HERE:
+        return run(fetch)
+    from kvstore.fleet.tier import warm_tier
+
+    with warm_tier(home, store, warn=warn) as tier:
+        return run(tier)
+
+
+def send(client: DaemonClient, manifest: str | Path) -> WarmReport:
+    """Reconcile a manifest in the daemon (it is the writer, and watches the manifest from then
+    on) and return its report. Waits for the warm, however long it takes."""
+    reply = client.send(WarmRequest(str(Path(manifest).absolute())))
+    return report_from_wire(reply.reports[0])
 
 
 def report_to_wire(report: WarmReport, manifest: Manifest) -> dict[str, Any]:

@@ -220,7 +220,7 @@ def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
 
 
 class EntryWriter(Protocol):
-    """Where an import puts the entry: a Store, or the daemon (kvstore.wire.DaemonWriter)."""
+    """Where an import puts the entry: a Store, or the daemon (kvstore.ops.put.DaemonWriter)."""
 
     def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta: ...
 

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 
 from kvstore.codec import codec
@@ -58,15 +59,32 @@ log = logging.getLogger("kvstore")
 MetaEdit = Callable[[EntryMeta], EntryMeta | None]  # Store.edit_meta: an entry's new meta
 
 
+class PinStatus(str, Enum):
+    """What a warm did with one pin. The values are what the CLI prints and the wire carries."""
+
+    PRESENT = "present"  # stored already
+    WARMED = "warmed"  # prefilled here
+    FETCHED = "fetched"  # from the fleet tier
+    FAILED = "failed"  # `error` says why
+    DEFERRED = "deferred"  # not enough memory to load the model now (the daemon retries)
+
+    def __str__(self) -> str:  # "warmed", never "PinStatus.WARMED", in an f-string
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+STORED = (PinStatus.PRESENT, PinStatus.WARMED, PinStatus.FETCHED)  # the pin is in the store
+
+
 @dataclass
 class PinResult:
     model: str
     name: str
     key: str
     tokens: int
-    # "present" | "warmed" (prefilled) | "fetched" (from the fleet tier) | "failed" | "deferred"
-    # (not enough memory to load the model now: `error` says why; the daemon retries)
-    status: str
+    status: PinStatus  # a plain string (from the wire) is read as its member
     seconds: float = 0.0
     nbytes: int = 0
     warning: str | None = None
@@ -74,6 +92,9 @@ class PinResult:
     valid_date: str | None = None  # clock-bound pin: the local date it holds for
     multi_turn: bool | None = None  # also prefixes 2nd and later turns
     remote: str | None = None  # why the fleet tier was or was not used for this pin
+
+    def __post_init__(self) -> None:
+        self.status = PinStatus(self.status)
 
 
 @dataclass
@@ -88,19 +109,19 @@ class WarmReport:
 
     @property
     def warmed(self) -> int:
-        return sum(p.status == "warmed" for p in self.pins)
+        return sum(p.status is PinStatus.WARMED for p in self.pins)
 
     @property
     def fetched(self) -> int:
-        return sum(p.status == "fetched" for p in self.pins)
+        return sum(p.status is PinStatus.FETCHED for p in self.pins)
 
     @property
     def failed(self) -> list[PinResult]:
-        return [p for p in self.pins if p.status == "failed"]
+        return [p for p in self.pins if p.status is PinStatus.FAILED]
 
     @property
     def deferred(self) -> list[PinResult]:
-        return [p for p in self.pins if p.status == "deferred"]
+        return [p for p in self.pins if p.status is PinStatus.DEFERRED]
 
 
 def plan_model(
@@ -309,7 +330,7 @@ def _pin_extra(pp: PlannedPin) -> dict:
     return pin_extra(pp.pin, pp.prefix.chat_template_kwargs, chat=chat)
 
 
-def _result(pp: PlannedPin, status: str, **kw) -> PinResult:
+def _result(pp: PlannedPin, status: PinStatus, **kw) -> PinResult:
     return PinResult(
         pp.model.path,
         pp.pin.name,
@@ -323,7 +344,7 @@ def _result(pp: PlannedPin, status: str, **kw) -> PinResult:
 
 
 def _fail(report: WarmReport, pp: PlannedPin, msg: str) -> None:
-    report.pins.append(_result(pp, "failed", error=msg))
+    report.pins.append(_result(pp, PinStatus.FAILED, error=msg))
     log.error("%s", msg)
 
 
@@ -345,7 +366,9 @@ def _stop(report: WarmReport, pp: PlannedPin, msg: str, e: KVStoreError) -> bool
 def _unwarmed(report: WarmReport, pps: list[PlannedPin]) -> None:
     """The pins a stopped warm leaves unwarmed, as failures naming why."""
     for pp in pps:
-        report.pins.append(_result(pp, "failed", error="not warmed: " + str(report.stopped)))
+        report.pins.append(
+            _result(pp, PinStatus.FAILED, error="not warmed: " + str(report.stopped))
+        )
 
 
 def _warm_model(
@@ -382,7 +405,7 @@ def _warm_model(
         _unwarmed(report, missing)
         return
     if may_load is not None and (why := may_load(plan)):
-        report.pins.extend(_result(pp, "deferred", error=why) for pp in missing)
+        report.pins.extend(_result(pp, PinStatus.DEFERRED, error=why) for pp in missing)
         return
     say(f"loading {spec.path} to warm {counted(len(missing), 'pin')}")
     try:
@@ -402,7 +425,7 @@ def _warm_model(
                 report.pins = [
                     p
                     for p in report.pins
-                    if not (p.status == "fetched" and bytes.fromhex(p.key) in refused)
+                    if not (p.status is PinStatus.FETCHED and bytes.fromhex(p.key) in refused)
                 ]
                 again = [pp for pp, _, _ in fetched if pp.key in refused]
                 notes.update((pp.key, "fetched, refused by the semantic check") for pp in again)
@@ -426,14 +449,14 @@ def _missing_pins(plan: ModelPlan, report: WarmReport, bounds: PrefillBounds) ->
     """The pins of `plan` to fetch or prefill; the others (failed to render, present, over the
     length bounds) go into the report as they are."""
     for name, error in plan.failed:
-        report.pins.append(PinResult(plan.spec.path, name, "", 0, "failed", error=error))
+        report.pins.append(PinResult(plan.spec.path, name, "", 0, PinStatus.FAILED, error=error))
         log.error("%s", error)
     missing = []
     for pp in plan.pins:
         if pp.pin.warning:
             log.warning("%s", pp.pin.warning)
         if pp.present:
-            report.pins.append(_result(pp, "present", warning=pp.pin.warning))
+            report.pins.append(_result(pp, PinStatus.PRESENT, warning=pp.pin.warning))
         elif why := over_limit(plan, pp, bounds.max_pin_tokens):
             _fail(report, pp, why)  # before any fetch, load or prefill
         else:
@@ -478,7 +501,7 @@ def _prefill_pins(
                 return
             continue
         dt = time.perf_counter() - t
-        report.pins.append(_result(pp, "warmed", seconds=dt, nbytes=len(blob),
+        report.pins.append(_result(pp, PinStatus.WARMED, seconds=dt, nbytes=len(blob),
                                    warning=pp.pin.warning, remote=notes.get(pp.key)))  # fmt: skip
         say(
             f"[{i}/{len(missing)}] {spec.path} :: {pp.pin.name}: "
@@ -534,7 +557,7 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path, fetched: list)
         _stop(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}", e)
         return True
     fetched.append((pp, blob, uploader))
-    report.pins.append(_result(pp, "fetched", seconds=time.perf_counter() - t,
+    report.pins.append(_result(pp, PinStatus.FETCHED, seconds=time.perf_counter() - t,
                                nbytes=len(blob), warning=pp.pin.warning, remote=note))  # fmt: skip
     return True
 
@@ -546,8 +569,6 @@ def warm(
     home: Path,
     progress: Callable[[str], None] | None = None,
     put: Callable[[bytes, bytes, dict], object] | None = None,
-    delete: Callable[[list[bytes]], object] | None = None,
-    edit: Callable[[dict[bytes, MetaEdit]], int] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
@@ -556,7 +577,8 @@ def warm(
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
     own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
-    `put`, `delete` and `edit` (Store.edit_meta) override where writes go (e.g. the daemon).
+    `put` is kvstore.ops.put's (kvstore.ops.warm passes it: checks, budget); without it (tests)
+    the store is written directly.
     Pins render as requests on the local day of `now` do (default: the real clock). `may_load`
     (the daemon's memory check) may defer a model's load: its missing pins are reported
     "deferred". `bounds` (default: max_pin_tokens from the home's settings) bound each pin's
@@ -567,15 +589,16 @@ def warm(
     report = WarmReport()
     say = progress or (lambda msg: None)
     put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
-    delete = delete or store.delete
-    edit = edit or store.edit_meta
+    delete, edit = store.delete, store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
             plans[spec.identity.same_model()] = plan_model(spec, store, home=home, now=now)
         except KVStoreError as e:
             for prefix in spec.prefixes:
-                report.pins.append(PinResult(spec.path, prefix.name, "", 0, "failed", error=str(e)))
+                report.pins.append(
+                    PinResult(spec.path, prefix.name, "", 0, PinStatus.FAILED, error=str(e))
+                )
             log.error("%s", e)
     me = manifest_owner(manifest.path)
     if purge:

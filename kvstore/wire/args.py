@@ -1,13 +1,16 @@
 """The one argument validator for socket requests: bad input is an error reply, not a crash.
 
 A bool is not an int (`True` where a size is wanted is refused, not read as 1); None is absent.
+The sizes of what requests carry are the protocol's: kvstore.store.keys lays its keys out the
+same way (tests/wire holds the two equal).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvstore.store.entry import FINGERPRINT_BYTES
+FINGERPRINT_BYTES = 16  # a model fingerprint (xxh3-128)
+KEY_BYTES = 32  # an entry key: fingerprint + xxh3-128 of the prefix's packed tokens
 
 
 def arg(

@@ -13,16 +13,25 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import xxhash
 
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
 from kvstore.settings import LOCK_NAME, SOCKET_NAME, resolve_home
-from kvstore.store.entry import EntryMeta, blob_checksum
 from kvstore.wire import protocol
-from kvstore.wire.codes import ErrorCode, code_of, legacy_code
-from kvstore.wire.messages import OPS, Message, PingReply
+from kvstore.wire.codes import ErrorCode, code_of
+from kvstore.wire.messages import (
+    PROTOCOL_VERSION,
+    PingReply,
+    PingRequest,
+    PutRequest,
+    Reply,
+    Request,
+    WireMap,
+)
+
+R = TypeVar("R", bound=Reply)
 
 # sun_path holds 104 bytes on macOS and the BSDs, 108 on Linux, NUL terminator included.
 SUN_PATH_MAX = 108 if sys.platform.startswith("linux") else 104
@@ -79,11 +88,14 @@ def _check_private_dir(d: Path) -> None:
 
 
 class DaemonClient:
-    """One connection to the daemon. Use as a context manager.
+    """One connection to the daemon. Use as a context manager; `send` one typed request and get
+    its typed reply.
 
-    >>> with DaemonClient(home) as c:
-    ...     c.ping()
+    >>> with connect(home) as c:
+    ...     c.send(PingRequest()).pid
     """
+
+    info: PingReply | None = None  # what the daemon answered to connect()'s ping
 
     def __init__(self, home: str | Path | None = None, *, timeout: float = 30.0):
         self.home = resolve_home(home)
@@ -106,24 +118,49 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def call(
-        self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float | None = -1.0
-    ) -> Any:
-        """Send one request and return its result; `timeout` None waits as long as it takes."""
-        self.send({"cmd": cmd, "args": args or {}})
-        return self.reply(timeout=self.timeout if timeout == -1.0 else timeout)
+    def send(self, request: Request[R], *, timeout: float | None = -1.0) -> R:
+        """Send one request and return its reply, of the type the request names. A request that
+        `waits` (put, warm, repair) waits as long as its work takes; others `timeout` (default
+        the connection's; None waits as long as it takes). A put's blob over one chunk streams
+        in protocol.CHUNK_BYTES frames."""
+        if timeout == -1.0:
+            timeout = None if request.waits else self.timeout
+        if isinstance(request, PutRequest):
+            self._send_put(request)
+        else:
+            self._frame({"cmd": request.op, "args": request.to_wire()})
+        return cast(R, type(request).reply.from_wire(self._reply(timeout=timeout)))
 
-    def request(self, cmd: str, /, **args: Any) -> Any:
-        return self.call(cmd, args)
+    def raw(self, cmd: str, args: WireMap | None = None, *, timeout: float | None = -1.0) -> Any:
+        """One request as a bare map and its result as the daemon sent it: for tests and tools
+        that look at the wire itself. Code sends typed requests with `send`."""
+        self._frame({"cmd": cmd, "args": args or {}})
+        return self._reply(timeout=self.timeout if timeout == -1.0 else timeout)
 
-    def send(self, obj: dict[str, Any]) -> None:
+    def _send_put(self, request: PutRequest) -> None:
+        blob = request.blob if request.blob is not None else b""
+        args = {**request.to_wire(), "blob": None}
+        if len(blob) <= protocol.CHUNK_BYTES:
+            args["blob"] = bytes(blob)
+            self._frame({"cmd": request.op, "args": args})
+            return
+        self._frame({"cmd": request.op, "args": args})
+        view = memoryview(blob)
+        try:
+            for i in range(0, len(blob), protocol.CHUNK_BYTES):
+                self._frame({"data": bytes(view[i : i + protocol.CHUNK_BYTES])})
+        except DaemonError:
+            self._reply(timeout=self.timeout)  # it refused early: raise its reason instead
+            raise
+
+    def _frame(self, obj: WireMap) -> None:
         self.sock.settimeout(self.timeout)
         try:
             protocol.send(self.sock, obj)
         except OSError as e:
             raise DaemonError(f"{self.path}: the daemon went away ({e})") from None
 
-    def reply(self, *, timeout: float | None) -> Any:
+    def _reply(self, *, timeout: float | None) -> Any:
         try:
             msg = protocol.recv(self.sock, timeout=timeout, frame_timeout=self.timeout)
         except ProtocolError as e:
@@ -132,68 +169,8 @@ class DaemonClient:
             raise DaemonError(f"{self.path}: the daemon closed the connection")
         if not msg.get("ok"):
             text = str(msg.get("error", "the daemon refused the request"))
-            # A daemon of protocol version 1 sends no code: its text is read, here only.
-            code = code_of(msg["code"]) if "code" in msg else legacy_code(text)
-            raise DaemonError(text, code=code)
+            raise DaemonError(text, code=code_of(msg.get("code")))
         return msg.get("result")
-
-    def op(self, name: str, request: Message | None = None, *, timeout: float | None = -1.0):
-        """One operation of kvstore.wire.messages.OPS: its request sent, its reply typed."""
-        result = self.call(name, request.to_wire() if request is not None else {}, timeout=timeout)
-        return OPS[name][1].from_wire(result)
-
-    # -- commands -----------------------------------------------------------------------------
-
-    def ping(self) -> dict[str, Any]:
-        return self.request("ping")
-
-    info: PingReply | None = None  # what the daemon answered to connect()'s ping
-
-    def supports(self, name: str) -> bool | None:
-        """Whether the daemon has this operation (None: its ping did not say, version 1)."""
-        if self.info is None or self.info.protocol < 2:
-            return None
-        return name in self.info.ops
-
-    def put(self, key: bytes, blob: bytes, fields: dict[str, Any]) -> EntryMeta:
-        """Store an entry through the daemon; blobs over one chunk stream in CHUNK_BYTES frames.
-        The model is located here, in the putting process's cwd and environment (the daemon's
-        may resolve a relative path or hub id to something else, or not at all)."""
-        # the store's write path, imported by a put only: `kvstore ls`/`stats` start without it
-        from kvstore.store.store import with_model_location
-
-        fields = with_model_location(fields)
-        args = {"key": key, "fields": fields, "nbytes": len(blob), "checksum": blob_checksum(blob)}
-        view = memoryview(blob)
-        if len(blob) <= protocol.CHUNK_BYTES:
-            args["blob"] = bytes(view)
-            self.send({"cmd": "put", "args": args})
-        else:
-            self.send({"cmd": "put", "args": args})
-            try:
-                for i in range(0, len(blob), protocol.CHUNK_BYTES):
-                    self.send({"data": bytes(view[i : i + protocol.CHUNK_BYTES])})
-            except DaemonError:
-                self.reply(timeout=self.timeout)  # it refused early: raise its reason instead
-                raise
-        res = self.reply(timeout=None)  # the put queues behind any warm in progress
-        return EntryMeta.unpack(res["key"], res["meta"])
-
-    def warm(self, manifest: str | Path) -> dict[str, Any]:
-        """Reconcile a manifest in the daemon and return its report (as a map; see
-        kvstore.ops.warm `report_from_wire`). Waits for the warm, however long it takes."""
-        res = self.call("warm", {"manifest": str(Path(manifest).absolute())}, timeout=None)
-        return res["reports"][0]
-
-
-class DaemonWriter:
-    """A Store-shaped `put` that goes through the daemon (for code written against Store)."""
-
-    def __init__(self, client: DaemonClient):
-        self.client = client
-
-    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
-        return self.client.put(key, blob, fields)
 
 
 BUSY = "too many connections"  # what the daemon says when it refuses one over max_connections
@@ -202,8 +179,9 @@ BUSY = "too many connections"  # what the daemon says when it refuses one over m
 def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonClient | None:
     """A client when a daemon answers on this home's socket; None (quickly) when none does.
 
-    Raises DaemonError when a daemon answers but refuses the connection (at its connection cap):
-    the caller must not take that for "no daemon" and write the store as a second writer.
+    Raises DaemonError when a daemon answers but refuses the connection (at its connection cap)
+    or speaks another protocol version: the caller must not take that for "no daemon" and write
+    the store as a second writer.
     """
     try:
         path = socket_path(home)
@@ -217,10 +195,10 @@ def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonC
         return None  # a stale socket from a killed daemon, or none listening yet
     try:
         try:
-            client.send({"cmd": "ping", "args": {}})
+            client._frame({"cmd": PingRequest.op, "args": {}})
         except DaemonError:
             pass  # a refusal is sent and the socket closed at once: its reason may be waiting
-        client.info = PingReply.from_wire(client.reply(timeout=2.0))
+        info = client.info = PingReply.from_wire(client._reply(timeout=2.0))
     except DaemonError as e:
         client.close()
         if e.code is ErrorCode.BUSY:
@@ -229,6 +207,13 @@ def connect(home: str | Path | None = None, *, timeout: float = 30.0) -> DaemonC
     except OSError:
         client.close()
         return None
+    if info.protocol != PROTOCOL_VERSION:  # checked here, once: no request adapts after
+        client.close()
+        raise DaemonError(
+            f"the daemon at {path} speaks protocol version {info.protocol or 1}, this "
+            f"kvstore {PROTOCOL_VERSION}: restart the daemon with this version",
+            code=ErrorCode.PROTOCOL,
+        )
     client.timeout = timeout
     return client
 

@@ -1,13 +1,14 @@
 """Every request and reply on the daemon's socket: one definition, used by both ends.
 
-Frames are kvstore.wire.protocol's: a request is `{"cmd": name, "args": Request.to_wire()}`, a
-reply `{"ok": True, "result": Reply.to_wire()}` or `{"ok": False, "error": message, "code":
-ErrorCode}` (kvstore.wire.codes). `from_wire` checks a request's arguments (kvstore.wire.args:
-a bad one is a ValueError naming it, sent back as BAD_ARGUMENT) and reads a reply leniently (an
-older daemon may leave a field out). Field names are the wire's keys and never change, so old and
-new peers interoperate; a new field is added with a default. `OPS` maps each operation to its
-(Request, Reply); `ping` answers PROTOCOL_VERSION and the operations the daemon has (a version-1
-daemon answers neither: read as version 1).
+Frames are kvstore.wire.protocol's: a request is `{"cmd": Request.op, "args": Request.to_wire()}`,
+a reply `{"ok": True, "result": Reply.to_wire()}` or `{"ok": False, "error": message, "code":
+ErrorCode}` (kvstore.wire.codes). Each Request class names its operation (`op`) and its Reply
+class (`reply`), so `DaemonClient.send(request)` is typed by what it sends, and the daemon's
+handler for an operation takes that Request and returns that Reply. `from_wire` checks a
+request's arguments (kvstore.wire.args: a bad one is a ValueError naming it, sent back as
+BAD_ARGUMENT) and reads a reply leniently (a field the map lacks takes its default). Field names
+are the wire's keys. `OPS` maps each operation to its Request; `ping` answers PROTOCOL_VERSION and
+the operations the daemon has, and a client refuses a daemon of another version at connect.
 
 Tokens are packed little-endian uint32, fingerprints 16 bytes, entry keys 32 (fingerprint +
 H(tokens)), learned record keys fingerprint + H(end).
@@ -27,12 +28,11 @@ H(tokens)), learned record keys fingerprint + H(end).
   manifest_remove {path} -> {removed, unwatched, still_watched}
   touch {keys: [key32]} -> {touched}
   record {records: [ledger record]} -> {recorded}
-  reload -> {reports}      shutdown -> {pid}
   learn {fingerprint, tokens (the request's prompt), sliceable: bool, model: str,
          label: str | None, extra: map}
     -> {want: [[start, end], ...] (records to send, cut at block_tokens; [] if none),
         snapshot_at: [p, ...] (state layouts: boundaries to put as learned entries),
-        paused: str | None (why learning is paused; the client says it once)}
+        paused: str | None (why learning is paused; the client says it once), paused_by}
   put_blocks {fingerprint, tokens (at least to the last record's end),
               records: [{start, end, blob}] (at most MAX_RECORDS), label, model, extra}
     -> {stored: records accepted, bytes: bytes newly written} (sent after the commit)
@@ -47,53 +47,82 @@ A learned snapshot is an ordinary `put` with pinned=False, label "learned", extr
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
-from kvstore.store.entry import FINGERPRINT_BYTES, KEY_BYTES
-from kvstore.wire.args import arg, key_list, prompt
+from kvstore.wire.args import FINGERPRINT_BYTES, KEY_BYTES, arg, key_list, prompt
 
-PROTOCOL_VERSION = 2  # 1: no error codes, and ping answers no protocol or ops
+PROTOCOL_VERSION = 2  # the one version a client and a daemon both speak (checked at connect)
 MAX_RECORDS = 4096  # records in one put_blocks, keys in one touch_blocks
 
+WireMap = dict[str, Any]  # a request's arguments, and most replies' result
+Wire = WireMap | list[Any]  # a reply's result (`ls` answers a list)
 
-class Message:
-    """A request or reply: its fields are the wire map's keys, in order."""
+Q = TypeVar("Q", bound="Request[Any]")
+P = TypeVar("P", bound="Reply")
+R = TypeVar("R", bound="Reply")
 
-    def to_wire(self) -> Any:
-        me: Any = self  # every message is a dataclass
-        return {f.name: getattr(self, f.name) for f in fields(me)}
+
+def _fields_map(message: Any) -> WireMap:
+    """A dataclass message's fields as the wire map's keys, in order."""
+    return {f.name: getattr(message, f.name) for f in fields(message)}
+
+
+class Reply:
+    """What the daemon answers to one operation."""
+
+    def to_wire(self) -> Wire:
+        return _fields_map(self)
 
     @classmethod
-    def from_wire(cls, d: Any) -> Any:
+    def from_wire(cls: type[P], d: object) -> P:
         """Lenient: a field the map lacks takes its default."""
-        d = d if isinstance(d, dict) else {}
-        kind: Any = cls
-        return cls(**{f.name: d[f.name] for f in fields(kind) if f.name in d})
+        got = d if isinstance(d, dict) else {}
+        return cls(**{f.name: got[f.name] for f in fields(cls) if f.name in got})  # type: ignore[arg-type]
 
 
-# -- requests without arguments --------------------------------------------------------------
+class Request(Generic[R]):
+    """One operation's arguments. A subclass sets `op` (its name on the wire) and `reply` (the
+    Reply class it is answered with, and the type parameter R); `waits`: its reply may take as
+    long as the work (a put queues behind a warm), so the client waits without a timeout."""
+
+    op: ClassVar[str]
+    reply: ClassVar[type[Reply]]
+    waits: ClassVar[bool] = False
+
+    def to_wire(self) -> WireMap:
+        return _fields_map(self)
+
+    @classmethod
+    def from_wire(cls: type[Q], d: WireMap) -> Q:
+        return cls()
+
+    @classmethod
+    def streams(cls, args: WireMap) -> bool:
+        """Whether frames beyond the request follow it (a put's blob): a failure before they are
+        read must close the connection rather than parse them as requests."""
+        return False
+
+
+# -- ping, stats, ls, manifests: the reads ----------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Empty(Message):
-    def to_wire(self) -> dict[str, Any]:
-        return {}
-
-
-# -- replies ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PingReply(Message):
+class PingReply(Reply):
     pid: int = 0
     home: str = ""
     uptime: float = 0.0
-    protocol: int = 1  # absent from a version-1 daemon's reply
+    protocol: int = 0  # a daemon that does not say speaks no version a client accepts
     ops: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
-class StatsReply(Message):
+class PingRequest(Request[PingReply]):
+    op = "ping"
+    reply = PingReply
+
+
+@dataclass(frozen=True)
+class StatsReply(Reply):
     """`stats`: the store's own numbers first, then the tables."""
 
     store: dict[str, Any] = field(default_factory=dict)
@@ -102,19 +131,19 @@ class StatsReply(Message):
     ledger: dict[str, Any] = field(default_factory=dict)
     learned: dict[str, Any] | None = None
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> WireMap:
         data = dict(self.store)
         data.update(settings=self.settings, daemon=self.daemon, ledger=self.ledger)
         data["learned"] = self.learned
         return data
 
     @classmethod
-    def from_wire(cls, d: Any) -> StatsReply:
-        d = dict(d) if isinstance(d, dict) else {}
-        tables = {k: d.pop(k) for k in ("settings", "daemon", "ledger", "learned") if k in d}
-        return cls(store=d, **tables)
+    def from_wire(cls, d: object) -> StatsReply:
+        got = dict(d) if isinstance(d, dict) else {}
+        tables = {k: got.pop(k) for k in ("settings", "daemon", "ledger", "learned") if k in got}
+        return cls(store=got, **tables)
 
-    def to_local_json(self) -> dict[str, Any]:
+    def to_local_json(self) -> WireMap:
         """What `kvstore stats --json` prints when it read the store itself (its key order)."""
         data = dict(self.store)
         if self.learned is not None:
@@ -125,59 +154,91 @@ class StatsReply(Message):
 
 
 @dataclass(frozen=True)
-class LsRequest(Message):
-    model: str | None = None
-    label: str | None = None
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> LsRequest:
-        return cls(model=arg(d, "model", str), label=arg(d, "label", str))
+class StatsRequest(Request[StatsReply]):
+    op = "stats"
+    reply = StatsReply
 
 
 @dataclass(frozen=True)
-class LsReply(Message):
+class LsReply(Reply):
     entries: list[dict[str, Any]] = field(default_factory=list)  # EntryMeta.to_json() each
 
     def to_wire(self) -> list[dict[str, Any]]:
         return list(self.entries)
 
     @classmethod
-    def from_wire(cls, d: Any) -> LsReply:
+    def from_wire(cls, d: object) -> LsReply:
         return cls(entries=list(d) if isinstance(d, list) else [])
 
 
-EVICT_FILTERS = ("keys", "label", "model", "unpinned", "stale", "all", "to_size")
+@dataclass(frozen=True)
+class LsRequest(Request[LsReply]):
+    op = "ls"
+    reply = LsReply
+
+    model: str | None = None
+    label: str | None = None
+
+    @classmethod
+    def from_wire(cls, d: WireMap) -> LsRequest:
+        return cls(model=arg(d, "model", str), label=arg(d, "label", str))
 
 
 @dataclass(frozen=True)
-class EvictRequest(Message):
-    """The filters of `kvstore evict`; full 32-byte keys (the CLI resolves hex prefixes)."""
+class ManifestsReply(Reply):
+    watched: list[str] = field(default_factory=list)
+    fixed: list[str] = field(default_factory=list)
 
-    keys: list[bytes] = field(default_factory=list)
-    label: str | None = None
-    model: str | None = None
-    unpinned: bool = False
-    stale: bool = False
-    all: bool = False
-    to_size: int | None = None
+
+@dataclass(frozen=True)
+class ManifestsRequest(Request[ManifestsReply]):
+    op = "manifests"
+    reply = ManifestsReply
+
+
+# -- entries -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PutReply(Reply):
+    key: bytes = b""
+    meta: bytes = b""  # the stored entry's meta, packed (kvstore.store.entry.EntryMeta.unpack)
+
+
+@dataclass(frozen=True)
+class PutRequest(Request[PutReply]):
+    """A put's arguments, typed; its fields and sizes are checked by kvstore.ops.put. A blob
+    over protocol.CHUNK_BYTES is not in the request: the client streams it after it."""
+
+    op = "put"
+    reply = PutReply
+    waits = True  # the put queues behind any warm in progress
+
+    key: bytes = b""
+    fields: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+    checksum: int = 0
+    blob: bytes | bytearray | None = None  # inline, or None: streamed after the request
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> EvictRequest:
-        keys = key_list(d, "keys", KEY_BYTES)
-        # to_size=0 is a filter ("down to 0 bytes"), not its absence.
-        if not any(d.get(f) for f in EVICT_FILTERS if f != "to_size") and (
-            d.get("to_size") is None
-        ):
-            raise ValueError(f"name what to evict: one of {', '.join(EVICT_FILTERS)}")
+    def from_wire(cls, d: WireMap) -> PutRequest:
+        blob = d.get("blob")
+        if blob is not None and not isinstance(blob, bytes):
+            raise ValueError("argument 'blob' must be bytes")
         return cls(
-            keys=keys,
-            label=arg(d, "label", str),
-            model=arg(d, "model", str),
-            unpinned=bool(d.get("unpinned")),
-            stale=bool(d.get("stale")),
-            all=bool(d.get("all")),
-            to_size=arg(d, "to_size", int),
+            key=arg(d, "key", bytes, required=True),
+            fields=dict(arg(d, "fields", dict, required=True)),
+            nbytes=arg(d, "nbytes", int, required=True),
+            checksum=arg(d, "checksum", int, required=True),
+            blob=blob,
         )
+
+    @classmethod
+    def streams(cls, args: WireMap) -> bool:
+        return args.get("blob") is None
+
+
+EVICT_FILTERS = ("keys", "label", "model", "unpinned", "stale", "all", "to_size")
 
 
 @dataclass(frozen=True)
@@ -201,14 +262,14 @@ class Unknown:
 
 
 @dataclass(frozen=True)
-class EvictReply(Message):
+class EvictReply(Reply):
     evicted: int = 0
     bytes: int = 0
     owned: list[Owned] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # hex
     unknown: list[Unknown] = field(default_factory=list)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> WireMap:
         return {
             "evicted": self.evicted,
             "bytes": self.bytes,
@@ -218,13 +279,48 @@ class EvictReply(Message):
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> EvictReply:
+    def from_wire(cls, d: object) -> EvictReply:
+        got = d if isinstance(d, dict) else {}
         return cls(
-            evicted=d.get("evicted", 0),
-            bytes=d.get("bytes", 0),
-            owned=[Owned(**o) for o in d.get("owned") or []],
-            keys=list(d.get("keys") or []),
-            unknown=[Unknown(**u) for u in d.get("unknown") or []],
+            evicted=got.get("evicted", 0),
+            bytes=got.get("bytes", 0),
+            owned=[Owned(**o) for o in got.get("owned") or []],
+            keys=list(got.get("keys") or []),
+            unknown=[Unknown(**u) for u in got.get("unknown") or []],
+        )
+
+
+@dataclass(frozen=True)
+class EvictRequest(Request[EvictReply]):
+    """The filters of `kvstore evict`; full 32-byte keys (the CLI resolves hex prefixes)."""
+
+    op = "evict"
+    reply = EvictReply
+
+    keys: list[bytes] = field(default_factory=list)
+    label: str | None = None
+    model: str | None = None
+    unpinned: bool = False
+    stale: bool = False
+    all: bool = False
+    to_size: int | None = None
+
+    @classmethod
+    def from_wire(cls, d: WireMap) -> EvictRequest:
+        keys = key_list(d, "keys", KEY_BYTES)
+        # to_size=0 is a filter ("down to 0 bytes"), not its absence.
+        if not any(d.get(f) for f in EVICT_FILTERS if f != "to_size") and (
+            d.get("to_size") is None
+        ):
+            raise ValueError(f"name what to evict: one of {', '.join(EVICT_FILTERS)}")
+        return cls(
+            keys=keys,
+            label=arg(d, "label", str),
+            model=arg(d, "model", str),
+            unpinned=bool(d.get("unpinned")),
+            stale=bool(d.get("stale")),
+            all=bool(d.get("all")),
+            to_size=arg(d, "to_size", int),
         )
 
 
@@ -235,13 +331,13 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class RepairReply(Message):
+class RepairReply(Reply):
     entries: int = 0
     problems: list[Problem] = field(default_factory=list)
-    records: int = 0  # an older daemon checks entries only
+    records: int = 0
     record_problems: list[Problem] = field(default_factory=list)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> WireMap:
         return {
             "entries": self.entries,
             "problems": [{"key": p.key, "reason": p.reason} for p in self.problems],
@@ -250,118 +346,133 @@ class RepairReply(Message):
         }
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> RepairReply:
+    def from_wire(cls, d: object) -> RepairReply:
+        got = d if isinstance(d, dict) else {}
+
         def problems(rows: Any) -> list[Problem]:
             return [Problem(bytes(p["key"]), p["reason"]) for p in rows or []]
 
         return cls(
-            entries=d.get("entries", 0),
-            problems=problems(d.get("problems")),
-            records=d.get("records", 0),
-            record_problems=problems(d.get("record_problems")),
+            entries=got.get("entries", 0),
+            problems=problems(got.get("problems")),
+            records=got.get("records", 0),
+            record_problems=problems(got.get("record_problems")),
         )
 
 
 @dataclass(frozen=True)
-class WarmRequest(Message):
-    manifest: str | None = None  # None: every manifest the daemon watches
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> WarmRequest:
-        return cls(manifest=arg(d, "manifest", str))
+class RepairRequest(Request[RepairReply]):
+    op = "repair"
+    reply = RepairReply
+    waits = True  # it decodes every entry
 
 
 @dataclass(frozen=True)
-class WarmReply(Message):
+class TouchReply(Reply):
+    touched: int = 0
+
+
+@dataclass(frozen=True)
+class TouchRequest(Request[TouchReply]):
+    op = "touch"
+    reply = TouchReply
+
+    keys: list[bytes] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, d: WireMap) -> TouchRequest:
+        return cls(keys=key_list(d, "keys", KEY_BYTES, required=True))
+
+
+@dataclass(frozen=True)
+class RecordReply(Reply):
+    recorded: int = 0
+
+
+@dataclass(frozen=True)
+class RecordRequest(Request[RecordReply]):
+    """Prefill ledger records; each record's fields are checked where they are kept
+    (kvstore.store.ledger `validate`, by the daemon's handler)."""
+
+    op = "record"
+    reply = RecordReply
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, d: WireMap) -> RecordRequest:
+        records = d.get("records")
+        if not isinstance(records, list):
+            raise ValueError("records must be a list of maps")
+        return cls(records=records)
+
+
+# -- manifests -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WarmReply(Reply):
     reports: list[dict[str, Any]] = field(default_factory=list)  # kvstore.ops.warm: to_wire
 
 
 @dataclass(frozen=True)
-class ManifestsReply(Message):
-    watched: list[str] = field(default_factory=list)
-    fixed: list[str] = field(default_factory=list)
+class WarmRequest(Request[WarmReply]):
+    op = "warm"
+    reply = WarmReply
+    waits = True  # a warm prefills
 
-
-@dataclass(frozen=True)
-class ManifestRemoveRequest(Message):
-    path: str = ""
+    manifest: str | None = None  # None: every manifest the daemon watches
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> ManifestRemoveRequest:
-        return cls(path=arg(d, "path", str, required=True))
+    def from_wire(cls, d: WireMap) -> WarmRequest:
+        return cls(manifest=arg(d, "manifest", str))
 
 
 @dataclass(frozen=True)
-class ManifestRemoveReply(Message):
+class ManifestRemoveReply(Reply):
     removed: bool = False
     unwatched: bool = False
     still_watched: bool = False
 
 
 @dataclass(frozen=True)
-class TouchRequest(Message):
-    keys: list[bytes] = field(default_factory=list)
+class ManifestRemoveRequest(Request[ManifestRemoveReply]):
+    op = "manifest_remove"
+    reply = ManifestRemoveReply
+
+    path: str = ""
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> TouchRequest:
-        return cls(keys=key_list(d, "keys", KEY_BYTES, required=True))
+    def from_wire(cls, d: WireMap) -> ManifestRemoveRequest:
+        return cls(path=arg(d, "path", str, required=True))
+
+
+# -- learned prefixes ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class TouchReply(Message):
-    touched: int = 0
-
-
-@dataclass(frozen=True)
-class RecordRequest(Message):
-    records: list[dict[str, Any]] = field(default_factory=list)  # kvstore.store.ledger records
+class LearnReply(Reply):
+    want: list[list[int]] = field(default_factory=list)
+    snapshot_at: list[int] = field(default_factory=list)
+    paused: str | None = None
+    paused_by: str | None = None  # "write_budget" or "learned_budget"
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> RecordRequest:
-        from kvstore.store.ledger import validate
-
-        return cls(records=validate(d.get("records")))
-
-
-@dataclass(frozen=True)
-class RecordReply(Message):
-    recorded: int = 0
-
-
-@dataclass(frozen=True)
-class ShutdownReply(Message):
-    pid: int = 0
-
-
-@dataclass(frozen=True)
-class PutRequest(Message):
-    """A put's arguments, typed; its fields and sizes are checked by kvstore.ops.put."""
-
-    key: bytes = b""
-    fields: dict[str, Any] = field(default_factory=dict)
-    nbytes: int = 0
-    checksum: int = 0
-    blob: Any = None  # bytes inline, or None: streamed after the request
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PutRequest:
+    def from_wire(cls, d: object) -> LearnReply:
+        got = d if isinstance(d, dict) else {}
         return cls(
-            key=arg(d, "key", bytes, required=True),
-            fields=dict(arg(d, "fields", dict, required=True)),
-            nbytes=arg(d, "nbytes", int, required=True),
-            checksum=arg(d, "checksum", int, required=True),
-            blob=d.get("blob"),
+            want=[[int(s), int(e)] for s, e in got.get("want") or []],
+            snapshot_at=[int(p) for p in got.get("snapshot_at") or []],
+            paused=got.get("paused"),
+            paused_by=got.get("paused_by") if isinstance(got.get("paused_by"), str) else None,
         )
 
 
 @dataclass(frozen=True)
-class PutReply(Message):
-    key: bytes = b""
-    meta: bytes = b""
+class LearnRequest(Request[LearnReply]):
+    op = "learn"
+    reply = LearnReply
 
-
-@dataclass(frozen=True)
-class LearnRequest(Message):
     fingerprint: bytes = b""
     tokens: bytes = b""
     sliceable: bool = False
@@ -370,7 +481,7 @@ class LearnRequest(Message):
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> LearnRequest:
+    def from_wire(cls, d: WireMap) -> LearnRequest:
         fp, tokens = prompt(d)
         return cls(
             fingerprint=fp,
@@ -383,24 +494,6 @@ class LearnRequest(Message):
 
 
 @dataclass(frozen=True)
-class LearnReply(Message):
-    want: list[list[int]] = field(default_factory=list)
-    snapshot_at: list[int] = field(default_factory=list)
-    paused: str | None = None
-    paused_by: str | None = None  # "write_budget" or "learned_budget" (older daemons: None)
-
-    @classmethod
-    def from_wire(cls, d: Any) -> LearnReply:
-        d = d if isinstance(d, dict) else {}
-        return cls(
-            want=[[int(s), int(e)] for s, e in d.get("want") or []],
-            snapshot_at=[int(p) for p in d.get("snapshot_at") or []],
-            paused=d.get("paused"),
-            paused_by=d.get("paused_by") if isinstance(d.get("paused_by"), str) else None,
-        )
-
-
-@dataclass(frozen=True)
 class Record:
     start: int
     end: int
@@ -408,7 +501,16 @@ class Record:
 
 
 @dataclass(frozen=True)
-class PutBlocksRequest(Message):
+class PutBlocksReply(Reply):
+    stored: int = 0  # records accepted
+    bytes: int = 0  # bytes newly written
+
+
+@dataclass(frozen=True)
+class PutBlocksRequest(Request[PutBlocksReply]):
+    op = "put_blocks"
+    reply = PutBlocksReply
+
     fingerprint: bytes = b""
     tokens: bytes = b""
     records: list[Record] = field(default_factory=list)
@@ -416,13 +518,13 @@ class PutBlocksRequest(Message):
     model: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> WireMap:
         d = super().to_wire()
         d["records"] = [vars(r).copy() for r in self.records]
         return d
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> PutBlocksRequest:
+    def from_wire(cls, d: WireMap) -> PutBlocksRequest:
         fp, tokens = prompt(d)
         records = arg(d, "records", list, required=True)
         label = arg(d, "label", str, "learned")
@@ -440,18 +542,20 @@ class PutBlocksRequest(Message):
 
 
 @dataclass(frozen=True)
-class PutBlocksReply(Message):
-    stored: int = 0  # records accepted
-    bytes: int = 0  # bytes newly written
+class TouchBlocksReply(Reply):
+    touched: int = 0  # records still stored
 
 
 @dataclass(frozen=True)
-class TouchBlocksRequest(Message):
+class TouchBlocksRequest(Request[TouchBlocksReply]):
+    op = "touch_blocks"
+    reply = TouchBlocksReply
+
     fingerprint: bytes = b""
     keys: list[bytes] = field(default_factory=list)
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> TouchBlocksRequest:
+    def from_wire(cls, d: WireMap) -> TouchBlocksRequest:
         fp = arg(d, "fingerprint", bytes, required=True)
         keys = arg(d, "keys", list, required=True)
         if len(fp) != FINGERPRINT_BYTES or len(keys) > MAX_RECORDS:
@@ -463,20 +567,27 @@ class TouchBlocksRequest(Message):
         return cls(fp, keys)
 
 
-@dataclass(frozen=True)
-class TouchBlocksReply(Message):
-    touched: int = 0  # records still stored
+# -- the fleet tier --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class FleetCheckedRequest(Message):
+class FleetCheckedReply(Reply):
+    passed: int = 0  # entries marked checked
+    deleted: int = 0  # entries deleted: refused, or pending from a box now quarantined
+
+
+@dataclass(frozen=True)
+class FleetCheckedRequest(Request[FleetCheckedReply]):
     """The semantic check's verdicts on pending fetched entries (kvstore.fleet.check)."""
+
+    op = "fleet_checked"
+    reply = FleetCheckedReply
 
     passed: list[bytes] = field(default_factory=list)
     refused: list[dict[str, Any]] = field(default_factory=list)  # key, what, uploader, label
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> FleetCheckedRequest:
+    def from_wire(cls, d: WireMap) -> FleetCheckedRequest:
         passed = key_list(d, "passed", KEY_BYTES)
         refused = arg(d, "refused", list, [])
         if len(passed) + len(refused) > MAX_RECORDS:
@@ -491,30 +602,24 @@ class FleetCheckedRequest(Message):
         return cls(passed, refused)
 
 
-@dataclass(frozen=True)
-class FleetCheckedReply(Message):
-    passed: int = 0  # entries marked checked
-    deleted: int = 0  # entries deleted: refused, or pending from a box now quarantined
-
-
-# name -> (Request, Reply); `reload` answers as `warm` does.
-OPS: dict[str, tuple[type[Message], type[Message]]] = {
-    "ping": (Empty, PingReply),
-    "stats": (Empty, StatsReply),
-    "ls": (LsRequest, LsReply),
-    "manifests": (Empty, ManifestsReply),
-    "put": (PutRequest, PutReply),
-    "evict": (EvictRequest, EvictReply),
-    "repair": (Empty, RepairReply),
-    "warm": (WarmRequest, WarmReply),
-    "manifest_remove": (ManifestRemoveRequest, ManifestRemoveReply),
-    "touch": (TouchRequest, TouchReply),
-    "record": (RecordRequest, RecordReply),
-    "reload": (Empty, WarmReply),
-    "shutdown": (Empty, ShutdownReply),
-    "learn": (LearnRequest, LearnReply),
-    "put_blocks": (PutBlocksRequest, PutBlocksReply),
-    "touch_blocks": (TouchBlocksRequest, TouchBlocksReply),
-    "fleet_checked": (FleetCheckedRequest, FleetCheckedReply),
-}
+# The operations table: name -> Request (its `reply` is the Reply). The daemon registers one
+# handler per entry and refuses to start when one is missing.
+REQUESTS: tuple[type[Request[Any]], ...] = (
+    PingRequest,
+    StatsRequest,
+    LsRequest,
+    ManifestsRequest,
+    PutRequest,
+    EvictRequest,
+    RepairRequest,
+    WarmRequest,
+    ManifestRemoveRequest,
+    TouchRequest,
+    RecordRequest,
+    LearnRequest,
+    PutBlocksRequest,
+    TouchBlocksRequest,
+    FleetCheckedRequest,
+)
+OPS: dict[str, type[Request[Any]]] = {r.op: r for r in REQUESTS}
 READS = frozenset({"ping", "stats", "ls", "manifests"})  # not worth a log line each

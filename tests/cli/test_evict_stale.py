@@ -14,6 +14,7 @@ from mlx_lm import load
 
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import model_fingerprint
+from kvstore.ops import put as put_ops
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill
@@ -88,7 +89,7 @@ def test_evict_stale_through_a_daemon_elsewhere_keeps_valid_pins(
     with serving(d, warm=False):
         with DaemonClient(kv_home) as c:  # app pins, as PersistentPromptCache sends them
             for key, blob, fields in (relative, hub, will_change, will_go):
-                c.put(key, blob, fields)
+                put_ops.send(c, key, blob, fields)
         config = changed / "config.json"
         config.write_text(config.read_text().replace("1e-05", "3e-05"))  # another model now
         shutil.rmtree(doomed)

@@ -37,7 +37,7 @@ WRITER = [{"role": "system", "content": SYNTHESIZE}]
 
 def ls(home) -> list[dict]:
     with DaemonClient(home) as c:
-        return c.request("ls")
+        return c.raw("ls")
 
 
 def chat(tokenizer, system: str, user: str) -> list[int]:

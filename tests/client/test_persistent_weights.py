@@ -42,7 +42,7 @@ def rewrite_in_place(model_dir, data: bytes) -> None:
 
 def ls(home) -> list[dict]:
     with DaemonClient(home) as c:
-        return c.request("ls")
+        return c.raw("ls")
 
 
 def test_a_plain_load_whose_files_changed_before_the_cache_files_no_pin(

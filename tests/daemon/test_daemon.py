@@ -20,6 +20,7 @@ import pytest
 from helpers import TWO_PINS, Proc, cli, manifest_for, serving, wait_for
 
 from kvstore.errors import DaemonError, ProtocolError
+from kvstore.ops import put as put_ops
 from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
 from kvstore.wire.daemon_client import DaemonClient, connect
@@ -27,7 +28,7 @@ from kvstore.wire.daemon_client import DaemonClient, connect
 
 def entries(home: Path) -> dict[str, dict]:
     with DaemonClient(home) as c:
-        return {e["key"]: e for e in c.request("ls")}
+        return {e["key"]: e for e in c.raw("ls")}
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +200,11 @@ def test_streamed_put_is_verified_then_hydrates(shared, make_entry, llama_path, 
     assert len(blob) > 4 * 4096
     with DaemonClient(shared.home) as c:
         with pytest.raises(DaemonError, match="checksum"):  # damaged in flight: refused
-            c.request("put", key=key, fields=fields, nbytes=len(blob), checksum=0, blob=blob)
+            c.raw("put", dict(key=key, fields=fields, nbytes=len(blob), checksum=0, blob=blob))
         with pytest.raises(DaemonError, match="safetensors|header|bytes"):  # not a cache: refused
-            c.put(key, b"\x00" * 100, fields)
-        meta = c.put(key, blob, fields)  # streamed in 4 KiB frames
-        assert c.ping()["pid"] == shared.pid
+            put_ops.send(c, key, b"\x00" * 100, fields)
+        meta = put_ops.send(c, key, blob, fields)  # streamed in 4 KiB frames
+        assert c.raw("ping")["pid"] == shared.pid
     assert meta.key == key and meta.label == "via-socket" and meta.nbytes == len(blob)
     lru = LRUPromptCache(max_size=8)
     report = hydrate(lru, "m", llama_path, home=shared.home)
@@ -211,13 +212,13 @@ def test_streamed_put_is_verified_then_hydrates(shared, make_entry, llama_path, 
     cache, rest = lru.fetch_nearest_cache("m", list(range(7, 47)) + [99])
     assert cache is not None and rest == [99]
     with DaemonClient(shared.home) as c:
-        c.request("evict", keys=[key])
+        c.raw("evict", dict(keys=[key]))
 
 
 def test_put_with_a_key_that_does_not_match_its_tokens_is_refused(shared, make_entry):
     key, blob, fields = make_entry("liar")
     with DaemonClient(shared.home) as c, pytest.raises(DaemonError, match="does not match"):
-        c.put(key[:16] + bytes(16), blob, fields)
+        put_ops.send(c, key[:16] + bytes(16), blob, fields)
     assert "liar" not in {e["label"] for e in entries(shared.home).values()}
 
 
@@ -229,12 +230,12 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         a, b, c3 = (make_entry(f"lru-{i}", [900 + i] * 40) for i in range(3))
         nbytes = len(a[1])
         settings.write_text(original + f"max_bytes = {pinned_bytes + int(2.5 * nbytes)}\n")
-        shared.request("reload")
+        shared.request("warm")
         with DaemonClient(shared.home) as c:
-            c.put(*a)
-            c.put(*b)
-            c.request("touch", keys=[a[0]])  # a is now more recent than b
-            c.put(*c3)
+            put_ops.send(c, *a)
+            put_ops.send(c, *b)
+            c.raw("touch", dict(keys=[a[0]]))  # a is now more recent than b
+            put_ops.send(c, *c3)
         labels = {e["label"] for e in entries(shared.home).values()}
         assert {"lru-0", "lru-2", "classify", "synthesize"} <= labels and "lru-1" not in labels
         shared.wait_log("over the budget")
@@ -245,29 +246,29 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         assert [t.by for t in gone] == ["byte budget"]
 
         settings.write_text(original + f"max_bytes = {pinned_bytes // 2}\n")  # pins alone exceed
-        shared.request("reload")
+        shared.request("warm")
         with DaemonClient(shared.home) as c:
-            c.put(*make_entry("lru-3", [777] * 40))
+            put_ops.send(c, *make_entry("lru-3", [777] * 40))
         labels = {e["label"] for e in entries(shared.home).values()}
         assert {"classify", "synthesize"} <= labels  # pins stay, whatever the budget
         assert not labels & {"lru-0", "lru-2", "lru-3"}
         shared.wait_log("pins alone hold")
     finally:
         settings.write_text(original)
-        shared.request("reload")
+        shared.request("warm")
         shared.request("evict", unpinned=True)
 
 
 def test_touch_record_and_stats(shared):
     key = next(k for k, e in entries(shared.home).items() if e["label"] == "classify")
     with DaemonClient(shared.home) as c:
-        assert c.request("touch", keys=[bytes.fromhex(key)])["touched"] == 1
+        assert c.raw("touch", dict(keys=[bytes.fromhex(key)]))["touched"] == 1
         rec = dict(model="m", label="classify", prompt_tokens=100, cached_tokens=90,
                    prefilled_tokens=10, prefill_s=0.01, decode_s=0.2)  # fmt: skip
-        assert c.request("record", records=[rec, rec])["recorded"] == 2
+        assert c.raw("record", dict(records=[rec, rec]))["recorded"] == 2
         with pytest.raises(DaemonError, match="prompt_tokens"):
-            c.request("record", records=[{**rec, "prompt_tokens": None}])
-        stats = c.request("stats")
+            c.raw("record", dict(records=[{**rec, "prompt_tokens": None}]))
+        stats = c.raw("stats")
     assert entries(shared.home)[key]["hits"] >= 1
     (row,) = [r for r in stats["ledger"]["by_model_label"] if r["label"] == "classify"]
     assert row["calls"] >= 2 and row["cached_ratio"] == pytest.approx(0.9)
@@ -361,7 +362,7 @@ def test_silent_connections_time_out_and_the_cap_holds(shared):
     held = [DaemonClient(shared.home) for _ in range(6)]
     try:
         for c in held:
-            c.ping()
+            c.raw("ping")
         extra = _raw(shared.home)
         reply = _reply_or_close(extra)
         extra.close()
@@ -454,10 +455,10 @@ def test_cli_warm_evict_and_import_go_through_the_daemon(shared, tmp_path, llama
 
 _BROKEN_WARM = """
 import sys
-import kvstore.daemon.upkeep as upkeep
+import kvstore.ops.warm as warm_ops
 def broken(manifest, *args, **kwargs):
     raise RuntimeError("the warm broke")
-upkeep.warm = broken
+warm_ops.warm = broken
 from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])
 """
@@ -476,7 +477,7 @@ def test_a_failing_boot_reconcile_is_logged_and_the_daemon_serves_on(tmp_path, l
         assert d.request("ping")["pid"] == d.pid
         assert d.request("ls") == []
         # a reload nobody waits on fails the same way, and is logged again
-        d.request("reload")
+        d.request("warm")
         assert d.text().count(f"reconcile: warming {manifest} failed") >= 2
     finally:
         rc, _ = d.stop()
@@ -527,7 +528,7 @@ def test_reconcile_logs_a_failing_manifest_and_warms_the_next(tmp_path, llama_pa
         warmed.append(manifest.path)
         return WarmReport()
 
-    monkeypatch.setattr(upkeep_mod, "warm", fake_warm)
+    monkeypatch.setattr(upkeep_mod.warm_ops, "warm", fake_warm)
     home = tmp_path / "home"
     home.mkdir()
     with Store(home) as store:
@@ -543,7 +544,7 @@ def test_put_whose_kv_does_not_cover_its_tokens_is_refused(shared, make_entry):
     for n, held in ((39, "holds 40 tokens"), (41, "holds 40 tokens")):
         key, blob, fields = make_entry(f"cover-{n}", list(range(7, 7 + n)))  # a 40-token blob
         with DaemonClient(shared.home) as c, pytest.raises(DaemonError, match=held):
-            c.put(key, blob, fields)
+            put_ops.send(c, key, blob, fields)
     labels = {e["label"] for e in entries(shared.home).values()}
     assert not labels & {"cover-39", "cover-41"}
 
@@ -568,23 +569,23 @@ def test_put_with_a_badly_typed_field_is_refused_naming_it(shared, make_entry, f
     key, blob, fields = make_entry("typed")
     with DaemonClient(shared.home) as c:
         with pytest.raises(DaemonError, match=f"field '{field}'"):
-            c.put(key, blob, {**fields, field: value})
-        assert c.ping()["pid"] == shared.pid
+            put_ops.send(c, key, blob, {**fields, field: value})
+        assert c.raw("ping")["pid"] == shared.pid
     assert "typed" not in {e["label"] for e in entries(shared.home).values()}
 
 
 def test_evict_to_size_zero_evicts_every_unpinned_entry(shared, make_entry):
     with DaemonClient(shared.home) as c:
         for i in range(2):
-            c.put(*make_entry(f"zero-{i}", [600 + i] * 40))
-        res = c.request("evict", to_size=0)
+            put_ops.send(c, *make_entry(f"zero-{i}", [600 + i] * 40))
+        res = c.raw("evict", dict(to_size=0))
     assert res["evicted"] == 2
     left = entries(shared.home).values()
     assert {e["label"] for e in left} == {"classify", "synthesize"} and all(
         e["pinned"] for e in left
     )
     with DaemonClient(shared.home) as c:
-        c.put(*make_entry("zero-cli", [650] * 40))
+        put_ops.send(c, *make_entry("zero-cli", [650] * 40))
     r = cli("evict", "--to-size", "0", "--home", shared.home)
     assert r.exit_code == 0 and "evicted 1 entry" in r.output, r.output
 
@@ -612,7 +613,7 @@ def test_a_busy_daemon_is_an_error_not_no_daemon(shared):
     held = [DaemonClient(shared.home) for _ in range(6)]  # max_connections = 6 in this home
     try:
         for c in held:
-            c.ping()
+            c.raw("ping")
         with pytest.raises(DaemonError, match="is busy \\(too many connections\\); try again"):
             connect(shared.home)
         # the CLI refuses rather than writing the store beside the daemon
@@ -651,9 +652,10 @@ def test_verify_repair_goes_through_the_daemon(shared):
 _SLOW_LS = """
 import sys, time
 from kvstore.daemon.commands import Commands
-def slow_ls(self, args, conn):
+from kvstore.wire.messages import LsReply
+def slow_ls(self, req, conn):
     self.store._read(lambda txn: print("inside the read", flush=True) or time.sleep(30))
-    return []
+    return LsReply()
 Commands.cmd_ls = slow_ls
 from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import KVCache
 from kvstore.cli.main import main
 from kvstore.codec import codec
 from kvstore.codec.blocks import slice_record
+from kvstore.ops import put as put_ops
 from kvstore.store.blocks import BlockStore
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
@@ -159,7 +160,7 @@ def test_snapshots_of_state_layouts_are_capped_per_chain(daemon):
     with DaemonClient(daemon.home) as c:
         for n in (100, 200, 300):
             toks = base[:n]
-            c.put(entry_key(fp, toks), codec.encode(kv(n)), {"tokens": pack_tokens(toks),
+            put_ops.send(c, entry_key(fp, toks), codec.encode(kv(n)), {"tokens": pack_tokens(toks),
                   "label": "learned", "pinned": False, "extra": {"learned": True}})  # fmt: skip
     with Store(daemon.home, readonly=True) as ro:
         assert sorted(m.ntokens for m in ro.metas(fp)) == [200, 300]  # the shallowest went
@@ -177,7 +178,7 @@ def test_budgets_evict_learned_never_pins_and_pause_said_once(tmp_path):
         fp = fp_of("budget")
         pin = list(range(5, 105))
         with DaemonClient(home) as c:
-            c.put(entry_key(fp, pin), codec.encode(kv(100)), {"tokens": pack_tokens(pin),
+            put_ops.send(c, entry_key(fp, pin), codec.encode(kv(100)), {"tokens": pack_tokens(pin),
                   "label": "pin", "pinned": True})  # fmt: skip
         paused = None
         for i in range(12):
@@ -235,7 +236,7 @@ def test_a_pin_of_a_learned_prefix_drops_its_records_once_stored(daemon):
     assert [(m.start, m.end) for m in chain] == [(0, 256), (256, 512), (512, 768), (768, 800)]
     pin = a[:780]  # the pinned system prompt; the learned prefix runs 20 tokens past it
     with DaemonClient(daemon.home) as c:
-        c.put(entry_key(fp, pin), codec.encode(kv(780)), {"tokens": pack_tokens(pin),
+        put_ops.send(c, entry_key(fp, pin), codec.encode(kv(780)), {"tokens": pack_tokens(pin),
               "label": "system", "pinned": True})  # fmt: skip
     with Store(daemon.home, readonly=True) as ro:
         blocks = BlockStore(ro)

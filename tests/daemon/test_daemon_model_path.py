@@ -37,7 +37,7 @@ def watched(tmp_path, llama_path):
 
 def entries(d: Proc) -> dict[str, dict]:
     with DaemonClient(d.home) as c:
-        return {e["label"]: e for e in c.request("ls")}
+        return {e["label"]: e for e in c.raw("ls")}
 
 
 def point_at(d: Proc, model: Path) -> dict:
@@ -80,6 +80,6 @@ def test_a_model_moved_to_an_identical_copy_keeps_its_entries(watched):
     watched.wait_log("under the model's new name")
     # and from then on it is simply present: a warm request neither renames nor prefills
     with DaemonClient(watched.home) as c:
-        report = c.warm(watched.manifest)
+        report = c.raw("warm", {"manifest": str(watched.manifest)}, timeout=None)["reports"][0]
     assert (report["warmed"], len(report["purged"])) == (0, 0)
     same_entries(before, entries(watched))

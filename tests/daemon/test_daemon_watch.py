@@ -9,6 +9,7 @@ import shutil
 import pytest
 from helpers import CLASSIFY, Proc, cli, manifest_for, serving, wait_for
 
+from kvstore.ops import put as put_ops
 from kvstore.wire.daemon_client import DaemonClient
 
 
@@ -35,7 +36,7 @@ def watched(tmp_path_factory, llama_path):
 
 def entries(d: Proc) -> dict[str, dict]:
     with DaemonClient(d.home) as c:
-        return {e["label"]: e for e in c.request("ls")}
+        return {e["label"]: e for e in c.raw("ls")}
 
 
 def last_at(d: Proc) -> float:
@@ -100,7 +101,7 @@ def _put_chain(d: Proc, fingerprint: str) -> None:
         extra={"source": "chain"},
     )
     with DaemonClient(d.home) as c:
-        c.put(entry_key(bytes.fromhex(fingerprint), tokens), blob, fields)
+        put_ops.send(c, entry_key(bytes.fromhex(fingerprint), tokens), blob, fields)
 
 
 def test_weight_change_replaces_every_entry_of_the_old_fingerprint(watched):

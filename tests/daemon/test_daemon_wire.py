@@ -22,7 +22,7 @@ from kvstore.store.ledger import Ledger
 from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
 from kvstore.wire.codes import ErrorCode
-from kvstore.wire.messages import OPS, PROTOCOL_VERSION
+from kvstore.wire.messages import OPS, PROTOCOL_VERSION, EvictRequest, StatsRequest
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_ping_answers_the_protocol_version_and_the_operations(bare):
     assert client is not None
     with client:
         assert client.info.protocol == PROTOCOL_VERSION
-        assert client.supports("put_blocks") and not client.supports("format_disk")
+        assert "put_blocks" in client.info.ops and "format_disk" not in client.info.ops
 
 
 def test_unknown_ops_and_bad_arguments_reply_with_codes(bare):
@@ -124,7 +124,7 @@ def test_cli_without_a_daemon_and_the_daemon_run_one_evict_and_one_stats(
 
     local = json.loads(cli("stats", "--json", code=0).output)
     with Store(kv_home) as store:
-        daemon = _commands(store, kv_home).cmd_stats({}, None)
+        daemon = _commands(store, kv_home).cmd_stats(StatsRequest(), None).to_wire()
     assert len(replies["stats"]) == 2  # one function, both callers
     assert replies["stats"][0].store == replies["stats"][1].store
     assert replies["stats"][0].learned == replies["stats"][1].learned
@@ -136,7 +136,7 @@ def test_cli_without_a_daemon_and_the_daemon_run_one_evict_and_one_stats(
 
     out = cli("evict", "--label", "classify", code=0).output
     with Store(twin) as store:
-        daemon = _commands(store, twin).cmd_evict({"label": "classify"}, None)
+        daemon = _commands(store, twin).cmd_evict(EvictRequest(label="classify"), None).to_wire()
     assert len(replies["evict"]) == 2
     assert replies["evict"][0] == replies["evict"][1] == daemon
     assert daemon["evicted"] == 1 and "evicted 1 entry" in out

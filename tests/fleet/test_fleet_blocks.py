@@ -118,8 +118,9 @@ def test_a_daemon_uploads_the_records_it_learns_write_behind(s3, llama_path, tmp
         try:
             rows = [{"start": s, "end": e, "blob": slice_record(cache, s, e)}
                     for s, e in cuts(300, 600)]  # fmt: skip
-            client.request("put_blocks", fingerprint=fp, tokens=pack_tokens(tokens), records=rows,
-                           label="learned", model=str(llama_path), extra={})  # fmt: skip
+            args = dict(fingerprint=fp, tokens=pack_tokens(tokens), records=rows,
+                        label="learned", model=str(llama_path), extra={})  # fmt: skip
+            client.raw("put_blocks", args)
         finally:
             client.close()
         wait_for(lambda: len(list(remote.records(fp))) == 4, what="the learned records uploaded")

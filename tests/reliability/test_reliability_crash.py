@@ -18,6 +18,7 @@ import time
 import battery
 from helpers import Proc
 
+from kvstore.ops import put as put_ops
 from kvstore.store import lmdbenv as store_mod
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
@@ -154,7 +155,7 @@ def test_kill_9_daemon_with_puts_in_flight(tmp_path):
                             1_000_000 * (trial + 1) + 1000 * n + i, _size(crng)
                         )
                         sent[n] += 1
-                        c.put(key, blob, fields)
+                        put_ops.send(c, key, blob, fields)
                         sent[n] -= 1
                         with lock:
                             acked.append(key)

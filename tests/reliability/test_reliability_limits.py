@@ -22,6 +22,7 @@ from full_disk import mounted_tmpfs
 from helpers import Proc
 
 from kvstore.errors import DaemonError, StoreError
+from kvstore.ops import put as put_ops
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
@@ -44,7 +45,7 @@ def _fill(home: Path, size: int, limit: int = 400) -> tuple[list[bytes], str]:
         for seed in range(limit):
             key, blob, fields = battery.entry(seed, size)
             try:
-                c.put(key, blob, fields)
+                put_ops.send(c, key, blob, fields)
             except DaemonError as e:
                 return acked, str(e)
             acked.append(key)
@@ -138,7 +139,7 @@ def test_map_full_at_its_cap(tmp_path):
         # LMDB reuses pages freed by a transaction only from the second write after it on.
         d.request("touch", keys=acked[4:5])
         with DaemonClient(home) as c:
-            c.put(*battery.entry(10_000, 256 * 1024))
+            put_ops.send(c, *battery.entry(10_000, 256 * 1024))
     finally:
         assert d.stop()[0] == 0, d.text()
     battery.record(
@@ -172,7 +173,7 @@ def test_disk_full_by_file_size_limit(tmp_path):
         extra = _still_serving(d, acked)
         with pytest.raises(DaemonError, match="write failed"):  # and again, still clearly
             with DaemonClient(home) as c:
-                c.put(*battery.entry(10_000, 256 * 1024))
+                put_ops.send(c, *battery.entry(10_000, 256 * 1024))
     finally:
         assert d.stop()[0] == 0, d.text()
     battery.record(

@@ -52,7 +52,7 @@ def _pings(home, n: int, gap: float = 0.0) -> list[float]:
     with DaemonClient(home) as c:
         for _ in range(n):
             t = time.perf_counter()
-            c.ping()
+            c.raw("ping")
             out.append(time.perf_counter() - t)
             if gap:
                 time.sleep(gap)
@@ -212,7 +212,7 @@ def test_huge_length_prefixes_allocate_nothing_and_the_cap_holds(peer_daemon):
     held = [DaemonClient(home) for _ in range(CAP)]
     try:
         for c in held:
-            c.ping()
+            c.raw("ping")
         extra = _raw(home)
         try:
             refusal = protocol.recv(extra, timeout=5)

@@ -16,6 +16,7 @@ from pathlib import Path
 import battery
 from helpers import Proc, wait_for
 
+from kvstore.ops import put as put_ops
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
 
@@ -54,11 +55,11 @@ def test_readers_and_socket_clients_against_overwrites(tmp_path):
                     key, blob, fields = battery.entry(
                         seed, rng.randint(4096, 256 * 1024), version=i + 1
                     )
-                    c.put(key, blob, fields)
+                    put_ops.send(c, key, blob, fields)
                     with lock:
                         latest[key] = i + 1
                     if i % 10 == n:
-                        listed = c.request("ls")
+                        listed = c.raw("ls")
                         ls_calls[0] += 1
                         bad = [e for e in listed if e["tokens"] != 2 or e["nbytes"] <= 0]
                         assert not bad, bad

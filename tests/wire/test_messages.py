@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import socket
 import threading
-from types import SimpleNamespace
 
 import pytest
 
-from kvstore.client.learn import Learner, LearnTarget
 from kvstore.errors import DaemonError
 from kvstore.wire import daemon_client, protocol
 from kvstore.wire.args import arg
-from kvstore.wire.codes import ErrorCode, legacy_code
+from kvstore.wire.codes import ErrorCode
 from kvstore.wire.messages import (
     OPS,
+    PROTOCOL_VERSION,
+    REQUESTS,
     EvictReply,
     EvictRequest,
     LearnReply,
+    LearnRequest,
     Owned,
+    PingReply,
+    PingRequest,
     PutBlocksRequest,
     Record,
     Unknown,
@@ -54,12 +57,6 @@ def test_requests_and_replies_round_trip_with_the_wire_names():
     assert set(OPS) >= {"ping", "learn", "put_blocks", "touch_blocks", "evict", "stats"}
 
 
-def test_legacy_code_reads_only_a_version_1_daemons_texts():
-    assert legacy_code("unknown command 'learn'") is ErrorCode.UNKNOWN_OP
-    assert legacy_code("too many connections (max_connections=1)") is ErrorCode.BUSY
-    assert legacy_code("learn: argument 'tokens' is required") is None
-
-
 def _fake_daemon(home, replies):
     """A socket that answers each connection's requests with `replies`, in order."""
     listener = socket.socket(socket.AF_UNIX)
@@ -79,58 +76,99 @@ def _fake_daemon(home, replies):
     return listener, t
 
 
-@pytest.mark.parametrize(
-    "error",
-    [
-        # a new daemon: its text may say anything, the code decides
-        protocol.error("no operation named 'learn' here", ErrorCode.UNKNOWN_OP),
-        # a version-1 daemon: no code, its text is read (legacy_code)
-        protocol.error("unknown command 'learn'"),
-    ],
-    ids=["code", "legacy-text"],
-)
-def test_the_client_reacts_to_the_code_not_the_text(tmp_path, error):
+def _ping(home, version=PROTOCOL_VERSION):
+    return protocol.ok({"pid": 1, "home": str(home), "uptime": 0.0, "protocol": version,
+                        "ops": list(OPS)})  # fmt: skip
+
+
+@pytest.mark.parametrize("version", [None, 1, PROTOCOL_VERSION + 1])
+def test_a_daemon_of_another_protocol_version_is_refused_at_connect(tmp_path, version):
+    """The version is checked once, at connect: no request adapts to an older daemon after, and
+    the caller is told (never None: it would then write the store beside that daemon)."""
     home = tmp_path / "h"
     home.mkdir()
     ping = protocol.ok({"pid": 1, "home": str(home), "uptime": 0.0})  # a version-1 ping
-    listener, t = _fake_daemon(home, [ping, error, error])
+    if version is not None:
+        ping = _ping(home, version)
+    listener, t = _fake_daemon(home, [ping])
     try:
-        client = daemon_client.connect(home)
-        assert client is not None and client.info.protocol == 1
-        assert client.supports("learn") is None  # a version-1 daemon does not say
-        with client:
-            with pytest.raises(DaemonError) as e:
-                client.request("learn")
-            assert e.value.code is ErrorCode.UNKNOWN_OP
-            learner = Learner(home, writer=SimpleNamespace())
-            target = LearnTarget(b"f" * 16, "m", None, {}, sliceable=False)
-            learner._learn(client, "m", target, [1, 2, 3], [])
-            assert learner._unsupported  # learning is off for this daemon, quietly
+        with pytest.raises(DaemonError, match="protocol version") as e:
+            daemon_client.connect(home)
+        assert e.value.code is ErrorCode.PROTOCOL
     finally:
         t.join(10)
         listener.close()
 
 
-def test_an_error_whose_text_looks_legacy_but_whose_code_differs_is_that_code(tmp_path):
+def test_the_client_reacts_to_the_code_not_the_text(tmp_path):
     home = tmp_path / "h"
     home.mkdir()
-    ping = protocol.ok({"pid": 1, "home": "", "uptime": 0.0, "protocol": 2, "ops": ["ping"]})
-    said = protocol.error("learn: unknown command in the tokens", ErrorCode.BAD_ARGUMENT)
-    listener, t = _fake_daemon(home, [ping, said])
+    said = protocol.error("no operation named 'learn' here", ErrorCode.UNKNOWN_OP)
+    listener, t = _fake_daemon(home, [_ping(home), said])
     try:
         client = daemon_client.connect(home)
-        assert client is not None and client.supports("ping") and not client.supports("learn")
+        assert client is not None and client.info.protocol == PROTOCOL_VERSION
         with client, pytest.raises(DaemonError) as e:
-            client.request("learn")
+            client.send(LearnRequest(b"f" * 16, b"\0" * 4))
+        assert e.value.code is ErrorCode.UNKNOWN_OP
+    finally:
+        t.join(10)
+        listener.close()
+
+
+def test_an_error_whose_text_looks_like_another_code_is_its_own_code(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir()
+    said = protocol.error("learn: unknown command in the tokens", ErrorCode.BAD_ARGUMENT)
+    listener, t = _fake_daemon(home, [_ping(home), said])
+    try:
+        client = daemon_client.connect(home)
+        assert client is not None and "ping" in client.info.ops
+        with client, pytest.raises(DaemonError) as e:
+            client.send(LearnRequest(b"f" * 16, b"\0" * 4))
         assert e.value.code is ErrorCode.BAD_ARGUMENT
     finally:
         t.join(10)
         listener.close()
 
 
+def test_send_answers_the_reply_type_the_request_names(tmp_path):
+    home = tmp_path / "h"
+    home.mkdir()
+    listener, t = _fake_daemon(home, [_ping(home), _ping(home)])
+    try:
+        client = daemon_client.connect(home)
+        assert client is not None
+        with client:
+            reply = client.send(PingRequest())
+        assert isinstance(reply, PingReply) and reply.ops == list(OPS)
+    finally:
+        t.join(10)
+        listener.close()
+
+
+def test_every_operation_names_its_reply_and_the_daemon_a_handler_for_each():
+    from kvstore.daemon.commands import Commands
+
+    assert [r.op for r in REQUESTS] == list(OPS)
+    assert all(isinstance(r.reply, type) for r in REQUESTS)
+    handlers = {n[4:] for n in dir(Commands) if n.startswith("cmd_")}
+    assert handlers == set(OPS)
+    broken = type("Broken", (Commands,), {"cmd_format_disk": lambda self, req, conn: None})
+    with pytest.raises(RuntimeError, match="format_disk"):
+        broken._register(object.__new__(broken))
+
+
+def test_the_wire_sizes_are_the_stores():
+    from kvstore.store import keys
+    from kvstore.wire import args
+
+    assert (args.FINGERPRINT_BYTES, args.KEY_BYTES) == (keys.FINGERPRINT_BYTES, keys.KEY_BYTES)
+
+
 @pytest.mark.parametrize("name", list(OPS))
 def test_every_operations_reply_reads_back_what_it_wrote(name):
-    reply = OPS[name][1]()
+    reply = OPS[name].reply()
     assert type(reply).from_wire(reply.to_wire()) == reply
 
 
@@ -146,3 +184,24 @@ def test_fleet_checked_takes_entry_keys_and_string_fields_only():
         FleetCheckedRequest.from_wire({"refused": [{"key": "not bytes"}]})
     with pytest.raises(ValueError, match="'uploader' must be a string"):
         FleetCheckedRequest.from_wire({"refused": [{"key": key, "uploader": 7}]})
+
+
+def test_the_wire_imports_no_storage():
+    """Both ends share kvstore.wire: it holds the frames and messages, none of the store."""
+    import ast
+    from pathlib import Path
+
+    import kvstore.wire
+
+    for path in Path(kvstore.wire.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("kvstore.store", "kvstore.ops", "kvstore.warm")), (
+                    f"{path.name} imports {name}"
+                )

@@ -234,13 +234,15 @@ def test_ledger_append_survives_short_writes(tmp_path, monkeypatch):
 def test_connect_raises_when_a_daemon_refuses_but_is_none_when_it_goes_away(tmp_path):
     import threading
 
+    from kvstore.wire.codes import ErrorCode
+
     home = tmp_path / "h"
     home.mkdir()
     path = daemon_client.socket_path(home)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(path))
     listener.listen(4)
-    said = [protocol.error("too many connections (max_connections=1)"), None]
+    said = [protocol.error("too many connections (max_connections=1)", ErrorCode.BUSY), None]
 
     def serve():
         for reply in said:

@@ -118,8 +118,8 @@ def _store_entry(home: Path, model: Path, shape, tokens: int) -> tuple[Path, int
     """One pinned entry under the model's real fingerprint, and the same bytes as a file."""
     from bench.shapes import make_cache
     from kvstore.codec import codec
+    from kvstore.home.settings import FILEHASH_NAME, ensure_home
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
-    from kvstore.settings import FILEHASH_NAME, ensure_home
     from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
 

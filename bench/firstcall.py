@@ -68,8 +68,8 @@ def user_turn(i: int) -> str:
 
 
 def _setup(root: Path) -> tuple[Path, Path]:
+    from kvstore.home.settings import ensure_home
     from kvstore.pins.manifest import load_manifest
-    from kvstore.settings import ensure_home
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
     from kvstore.warm.warm import warm

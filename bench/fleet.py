@@ -36,9 +36,9 @@ def _box(home: Path, manifest, *, remote: bool) -> dict:
     from kvstore.fleet.fetch import WarmFetcher
     from kvstore.fleet.objects import Remote
     from kvstore.fleet.queue import UploadQueue, upload_one
-    from kvstore.fleet.settings import remote_settings
-    from kvstore.settings import load_settings
-    from kvstore.store.ledger import Ledger
+    from kvstore.fleet.remote_settings import remote_settings
+    from kvstore.home.ledger import Ledger
+    from kvstore.home.settings import load_settings
     from kvstore.store.store import Store
     from kvstore.warm.warm import warm
 

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvstore.codec import codec
 from kvstore.fleet.objects import object_header, seal, verify_object
-from kvstore.fleet.settings import RemoteSettings
+from kvstore.fleet.remote_settings import RemoteSettings
 from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
 
 SIZES = (1024, 8192, 32768)  # tokens: 4 MiB, 32 MiB, 128 MiB of KV

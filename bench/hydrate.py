@@ -31,8 +31,8 @@ from bench.shapes import HYBRID_9B, KV28_F16, KV36_BF16, MB, Shape, make_cache
 from bench.timing import interleave
 from kvstore.client import hydrate
 from kvstore.codec import codec
+from kvstore.home.settings import FILEHASH_NAME, ensure_home
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
-from kvstore.settings import FILEHASH_NAME, ensure_home
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 

@@ -352,7 +352,7 @@ def restart(arch: str, root: Path, turns: int) -> dict:
 def _chat_bytes(home: Path, model: Path, final: list[int], learned: dict, records: bool) -> dict:
     """What the chat stored against the KV of its final learned prompt, and bytes written per
     learned token (records: the whole store's; snapshots: their entries)."""
-    from kvstore.store.blocks import BlockStore, is_snapshot
+    from kvstore.learned.blockstore import BlockStore, is_snapshot
     from kvstore.store.store import Store
 
     per_token, fixed = _kv_bytes_per_token(model)
@@ -410,8 +410,8 @@ def _state_chat_bytes(home: Path, model: Path, final: list[int], daemon_log: str
     kept on it) against the final prompt's KV + max_snapshots_per_prefix states, and what all
     learning wrote (records + snapshots, the daemon's daily counter) against what it added: the
     new tokens' KV + one state per snapshot written (the daemon's log lines count them)."""
-    from kvstore.settings import DEFAULTS
-    from kvstore.store.blocks import BlockStore, is_snapshot
+    from kvstore.home.settings import DEFAULTS
+    from kvstore.learned.blockstore import BlockStore, is_snapshot
     from kvstore.store.store import Store
 
     per_token, fixed = _kv_bytes_per_token(model)
@@ -457,9 +457,9 @@ def hybrid_shapes(prompts: tuple[int, ...] = SHAPE_PROMPTS, turn: int = TURN_TOK
     per day the default daily write budget (learn_write_bytes_per_day) then covers."""
     from bench.shapes import HYBRID_9B, make_cache
     from kvstore.codec import codec
-    from kvstore.codec.blocks import kv_layers, slice_record, state_part
-    from kvstore.settings import DEFAULTS
-    from kvstore.store.chain import cuts
+    from kvstore.home.settings import DEFAULTS
+    from kvstore.learned.chain import cuts
+    from kvstore.learned.records import kv_layers, slice_record, state_part
 
     budget = int(DEFAULTS["learn_write_bytes_per_day"])
     out: dict = {"shape": HYBRID_9B.name, "turn_tokens": turn, "write_budget": budget, "rows": []}
@@ -490,9 +490,9 @@ def restore(root: Path, prefix: int, reps: int) -> dict:
 
     from kvstore.client.learn import Learner, LearnTarget
     from kvstore.client.persistent import PinnedPromptCache
-    from kvstore.codec.blocks import slice_record
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.chain import cuts
+    from kvstore.learned.records import slice_record
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
 
@@ -609,7 +609,7 @@ def report(root: Path, ntokens: int, reps: int) -> dict:
     from mlx_lm.utils import load
 
     from kvstore.client.learn import Learner, LearnTarget
-    from kvstore.store.chain import chain_hashes
+    from kvstore.learned.chain import chain_hashes
     from kvstore.store.entry import pack_tokens
     from kvstore.tiny import make_tiny_model
 

@@ -112,8 +112,8 @@ def make_model(path: Path, quick: bool) -> int:
 def _store_entries(home: Path, model: Path, sizes_mb: list[int]) -> int:
     from bench.shapes import KV28_F16, make_cache
     from kvstore.codec import codec
+    from kvstore.home.settings import FILEHASH_NAME, ensure_home
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
-    from kvstore.settings import FILEHASH_NAME, ensure_home
     from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
 

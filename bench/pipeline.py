@@ -158,8 +158,8 @@ def _warm_and_calibrate(model_path: Path, home: Path, all_tiers: dict) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvstore.codec import codec
+    from kvstore.home.settings import FILEHASH_NAME, ensure_home
     from kvstore.identity.fingerprint import FileHashCache, describe_cache, model_fingerprint
-    from kvstore.settings import FILEHASH_NAME, ensure_home
     from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
     from kvstore.warm.prefill import prefill

@@ -63,7 +63,7 @@ def attribution(decode) -> dict[str, float]:
 def explain_a_day() -> list[float]:
     import msgpack
 
-    from kvstore.store.ledger import LEDGER_NAME
+    from kvstore.home.ledger import LEDGER_NAME
 
     with tempfile.TemporaryDirectory(prefix="kvbench-explain-") as tmp:
         home = Path(tmp)
@@ -96,8 +96,8 @@ def worked_example() -> str:
 
     from kvstore.cli.main import main
     from kvstore.client import PersistentPromptCache, generate
+    from kvstore.home.ledger import Ledger, validate
     from kvstore.pins.manifest import load_manifest
-    from kvstore.store.ledger import Ledger, validate
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
     from kvstore.warm.warm import warm

@@ -19,8 +19,8 @@ from bench.timing import Stats, interleave
 from kvstore.cli.main import main as cli
 from kvstore.client import hydrate
 from kvstore.codec import codec
+from kvstore.home.settings import FILEHASH_NAME, ensure_home
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
-from kvstore.settings import FILEHASH_NAME, ensure_home
 from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
 from kvstore.store.store import Store
 

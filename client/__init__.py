@@ -20,11 +20,11 @@ from kvstore.lazy import lazy_exports
 _LAZY = {
     "PersistentPromptCache": "kvstore.client.persistent",
     "Pin": "kvstore.client.persistent",
-    "CallStats": "kvstore.client.stats",
-    "LabelSummary": "kvstore.client.stats",
-    "StatsRecorder": "kvstore.client.stats",
-    "generate": "kvstore.client.stats",
-    "stream_generate": "kvstore.client.stats",
+    "CallStats": "kvstore.client.callstats",
+    "LabelSummary": "kvstore.client.callstats",
+    "StatsRecorder": "kvstore.client.callstats",
+    "generate": "kvstore.client.callstats",
+    "stream_generate": "kvstore.client.callstats",
     "StageReport": "kvstore.client.analyze",
     "load_capture": "kvstore.client.analyze",
     "ParityReport": "kvstore.client.parity",
@@ -36,6 +36,13 @@ if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their re
     from kvstore.client.analyze import (
         StageReport,
         load_capture,
+    )
+    from kvstore.client.callstats import (
+        CallStats,
+        LabelSummary,
+        StatsRecorder,
+        generate,
+        stream_generate,
     )
     from kvstore.client.parity import (
         ParityReport,
@@ -49,15 +56,8 @@ if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their re
     from kvstore.client.serve.hooks import (
         patched_server,
     )
-    from kvstore.client.stats import (
-        CallStats,
-        LabelSummary,
-        StatsRecorder,
-        generate,
-        stream_generate,
-    )
 
-# kvstore.client.serve.command.serve and kvstore.client.analyze.analyze are not re-exported: a
+# kvstore.client.cli.serve and kvstore.client.analyze.analyze are not re-exported: a
 # package attribute cannot be both the submodule and the function of the same name.
 
 __all__ = [  # static, so type checkers see every name (the lazy ones as TYPE_CHECKING imports)

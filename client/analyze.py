@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
-
-from kvstore.cli.options import home_option  # every command takes --home (analyze reads no store)
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 from kvstore.staticfirst import moved_lines, static_lines
@@ -326,41 +323,3 @@ def format_table(reports: list[StageReport]) -> str:
                 f"static-first ({r.unit}) moves the rest into a trailing user turn"
             )
     return "\n".join(rows)
-
-
-@click.command(name="analyze", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("captured", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option(
-    "--model",
-    "-m",
-    default=None,
-    help="Render with this model's chat template and count tokens (else bytes only).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-@home_option
-def analyze_cmd(captured: Path, model: str | None, as_json: bool, home: Path) -> None:
-    """Show how much of each stage's prompts a prefix cache can serve.
-
-    CAPTURED is JSONL: one {"stage": ..., "messages": [...], "tools"?} or {"stage", "text"} per
-    call. Per stage: the share of the prompt common to every call, where the first dynamic
-    block starts (with a snippet), and the share a static-first reordering would make cacheable.
-
-    \b
-    kvstore analyze captured.jsonl --model ./Qwen3.5-9B-8bit
-    """
-    try:
-        captures = load_capture(captured)
-        tokenizer = None
-        if model is not None:
-            from mlx_lm.utils import load_tokenizer
-
-            from kvstore.identity.fingerprint import resolve_model_path
-
-            tokenizer = load_tokenizer(resolve_model_path(model))
-        reports = analyze(captures, tokenizer=tokenizer)
-    except KVStoreError as e:
-        raise click.ClickException(str(e)) from None
-    if as_json:
-        click.echo(json.dumps([asdict(r) | {"snippet": r.snippet} for r in reports], indent=2))
-    else:
-        click.echo(format_table(reports))

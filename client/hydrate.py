@@ -15,14 +15,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstore.boundary import library_call
 from kvstore.client.fleetcheck import check_pending, hold_pending
 from kvstore.client.loader import check_loaded_from
+from kvstore.degrade import library_call
 from kvstore.errors import KVStoreError, counted
+from kvstore.home.settings import FILEHASH_NAME, resolve_home
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.identity.model import IdentityKeywords, ModelIdentity
-from kvstore.settings import FILEHASH_NAME, resolve_home
-from kvstore.store.blocks import load_entry
+from kvstore.learned.blockstore import load_entry
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 

@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
-from kvstore.boundary import serve_hook
 from kvstore.client import modelthread
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_entry
 from kvstore.codec import cache_api
+from kvstore.degrade import serve_hook
 from kvstore.errors import KVStoreError
 from kvstore.wire.messages import LearnRequest, PutBlocksRequest, Record, TouchBlocksRequest
 
@@ -89,7 +89,7 @@ class LearnTarget:
     def is_sliceable(self) -> bool:
         if self.sliceable is None:
             try:
-                from kvstore.codec.blocks import sliceable
+                from kvstore.learned.records import sliceable
 
                 template = self.template()
                 # a sliding window wraps past its size: then it keeps only a final window, a
@@ -178,7 +178,7 @@ class ColdTier:
         import lmdb
 
         try:
-            from kvstore.store.blocks import BlockStore
+            from kvstore.learned.blockstore import BlockStore
 
             self._blocks = BlockStore(self._store)
         except ImportError:  # a core without block records: entries only
@@ -252,7 +252,7 @@ class ColdTier:
             return None
 
     def _from_records(self, target: LearnTarget, tokens: Sequence[int], served: int):
-        from kvstore.codec.blocks import assemble
+        from kvstore.learned.records import assemble
 
         corrupt: list = []  # CorruptEntryError of records the lookup or the read passed over
         chain = self._blocks.lookup(target.fingerprint, tokens, corrupt=corrupt)
@@ -332,7 +332,7 @@ class ColdTier:
             return None
         t, meta = best
         try:
-            from kvstore.store.blocks import load_entry
+            from kvstore.learned.blockstore import load_entry
 
             _, cache = load_entry(self._store, meta.key, meta.tokens)
         except KeyError:  # evicted since the index was read
@@ -669,7 +669,7 @@ class Learner:
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(int(done.bytes))
 
     def _send_records(self, client, target: LearnTarget, prompt, cache, want) -> None:
-        from kvstore.codec.blocks import slice_record
+        from kvstore.learned.records import slice_record
 
         batch: list[dict] = []
         size = 0
@@ -710,8 +710,8 @@ class Learner:
         records: the ones the store lacks are sent with put_blocks (shared by every snapshot
         and chain that covers them). Returns those layers, or [] (the snapshot stays whole:
         no such layers, or no block records in this store)."""
-        from kvstore.codec.blocks import kv_layers, slice_record
-        from kvstore.store.chain import cuts
+        from kvstore.learned.chain import cuts
+        from kvstore.learned.records import kv_layers, slice_record
         from kvstore.store.entry import pack_tokens
 
         layers = kv_layers(cache)
@@ -732,8 +732,8 @@ class Learner:
 
     def _send_snapshot(self, client, target: LearnTarget, prefix: list, cache: list, *,
                        prompt_end: bool = False) -> None:  # fmt: skip
-        from kvstore.codec.blocks import state_part
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
+        from kvstore.learned.records import state_part
 
         if target.files_ok is not None and not target.files_ok():
             return

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstore.boundary import library_call
 from kvstore.client.hydrate import Prefetched, check_arguments, prefetch
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.codec import idle_cores
+from kvstore.degrade import library_call
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError, ModelError
+from kvstore.home.settings import FILEHASH_NAME, resolve_home
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
 from kvstore.identity.model import ModelIdentity
-from kvstore.settings import FILEHASH_NAME, resolve_home
 
 log = logging.getLogger("kvstore.client")
 

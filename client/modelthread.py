@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any, TypeVar
 
-from kvstore.boundary import settle
+from kvstore.degrade import settle
 
 T = TypeVar("T")
 

@@ -7,14 +7,10 @@ logits of every step are compared. Any token mismatch, or a logit difference ove
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import click
-
-from kvstore.cli.options import home_option
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
@@ -274,86 +270,3 @@ def _table(report: ParityReport) -> str:
             f"{r.max_logit_diff:11.3g}  {'ok' if r.ok else 'FAIL'}"
         )
     return "\n".join(rows)
-
-
-@click.command(name="parity", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--manifest",
-    "-m",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Manifest TOML (default: manifest.toml in the home).",
-)
-@click.option(
-    "--prompts",
-    "-p",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help='JSONL: one {"messages": [...], "tools"?, "stage"?} per line.',
-)
-@click.option(
-    "--max-tokens",
-    default=MAX_TOKENS,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Greedy tokens generated per prompt.",
-)
-@click.option(
-    "--atol",
-    default=ATOL,
-    show_default=True,
-    type=click.FloatRange(0),
-    help="Largest allowed absolute logit difference.",
-)
-@click.option(
-    "--reference",
-    type=click.Choice(REFERENCES),
-    default="split",
-    show_default=True,
-    help="split: cold prefill of the same prefix, then the rest (bit-exact when the "
-    "entry is honest); whole: the prompt in one pass, as an app without kvstore "
-    "(chunking noise may need a looser --atol).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-@home_option
-def parity_cmd(
-    manifest: Path | None,
-    prompts: Path,
-    max_tokens: int,
-    atol: float,
-    reference: str,
-    as_json: bool,
-    home: Path | None,
-) -> None:
-    """Check that stored entries change no output: greedy with the store vs without.
-
-    Exits non-zero when any prompt's greedy tokens diverge or its logits differ by more than
-    --atol, naming the prompt and the divergence.
-
-    \b
-    kvstore parity --manifest pins.toml --prompts prompts.jsonl --max-tokens 32
-    """
-    from kvstore.pins.manifest import load_manifest
-    from kvstore.settings import MANIFEST_NAME, resolve_home
-
-    home = resolve_home(home)
-    try:
-        m = load_manifest(manifest or home / MANIFEST_NAME)
-        report = run_parity(
-            m,
-            load_prompts(prompts),
-            home=home,
-            max_tokens=max_tokens,
-            atol=atol,
-            reference=reference,
-        )
-    except KVStoreError as e:
-        raise click.ClickException(str(e)) from None
-    for w in report.warnings:
-        click.echo(f"warning: {w}", err=True)
-    click.echo(json.dumps(report.to_json(), indent=2) if as_json else _table(report))
-    if report.failed:
-        raise click.ClickException(
-            f"parity failed for {len(report.failed)} of {len(report.results)} prompts: "
-            + "; ".join(f"{r.name} (line {r.line}): {r.problem}" for r in report.failed)
-        )

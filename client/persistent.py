@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvstore import metrics, mlxlm
+from kvstore.client.callstats import StatsRecorder
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
 from kvstore.client.learn import Learner, LearnTarget
 from kvstore.client.reasons import after_hydrate
-from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import IdentityKeywords, ModelIdentity
@@ -688,7 +688,7 @@ class PersistentPromptCache(PinnedPromptCache):
             return "memory", mlxlm.trie_get(self, self.model_key, ids).prompt_cache
         if self.fingerprint is None or self.home is None:
             return "", None
-        from kvstore.store.blocks import load_entry
+        from kvstore.learned.blockstore import load_entry
         from kvstore.store.entry import entry_key, pack_tokens
         from kvstore.store.store import Store
 
@@ -754,8 +754,8 @@ class PersistentPromptCache(PinnedPromptCache):
         and must never be filed under theirs. Said once; nothing is stored after."""
         if self._fp is None or self.home is None or not self._fp.changed_files():
             return True
+        from kvstore.home.settings import FILEHASH_NAME
         from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
-        from kvstore.settings import FILEHASH_NAME
 
         try:
             now = model_fingerprint(

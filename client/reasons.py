@@ -16,11 +16,11 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore import tokens as tk
-from kvstore.boundary import library_call
+from kvstore.degrade import library_call
 from kvstore.errors import KVStoreError
+from kvstore.home.settings import LOCK_NAME
 from kvstore.pins.clock import local_now
 from kvstore.reasons import Known, SpanRecord, Tombstone, attribute
-from kvstore.settings import LOCK_NAME
 from kvstore.wire.daemon_client import lock_holder, socket_path
 
 log = logging.getLogger("kvstore.client")
@@ -182,7 +182,7 @@ def read_learned(home: Path, fingerprint: bytes) -> tuple[list[bytes], dict[byte
     """This model's learned prefixes in the store of `home`, as `Known.learned` takes them
     (none when there is no store yet)."""
     from kvstore.errors import KVStoreError
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
     from kvstore.store.store import Store
 
     try:
@@ -207,8 +207,8 @@ def other_fingerprints(
     """This model path's learned prefixes under another fingerprint, each with what differs
     from the running identity (`model_changed`; entries are hydrate's to tell)."""
     from kvstore.errors import KVStoreError
+    from kvstore.learned.blockstore import BlockStore
     from kvstore.reasons import identity_diff
-    from kvstore.store.blocks import BlockStore
     from kvstore.store.store import Store
 
     try:
@@ -243,7 +243,7 @@ def after_hydrate(
     attr.other_model = list(getattr(report, "other_model", None) or [])
     attr.dated = dict(dated or {})
     if home is not None and model:
-        from kvstore.store import tombstones
+        from kvstore.home import tombstones
 
         attr.tombstones.extend(tombstones.load(home, model))
     attr.unavailable = home is not None and not getattr(report, "entries", 0) and daemon_gone(home)

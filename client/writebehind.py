@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.settings import resolve_home
+from kvstore.home.settings import resolve_home
 
 log = logging.getLogger("kvstore.client")
 

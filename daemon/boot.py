@@ -16,8 +16,8 @@ from kvstore.daemon import exits
 from kvstore.daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, park_if_supervised
 from kvstore.daemon.server import Daemon
 from kvstore.errors import KVStoreError, transient
-from kvstore.pins.registry import canonical, registered
-from kvstore.settings import MANIFEST_NAME, Settings, ensure_home, load_settings
+from kvstore.home.registry import canonical, registered
+from kvstore.home.settings import MANIFEST_NAME, Settings, ensure_home, load_settings
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -100,7 +100,7 @@ def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
 
 
 def registered_manifests(home: Path, already: list[Path]) -> list[Path]:
-    """The manifests registered in the home (kvstore.pins.registry) not among `already`. One that is
+    """The manifests registered in the home (kvstore.home.registry) not among `already`. One that is
     gone is logged and still watched, so it is reconciled when it comes back; a damaged registry
     is logged: neither stops the daemon."""
     try:

@@ -26,13 +26,13 @@ from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.daemon.writer import Writer
 from kvstore.errors import KVStoreError
+from kvstore.home.ledger import Ledger, validate
+from kvstore.home.registry import canonical, register
 from kvstore.ops import entries, verify
 from kvstore.ops import manifests as manifest_ops
 from kvstore.ops import put as put_ops
 from kvstore.ops import stats as stats_ops
 from kvstore.pins.manifest import load_manifest
-from kvstore.pins.registry import canonical, register
-from kvstore.store.ledger import Ledger, validate
 from kvstore.store.store import Store
 from kvstore.wire import protocol
 from kvstore.wire.codes import ErrorCode

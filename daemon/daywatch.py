@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvstore.store.ownership import owners
+from kvstore.identity.model import ModelIdentity
+from kvstore.pins.ownership import owners
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -56,7 +57,9 @@ class DayWatch:
                 continue
             for owner in owners(m):
                 if owner.startswith("manifest:"):
-                    out.setdefault((owner, m.identity.same_model(), m.label), set()).add(valid)
+                    out.setdefault(
+                        (owner, ModelIdentity.of_entry(m).same_model(), m.label), set()
+                    ).add(valid)
         return out
 
     def due(self, now: dt.datetime) -> tuple[str, dt.datetime, bool] | None:

@@ -1,6 +1,6 @@
 """The daemon's side of learned prefixes: the `learn`, `put_blocks` and `touch_blocks`
-operations, and the cap on learned snapshot entries. The policy itself is `kvstore.learn`;
-records are `kvstore.store.blocks`; the messages are kvstore.wire.messages.
+operations, and the cap on learned snapshot entries. The policy itself is `kvstore.learned.policy`;
+records are `kvstore.learned.blockstore`; the messages are kvstore.wire.messages.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore import tokens as tk
-from kvstore.learn import MIN_LCP, LearnPolicy, worth_storing
+from kvstore.home.ledger import Ledger
+from kvstore.home.settings import DEFAULTS
+from kvstore.learned.blockstore import BlockStore, is_snapshot, learned_summary, today
+from kvstore.learned.chain import chain_hashes
+from kvstore.learned.policy import MIN_LCP, LearnPolicy, worth_storing
 from kvstore.ops import put as put_ops
 from kvstore.ops.budget import Budget
 from kvstore.ops.evict import evict, snapshot_cap
-from kvstore.settings import DEFAULTS
-from kvstore.store.blocks import BlockStore, is_snapshot, learned_summary, today
-from kvstore.store.chain import chain_hashes
 from kvstore.store.entry import EntryMeta, packed_prefix_hash
-from kvstore.store.ledger import Ledger
 from kvstore.store.store import Store
 from kvstore.wire.messages import (
     LearnReply,

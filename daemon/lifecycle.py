@@ -23,7 +23,7 @@ from pathlib import Path
 
 from kvstore.daemon.exits import PARK_UNDER, SUPERVISOR_ENV
 from kvstore.errors import KVStoreError
-from kvstore.settings import LOCK_NAME
+from kvstore.home.settings import LOCK_NAME
 from kvstore.warm.memory import available_memory_bytes  # noqa: F401 (the daemon's name for it)
 from kvstore.wire.daemon_client import socket_path
 

@@ -33,9 +33,9 @@ from kvstore.daemon.metrics_port import MetricsPort
 from kvstore.daemon.upkeep import Upkeep, watched_files
 from kvstore.daemon.writer import Writer
 from kvstore.errors import KVStoreError, ProtocolError, counted
-from kvstore.pins.registry import canonical
-from kvstore.settings import STORE_DIR, load_settings
-from kvstore.store.ledger import Ledger
+from kvstore.home.ledger import Ledger
+from kvstore.home.registry import canonical
+from kvstore.home.settings import STORE_DIR, load_settings
 from kvstore.store.store import Store
 from kvstore.wire import protocol
 from kvstore.wire.codes import ErrorCode

@@ -22,20 +22,20 @@ from kvstore.daemon import lifecycle
 from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
 from kvstore.errors import KVStoreError, PrefillStopped, counted
+from kvstore.home.registry import canonical
+from kvstore.home.settings import DEFAULTS
 from kvstore.identity.fingerprint import (
     ADAPTER_GLOBS,
     TEMPLATE_FILES,
     WEIGHT_GLOBS,
     resolve_model_path,
 )
-from kvstore.learn import MIN_LCP
+from kvstore.learned.blockstore import BlockStore, is_snapshot
+from kvstore.learned.policy import MIN_LCP
 from kvstore.ops import warm as warm_ops
 from kvstore.ops.budget import Budget
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
-from kvstore.pins.registry import canonical
-from kvstore.settings import DEFAULTS
-from kvstore.store.blocks import BlockStore, is_snapshot
 from kvstore.store.store import Store
 from kvstore.warm.prefill import stop_when
 from kvstore.warm.warm import STORED, PinStatus, PrefillBounds, WarmReport, max_pin_tokens

@@ -12,10 +12,10 @@ from typing import Any
 import msgpack
 
 from kvstore import staticfirst
-from kvstore.boundary import UNREADABLE
+from kvstore.degrade import UNREADABLE
 from kvstore.errors import counted
+from kvstore.home.ledger import LEDGER_NAME
 from kvstore.reasons import Reason
-from kvstore.store.ledger import LEDGER_NAME
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 TOP = 10  # divergences per stage

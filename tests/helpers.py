@@ -273,7 +273,7 @@ def killed_daemon(home: Path, log: Path, *, before_its_store: bool) -> None:
 def corrupt_a_blob(home: Path, label: str | None = None) -> None:
     """Flip one byte in the middle of a stored blob: of the entry labelled `label`, or (None) of
     every learned block record. Lengths stay: only the checksum can tell."""
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
 
     with Store(home) as store:
         if label is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
-from kvstore.boundary import serve_hook
+from kvstore.degrade import serve_hook
 
 log = logging.getLogger("kvstore.serve")
 
@@ -54,8 +54,8 @@ class LearnedGauges:
             metrics.WRITTEN_TODAY.set(got["written_today"])
 
     def _read(self) -> dict[str, int] | None:
-        from kvstore.settings import DEFAULT, load_settings
-        from kvstore.store.blocks import BlockStore, is_snapshot
+        from kvstore.home.settings import DEFAULT, load_settings
+        from kvstore.learned.blockstore import BlockStore, is_snapshot
         from kvstore.store.store import Store
 
         if self._store is None:

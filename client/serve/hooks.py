@@ -1,5 +1,5 @@
 """The `kvstore serve` hooks into mlx-lm's own OpenAI-compatible server (run by
-kvstore.client.serve.command).
+kvstore.client.cli).
 
 The server runs in-process, unchanged, with two of its module globals replaced for the duration
 of `serve()` by thin subclasses:
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import mlxlm
-from kvstore.boundary import serve_hook
+from kvstore.client.callstats import StatsRecorder
 from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
 from kvstore.client.loader import fingerprint_files, tag_loaded
@@ -53,8 +53,8 @@ from kvstore.client.reasons import after_hydrate
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
-from kvstore.client.stats import StatsRecorder
 from kvstore.client.writebehind import WriteBehind
+from kvstore.degrade import serve_hook
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity.model import (
     DEFAULT_KV_GROUP_SIZE,
@@ -134,7 +134,8 @@ class _Hooks:
 
     def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
         """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
-        request's prefill stats in the ledger when it ends (kvstore.client.stats, as the library's
+        request's prefill stats in the ledger when it ends (kvstore.client.callstats, as the
+        library's
         calls are): its prompt, the tokens the cache served, prefill and decode seconds."""
         t0 = time.perf_counter()
         first = None

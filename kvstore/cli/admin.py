@@ -123,7 +123,7 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
     nothing extends) is marked `end`: exporting it writes the whole chain."""
     records, extended = [], set()
     if (home / "store" / "data.mdb").is_file():
-        from kvstore.store.blocks import BlockStore
+        from kvstore.learned.blockstore import BlockStore
 
         with open_store(home) as store:
             blocks = BlockStore(store)
@@ -312,9 +312,9 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
 def _stats_data(home: Path, client) -> dict:
     """The `stats` operation: answered by the daemon when one does, else read here (the same
     operation, kvstore.ops.stats, without the daemon's own state)."""
+    from kvstore.home.ledger import Ledger
+    from kvstore.home.settings import load_settings
     from kvstore.ops import stats as stats_ops
-    from kvstore.settings import load_settings
-    from kvstore.store.ledger import Ledger
 
     if client is not None:
         with client:
@@ -322,7 +322,7 @@ def _stats_data(home: Path, client) -> dict:
     if not (home / "store" / "data.mdb").is_file():
         reply = stats_ops.empty(home, settings=load_settings(home), ledger=Ledger(home).stats())
         return reply.to_local_json()
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
 
     with open_store(home) as store:
         reply = stats_ops.stats(
@@ -375,9 +375,9 @@ def _echo_ledger(rows: list[dict]) -> None:
 
 
 def _setting_rows(settings: dict, prefix: str = "") -> list[tuple[str, str]]:
-    """Each setting as `stats` shows it: sizes and durations in their units (kvstore.settings
+    """Each setting as `stats` shows it: sizes and durations in their units (kvstore.home.settings
     UNITS), a table's keys under its name (remote.endpoint)."""
-    from kvstore.settings import UNITS
+    from kvstore.home.settings import UNITS
 
     rows = []
     for k, v in settings.items():
@@ -427,9 +427,9 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     if not (home / "store" / "data.mdb").is_file():
         click.echo(f"no store in {home}: nothing to verify")
         return
+    from kvstore.learned.blockstore import BlockStore
     from kvstore.ops import verify as verify_ops
     from kvstore.ops.route import Route
-    from kvstore.store.blocks import BlockStore
 
     with Route(home, connect=repair) as route:  # never write beside a daemon
         if route.client is not None:
@@ -489,14 +489,14 @@ def _progress_bar():
 
 def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
     """The upgrade canary on demand; returns how many models differ."""
+    from kvstore.home.settings import MANIFEST_NAME
     from kvstore.pins.manifest import load_manifest
-    from kvstore.settings import MANIFEST_NAME
     from kvstore.warm.canary import check_manifest, describe
 
     if manifests:
         paths = list(manifests)
     else:  # the manifests a daemon keeps true: the registered ones and the home's own
-        from kvstore.pins.registry import canonical, registered
+        from kvstore.home.registry import canonical, registered
 
         known = [r.path for r in registered(home)] + [home / MANIFEST_NAME]
         paths = [p for p in dict.fromkeys(canonical(p) for p in known) if p.is_file()]
@@ -552,7 +552,7 @@ def _report_trusted(home: Path, deep: bool) -> None:
 def _deep_entries(home: Path, *, repair: bool) -> int:
     """Re-prefill every entry that is no manifest's pin (imports, app pins, write-behind) and
     compare it; returns how many differ (deleted with --repair)."""
-    from kvstore.store.ownership import owners
+    from kvstore.pins.ownership import owners
     from kvstore.warm.canary import check_entries
 
     with open_store(home) as store:

@@ -15,7 +15,6 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
-from kvstore.boundary import foreign
 from kvstore.cli import admin, explain, manifests, remote, transfer
 from kvstore.cli.options import (
     home_option,
@@ -25,6 +24,7 @@ from kvstore.cli.options import (
     user_errors,
     wait_option,
 )
+from kvstore.degrade import foreign
 from kvstore.wire.daemon_client import connect_writer
 
 
@@ -79,9 +79,9 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     \b
     kvstore warm --manifest pins.toml
     """
+    from kvstore.home.settings import MANIFEST_NAME
     from kvstore.ops import warm as warm_ops
     from kvstore.pins.manifest import load_manifest
-    from kvstore.settings import MANIFEST_NAME
     from kvstore.warm.warm import PinStatus
 
     manifest = manifest or home / MANIFEST_NAME

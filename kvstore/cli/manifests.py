@@ -1,5 +1,5 @@
 """`kvstore manifests [remove PATH]`: the manifests a daemon reconciles and watches at every start
-(kvstore.pins.registry). With a daemon running, removal goes through it, so it stops watching
+(kvstore.home.registry). With a daemon running, removal goes through it, so it stops watching
 too."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import click
 
 from kvstore.cli.options import home_option, user_errors
 from kvstore.errors import counted
-from kvstore.pins.registry import canonical, registered
+from kvstore.home.registry import canonical, registered
 from kvstore.wire.daemon_client import connect
 from kvstore.wire.messages import ManifestsRequest
 

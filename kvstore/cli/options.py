@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from kvstore.errors import KVStoreError, counted
-from kvstore.settings import ensure_home, home_problem, resolve_home
+from kvstore.home.settings import ensure_home, home_problem, resolve_home
 from kvstore.store.keys import digest_hex
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)

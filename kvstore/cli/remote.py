@@ -16,7 +16,7 @@ import click
 
 from kvstore.cli.options import home_option, human_size, open_store, user_errors
 from kvstore.errors import RemoteError, counted
-from kvstore.fleet.settings import REMOTE_SAMPLE
+from kvstore.fleet.remote_settings import REMOTE_SAMPLE
 from kvstore.store.keys import fingerprint_of, short_hex
 from kvstore.wire.daemon_client import connect_writer
 
@@ -41,8 +41,8 @@ def parse_duration(text: str) -> float:
 
 
 def _settings(home: Path):
-    from kvstore.fleet.settings import remote_settings
-    from kvstore.settings import load_settings
+    from kvstore.fleet.remote_settings import remote_settings
+    from kvstore.home.settings import load_settings
 
     rs = remote_settings(load_settings(home), home)
     if rs is None:
@@ -61,8 +61,8 @@ def _remote(home: Path):
 
 def _plans(home: Path, manifest: Path | None, model: str | None, store):
     """The manifest's model plans (fingerprint and rendered pins), only `model`'s if given."""
+    from kvstore.home.settings import MANIFEST_NAME
     from kvstore.pins.manifest import load_manifest
-    from kvstore.settings import MANIFEST_NAME
     from kvstore.warm.warm import plan_model
 
     path = manifest or home / MANIFEST_NAME
@@ -208,7 +208,7 @@ def push_cmd(model: str | None, reseal: bool, home: Path) -> None:
     """Upload every local entry and learned block record the remote lacks; returns once all are
     up (or one failed). With --reseal, re-seal this box's own objects under the new key instead
     (each box runs it; then the fleet_key_previous line can go)."""
-    from kvstore.fleet.blocks import push_records
+    from kvstore.fleet.learned import push_records
     from kvstore.fleet.queue import UploadQueue, upload_one
 
     remote = _remote(home)
@@ -262,10 +262,10 @@ def push_cmd(model: str | None, reseal: bool, home: Path) -> None:
 def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     """Fetch every entry and learned block record of the manifest's models that this box lacks
     (pins and the rest), verified in full before it is stored. Nothing is prefilled."""
-    from kvstore.fleet.blocks import pull_records
     from kvstore.fleet.fetch import WarmFetcher
+    from kvstore.fleet.learned import pull_records
     from kvstore.fleet.queue import UploadQueue
-    from kvstore.settings import MANIFEST_NAME
+    from kvstore.home.settings import MANIFEST_NAME
 
     remote = _remote(home)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
@@ -321,7 +321,7 @@ def key_new_cmd(home: Path) -> None:
     Then copy the two lines it prints into the credentials file of every other box."""
     import secrets
 
-    from kvstore.fleet.settings import FLEET_KEY_BYTES, credentials_path, read_credentials
+    from kvstore.fleet.remote_settings import FLEET_KEY_BYTES, credentials_path, read_credentials
 
     rs = _settings(home)
     if not rs.credentials:

@@ -40,7 +40,7 @@ def export_cmd(key: str, file: Path, model: str | None, home: Path) -> None:
     --learned`): the chain from the first token up to the end of that record is assembled from
     its blocks into one cache.
     """
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
     from kvstore.warm.transfer import export_entry, export_record
 
     with open_store(home) as store:
@@ -186,9 +186,9 @@ def fingerprint(
     from dataclasses import replace
 
     from kvstore.errors import ManifestError
+    from kvstore.home.settings import FILEHASH_NAME
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, template_hash
     from kvstore.identity.model import ModelIdentity
-    from kvstore.settings import FILEHASH_NAME
 
     identity = ModelIdentity(str(model_path), adapter, kv_bits=kv_bits, kv_group_size=kv_group_size)
     try:  # refused as a manifest refuses it

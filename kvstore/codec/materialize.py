@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kvstore.boundary import settle
 from kvstore.codec.safetensors import DTYPES, Layout
+from kvstore.degrade import settle
 
 # From here on the one-buffer path (pages populated in one call, then copied and checked chunk by
 # chunk), when the copy lands in new pages: per-tensor copies into fresh pages fault each page

@@ -98,7 +98,7 @@ def check_cache(
 def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob) -> Verdict:
     """The check of a learned chain's first record ([0, end) of `token_ids`): its KV layers
     against those of this model's prefill of the first CHECK_TOKENS positions."""
-    from kvstore.codec.blocks import kv_layers
+    from kvstore.learned.records import kv_layers
     from kvstore.warm.kvdiff import kv_difference
     from kvstore.warm.prefill import prefill
 

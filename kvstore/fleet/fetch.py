@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import RemoteError
 from kvstore.fleet.objects import Remote, verify_object
 from kvstore.fleet.queue import UploadQueue
+from kvstore.pins.ownership import APP, PINNED_BEFORE, owners
 from kvstore.store.entry import pack_tokens
-from kvstore.store.ownership import APP, PINNED_BEFORE, owners
 
 if TYPE_CHECKING:
     from kvstore.fleet.check import Checked
+    from kvstore.home.ledger import Ledger
     from kvstore.store.entry import EntryMeta
-    from kvstore.store.ledger import Ledger
     from kvstore.store.store import Store
     from kvstore.warm.plan import ModelPlan, PlannedPin
     from kvstore.warm.warm import WarmReport

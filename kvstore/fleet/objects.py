@@ -35,15 +35,15 @@ import msgpack
 import xxhash
 
 from kvstore import tokens as tk
-from kvstore.boundary import UNREADABLE
 from kvstore.codec import codec
+from kvstore.degrade import UNREADABLE
 from kvstore.errors import CodecError, CorruptEntryError, RemoteError, counted
-from kvstore.fleet.settings import RemoteSettings
+from kvstore.fleet.remote_settings import RemoteSettings
 from kvstore.store.entry import EntryMeta
 from kvstore.store.keys import KEY_BYTES, digest_of, fingerprint_of, pack_key
 
 if TYPE_CHECKING:
-    from kvstore.store.blocks import BlockMeta
+    from kvstore.learned.blockstore import BlockMeta
 
 log = logging.getLogger("kvstore")
 
@@ -248,7 +248,7 @@ def _blob_and_provenance(
 def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False) -> None:
     """Length and checksum as the meta says, then a full decode holding its token count (and, for
     a learned record, only record classes)."""
-    from kvstore.codec.blocks import inspect
+    from kvstore.learned.records import inspect
 
     if len(blob) != meta.nbytes:
         raise RemoteError("corrupt", f"{where}: blob is {len(blob)} bytes, meta says {meta.nbytes}")
@@ -290,8 +290,8 @@ def verify_record(
     its tokens (the prefix and its own) hashing to its key under its fingerprint, blob length and
     checksum, and a full decode holding its token count in record classes. Raises RemoteError
     ("corrupt", "version" or "unauthentic")."""
-    from kvstore.store.blocks import BlockMeta
-    from kvstore.store.chain import position_hash
+    from kvstore.learned.blockstore import BlockMeta
+    from kvstore.learned.chain import position_hash
 
     where = f"remote object for learned record {key.hex()}"
     head_bytes, rest = _framed(data, RECORD_MAGIC, where)

@@ -23,11 +23,11 @@ from typing import Any
 import lmdb
 import msgpack
 
-from kvstore.boundary import daemon_handler
+from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
-from kvstore.fleet.blocks import upload_record
+from kvstore.fleet.learned import upload_record
 from kvstore.fleet.objects import Remote
-from kvstore.store.blocks import BlockStore
+from kvstore.learned.blockstore import BlockStore
 from kvstore.store.entry import EntryMeta
 from kvstore.store.lmdbenv import close_env, gate_of, open_env
 from kvstore.store.store import Store

@@ -15,9 +15,9 @@ from kvstore.errors import KVStoreError
 from kvstore.fleet.fetch import WarmFetcher
 from kvstore.fleet.objects import Remote
 from kvstore.fleet.queue import Uploader, UploadQueue, enqueue_on_commit, start_uploader
-from kvstore.fleet.settings import RemoteSettings, remote_settings
-from kvstore.settings import load_settings
-from kvstore.store.ledger import Ledger
+from kvstore.fleet.remote_settings import RemoteSettings, remote_settings
+from kvstore.home.ledger import Ledger
+from kvstore.home.settings import load_settings
 from kvstore.store.store import Store
 
 

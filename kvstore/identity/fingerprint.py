@@ -24,8 +24,8 @@ from typing import Any
 import msgpack
 import xxhash
 
-from kvstore.boundary import UNREADABLE, foreign
 from kvstore.codec import CODEC_VERSION
+from kvstore.degrade import UNREADABLE, foreign
 from kvstore.errors import ModelError
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
 from kvstore.identity.model import ModelIdentity

@@ -80,6 +80,12 @@ class ModelIdentity:
         return cls(path, adapter, **rows)
 
     @classmethod
+    def of_entry(cls, meta: Any) -> ModelIdentity:
+        """The model a stored entry was made with (path, adapter, KV quantization, overrides):
+        its `extra` holds the identity state, its `model` the path."""
+        return cls.from_state(meta.extra, meta.model)
+
+    @classmethod
     def from_state(cls, state: dict[str, Any], path: str) -> ModelIdentity:
         """The identity `state` (an entry's `extra`, other keys ignored) stores for `path`;
         keys an older entry lacks take generate's defaults. Read as stored, never validated:

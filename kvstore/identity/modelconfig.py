@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvstore.boundary import foreign
+from kvstore.degrade import foreign
 from kvstore.errors import ModelError
 
 # Config keys mlx_lm.utils.load_model reads itself, not through the ModelArgs.

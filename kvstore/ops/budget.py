@@ -9,10 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvstore.home.settings import DEFAULTS
+from kvstore.learned.blockstore import BlockStore, is_snapshot
 from kvstore.ops.evict import EvictedRecord, evict, over_budget
-from kvstore.settings import DEFAULTS
-from kvstore.store.blocks import BlockStore, is_snapshot
-from kvstore.store.eviction import select_for_eviction
+from kvstore.ops.evictable import select_for_eviction
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -28,7 +28,7 @@ class Budget:
     @classmethod
     def of(cls, store: Store, home: Path) -> Budget:
         """The budgets as the home's settings set them (a process with no daemon writing)."""
-        from kvstore.settings import load_settings
+        from kvstore.home.settings import load_settings
 
         settings: dict[str, Any] = dict(load_settings(home))
         return cls(store, BlockStore(store, block=int(settings["block_tokens"])), home, settings)

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.home.registry import canonical
 from kvstore.ops.evict import evict as evict_entries
 from kvstore.ops.evict import requested
-from kvstore.pins.registry import canonical
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 from kvstore.wire.messages import EvictReply, EvictRequest, LsRequest, Owned, Unknown
@@ -47,8 +47,8 @@ class Evicted:
 def evict(store: Store, req: EvictRequest, *, home: Path, watched: set[Path]) -> Evicted:
     """Select by the request's filters (AND), delete, and say which manifests own an evicted pin
     (`watched`: the canonical manifests a daemon reconciles)."""
-    from kvstore.store.eviction import select_for_eviction  # the store's own modules: not for ls
-    from kvstore.store.ownership import owning_manifests
+    from kvstore.ops.evictable import select_for_eviction  # the store's own modules: not for ls
+    from kvstore.pins.ownership import owning_manifests
 
     out = Evicted()
     out.victims = select_for_eviction(
@@ -76,8 +76,8 @@ def started_manifests(home: Path) -> set[Path]:
     """The manifests a daemon started for this home reconciles: the registered ones and the
     home's manifest.toml."""
     from kvstore.errors import KVStoreError
-    from kvstore.pins.registry import registered
-    from kvstore.settings import MANIFEST_NAME
+    from kvstore.home.registry import registered
+    from kvstore.home.settings import MANIFEST_NAME
 
     try:
         paths = {r.path for r in registered(home)}

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics
-from kvstore.store import tombstones
-from kvstore.store.blocks import is_snapshot
+from kvstore.home import tombstones
+from kvstore.learned.blockstore import is_snapshot
 from kvstore.store.entry import EntryMeta, unpack_tokens
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
 
-BY_SNAPSHOT_CAP = "snapshot cap"  # a tombstone's `by` (kvstore.store.tombstones has the others)
+BY_SNAPSHOT_CAP = "snapshot cap"  # a tombstone's `by` (kvstore.home.tombstones has the others)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class EvictedRecord:
     """A learned record its block store removed, with the chain's tokens from position 0 to its
     end (packed; empty when they are no longer known)."""
 
-    record: Any  # kvstore.store.blocks BlockMeta
+    record: Any  # kvstore.learned.blockstore BlockMeta
     prefix: bytes
 
 

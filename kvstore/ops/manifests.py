@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.pins.registry import canonical, unregister
+from kvstore.home.registry import canonical, unregister
 
 
 def remove(home: Path, path: str | Path) -> tuple[Path, bool]:

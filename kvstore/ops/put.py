@@ -11,9 +11,9 @@ from typing import Any
 
 from kvstore import tokens as tk
 from kvstore.errors import CodecError
+from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.chain import chain_hashes, position_hash
 from kvstore.ops.budget import Budget
-from kvstore.store.blocks import BlockStore
-from kvstore.store.chain import chain_hashes, position_hash
 from kvstore.store.entry import (
     KEY_BYTES,
     EntryMeta,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvstore.store.blocks import BlockStore, learned_summary
+from kvstore.learned.blockstore import BlockStore, learned_summary
 from kvstore.store.store import Store
 from kvstore.wire.messages import StatsReply
 

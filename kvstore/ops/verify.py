@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.store.blocks import BlockStore
+from kvstore.learned.blockstore import BlockStore
 from kvstore.store.store import Store
 from kvstore.wire.messages import Problem, RepairReply
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore import tokens as tk
-from kvstore.boundary import foreign
+from kvstore.degrade import foreign
 from kvstore.errors import ManifestError
 from kvstore.pins import coverage
 from kvstore.pins.clock import clock_at, local_now

@@ -25,10 +25,8 @@ import msgpack
 import xxhash
 
 from kvstore import tokens as tk
-from kvstore.boundary import UNREADABLE
+from kvstore.degrade import UNREADABLE
 from kvstore.errors import CorruptEntryError
-from kvstore.identity.model import DEFAULT_QUANTIZED_KV_START as DEFAULT_QUANTIZED_KV_START
-from kvstore.identity.model import ModelIdentity
 from kvstore.store.keys import FINGERPRINT_BYTES as FINGERPRINT_BYTES
 from kvstore.store.keys import KEY_BYTES as KEY_BYTES
 from kvstore.store.keys import digest_of, fingerprint_of
@@ -134,11 +132,6 @@ class EntryMeta:
     # What `extra` holds, read here only: the stored keys are the schema-1 ones, unchanged.
 
     @property
-    def identity(self) -> ModelIdentity:
-        """The model as the entry was made with it (path, adapter, KV quantization, overrides)."""
-        return ModelIdentity.from_state(self.extra, self.model)
-
-    @property
     def chat_template_kwargs(self) -> Any:
         """The template arguments a chat pin was rendered with, as stored (a dict, or None)."""
         return self.extra.get("chat_template_kwargs")
@@ -155,7 +148,7 @@ class EntryMeta:
 
     @property
     def recorded_owners(self) -> Any:
-        """The owners list as stored (kvstore.store.ownership.owners reads it with fallbacks)."""
+        """The owners list as stored (kvstore.pins.ownership.owners reads it with fallbacks)."""
         return self.extra.get("owners")
 
     @property

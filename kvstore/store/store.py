@@ -3,7 +3,8 @@
 One writer (the daemon, or the CLI when no daemon runs) and many readers. Every write goes through
 `write`, the one place that grows the map; every read through `read`; both recover from
 MapResizedError (another process grew the map) by adopting its size. They are the public
-transaction API the store's other tables (kvstore.store.blocks) and readers use. Blob bytes read
+transaction API the store's other tables (kvstore.learned.blockstore) and readers use. Blob bytes
+read
 through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
 transaction. The meta record and keys live in `kvstore.store.entry`, the process-wide environment
 and its gate in `kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods
@@ -26,7 +27,7 @@ import lmdb
 from kvstore import tokens as tk
 from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
-from kvstore.settings import DEFAULT, STORE_DIR
+from kvstore.home.settings import DEFAULT, STORE_DIR
 from kvstore.store.entry import (
     _META_FIELDS,
     CHUNK_SUMS_KEY,
@@ -256,7 +257,7 @@ class Store:
     def load(self, key: bytes, tokens: bytes | None = None) -> tuple[EntryMeta, list]:
         """Meta and decoded cache of one entry; `tokens` (packed), if given, must match. A
         state-only snapshot (extra.kv_layers) comes with those layers empty: serve it through
-        `kvstore.store.blocks.load_entry`, which puts them back from the block records."""
+        `kvstore.learned.blockstore.load_entry`, which puts them back from the block records."""
 
         def fn(txn):
             raw = txn.get(key, db=self._meta)
@@ -434,7 +435,7 @@ class Store:
         return sum(done.values())
 
     def edit_meta(self, edits: dict[bytes, Callable[[EntryMeta], EntryMeta | None]]) -> int:
-        """Rewrite some entries' meta in one transaction (owners: kvstore.store.ownership). An edit
+        """Rewrite some entries' meta in one transaction (owners: kvstore.pins.ownership). An edit
         gets the stored meta and returns the new one, or None to leave it; missing or unreadable
         entries are skipped. The key, tokens, checksum and size never change here."""
 

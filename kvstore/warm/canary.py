@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
-from kvstore.settings import write_atomically
+from kvstore.home.settings import write_atomically
+from kvstore.identity.model import ModelIdentity
 from kvstore.warm.kvdiff import kv_difference
 
 log = logging.getLogger("kvstore")
@@ -88,19 +89,19 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
     overrides) and compare it as an import is compared (kvstore.warm.importfit.kv_check): for
     entries no manifest owns (imports, app pins, write-behind), which the per-model canary does
     not reach. One model loaded at a time; an entry whose model changed since is not judged."""
+    from kvstore.home.settings import FILEHASH_NAME
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, resolve_model_path
-    from kvstore.settings import FILEHASH_NAME
     from kvstore.warm.importfit import ImportMismatch, kv_check, loaded_for_check
 
     groups: dict[tuple, list] = {}
     for m in metas:
-        groups.setdefault(m.identity.same_model(), []).append(m)
+        groups.setdefault(ModelIdentity.of_entry(m).same_model(), []).append(m)
     out = []
     for entries in groups.values():
         results = [
             CanaryResult(m.model, m.label, m.key.hex(), m.ntokens, 0.0, 0.0) for m in entries
         ]
-        identity = entries[0].identity
+        identity = ModelIdentity.of_entry(entries[0])
         try:
             model_dir = resolve_model_path(identity.path)
             fp = model_fingerprint(
@@ -119,7 +120,7 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
                 with loaded_for_check(identity, model_dir, fp) as model:
                     for m, r in todo:
                         try:
-                            from kvstore.store.blocks import load_entry
+                            from kvstore.learned.blockstore import load_entry
 
                             _, cache = load_entry(store, m.key, m.tokens)
                             r.detail = kv_check(model, cache, m.token_ids(), what="")

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvstore.boundary import foreign
+from kvstore.degrade import foreign
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import (  # what a manifest (and generate) may ask for
     KV_BITS,

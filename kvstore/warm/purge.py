@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvstore.identity.model import ModelIdentity
 from kvstore.pins.manifest import Manifest, ModelSpec
+from kvstore.pins.ownership import manifest_owner, owners, released
 from kvstore.store.keys import short_hex
-from kvstore.store.ownership import manifest_owner, owners, released
 from kvstore.store.store import Store
 from kvstore.warm.plan import ModelPlan
 
@@ -39,7 +40,7 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
     # manifest no longer names: nothing of those is purged until it resolves.
     unresolved = [s.path for s in manifest.models if s.identity.same_model() not in plans]
     for meta in store.metas(errors=[]):
-        plan = plans.get(meta.identity.same_model())
+        plan = plans.get(ModelIdentity.of_entry(meta).same_model())
         ours = me in owners(meta)
         if not ours:
             if plan is not None and meta.fingerprint != plan.fingerprint.digest:
@@ -53,7 +54,10 @@ def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) 
                 )
             continue
         if plan is None:
-            if any(s.identity.same_model() == meta.identity.same_model() for s in manifest.models):
+            if any(
+                s.identity.same_model() == ModelIdentity.of_entry(meta).same_model()
+                for s in manifest.models
+            ):
                 continue  # its model failed to plan: keep what we have, do not guess
             if meta.key in planned:
                 continue  # the same KV under the model's new name: re-owned (moved_pins)
@@ -98,7 +102,7 @@ def moved_pins(
     out = {}
     for meta in store.metas(errors=[]):
         spec = specs.get(meta.key)
-        if spec is None or meta.identity.same_model() in plans:
+        if spec is None or ModelIdentity.of_entry(meta).same_model() in plans:
             continue
         manifests = [o for o in owners(meta) if o.startswith("manifest:")]
         if manifests == [me]:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from kvstore.codec import cache_api, codec
 from kvstore.errors import CodecError, CorruptEntryError, KVStoreError, StoreError
+from kvstore.home.settings import FILEHASH_NAME
 from kvstore.identity.fingerprint import (
     FileHashCache,
     describe_cache,
@@ -18,8 +19,7 @@ from kvstore.identity.fingerprint import (
     template_hash,
 )
 from kvstore.identity.model import DEFAULT_KV_GROUP_SIZE, ModelIdentity
-from kvstore.settings import FILEHASH_NAME
-from kvstore.store.blocks import load_entry
+from kvstore.learned.blockstore import load_entry
 from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.importfit import check_fits
@@ -131,8 +131,8 @@ def export_record(store: Store, key: bytes, file: Path, *, model: str | None = N
     exports have. The cache is assembled in the classes of the model the records were learned
     with (their `model`; `model` overrides it, e.g. when the model moved). Returns the chain's
     BlockMeta list and the model path written."""
-    from kvstore.codec.blocks import assemble
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.records import assemble
 
     blocks = BlockStore(store)
     try:

@@ -26,6 +26,7 @@ from kvstore.errors import (
     counted,
     os_errno,
 )
+from kvstore.home.settings import DEFAULT, FILEHASH_NAME, load_settings
 from kvstore.identity.codehash import runtime_versions
 from kvstore.identity.fingerprint import (
     FileHashCache,
@@ -37,8 +38,8 @@ from kvstore.identity.fingerprint import (
 from kvstore.identity.modelconfig import effective_config
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
+from kvstore.pins.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.pins.render import pin_extra, render_prefix
-from kvstore.settings import DEFAULT, FILEHASH_NAME, load_settings
 from kvstore.store.entry import (
     CHECK_PENDING,
     FLEET_CHECK,
@@ -48,7 +49,6 @@ from kvstore.store.entry import (
     pack_tokens,
 )
 from kvstore.store.keys import short_hex
-from kvstore.store.ownership import adopted, manifest_owner, owners, released, renamed
 from kvstore.store.store import Store
 from kvstore.warm import memory
 from kvstore.warm.plan import ModelPlan, PlannedPin

@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 import xxhash
 
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
-from kvstore.settings import LOCK_NAME, SOCKET_NAME, resolve_home
+from kvstore.home.settings import LOCK_NAME, SOCKET_NAME, resolve_home
 from kvstore.wire import protocol
 from kvstore.wire.codes import ErrorCode, code_of
 from kvstore.wire.messages import (

@@ -392,7 +392,7 @@ class RecordReply(Reply):
 @dataclass(frozen=True)
 class RecordRequest(Request[RecordReply]):
     """Prefill ledger records; each record's fields are checked where they are kept
-    (kvstore.store.ledger `validate`, by the daemon's handler)."""
+    (kvstore.home.ledger `validate`, by the daemon's handler)."""
 
     op = "record"
     reply = RecordReply

@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ProtocolError
-from kvstore.settings import DEFAULT
+from kvstore.home.settings import DEFAULT
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES: int = DEFAULT.max_frame_bytes

@@ -198,7 +198,7 @@ def test_import_from_mlx_lm_cache_prompt(llama_path, hybrid_path, kv_home, tmp_p
 
 
 def test_stats_shows_the_prefill_ledger(kv_home):
-    from kvstore.store.ledger import Ledger, validate
+    from kvstore.home.ledger import Ledger, validate
 
     kv_home.mkdir(parents=True)
     rec = dict(

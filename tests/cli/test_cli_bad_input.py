@@ -9,8 +9,8 @@ import pytest
 from helpers import TWO_PINS, cli, manifest_for
 
 from kvstore.errors import ManifestError
+from kvstore.home.registry import register
 from kvstore.pins.manifest import load_manifest
-from kvstore.pins.registry import register
 
 
 def test_export_into_a_missing_folder_names_the_folder(warmed, tmp_path):

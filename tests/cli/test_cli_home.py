@@ -85,7 +85,7 @@ def test_a_home_that_cannot_be_made_private_is_one_line(tmp_path, llama_path, co
     home.mkdir(mode=0o755)
     os.chmod(home, 0o755)  # looser than 0700: ensure_home tightens it
     refused = PermissionError(1, "Operation not permitted", str(home))
-    with mock.patch("kvstore.settings.os.chmod", side_effect=refused):
+    with mock.patch("kvstore.home.settings.os.chmod", side_effect=refused):
         result = cli(*_writes(tmp_path, llama_path)[command], "--home", home)
     assert result.exit_code == 1, result.output
     line = _one_line(result)
@@ -137,7 +137,7 @@ def test_a_file_the_system_refuses_is_one_line(tmp_path):
     home = tmp_path / "h"
     home.mkdir(mode=0o700)
     refused = PermissionError(13, "Permission denied", str(home / "ledger.msgpack"))
-    with mock.patch("kvstore.store.ledger.Ledger.stats", side_effect=refused):
+    with mock.patch("kvstore.home.ledger.Ledger.stats", side_effect=refused):
         result = cli("stats", "--home", home)
     assert result.exit_code == 1
     line = _one_line(result)

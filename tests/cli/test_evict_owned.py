@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
-from kvstore.pins.registry import canonical, register
+from kvstore.home.registry import canonical, register
 
 
 def test_evict_without_a_daemon_names_the_owning_manifest(llama_path, kv_home, tmp_path):

@@ -10,9 +10,9 @@ from helpers import assert_same_kv, cli, mlx_lm_prefill
 from mlx_lm import load
 from mlx_lm.models.cache import load_prompt_cache
 
-from kvstore.codec.blocks import slice_record
-from kvstore.store.blocks import BlockStore
-from kvstore.store.chain import cuts
+from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.chain import cuts
+from kvstore.learned.records import slice_record
 from kvstore.store.store import Store
 
 FP = bytes(range(16))

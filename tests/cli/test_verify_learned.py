@@ -9,9 +9,9 @@ import pytest
 from helpers import Proc, cli, serving
 from mlx_lm.models.cache import KVCache
 
-from kvstore.codec.blocks import slice_record
-from kvstore.store.blocks import BlockStore
-from kvstore.store.chain import cuts
+from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.chain import cuts
+from kvstore.learned.records import slice_record
 from kvstore.store.store import Store
 
 FP = bytes(range(16))

@@ -19,9 +19,9 @@ from kvstore.client import modelthread
 from kvstore.client.learn import Learner, LearnTarget
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.codec import codec
-from kvstore.codec.blocks import slice_record
-from kvstore.store.blocks import BlockStore, load_entry
-from kvstore.store.chain import cuts
+from kvstore.learned.blockstore import BlockStore, load_entry
+from kvstore.learned.chain import cuts
+from kvstore.learned.records import slice_record
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from tests.client.learn_chat import (

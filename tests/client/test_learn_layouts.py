@@ -14,7 +14,7 @@ from mlx_lm.utils import load_model
 
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.codec import codec
-from kvstore.codec.blocks import kv_layers
+from kvstore.learned.records import kv_layers
 from kvstore.store.entry import entry_key
 from kvstore.store.store import Store
 from tests.client.learn_chat import (

@@ -25,7 +25,11 @@ from kvstore.warm.warm import warm
 
 SERVE_MODULES = 8  # kvstore modules one served request enters, at most
 LIBRARY_MODULES = 5  # kvstore modules one library `generate` enters, at most
-NEVER_WHEN_MEMORY_SERVED = ("kvstore.settings", "kvstore.store.blocks", "kvstore.store.store")
+NEVER_WHEN_MEMORY_SERVED = (
+    "kvstore.home.settings",
+    "kvstore.learned.blockstore",
+    "kvstore.store.store",
+)
 # Not counted against the budget: the token-bytes module (pure functions over packed ids, importing
 # no other kvstore module), which the reasons' attribution calls on every request. Any other
 # module, however small, counts.
@@ -194,9 +198,9 @@ def test_a_restore_from_the_store_never_calls_back_up_the_stack(llama, kv_home):
 
     from kvstore.client.learn import Learner, LearnTarget
     from kvstore.client.persistent import PinnedPromptCache
-    from kvstore.codec.blocks import slice_record
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.chain import cuts
+    from kvstore.learned.records import slice_record
 
     model, _ = llama
     fp = bytes(range(16))

@@ -143,9 +143,9 @@ def _put_records(home: Path, n_tokens: int) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from kvstore.codec.blocks import slice_record
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.chain import cuts
+    from kvstore.learned.records import slice_record
     from kvstore.store.store import Store
 
     c = KVCache()
@@ -192,9 +192,9 @@ def _put_records_more(home: Path) -> int:
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from kvstore.codec.blocks import slice_record
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.chain import cuts
+    from kvstore.learned.records import slice_record
     from kvstore.store.store import Store
 
     c = KVCache()
@@ -276,7 +276,7 @@ def test_the_imports_are_frozen_before_mlx_lm_loads_the_model(kv_home, monkeypat
 
     from mlx_lm import server as mlx_server
 
-    from kvstore.client.serve.command import serve
+    from kvstore.client.cli import serve
 
     seen: dict = {}
 

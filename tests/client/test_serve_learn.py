@@ -34,7 +34,7 @@ def daemon(kv_home, tmp_path):
 
 def _records_used_since(home, t: float, timeout: float = 15.0) -> bool:
     """Some learned record's last_used is at or after `t` (the daemon took a touch_blocks)."""
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
     from kvstore.store.store import Store
 
     deadline = time.monotonic() + timeout
@@ -174,7 +174,7 @@ def test_serve_says_once_that_a_corrupt_learned_record_ends_its_chain(
     drops them through the daemon, so they leave the learned budget's count."""
     from helpers import cli
 
-    from kvstore.store.blocks import BlockStore
+    from kvstore.learned.blockstore import BlockStore
     from kvstore.store.store import Store
 
     log = tmp_path / "serve.log"

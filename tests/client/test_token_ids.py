@@ -20,9 +20,9 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, save_prompt_c
 
 from kvstore.client.hydrate import hydrate
 from kvstore.codec import codec
+from kvstore.home.settings import FILEHASH_NAME
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
 from kvstore.pins.manifest import load_manifest
-from kvstore.settings import FILEHASH_NAME
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.prefill import check_token_ids

@@ -9,10 +9,10 @@ import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
-from kvstore.codec.blocks import assemble, inspect, slice_record, sliceable
 from kvstore.errors import CodecError
-from kvstore.store.blocks import BlockStore
-from kvstore.store.chain import cuts
+from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.chain import cuts
+from kvstore.learned.records import assemble, inspect, slice_record, sliceable
 from kvstore.store.store import Store
 from tests.helpers import assert_same_kv, mlx_lm_prefill
 
@@ -69,7 +69,7 @@ def test_a_put_of_a_state_only_snapshot_must_name_empty_kv_layers():
     from mlx_lm.models.cache import ArraysCache, KVCache
 
     from kvstore.codec import codec
-    from kvstore.codec.blocks import state_part
+    from kvstore.learned.records import state_part
     from kvstore.ops.put import check_kv
     from kvstore.wire.messages import PutRequest
 

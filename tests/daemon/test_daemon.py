@@ -239,7 +239,7 @@ def test_budget_evicts_lru_unpinned_and_never_pins(shared, make_entry):
         labels = {e["label"] for e in entries(shared.home).values()}
         assert {"lru-0", "lru-2", "classify", "synthesize"} <= labels and "lru-1" not in labels
         shared.wait_log("over the budget")
-        from kvstore.store import tombstones  # a later miss on it reads `evicted` (reasons)
+        from kvstore.home import tombstones  # a later miss on it reads `evicted` (reasons)
 
         models = {e["model"] for e in entries(shared.home).values()}
         gone = [t for t in tombstones.load(shared.home, models) if t.entry == "lru-1"]

@@ -14,9 +14,9 @@ from mlx_lm.models.cache import KVCache
 
 from kvstore.cli.main import main
 from kvstore.codec import codec
-from kvstore.codec.blocks import slice_record
+from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.records import slice_record
 from kvstore.ops import put as put_ops
-from kvstore.store.blocks import BlockStore
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient

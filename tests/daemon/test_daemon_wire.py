@@ -14,11 +14,11 @@ import pytest
 from helpers import TWO_PINS, Proc, cli, manifest_for, serving
 
 from kvstore.daemon.commands import Commands
+from kvstore.home.ledger import Ledger
+from kvstore.home.settings import load_settings
+from kvstore.learned.blockstore import BlockStore
 from kvstore.ops import entries
 from kvstore.ops import stats as stats_ops
-from kvstore.settings import load_settings
-from kvstore.store.blocks import BlockStore
-from kvstore.store.ledger import Ledger
 from kvstore.store.store import Store
 from kvstore.wire import daemon_client, protocol
 from kvstore.wire.codes import ErrorCode

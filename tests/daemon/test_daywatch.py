@@ -16,9 +16,9 @@ from mlx_lm.utils import load_tokenizer
 
 from kvstore.daemon.daywatch import DayWatch
 from kvstore.daemon.upkeep import Upkeep
+from kvstore.home.settings import load_settings
 from kvstore.pins.clock import clock_at
-from kvstore.settings import load_settings
-from kvstore.store.ownership import APP, owners
+from kvstore.pins.ownership import APP, owners
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
 

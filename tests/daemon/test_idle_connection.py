@@ -7,7 +7,7 @@ import socket
 
 from helpers import Proc, wait_for
 
-from kvstore.settings import SOCKET_NAME
+from kvstore.home.settings import SOCKET_NAME
 from kvstore.wire import protocol
 
 

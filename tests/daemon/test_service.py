@@ -19,9 +19,9 @@ import pytest
 from helpers import cli
 
 from kvstore.daemon import exits
-from kvstore.daemon.service import command as service
-from kvstore.daemon.service import launchd
-from kvstore.daemon.service.command import (
+from kvstore.daemon.cli.service import command as service
+from kvstore.daemon.cli.service import launchd
+from kvstore.daemon.cli.service.command import (
     LABEL,
     UNIT_NAME,
     launchd_plist,

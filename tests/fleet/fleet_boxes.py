@@ -32,8 +32,8 @@ def box(
 
 def remote_of(home: Path):
     from kvstore.fleet.objects import Remote
-    from kvstore.fleet.settings import remote_settings
-    from kvstore.settings import load_settings
+    from kvstore.fleet.remote_settings import remote_settings
+    from kvstore.home.settings import load_settings
 
     return Remote(remote_settings(load_settings(home), home))
 
@@ -73,9 +73,9 @@ def store_chain(
 ) -> None:
     """`cache` (the KV of `tokens`) stored in `home` as learned block records from `start`, as
     a box that served those tokens learns them."""
-    from kvstore.codec.blocks import slice_record
-    from kvstore.store.blocks import BlockStore
-    from kvstore.store.chain import cuts
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.chain import cuts
+    from kvstore.learned.records import slice_record
     from kvstore.store.store import Store
 
     rows = [(s, e, slice_record(cache, s, e)) for s, e in cuts(start, len(tokens))]

@@ -26,13 +26,13 @@ from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher, choose
 from kvstore.fleet.objects import Remote
 from kvstore.fleet.queue import UploadQueue
-from kvstore.fleet.settings import RemoteSettings, RemoteSettingsError, remote_settings
+from kvstore.fleet.remote_settings import RemoteSettings, RemoteSettingsError, remote_settings
+from kvstore.home.ledger import Ledger
+from kvstore.home.settings import load_settings
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.pins.manifest import load_manifest
-from kvstore.settings import load_settings
+from kvstore.pins.ownership import APP, owners
 from kvstore.store.entry import entry_key, pack_tokens
-from kvstore.store.ledger import Ledger
-from kvstore.store.ownership import APP, owners
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill
 from kvstore.warm.warm import warm

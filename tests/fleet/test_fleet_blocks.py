@@ -21,12 +21,12 @@ from helpers import (
 from mlx_lm import load
 from mlx_lm.models.cache import load_prompt_cache
 
-from kvstore.codec.blocks import slice_record
 from kvstore.errors import RemoteError
 from kvstore.fleet.objects import blob_end, verify_record
 from kvstore.identity.fingerprint import model_fingerprint
-from kvstore.store.blocks import BlockStore
-from kvstore.store.chain import cuts
+from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.chain import cuts
+from kvstore.learned.records import slice_record
 from kvstore.store.entry import pack_tokens
 from kvstore.store.store import Store
 

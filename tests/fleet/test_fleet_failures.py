@@ -26,9 +26,9 @@ from kvstore.errors import RemoteError
 from kvstore.fleet.fetch import WarmFetcher
 from kvstore.fleet.objects import Remote, blob_end, object_name, verify_object
 from kvstore.fleet.queue import Uploader, UploadQueue, upload_one
-from kvstore.fleet.settings import RemoteSettings, remote_settings
+from kvstore.fleet.remote_settings import RemoteSettings, remote_settings
+from kvstore.home.settings import load_settings
 from kvstore.pins.manifest import load_manifest
-from kvstore.settings import load_settings
 from kvstore.store.store import Store
 from kvstore.warm.warm import warm
 

@@ -1,5 +1,5 @@
 """Bad bytes in a fetched object are "corrupt", whatever shape they take: the decode catches what
-reading them raises (kvstore.boundary.UNREADABLE), nothing broader, and no bad object escapes as
+reading them raises (kvstore.degrade.UNREADABLE), nothing broader, and no bad object escapes as
 another error type."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from kvstore.fleet.objects import (
     seal,
     verify_object,
 )
-from kvstore.fleet.settings import RemoteSettings
+from kvstore.fleet.remote_settings import RemoteSettings
 from kvstore.store.entry import CHUNK_SUMS_KEY
 from kvstore.store.store import Store
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from helpers import cli
 
-from kvstore.fleet.settings import REMOTE_SAMPLE, parse_remote
+from kvstore.fleet.remote_settings import REMOTE_SAMPLE, parse_remote
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -40,7 +40,7 @@ def test_the_sample_in_remote_help_is_a_valid_table(kv_home):
 def test_box_id_is_made_once_and_kept_in_the_home(tmp_path):
     import pytest
 
-    from kvstore.fleet.settings import RemoteSettingsError, box_id
+    from kvstore.fleet.remote_settings import RemoteSettingsError, box_id
 
     made = box_id(tmp_path)
     assert made.startswith("box-") and box_id(tmp_path) == made

@@ -32,9 +32,9 @@ def test_state_round_trips_and_is_what_entries_always_stored():
 def test_an_entry_reads_its_identity_from_extra_through_the_meta():
     stored = _meta({**QUANTIZED.state, "source": "pin"})
     meta = EntryMeta.unpack(stored.key, stored.pack())
-    assert meta.identity == QUANTIZED and meta.source == "pin"
+    assert ModelIdentity.of_entry(meta) == QUANTIZED and meta.source == "pin"
     # an older entry without the later keys: generate's defaults, as it was keyed
-    old = _meta({"adapter": None, "kv_bits": 4}).identity
+    old = ModelIdentity.of_entry(_meta({"adapter": None, "kv_bits": 4}))
     assert (old.kv_group_size, old.quantized_kv_start, old.model_config) == (64, 5000, None)
 
 
@@ -44,7 +44,7 @@ def test_same_model_ignores_what_does_not_change_the_kv():
     assert ModelIdentity("/m", model_config={}).same_model() == plain.same_model()
     assert ModelIdentity("/m", kv_bits=8).same_model() != plain.same_model()
     assert QUANTIZED.same_model() != ModelIdentity("/m", "/a", kv_bits=8).same_model()
-    assert _meta(QUANTIZED.state).identity.same_model() == QUANTIZED.same_model()
+    assert ModelIdentity.of_entry(_meta(QUANTIZED.state)).same_model() == QUANTIZED.same_model()
 
 
 @pytest.mark.parametrize(

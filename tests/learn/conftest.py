@@ -1,1 +1,2 @@
-"""The learning policy (kvstore.learn): which prefixes are learned, what is wanted, budgets."""
+"""The learning policy (kvstore.learned.policy): which prefixes are learned, what is wanted,
+budgets."""

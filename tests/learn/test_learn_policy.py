@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvstore.learn import LearnPolicy, worth_storing
-from kvstore.store.chain import chain_hashes
+from kvstore.learned.chain import chain_hashes
+from kvstore.learned.policy import LearnPolicy, worth_storing
 from kvstore.store.entry import pack_tokens
 
 FP = bytes(range(16))

@@ -34,7 +34,7 @@ def test_the_wheel_holds_one_top_level_package_under_a_name_of_its_own(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"kvstore", f"{wheel.name.split('-py3')[0]}.dist-info"}
-    for package in ("kvstore/client/", "kvstore/daemon/", "kvstore/daemon/service/"):
+    for package in ("kvstore/client/", "kvstore/daemon/", "kvstore/daemon/cli/service/"):
         assert f"{package}__init__.py" in names
     meta = wheel.name.split("-py3")[0] + ".dist-info"
     entry_points = zipfile.ZipFile(wheel).read(f"{meta}/entry_points.txt").decode()

@@ -85,7 +85,7 @@ def test_a_registration_is_on_disk_when_it_returns_file_then_rename_then_directo
     import stat
     from unittest import mock
 
-    from kvstore.pins.registry import REGISTRY_NAME, register, registered
+    from kvstore.home.registry import REGISTRY_NAME, register, registered
 
     home = tmp_path / "home"
     home.mkdir()

@@ -10,8 +10,8 @@ import msgpack
 from click.testing import CliRunner
 
 from kvstore.cli.main import main
+from kvstore.home.ledger import LEDGER_NAME, Ledger, validate
 from kvstore.reasons import Known, Tombstone, attribute, by_reason, identity_diff
-from kvstore.store.ledger import LEDGER_NAME, Ledger, validate
 from kvstore.tokens import pack
 
 SYS = list(range(1000, 1400))

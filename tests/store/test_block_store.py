@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kvstore.codec.blocks import slice_record
 from kvstore.errors import StoreError
-from kvstore.store.blocks import BlockStore, learned_summary, today
-from kvstore.store.chain import cuts
+from kvstore.learned.blockstore import BlockStore, learned_summary, today
+from kvstore.learned.chain import cuts
+from kvstore.learned.records import slice_record
 from kvstore.store.store import Store
 
 FP = bytes(range(16))

@@ -6,7 +6,7 @@ import time
 
 import xxhash
 
-from kvstore.store.chain import CHAIN_SEED, chain_hashes, cuts, is_cut, position_hash
+from kvstore.learned.chain import CHAIN_SEED, chain_hashes, cuts, is_cut, position_hash
 from kvstore.store.entry import pack_tokens
 
 FP = bytes(range(16))

@@ -6,9 +6,9 @@ from dataclasses import fields
 
 from helpers import cli
 
-from kvstore.settings import DEFAULT, DEFAULTS, UNITS, Settings
+from kvstore.home.settings import DEFAULT, DEFAULTS, UNITS, Settings
+from kvstore.learned.chain import position_hash
 from kvstore.store import lmdbenv
-from kvstore.store.chain import position_hash
 from kvstore.store.entry import entry_key, pack_tokens, prefix_hash
 from kvstore.store.keys import (
     KEY_BYTES,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.store import tombstones
+from kvstore.home import tombstones
 
 
 @dataclass

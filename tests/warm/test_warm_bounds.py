@@ -182,6 +182,6 @@ def test_a_bad_max_pin_tokens_is_one_line(llama_path, kv_home, tmp_path):
 
 
 def test_the_default_bounds_pins_at_32768_tokens():
-    from kvstore.settings import DEFAULTS
+    from kvstore.home.settings import DEFAULTS
 
     assert DEFAULTS["max_pin_tokens"] == 32768

@@ -15,8 +15,8 @@ import pytest
 
 from kvstore.daemon.lifecycle import UCRED, XUCRED, peer_allowed, peer_uid
 from kvstore.errors import DaemonError, KVStoreError, ProtocolError
-from kvstore.settings import SOCKET_NAME
-from kvstore.store.ledger import validate
+from kvstore.home.ledger import validate
+from kvstore.home.settings import SOCKET_NAME
 from kvstore.wire import daemon_client, protocol
 
 
@@ -206,7 +206,7 @@ def test_path_helpers_do_not_touch_the_fallback_root_for_short_homes(tmp_path, m
 
 
 def test_ledger_append_survives_short_writes(tmp_path, monkeypatch):
-    from kvstore.store import ledger as ledger_mod
+    from kvstore.home import ledger as ledger_mod
 
     calls = []
 

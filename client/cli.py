@@ -1,4 +1,8 @@
-"""`kvstore serve`: mlx-lm's own OpenAI-compatible server, with the persistent prompt cache.
+"""The client's click commands: `kvstore serve`, `kvstore analyze` and `kvstore parity`
+(kvstore.cli.main loads them through the kvstore.commands entry points without importing
+them). No other module of the client imports click.
+
+`kvstore serve`: mlx-lm's own OpenAI-compatible server, with the persistent prompt cache.
 
 The server runs in-process, unchanged, under the hooks of kvstore.client.serve.hooks (hydrate at
 model load, and with --persist-system-prompts the stable system segment and its persister,
@@ -9,17 +13,21 @@ main(); it imports the hooks (and mlx-lm with them) only when the server runs.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import click
 
 from kvstore.cli.options import home_option, parse_json_object
+from kvstore.client.analyze import analyze, format_table, load_capture
+from kvstore.client.parity import ATOL, MAX_TOKENS, REFERENCES, _table, load_prompts, run_parity
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.serve")
@@ -179,7 +187,7 @@ def serve_cmd(
     \b
     kvstore serve --model ./Qwen3.5-9B-8bit --port 8080 --prompt-cache-size 20
     """
-    from kvstore.settings import resolve_home
+    from kvstore.home.settings import resolve_home
 
     overrides = parse_json_object(model_config, "--model-config")
     try:
@@ -210,3 +218,124 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@click.command(name="analyze", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("captured", type=click.Path(dir_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Render with this model's chat template and count tokens (else bytes only).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@home_option
+def analyze_cmd(captured: Path, model: str | None, as_json: bool, home: Path) -> None:
+    """Show how much of each stage's prompts a prefix cache can serve.
+
+    CAPTURED is JSONL: one {"stage": ..., "messages": [...], "tools"?} or {"stage", "text"} per
+    call. Per stage: the share of the prompt common to every call, where the first dynamic
+    block starts (with a snippet), and the share a static-first reordering would make cacheable.
+
+    \b
+    kvstore analyze captured.jsonl --model ./Qwen3.5-9B-8bit
+    """
+    try:
+        captures = load_capture(captured)
+        tokenizer = None
+        if model is not None:
+            from mlx_lm.utils import load_tokenizer
+
+            from kvstore.identity.fingerprint import resolve_model_path
+
+            tokenizer = load_tokenizer(resolve_model_path(model))
+        reports = analyze(captures, tokenizer=tokenizer)
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        click.echo(json.dumps([asdict(r) | {"snippet": r.snippet} for r in reports], indent=2))
+    else:
+        click.echo(format_table(reports))
+
+
+@click.command(name="parity", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--manifest",
+    "-m",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Manifest TOML (default: manifest.toml in the home).",
+)
+@click.option(
+    "--prompts",
+    "-p",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help='JSONL: one {"messages": [...], "tools"?, "stage"?} per line.',
+)
+@click.option(
+    "--max-tokens",
+    default=MAX_TOKENS,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Greedy tokens generated per prompt.",
+)
+@click.option(
+    "--atol",
+    default=ATOL,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Largest allowed absolute logit difference.",
+)
+@click.option(
+    "--reference",
+    type=click.Choice(REFERENCES),
+    default="split",
+    show_default=True,
+    help="split: cold prefill of the same prefix, then the rest (bit-exact when the "
+    "entry is honest); whole: the prompt in one pass, as an app without kvstore "
+    "(chunking noise may need a looser --atol).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@home_option
+def parity_cmd(
+    manifest: Path | None,
+    prompts: Path,
+    max_tokens: int,
+    atol: float,
+    reference: str,
+    as_json: bool,
+    home: Path | None,
+) -> None:
+    """Check that stored entries change no output: greedy with the store vs without.
+
+    Exits non-zero when any prompt's greedy tokens diverge or its logits differ by more than
+    --atol, naming the prompt and the divergence.
+
+    \b
+    kvstore parity --manifest pins.toml --prompts prompts.jsonl --max-tokens 32
+    """
+    from kvstore.home.settings import MANIFEST_NAME, resolve_home
+    from kvstore.pins.manifest import load_manifest
+
+    home = resolve_home(home)
+    try:
+        m = load_manifest(manifest or home / MANIFEST_NAME)
+        report = run_parity(
+            m,
+            load_prompts(prompts),
+            home=home,
+            max_tokens=max_tokens,
+            atol=atol,
+            reference=reference,
+        )
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
+    for w in report.warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else _table(report))
+    if report.failed:
+        raise click.ClickException(
+            f"parity failed for {len(report.failed)} of {len(report.results)} prompts: "
+            + "; ".join(f"{r.name} (line {r.line}): {r.problem}" for r in report.failed)
+        )

@@ -172,7 +172,7 @@ def load_settings(home: Path, **overrides: object) -> dict[str, object]:
             stored = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise KVStoreError(f"{path}: cannot read settings: {e}") from e
-        # [remote] is the fleet tier's table, checked by kvstore.fleet.settings
+        # [remote] is the fleet tier's table, checked by kvstore.fleet.remote_settings
         unknown = sorted(set(stored) - set(DEFAULTS) - {"remote"})
         if unknown:
             raise KVStoreError(f"{path}: unknown setting(s) {', '.join(unknown)}")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore import tokens as tk
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.fleet.objects import Remote, verify_record
-from kvstore.store.blocks import BlockStore
+from kvstore.learned.blockstore import BlockStore
 from kvstore.store.keys import fingerprint_of
 
 if TYPE_CHECKING:

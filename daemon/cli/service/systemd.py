@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from kvstore.daemon import exits
-from kvstore.daemon.service import ServiceStatus
+from kvstore.daemon.cli.service import ServiceStatus
 
 UNIT_NAME = "kvstore.service"
 SYSTEMCTL = ["systemctl", "--user"]

@@ -20,7 +20,7 @@ import click
 
 from kvstore.cli.options import home_option
 from kvstore.daemon import exits
-from kvstore.daemon.service import launchd, systemd
+from kvstore.daemon.cli.service import launchd, systemd
 
 LABEL = launchd.LABEL
 UNIT_NAME = systemd.UNIT_NAME

@@ -23,8 +23,8 @@ from pathlib import Path
 import click
 
 from kvstore.daemon import exits
+from kvstore.daemon.cli.service import ServiceStatus
 from kvstore.daemon.logs import CRASH_LOG_NAME
-from kvstore.daemon.service import ServiceStatus
 
 LABEL = "dev.kvstore.daemon"  # one per user: reinstalling with another home replaces it
 THROTTLE_INTERVAL = 10  # s between launches of a crashing job (launchd.plist(5); also the default)

@@ -6,9 +6,9 @@ hydrate) never see them and old readers ignore them:
   bblob  fingerprint + H(end)            -> the record's codec blob (layers' KV of [start, end))
   kids   fingerprint + H(start) + H(end) -> b""  (walked from H(0) to find a prompt's chain)
   bstat  b"learned_bytes", b"day:YYYY-MM-DD" (bytes written that local day), b"block_tokens"
-H(p) is `kvstore.store.chain.position_hash`. Every write is one transaction through the Store's
+H(p) is `kvstore.learned.chain.position_hash`. Every write is one transaction through the Store's
 `write`; reads are its `reading` transactions and work on a read-only Store. No mlx at import (a
-blob header is validated by `kvstore.codec.blocks.inspect`, imported when a record is put).
+blob header is validated by `kvstore.learned.records.inspect`, imported when a record is put).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import msgpack
 import xxhash
 
 from kvstore import tokens as tk
-from kvstore.boundary import UNREADABLE
+from kvstore.degrade import UNREADABLE
 from kvstore.errors import CorruptEntryError, StoreError
-from kvstore.settings import DEFAULT
-from kvstore.store.chain import chain_hashes, is_cut, packed, position_hash
+from kvstore.home.settings import DEFAULT
+from kvstore.learned.chain import chain_hashes, is_cut, packed, position_hash
 from kvstore.store.entry import SCHEMA_VERSION, seal
 from kvstore.store.keys import (
     FINGERPRINT_BYTES,
@@ -104,7 +104,7 @@ class EvictedRecords(NamedTuple):
     freed: int  # bytes
     records: list[BlockMeta]  # the records evicted, in eviction order
     # of each, the packed tokens from position 0 to its end (b"": its chain was broken):
-    # what a tombstone of it names (kvstore.store.tombstones)
+    # what a tombstone of it names (kvstore.home.tombstones)
     prefixes: list[bytes]
 
 
@@ -493,8 +493,8 @@ class BlockStore:
     def _check_records(self, txn, problems: dict[bytes, str]) -> tuple[dict[bytes, BlockMeta], int]:
         """Every record's meta and blob, each problem filed under its key in `problems`: the
         readable metas and how many meta rows there are."""
-        from kvstore.codec.blocks import inspect
         from kvstore.errors import CodecError
+        from kvstore.learned.records import inspect
 
         metas: dict[bytes, BlockMeta] = {}
         rows = 0
@@ -603,7 +603,7 @@ class BlockStore:
     ) -> int:
         """Store records (start, end, blob) of `tokens` in one write transaction; returns the
         bytes written (a record already stored is skipped: idempotent)."""
-        from kvstore.codec.blocks import inspect
+        from kvstore.learned.records import inspect
 
         if len(fingerprint) != FINGERPRINT_BYTES:
             raise StoreError(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
@@ -875,7 +875,7 @@ def fill_kv_layers(store: Store, meta: Any, cache: list) -> list:
     """A state-only snapshot (extra.kv_layers) with its KV layers put back from the block
     records of its tokens: the whole cache at its boundary. KeyError when the records no longer
     cover it (evicted): the snapshot is then not served."""
-    from kvstore.codec.blocks import assemble
+    from kvstore.learned.records import assemble
 
     layers = [int(i) for i in meta.extra["kv_layers"]]
     n = tk.count(meta.tokens)

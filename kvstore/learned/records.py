@@ -3,7 +3,7 @@ checking one's header, and assembling a cache from a chain of them.
 
 A record holds every layer's KV of positions [start, end) as a KVCache (or QuantizedKVCache) with
 offset = end - start, in the codec's ordinary layout, so it is validated like any entry. mlx is
-imported inside the functions: `kvstore.store.blocks` imports this module's `inspect` lazily.
+imported inside the functions: `kvstore.learned.blockstore` imports this module's `inspect` lazily.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def assemble(blobs: list[bytes], metas: list[Any], served: int, template: list) 
     the template's classes (template = make_prompt_cache(model)): KV layers become KVCache, or
     QuantizedKVCache where the records are quantized (plain parts are quantized to match, which
     is exact); rotating layers keep the template's max_size and keep. Evaluated. `metas` are
-    kvstore.store.blocks.BlockMeta (start, end), not imported here: the store imports the codec."""
+    kvstore.learned.blockstore.BlockMeta (start, end), not imported here: the store imports the
+    codec."""
     import mlx.core as mx
 
     from kvstore.codec import codec

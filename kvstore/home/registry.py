@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
-from kvstore.settings import write_atomically
+from kvstore.home.settings import write_atomically
 
 REGISTRY_NAME = "manifests.json"
 _LOCK_NAME = ".manifests.lock"

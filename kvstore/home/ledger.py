@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from kvstore.boundary import UNREADABLE
+from kvstore.degrade import UNREADABLE
 from kvstore.reasons import clean as clean_reasons
 
 log = logging.getLogger("kvstore")

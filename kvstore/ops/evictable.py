@@ -59,7 +59,7 @@ def _judge(m: EntryMeta, cache) -> Staleness:
     model_dir, why = _recorded_dir(m.model_dir, m.model, "model")
     if model_dir is None:
         return Staleness("unknown", why)
-    identity = m.identity
+    identity = ModelIdentity.of_entry(m)
     adapter_dir = None
     if identity.adapter:
         adapter_dir, why = _recorded_dir(m.adapter_dir, identity.adapter, "adapter")
@@ -94,14 +94,14 @@ def _judge(m: EntryMeta, cache) -> Staleness:
 
 def staleness(metas: Iterable[EntryMeta], home: Path) -> dict[bytes, Staleness]:
     """Each entry's verdict; entries of one model as it was run are fingerprinted once."""
+    from kvstore.home.settings import FILEHASH_NAME
     from kvstore.identity.fingerprint import FileHashCache
-    from kvstore.settings import FILEHASH_NAME
 
     cache = FileHashCache(home / FILEHASH_NAME)
     seen: dict[tuple, Staleness] = {}
     out = {}
     for m in metas:
-        where = (m.identity.same_model(), m.model_dir, m.adapter_dir, m.fingerprint)
+        where = (ModelIdentity.of_entry(m).same_model(), m.model_dir, m.adapter_dir, m.fingerprint)
         if where not in seen:
             seen[where] = _judge(m, cache)
         out[m.key] = seen[where]

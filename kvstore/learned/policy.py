@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvstore import tokens as tk
-from kvstore.store.chain import cuts, position_hash
+from kvstore.learned.chain import cuts, position_hash
 
 MIN_LCP = 64  # tokens: a shorter common prefix is not worth a record
 INFLIGHT_S = 30.0  # seconds a want handed to one client is withheld from the others

@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 
 from kvstore import tokens as tk
-from kvstore.boundary import UNREADABLE
+from kvstore.degrade import UNREADABLE
 from kvstore.reasons import Tombstone, tail_of, tombstone_digest
 
 log = logging.getLogger("kvstore")

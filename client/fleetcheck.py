@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvstore.degrade import library_call
 from kvstore.errors import KVStoreError, counted
 from kvstore.store.entry import CHECK_PENDING, FLEET_CHECK, EntryMeta
 
@@ -73,10 +74,11 @@ def check_pending(pre: Any, model: Any) -> list[Checked]:
     verdicts: list[Checked] = []
     passed = []
     for meta, cache in held.entries:
-        try:
+        what = f"kvstore: fleet check of entry {meta.key.hex()}"
+        with library_call(what, level=logging.DEBUG) as failed:  # never take the app down
             v = check_cache(model, held.identity, meta.token_ids(), cache)
-        except Exception as e:  # the cache must never take the app down: the entry is skipped
-            pre.report.skipped.append(f"{meta.key.hex()}: its fleet check failed: {e}")
+        if failed.error is not None:  # the entry is skipped
+            pre.report.skipped.append(f"{meta.key.hex()}: its fleet check failed: {failed.error}")
             continue
         uploader = meta.extra.get("uploader")
         verdicts.append(Checked(meta.key, v.ok, v.what, uploader, meta.label))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.degrade import library_call
 from kvstore.home.settings import resolve_home
 
 log = logging.getLogger("kvstore.client")
@@ -144,14 +145,14 @@ class WriteBehind:
                     self.home,
                 )
             return
-        try:
+        # persisting is best effort: never take the app down
+        with library_call(f"kvstore: could not send {job.what} to the daemon") as failed:
             job.run(client)
             self.sent += 1
-        except Exception as e:  # persisting is best effort: never take the app down
+        if failed.error is not None:
             self.failed += 1
             self._client = None
             client.close()
-            log.warning("kvstore: could not send %s to the daemon: %s", job.what, e)
 
     def _connection(self) -> Any:
         # Reconnect per job while none answers: cheap (no socket file, or a refused connect), and

@@ -8,6 +8,7 @@ an internal one (70).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from kvstore.daemon import exits
 from kvstore.daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, park_if_supervised
 from kvstore.daemon.server import Daemon
+from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, transient
 from kvstore.home.registry import canonical, registered
 from kvstore.home.settings import MANIFEST_NAME, Settings, ensure_home, load_settings
@@ -26,26 +28,25 @@ log = logging.getLogger("kvstore.daemon")
 def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = None) -> int:
     """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. The exit status
     per condition, and what the supervisor then does, is daemon/exits.py's table."""
-    try:
-        booted = _boot(home, manifest)
-    except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
-        if transient(e):  # a full disk, EIO: the supervisor starts it again, and it may then work
-            log.error("cannot start (a transient I/O error; exits %d to be restarted): %s",
-                      exits.TRANSIENT_IO, e)  # fmt: skip
-            return exits.TRANSIENT_IO
-        log.error("cannot start: %s", e)
-        return park_if_supervised(exits.CONFIG, str(e))
-    except Exception:
-        log.exception("internal failure while starting")
+    with daemon_handler("internal failure while starting", logger=log) as failed:
+        try:
+            booted = _boot(home, manifest)
+        except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
+            if transient(e):  # a full disk, EIO: the supervisor starts it again; it may then work
+                log.error("cannot start (a transient I/O error; exits %d to be restarted): %s",
+                          exits.TRANSIENT_IO, e)  # fmt: skip
+                return exits.TRANSIENT_IO
+            log.error("cannot start: %s", e)
+            return park_if_supervised(exits.CONFIG, str(e))
+    if failed.error is not None:
         return exits.INTERNAL
     if isinstance(booted, int):
         return booted
     daemon, lock_fd = booted
     daemon.metrics.port = metrics_port  # served from serve(); off when None
     try:
-        return daemon.serve()
-    except Exception:
-        log.exception("internal failure")
+        with daemon_handler("internal failure", logger=log):
+            return daemon.serve()
         return exits.INTERNAL
     finally:
         os.close(lock_fd)
@@ -60,7 +61,8 @@ def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
     except DaemonRunning as e:
         log.error("%s; this one exits 0 so that no supervisor restarts it", e)
         return exits.LOCK_HELD
-    try:
+    with contextlib.ExitStack() as undo:  # what a failed start took is given back
+        undo.callback(os.close, lock_fd)
         if manifest is not None:
             manifest = manifest.expanduser().absolute()
             if not manifest.is_file():
@@ -79,11 +81,8 @@ def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
         store = Store(  # opening it runs reader_check
             home, map_size=int(typed.map_size), max_map_size=int(typed.max_map_size)
         )
-        try:
-            listener, path = bind_socket(home, backlog=int(typed.max_connections))
-        except BaseException:
-            store.close()
-            raise
+        undo.callback(store.close)
+        listener, path = bind_socket(home, backlog=int(typed.max_connections))
         daemon = Daemon(
             home,
             store=store,
@@ -93,9 +92,7 @@ def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
             socket_path=path,
             fixed_manifests=fixed,
         )
-    except BaseException:
-        os.close(lock_fd)
-        raise
+        undo.pop_all()
     return daemon, lock_fd
 
 

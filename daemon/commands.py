@@ -25,6 +25,7 @@ from kvstore.daemon.learn import Learning
 from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.daemon.writer import Writer
+from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError
 from kvstore.home.ledger import Ledger, validate
 from kvstore.home.registry import canonical, register
@@ -293,14 +294,14 @@ class Commands:
         if not isinstance(args, dict):
             return protocol.error(f"{cmd}: args must be a map", ErrorCode.BAD_ARGUMENT)
         conn.close_after_reply = kind.streams(args)
-        try:
-            return protocol.ok(self.handlers[cmd](kind.from_wire(args), conn).to_wire())
-        except (KVStoreError, ValueError, TypeError) as e:
-            log.warning("%s: %s", cmd, e)
-            code = ErrorCode.REFUSED if isinstance(e, KVStoreError) else ErrorCode.BAD_ARGUMENT
-            return protocol.error(f"{cmd}: {e}", code)
-        except Exception as e:  # a bug must cost one request, never the daemon
-            log.exception("%s failed", cmd)
-            return protocol.error(
-                f"{cmd}: internal error: {type(e).__name__}: {e}", ErrorCode.INTERNAL
-            )
+        with daemon_handler(f"{cmd} failed", logger=log) as failed:  # a bug costs one request
+            try:
+                return protocol.ok(self.handlers[cmd](kind.from_wire(args), conn).to_wire())
+            except (KVStoreError, ValueError, TypeError) as e:
+                log.warning("%s: %s", cmd, e)
+                code = ErrorCode.REFUSED if isinstance(e, KVStoreError) else ErrorCode.BAD_ARGUMENT
+                return protocol.error(f"{cmd}: {e}", code)
+        bug = failed.error
+        return protocol.error(
+            f"{cmd}: internal error: {type(bug).__name__}: {bug}", ErrorCode.INTERNAL
+        )

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvstore.degrade import daemon_handler
 from kvstore.identity.model import ModelIdentity
 from kvstore.pins.ownership import owners
 
@@ -111,7 +112,6 @@ class DayWatch:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
+            # the clock check must never take the daemon down
+            with daemon_handler("clock-bound pins: check failed", logger=log):
                 self.tick()
-            except Exception:  # the clock check must never take the daemon down
-                log.exception("clock-bound pins: check failed")

@@ -32,6 +32,7 @@ from kvstore.daemon.lifecycle import (
 from kvstore.daemon.metrics_port import MetricsPort
 from kvstore.daemon.upkeep import Upkeep, watched_files
 from kvstore.daemon.writer import Writer
+from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, ProtocolError, counted
 from kvstore.home.ledger import Ledger
 from kvstore.home.registry import canonical
@@ -241,30 +242,33 @@ class Daemon:
         next_memory = time.monotonic() + memory_interval
         self.listener.setblocking(False)
         try:
-            with selectors.DefaultSelector() as sel:
-                sel.register(self.listener, selectors.EVENT_READ)
-                sel.register(self._wake_r, selectors.EVENT_READ)
-                while not self.stopping.is_set():
-                    wake_at = min(next_check, next_memory)
-                    for key, _ in sel.select(timeout=max(0.0, wake_at - time.monotonic())):
-                        if key.fileobj is self.listener:
-                            self._accept()
-                        else:
-                            self._wake_r.recv(4096)
-                    if self._hup:
-                        self._hup = False
-                        log.info("SIGHUP: re-reading settings and manifests")
-                        self.reload("SIGHUP")
-                    if time.monotonic() >= next_check:
-                        if n := self.store.reader_check():
-                            log.info("reader_check: cleared %s", counted(n, "stale reader slot"))
-                        next_check = time.monotonic() + interval
-                    if time.monotonic() >= next_memory:
-                        self._retry_deferred()
-                        next_memory = time.monotonic() + memory_interval
-        except Exception:  # a bug here must still stop the daemon cleanly, not hang it
-            log.exception("accept loop failed")
-            self.request_stop("error")
+            # a bug here must still stop the daemon cleanly, not hang it
+            with daemon_handler("accept loop failed", logger=log) as failed:
+                with selectors.DefaultSelector() as sel:
+                    sel.register(self.listener, selectors.EVENT_READ)
+                    sel.register(self._wake_r, selectors.EVENT_READ)
+                    while not self.stopping.is_set():
+                        wake_at = min(next_check, next_memory)
+                        for key, _ in sel.select(timeout=max(0.0, wake_at - time.monotonic())):
+                            if key.fileobj is self.listener:
+                                self._accept()
+                            else:
+                                self._wake_r.recv(4096)
+                        if self._hup:
+                            self._hup = False
+                            log.info("SIGHUP: re-reading settings and manifests")
+                            self.reload("SIGHUP")
+                        if time.monotonic() >= next_check:
+                            if n := self.store.reader_check():
+                                log.info(
+                                    "reader_check: cleared %s", counted(n, "stale reader slot")
+                                )
+                            next_check = time.monotonic() + interval
+                        if time.monotonic() >= next_memory:
+                            self._retry_deferred()
+                            next_memory = time.monotonic() + memory_interval
+            if failed.error is not None:
+                self.request_stop("error")
         finally:
             self.listener.close()
             try:

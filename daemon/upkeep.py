@@ -21,6 +21,7 @@ from kvstore import metrics
 from kvstore.daemon import lifecycle
 from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
+from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, PrefillStopped, counted
 from kvstore.home.registry import canonical
 from kvstore.home.settings import DEFAULTS
@@ -366,23 +367,23 @@ class Upkeep:
             except KVStoreError as e:
                 log.error("reconcile: %s (its pins are kept until it loads again)", e)
                 continue
-            try:
-                reports.append(self.warm(manifest, cause=cause, now=now, purge=purge))
-            except WarmCancelled:
-                log.info("warm of %s cancelled: the daemon is stopping", path)
-                break
-            except Exception:  # one manifest's failure must not starve the others
-                log.exception("reconcile: warming %s failed; continuing with the next", path)
+            # one manifest's failure must not starve the others
+            what = f"reconcile: warming {path} failed; continuing with the next"
+            with daemon_handler(what, logger=log):
+                try:
+                    reports.append(self.warm(manifest, cause=cause, now=now, purge=purge))
+                except WarmCancelled:
+                    log.info("warm of %s cancelled: the daemon is stopping", path)
+                    break
         return reports
 
     def boot_canary(self, manifest_paths: list[Path]) -> None:
         """After an upgrade the stored KV is checked before the boot warm (kvstore.daemon.canary),
         and
         from then on the installed versions are watched."""
-        try:
+        # the canary must never keep the daemon from warming
+        with daemon_handler("upgrade canary failed; warming as usual", logger=log):
             check_at_boot(self.store, self.home, manifest_paths)
-        except Exception:  # the canary must never keep the daemon from warming
-            log.exception("upgrade canary failed; warming as usual")
         if self._versions is None:
             interval = float(self.settings.get("version_check_interval", 30.0))
             self._versions = VersionWatch(interval, self.stopping, restart_into_new_code)

@@ -35,6 +35,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
 from kvstore.daemon.watch_paths import covers, identity, nearest_dir, path_key
+from kvstore.degrade import daemon_handler
 from kvstore.identity.fingerprint import hash_file
 
 log = logging.getLogger("kvstore.daemon")
@@ -298,10 +299,9 @@ class Watcher(threading.Thread):
         # Baseline first: a failing on_change must not be re-fired on every later event.
         self._hashes = {**self._hashes, **new}
         if changed:
-            try:
+            what = f"watcher: handling a change of {sorted(map(str, changed))} failed"
+            with daemon_handler(what, logger=log):
                 self._on_change(changed)
-            except Exception:
-                log.exception("watcher: handling a change of %s failed", sorted(map(str, changed)))
             listed = self._query_paths()
             if listed is not None:
                 self._set_paths(listed)
@@ -315,11 +315,11 @@ class Watcher(threading.Thread):
     # -- paths and schedules -----------------------------------------------------------------
 
     def _query_paths(self) -> list[Path] | None:
-        try:
+        # e.g. a manifest mid-edit that does not parse: keep the old set
+        what = "watcher: listing the files to watch failed; keeping the previous list"
+        with daemon_handler(what, logger=log):
             return [Path(os.path.abspath(p)) for p in self._paths()]
-        except Exception:  # e.g. a manifest mid-edit that does not parse: keep the old set
-            log.exception("watcher: listing the files to watch failed; keeping the previous list")
-            return None
+        return None
 
     def _set_paths(self, paths: Iterable[Path]) -> None:
         """Newly listed files get a baseline hash; dropped ones are forgotten."""
@@ -392,7 +392,7 @@ class Watcher(threading.Thread):
             return
         try:
             observer.stop()  # also stops and joins the emitters it started
-        except Exception:  # a half-started observer: its emitters are what matter
+        except (RuntimeError, OSError):  # a half-started observer: its emitters are what matter
             log.debug("watcher: stopping the observer", exc_info=True)
         if observer.is_alive():
             observer.join()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from kvstore.degrade import settle
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.daemon")
@@ -58,13 +59,9 @@ class Writer:
                 continue
             self.current = name
             try:
-                result = fn()
-            except BaseException as e:  # the job's failure is its caller's; the writer lives on
-                if not reported:
-                    log.exception("writer: job %s failed", name)
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
+                settle(fut, fn)  # the job's failure is its caller's; the writer lives on
+                if not reported and (e := fut.exception()) is not None:
+                    log.error("writer: job %s failed", name, exc_info=e)
             finally:
                 self.current = None
         with self._lock:

@@ -22,6 +22,7 @@ from kvstore.cli.options import (
     user_errors,
     wait_option,
 )
+from kvstore.degrade import cli_command
 from kvstore.errors import counted
 from kvstore.store.keys import fingerprint_of, short_hex
 from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
@@ -46,14 +47,13 @@ def _previews(metas) -> dict[bytes, str]:
     out = {}
     for m in metas:
         if m.model not in tokenizers:
-            try:
+            tokenizers[m.model] = None  # no tokenizer: the preview shows token ids
+            with cli_command(f"kvstore: no tokenizer for {m.model}"):
                 from mlx_lm.utils import load_tokenizer
 
                 from kvstore.identity.fingerprint import resolve_model_path
 
                 tokenizers[m.model] = load_tokenizer(resolve_model_path(m.model))
-            except Exception:
-                tokenizers[m.model] = None
         tok = tokenizers[m.model]
         ids = m.token_ids()[:24]
         text = tok.decode(ids) if tok is not None else " ".join(map(str, ids))

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 
+from kvstore.degrade import UNREADABLE
 from kvstore.errors import ProtocolError
 from kvstore.home.settings import DEFAULT
 
@@ -48,7 +49,7 @@ def unpack_payload(payload: bytes) -> dict[str, Any]:
         raise ProtocolError("empty frame")
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types for bad bytes
+    except UNREADABLE as e:  # msgpack raises several unrelated types for bad bytes
         raise ProtocolError(f"frame is not msgpack ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame holds {type(obj).__name__}, expected a map")

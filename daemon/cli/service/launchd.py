@@ -10,6 +10,7 @@ Sources (checked by reading; none of this can run on Linux):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import plistlib
 import re
@@ -91,14 +92,13 @@ def write_plist(path: Path, content: bytes) -> None:
     world-writable or owned by another user (support/launchctl.c, "Dubious permissions")."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
+    with contextlib.ExitStack() as undo:  # a failed write leaves no temporary file behind
+        undo.callback(Path(tmp).unlink, missing_ok=True)
         with os.fdopen(fd, "wb") as f:
             f.write(content)
             os.fchmod(f.fileno(), PLIST_MODE)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        undo.pop_all()
 
 
 # -- launchctl -------------------------------------------------------------------------------

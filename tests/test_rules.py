@@ -1,0 +1,141 @@
+"""Rules of the code that hold themselves (House): no function over 80 lines, no module that imports
+its own package while that package imports it back, and the import contracts (run by `make
+imports`). A rule in prose alone slipped within two sessions; these fail `make test` instead."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("kvstore", "client", "daemon")
+MAX_FUNCTION_LINES = 80  # a function longer than this is split by responsibility
+
+
+def _package_of(path: Path) -> str:
+    """The installed module name of a source file (client/ is kvstore.client, daemon/ is
+    kvstore.daemon: pyproject's package-dir)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] in ("client", "daemon"):
+        parts = ["kvstore", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _files() -> list[Path]:
+    return sorted(p for top in SOURCES for p in (ROOT / top).rglob("*.py"))
+
+
+def _long_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = (node.end_lineno or node.lineno) - node.lineno + 1  # def to end: no decorators
+            if n > MAX_FUNCTION_LINES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = [f for path in _files() for f in _long_functions(path)]
+    assert not long, "split these by responsibility:\n" + "\n".join(long)
+
+
+def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """Every kvstore module `path` imports, at any depth of its code (function-level imports
+    count); `from package import submodule` imports the submodule, not the package's names."""
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                name = ".".join([*base, node.module] if node.module else base)
+            else:
+                name = node.module or ""
+            for a in node.names:
+                out.add(f"{name}.{a.name}" if f"{name}.{a.name}" in modules else name)
+    return out & modules
+
+
+def test_no_module_imports_a_package_that_imports_it():
+    """import-linter's sibling contract does not see a module importing its own package (the
+    package's __init__) while that __init__ imports the module: a circle all the same."""
+    modules = {_package_of(p): p for p in _files()}
+    graph = {m: _imports(p, m, set(modules)) for m, p in modules.items()}
+    circles = []
+    for module, imported in graph.items():
+        for package in imported:
+            if (
+                package != module
+                and module.startswith(package + ".")
+                and _reaches(graph, package, module)
+            ):
+                circles.append(f"{module} imports {package}, which imports it")
+    assert not circles, "\n".join(circles)
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m == goal:
+            return True
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return False
+
+
+@pytest.mark.parametrize("bad", ["long", "circle"])
+def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
+    """The checks above fail on the thing they forbid (a rule that cannot fail checks nothing)."""
+    if bad == "long":
+        body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+        f = tmp_path / "m.py"
+        f.write_text(f"def f():\n{body}\n")
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert _long_functions(f)
+    else:
+        graph = {
+            "kvstore.client": {"kvstore.client.load"},
+            "kvstore.client.load": {"kvstore.client"},
+        }
+        assert _reaches(graph, "kvstore.client", "kvstore.client.load")
+
+
+def _contract(name_starts: str) -> dict:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c["name"].startswith(name_starts))
+
+
+def test_the_import_contracts_name_every_module():
+    """The contracts list modules by name: one added later and not listed would be outside them."""
+    core = {
+        _package_of(p).split(".")[1]
+        for p in (ROOT / "kvstore").iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()
+    }
+    listed = {m.split(".")[1] for m in _contract("The core imports")["source_modules"]}
+    assert core - {"cli"} <= listed, sorted(core - {"cli"} - listed)
+    click = set(_contract("Click commands")["source_modules"])
+    for top in ("client", "daemon"):
+        for p in (ROOT / top).iterdir():
+            if p.name in ("__init__.py", "cli.py", "cli", "__pycache__") or not (
+                p.suffix == ".py" or (p / "__init__.py").is_file()
+            ):
+                continue
+            assert _package_of(p if p.suffix == ".py" else p / "__init__.py") in click, p.name

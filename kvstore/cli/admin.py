@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import click
 
@@ -25,8 +25,10 @@ from kvstore.cli.options import (
 from kvstore.degrade import cli_command
 from kvstore.errors import counted
 from kvstore.store.keys import fingerprint_of, short_hex
-from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
-from kvstore.wire.messages import Owned, RepairRequest, StatsRequest, Unknown
+
+if TYPE_CHECKING:  # the wire loads when a command talks to the daemon (`ls` starts without it)
+    from kvstore.wire.daemon_client import DaemonNotAnswering
+    from kvstore.wire.messages import Owned, Unknown
 
 
 def _age(ts: float) -> str:
@@ -281,6 +283,8 @@ def stats(as_json: bool, wait: float, home: Path) -> None:
     kvstore stats
     kvstore stats --json | jq .ledger
     """
+    from kvstore.wire.daemon_client import DaemonNotAnswering, connect_writer
+
     silent: DaemonNotAnswering | None = None  # the store is read directly; exits 1 after
     try:
         client = connect_writer(home, timeout=10, wait=wait)
@@ -317,6 +321,8 @@ def _stats_data(home: Path, client) -> dict:
     from kvstore.ops import stats as stats_ops
 
     if client is not None:
+        from kvstore.wire.messages import StatsRequest
+
         with client:
             return client.send(StatsRequest()).to_wire()
     if not (home / "store" / "data.mdb").is_file():
@@ -430,6 +436,7 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     from kvstore.learned.blockstore import BlockStore
     from kvstore.ops import verify as verify_ops
     from kvstore.ops.route import Route
+    from kvstore.wire.messages import RepairRequest
 
     with Route(home, connect=repair) as route:  # never write beside a daemon
         if route.client is not None:

@@ -25,7 +25,6 @@ from kvstore.cli.options import (
     wait_option,
 )
 from kvstore.degrade import foreign
-from kvstore.wire.daemon_client import connect_writer
 
 
 class _PluginGroup(click.Group):
@@ -86,6 +85,8 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
 
     manifest = manifest or home / MANIFEST_NAME
     m = load_manifest(manifest)
+    from kvstore.wire.daemon_client import connect_writer
+
     client = connect_writer(home, wait=wait)
     if client is not None:  # the daemon is the writer: it warms (and watches this manifest)
         progress(f"warming through the daemon for {home}; its log shows the progress")

@@ -14,8 +14,6 @@ import click
 from kvstore.cli.options import home_option, user_errors
 from kvstore.errors import counted
 from kvstore.home.registry import canonical, registered
-from kvstore.wire.daemon_client import connect
-from kvstore.wire.messages import ManifestsRequest
 
 
 class _Row(TypedDict):  # one registered manifest, as `--json` prints it
@@ -41,6 +39,9 @@ def manifests(ctx: click.Context, as_json: bool, home: Path) -> None:
     if ctx.invoked_subcommand is not None:
         return
     entries = registered(home)
+    from kvstore.wire.daemon_client import connect
+    from kvstore.wire.messages import ManifestsRequest
+
     client = connect(home)
     watched: set[Path] | None = None
     fixed: list[str] = []

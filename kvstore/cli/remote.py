@@ -18,7 +18,6 @@ from kvstore.cli.options import home_option, human_size, open_store, user_errors
 from kvstore.errors import RemoteError, counted
 from kvstore.fleet.remote_settings import REMOTE_SAMPLE
 from kvstore.store.keys import fingerprint_of, short_hex
-from kvstore.wire.daemon_client import connect_writer
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -269,6 +268,8 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
 
     remote = _remote(home)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
+    from kvstore.wire.daemon_client import connect_writer
+
     client = connect_writer(home)
     queue = UploadQueue(home)
     fetched = failed = absent = learned = 0

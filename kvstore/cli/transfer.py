@@ -18,7 +18,6 @@ from kvstore.cli.options import (
     user_errors,
 )
 from kvstore.store.keys import digest_hex
-from kvstore.wire.daemon_client import DaemonClient, connect_writer
 
 
 @click.command(name="export")
@@ -127,6 +126,8 @@ def import_cmd(
     if tokens_file is not None and prompt is not None:
         raise click.UsageError("give at most one of --tokens TOKENS.json or --prompt TEXT")
     overrides = parse_json_object(model_config, "--model-config")
+    from kvstore.wire.daemon_client import DaemonClient, connect_writer
+
     client = connect_writer(home)
     # With a daemon running, the entry goes through it (it verifies and commits); else directly.
     # Whether the KV is stored already is read from the store itself (read-only beside a daemon).

@@ -7,7 +7,24 @@ an eviction removes (`eviction`), who keeps an entry (`ownership`), and the pref
 (`ledger`). Importing it loads no mlx: only decoding or storing a cache imports the codec.
 """
 
-from kvstore.store.entry import EntryMeta, blob_checksum, entry_key, pack_tokens, prefix_hash
-from kvstore.store.store import Store
+from typing import TYPE_CHECKING
+
+from kvstore.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvstore.store.entry import EntryMeta, blob_checksum, entry_key, pack_tokens, prefix_hash
+    from kvstore.store.store import Store
+
+# name -> module, imported on first use: `kvstore.store.keys` alone loads no LMDB or msgpack
+_LAZY = {
+    "EntryMeta": "kvstore.store.entry",
+    "blob_checksum": "kvstore.store.entry",
+    "entry_key": "kvstore.store.entry",
+    "pack_tokens": "kvstore.store.entry",
+    "prefix_hash": "kvstore.store.entry",
+    "Store": "kvstore.store.store",
+}
 
 __all__ = ["EntryMeta", "Store", "blob_checksum", "entry_key", "pack_tokens", "prefix_hash"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

@@ -67,3 +67,17 @@ def test_one_warm_reads_the_models_directory_config_and_template_once(
         for meta in store.metas():
             assert meta.extra["model_dir"] == str(resolve_model_path(llama_path))
             assert meta.template_hash == template_hash(llama_path)
+
+
+def test_two_models_are_each_read_once(llama_path, sliding_path, kv_home, tmp_path, monkeypatch):
+    path = tmp_path / "manifest.toml"
+    tables = [f'[[model]]\npath = "{m}"\n{TWO_PINS}' for m in (llama_path, sliding_path)]
+    path.write_text("\n".join(tables))
+    manifest = load_manifest(path)
+    with Store(kv_home) as store:
+        counts = count_reads(monkeypatch)
+        report = warm_ops.warm(
+            manifest, store, home=kv_home, progress=lambda m: None, warn=lambda m: None
+        )
+        assert [p.status for p in report.pins] == ["warmed"] * 4
+        assert dict(counts) == {"directory": 2, "config": 2, "template": 2}

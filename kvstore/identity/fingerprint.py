@@ -28,31 +28,22 @@ from kvstore.codec import CODEC_VERSION
 from kvstore.degrade import UNREADABLE, foreign
 from kvstore.errors import ModelError
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
-from kvstore.identity.model import ModelIdentity
+from kvstore.identity.model import ModelIdentity, ResolvedModel
+from kvstore.identity.modelconfig import (
+    TEMPLATE_FILES as TEMPLATE_FILES,  # where the daemon's watcher imports it from
+)
 from kvstore.identity.modelconfig import (
     check_overrides,
     config_identity,
     effective_config,
     model_args,
+    template_digest,
 )
 
 # Files whose contents change the KV of given tokens. The model's own *.py files are not among them:
 # mlx-lm runs none, except a config's `model_file` under trust_remote_code (hashed as code).
 WEIGHT_GLOBS = ("config.json", "hf_quant_config.json", "*.safetensors")
 ADAPTER_GLOBS = ("adapter_config.json", "*.safetensors")
-# Files that change how text becomes tokens, but not the KV of given tokens: provenance only.
-TEMPLATE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "tiktoken.model",
-)
 _CHUNK = 16 * 2**20  # 16 MiB reads while hashing
 
 
@@ -242,7 +233,7 @@ def cache_layout(model_dir: Path, model=None, *, model_config: dict | None = Non
 
 
 def model_fingerprint(
-    model: ModelIdentity | str | Path,
+    model: ResolvedModel | ModelIdentity | str | Path,
     *,
     layout: tuple | None = None,
     model_object=None,
@@ -251,24 +242,33 @@ def model_fingerprint(
     """Hash of everything that changes the KV of given tokens for this model as it would be run.
 
     `model` is a ModelIdentity, or a path for the model with no adapter, unquantized KV and no
-    overrides. Its `model_config` are the overrides given to `mlx_lm.load(path, model_config=...)`.
+    overrides, or a ResolvedModel (its directory and effective config read once, then taken from
+    it; the fingerprint's identity is then named by its directory). Its `model_config` are the
+    overrides given to `mlx_lm.load(path, model_config=...)`.
     The model's arguments and cache layout come from the loaded `model_object` when given (so
     overrides it was loaded with count even if not named here), else from the effective config.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    identity = model if isinstance(model, ModelIdentity) else ModelIdentity(str(model))
+    located = model if isinstance(model, ResolvedModel) else None
+    if located is not None:
+        identity = replace(located.identity, path=str(located.directory))
+    else:
+        identity = model if isinstance(model, ModelIdentity) else ModelIdentity(str(model))
     # a kv_bits of "8" would otherwise be a fingerprint no entry is filed under, silently
     identity.check()
     model, adapter_path = identity.path, identity.adapter
     kv_bits = identity.kv_bits
-    model_dir = resolve_model_path(model)
+    model_dir = located.directory if located is not None else resolve_model_path(model)
     model_config = check_overrides(identity.model_config)
     cache = hash_cache or FileHashCache(None)
     files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
     if not any(name.endswith(".safetensors") for name, _ in files):
         raise ModelError(f"model {str(model)!r}: no *.safetensors weights in {model_dir}")
-    config = effective_config(model_dir, model_config)
+    if located is not None:
+        config = located.config
+    else:
+        config = effective_config(model_dir, model_config)
     if adapter_path is not None:
         adir = Path(adapter_path).expanduser()
         afiles = _files(adir, ADAPTER_GLOBS) if adir.is_dir() else []
@@ -353,11 +353,10 @@ def _tuplify(value):
 
 def template_hash(model: str | Path) -> bytes:
     """Hash of the chat template, tokenizer files and special tokens (16 bytes)."""
-    model_dir = resolve_model_path(model)
-    h = xxhash.xxh3_128()
-    for name in TEMPLATE_FILES:
-        p = model_dir / name
-        if p.is_file():
-            h.update(name.encode() + b"\0")
-            h.update(p.read_bytes())
-    return h.digest()
+    return template_digest(resolve_model_path(model))
+
+
+def resolve_model(identity: ModelIdentity) -> ResolvedModel:
+    """`identity` located here: its directory resolved now (a hub id from the local hub cache);
+    its effective config and template hash are read on first use, once."""
+    return ResolvedModel(identity, resolve_model_path(identity.path))

@@ -11,6 +11,10 @@ Chat-template arguments are not part of it: they change which tokens a pin rende
 the entry's key), never the KV a model computes for given tokens. They stay with the prefix
 (`PrefixSpec`) and the entry (`EntryMeta.chat_template_kwargs`).
 
+`ResolvedModel` is an identity located on this machine: its directory, and its effective config
+and template hash read from there at most once (a warm's plan makes one per model, and every later
+step of that warm takes them from it instead of reading them again).
+
 No mlx here: the manifest, the CLI and the entry meta use this without loading a model.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -113,6 +118,48 @@ class ModelIdentity:
         ):
             raise ManifestError(f"{problem[0]}: {problem[1]}")
         return self
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A ModelIdentity and where it is here: `directory` (resolved once, by
+    kvstore.identity.fingerprint.resolve_model), its effective `config` (config.json with the
+    identity's overrides) and its `template_hash`, each read from that directory on first use
+    and then kept: one read per model per warm."""
+
+    identity: ModelIdentity
+    directory: Path
+
+    @property
+    def path(self) -> str:
+        """The model as given (a directory or hub id)."""
+        return self.identity.path
+
+    @cached_property
+    def config(self) -> dict:
+        """config.json as mlx_lm.load reads it, the identity's overrides merged in."""
+        from kvstore.identity.modelconfig import check_overrides, effective_config
+
+        return effective_config(self.directory, check_overrides(self.identity.model_config))
+
+    @cached_property
+    def template_hash(self) -> bytes:
+        """Hash of the chat template, tokenizer files and special tokens (16 bytes)."""
+        from kvstore.identity.modelconfig import template_digest
+
+        return template_digest(self.directory)
+
+    @cached_property
+    def location(self) -> dict[str, str]:
+        """Where the model (and its adapter, when that is a directory) resolved here, as an
+        entry's extra records them (`model_dir`, `adapter_dir`; kvstore.store.entry's
+        model_location, without resolving the model again)."""
+        out = {"model_dir": str(self.directory)}
+        if self.identity.adapter:
+            adir = Path(self.identity.adapter).expanduser()
+            if adir.is_dir():
+                out["adapter_dir"] = str(adir.resolve())
+        return out
 
 
 def overrides_key(model_config: dict | None) -> str | None:

@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from kvstore.degrade import foreign
 from kvstore.errors import ModelError
 
@@ -27,6 +29,22 @@ LOAD_KEYS = (
     "quantization",
     "quantization_config",
     "quantize_activations",
+)
+
+
+# Files that change how text becomes tokens, but not the KV of given tokens: provenance only
+# (the template hash).
+TEMPLATE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "tiktoken.model",
 )
 
 
@@ -64,6 +82,18 @@ def effective_config(model_dir: Path, model_config: dict | None = None) -> dict:
         except (OSError, ValueError) as e:
             raise ModelError(f"{hf_quant}: cannot read: {e}") from None
     return config
+
+
+def template_digest(model_dir: Path) -> bytes:
+    """Hash of the chat template, tokenizer files and special tokens in `model_dir` (16 bytes):
+    an entry's template hash (kvstore.identity.fingerprint.template_hash names it by path)."""
+    h = xxhash.xxh3_128()
+    for name in TEMPLATE_FILES:
+        p = model_dir / name
+        if p.is_file():
+            h.update(name.encode() + b"\0")
+            h.update(p.read_bytes())
+    return h.digest()
 
 
 def load_tokenizer(model_dir: Path, model: str) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
     entries no manifest owns (imports, app pins, write-behind), which the per-model canary does
     not reach. One model loaded at a time; an entry whose model changed since is not judged."""
     from kvstore.home.settings import FILEHASH_NAME
-    from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, resolve_model_path
+    from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, resolve_model
     from kvstore.warm.importfit import ImportMismatch, kv_check, loaded_for_check
 
     groups: dict[tuple, list] = {}
@@ -103,11 +103,9 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
         ]
         identity = ModelIdentity.of_entry(entries[0])
         try:
-            model_dir = resolve_model_path(identity.path)
-            fp = model_fingerprint(
-                replace(identity, path=str(model_dir)),
-                hash_cache=FileHashCache(home / FILEHASH_NAME),
-            )
+            located = resolve_model(identity)  # its directory and config read once
+            model_dir = located.directory
+            fp = model_fingerprint(located, hash_cache=FileHashCache(home / FILEHASH_NAME))
             todo = []
             for m, r in zip(entries, results):
                 if m.fingerprint != fp.digest:

@@ -13,11 +13,12 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
 from kvstore.codec import codec
+from kvstore.degrade import foreign
 from kvstore.errors import (
     DISK_FULL_ERRNOS,
     CorruptEntryError,
@@ -32,10 +33,8 @@ from kvstore.identity.fingerprint import (
     FileHashCache,
     describe_cache,
     model_fingerprint,
-    resolve_model_path,
-    template_hash,
+    resolve_model,
 )
-from kvstore.identity.modelconfig import effective_config
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.ownership import adopted, manifest_owner, owners, released, renamed
@@ -128,17 +127,17 @@ def plan_model(
     spec: ModelSpec, store: Store | None, *, home: Path, now: dt.datetime | None = None
 ) -> ModelPlan:
     """Render every pin of one model (as requests on the day of `now` render it) and find which
-    are missing. Loads the tokenizer only. A pin whose rendering fails fails alone."""
+    are missing. Loads the tokenizer only. A pin whose rendering fails fails alone. The model's
+    directory, config and template hash are read here, once, onto the plan's `model`."""
     from kvstore.identity.modelconfig import load_tokenizer
 
-    model_dir = resolve_model_path(spec.path)
-    fp = model_fingerprint(
-        replace(spec.identity, path=str(model_dir)), hash_cache=FileHashCache(home / FILEHASH_NAME)
-    )
-    tokenizer = load_tokenizer(model_dir, spec.path)
+    located = resolve_model(spec.identity)
+    fp = model_fingerprint(located, hash_cache=FileHashCache(home / FILEHASH_NAME))
+    tokenizer = load_tokenizer(located.directory, spec.path)
     now = now or local_now()
-    plan = ModelPlan(spec, model_dir, fp, template_hash(model_dir), day=now.date())
-    plan.context = model_context(effective_config(model_dir, spec.identity.model_config), tokenizer)
+    plan = ModelPlan(spec, located, fp, day=now.date())
+    _ = located.template_hash  # read now, as the pins it describes are rendered
+    plan.context = model_context(located.config, tokenizer)
     for prefix in spec.prefixes:
         try:
             pin = render_prefix(tokenizer, prefix, now=now)
@@ -260,14 +259,12 @@ def load_model(plan: ModelPlan):
     from mlx_lm.models.cache import make_prompt_cache
 
     identity = plan.spec.identity
-    try:
+    with foreign(lambda e: ModelError(f"model {plan.spec.path!r}: cannot load: {e}")):
         model, _ = load(
             str(plan.model_dir),
             adapter_path=identity.adapter,
             model_config=dict(identity.model_config or {}),
         )
-    except Exception as e:
-        raise ModelError(f"model {plan.spec.path!r}: cannot load: {e}") from None
     try:
         plan.fingerprint.check_unchanged(f"the daemon loaded model {plan.spec.path!r}")
     except ModelError as e:
@@ -305,8 +302,10 @@ def encode_pin(
 def pin_fields(
     plan: ModelPlan, pp: PlannedPin, *, classes: list[str], manifest: Path | None = None
 ) -> dict:
-    """The meta fields Store.put takes for a manifest pin (prefilled here or fetched)."""
-    return entry_fields(
+    """The meta fields Store.put takes for a manifest pin (prefilled here or fetched). Where the
+    model resolved comes from the plan (the put does not resolve it again), first in `extra` as
+    kvstore.store.entry.with_model_location puts it."""
+    fields = entry_fields(
         pp.pin.tokens,
         label=pp.pin.name,
         pinned=True,
@@ -321,6 +320,8 @@ def pin_fields(
         fingerprint_parts=plan.fingerprint.parts,  # what a later `model_changed` names
         extra=_pin_extra(pp),
     ).as_kwargs()
+    fields["extra"] = {**plan.model.location, **fields["extra"]}
+    return fields
 
 
 def _pin_extra(pp: PlannedPin) -> dict:

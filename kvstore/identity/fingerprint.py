@@ -360,3 +360,34 @@ def resolve_model(identity: ModelIdentity) -> ResolvedModel:
     """`identity` located here: its directory resolved now (a hub id from the local hub cache);
     its effective config and template hash are read on first use, once."""
     return ResolvedModel(identity, resolve_model_path(identity.path))
+
+
+# -- where the model resolved: recorded on each entry at put time ---------------------------
+def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
+    """Where `model` and `adapter` resolve in this process, as absolute directories (a hub id:
+    its snapshot directory): recorded in each entry's extra at put time as `model_dir` and
+    `adapter_dir`, so a process with another cwd or HF_HOME (the daemon under launchd) can still
+    judge the entry stale or current. What does not resolve here is left out."""
+    out: dict[str, str] = {}
+    if model:
+        try:
+            out["model_dir"] = str(resolve_model_path(model))
+        except (ModelError, OSError):
+            pass
+    if adapter:
+        adir = Path(adapter).expanduser()
+        if adir.is_dir():
+            out["adapter_dir"] = str(adir.resolve())
+    return out
+
+
+def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
+    model_location)."""
+    extra = fields.get("extra") or {}
+    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
+        return fields  # a bad extra: put's type check names it
+    model, adapter = fields.get("model"), extra.get("adapter")
+    if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
+        return fields  # put's type check names the field
+    return {**fields, "extra": {**model_location(model, adapter), **extra}}

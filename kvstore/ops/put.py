@@ -11,6 +11,7 @@ from typing import Any
 
 from kvstore import tokens as tk
 from kvstore.errors import CodecError
+from kvstore.identity.fingerprint import with_model_location
 from kvstore.learned.blockstore import BlockStore
 from kvstore.learned.chain import chain_hashes, position_hash
 from kvstore.ops.budget import Budget
@@ -19,7 +20,6 @@ from kvstore.store.entry import (
     EntryMeta,
     blob_checksum,
     tokens_match_key,
-    with_model_location,
 )
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
@@ -130,7 +130,7 @@ def put(
     check_put_fields(req.fields)
     if decode:
         check_kv(req, blob)
-    meta = store.put(req.key, blob, locate=False, **req.fields)
+    meta = store.put(req.key, blob, **req.fields)
     if after is not None:
         after(meta)
     budget.enforce()

@@ -9,8 +9,8 @@ The meta record is what is stored beside each blob (msgpack). LMDB keeps no page
 record carries its own: schema 2 stores the msgpack body with its xxh3-64
 (`{"v": 2, "body": bytes, "sum": int}`). Schema 1 records (a bare map, no checksum) are still
 read. Every read also checks that the tokens hash to the key's second half, so a flipped byte in
-either is a CorruptEntryError naming the key, never a hit. At put time the meta's extra records
-where the model resolved (`model_location`).
+either is a CorruptEntryError naming the key, never a hit. The put operation records in the
+meta's extra where the model resolved (kvstore.identity.fingerprint.model_location).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -323,37 +322,3 @@ def entry_fields(
         classes=classes,
         extra={**(state or {}), "source": source, **more, **(extra or {})},
     )
-
-
-# -- where the model resolved --------------------------------------------------------------------
-def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
-    """Where `model` and `adapter` resolve in this process, as absolute directories (a hub id:
-    its snapshot directory): recorded in each entry's extra at put time as `model_dir` and
-    `adapter_dir`, so a process with another cwd or HF_HOME (the daemon under launchd) can still
-    judge the entry stale or current. What does not resolve here is left out."""
-    from kvstore.errors import ModelError
-    from kvstore.identity.fingerprint import resolve_model_path
-
-    out: dict[str, str] = {}
-    if model:
-        try:
-            out["model_dir"] = str(resolve_model_path(model))
-        except (ModelError, OSError):
-            pass
-    if adapter:
-        adir = Path(adapter).expanduser()
-        if adir.is_dir():
-            out["adapter_dir"] = str(adir.resolve())
-    return out
-
-
-def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
-    model_location)."""
-    extra = fields.get("extra") or {}
-    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
-        return fields  # a bad extra: put's type check names it
-    model, adapter = fields.get("model"), extra.get("adapter")
-    if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
-        return fields  # put's type check names the field
-    return {**fields, "extra": {**model_location(model, adapter), **extra}}

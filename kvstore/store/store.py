@@ -36,7 +36,6 @@ from kvstore.store.entry import (
     blob_checksum,
     checksums,
     tokens_match_key,
-    with_model_location,
 )
 from kvstore.store.keys import fingerprint_of
 from kvstore.store.lmdbenv import (
@@ -329,17 +328,12 @@ class Store:
         return cache
 
     # -- writes --------------------------------------------------------------------------
-    def put(self, key: bytes, blob: bytes, *, locate: bool = True, **fields: Any) -> EntryMeta:
-        """Store one entry; the same key and blob again keeps `created` and hits.
-
-        `locate` records where the model resolves in this process (see model_location); the
-        daemon passes False for a client's put, which DaemonClient.put located in the client's
-        own cwd and environment: resolving a relative path or hub id here could find another."""
-
+    def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
+        """Store one entry; the same key and blob again keeps `created` and hits. The fields are
+        stored as given: the put operation (kvstore.ops.put) checks them and records where the
+        model resolved, in the putting process's cwd and environment, before they come here."""
         if len(key) != KEY_BYTES:
             raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-        if locate:
-            fields = with_model_location(fields)
         now = time.time()
         checksum, chunk_sums = checksums(blob)
         extra = fields.pop("extra", {})

@@ -82,7 +82,7 @@ def test_evict_stale_through_a_daemon_elsewhere_keeps_valid_pins(
     # Stored before model directories were recorded: nothing says where "tiny" was.
     legacy = _entry(model, "tiny", [13, 14, 15], "legacy")
     with Store(kv_home) as store:
-        store.put(legacy[0], legacy[1], locate=False, **legacy[2])
+        store.put(legacy[0], legacy[1], **legacy[2])
 
     (tmp_path / "hf-daemon").mkdir()
     d = Proc(kv_home, str(tmp_path / "hf-daemon"), log=tmp_path / "daemon.log", code=_ELSEWHERE)

@@ -30,6 +30,6 @@ def test_the_fields_put_as_store_put_takes_them(kv_home):
     f = entry_fields([4, 5], label="x", pinned=True, model="m", template_hash=None, classes=[],
                      source="manifest", manifest=None)  # fmt: skip
     with Store(kv_home) as store:
-        meta = store.put(entry_key(FP, [4, 5]), bytes(8), locate=False, **f.as_kwargs())
+        meta = store.put(entry_key(FP, [4, 5]), bytes(8), **f.as_kwargs())
     assert (meta.label, meta.pinned, meta.model) == ("x", True, "m")
     assert meta.extra == {"source": "manifest", "manifest": None}

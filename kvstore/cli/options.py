@@ -54,6 +54,8 @@ def _home(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Pa
     """The home resolved, refused in one line when it cannot be one (a file, a path under a
     file, unreachable). The daemon says so itself: one log line and its configuration exit
     status (daemon/exits.py), which a supervisor acts on."""
+    if value is not None and not str(value):  # `--home ""`: not the current directory
+        raise click.ClickException("--home is empty; give a directory (or leave it out)")
     home = resolve_home(value)
     if ctx.command.name != "daemon" and (problem := home_problem(home)):
         raise click.ClickException(problem)
@@ -62,7 +64,7 @@ def _home(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Pa
 
 home_option = click.option(
     "--home",
-    type=click.Path(path_type=Path),  # checked by _home: a file is one line, not a usage error
+    type=click.Path(),  # checked by _home: a file is one line, not a usage error
     metavar="DIRECTORY",
     envvar="KVSTORE_HOME",
     callback=_home,

@@ -142,3 +142,26 @@ def test_a_file_the_system_refuses_is_one_line(tmp_path):
     assert result.exit_code == 1
     line = _one_line(result)
     assert str(home / "ledger.msgpack") in line and "Permission denied" in line, line
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_an_empty_home_is_refused_and_nothing_is_made_in_the_current_directory(
+    tmp_path, monkeypatch, argv
+):
+    """`--home ""` made the current directory the home (store/ created there, chmod 0700, exit 0);
+    an empty KVSTORE_HOME stays unset (the default home)."""
+    monkeypatch.chdir(tmp_path)
+    result = cli(*argv, "--home", "")
+    assert result.exit_code == 1, result.output
+    assert _one_line(result) == "Error: --home is empty; give a directory (or leave it out)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_kvstore_home_is_unset(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_HOME", "")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    monkeypatch.chdir(tmp_path)
+    result = cli("ls")
+    assert result.exit_code == 0, result.output
+    assert "store" not in {p.name for p in tmp_path.iterdir()}

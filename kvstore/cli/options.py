@@ -16,7 +16,13 @@ from pathlib import Path
 import click
 
 from kvstore.errors import KVStoreError, counted
-from kvstore.home.settings import ensure_home, home_problem, resolve_home
+from kvstore.home.settings import (
+    STORE_DIR,
+    ensure_home,
+    home_problem,
+    resolve_home,
+    store_dir_problem,
+)
 from kvstore.store.keys import digest_hex
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
@@ -57,7 +63,9 @@ def _home(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Pa
     if value is not None and not str(value):  # `--home ""`: not the current directory
         raise click.ClickException("--home is empty; give a directory (or leave it out)")
     home = resolve_home(value)
-    if ctx.command.name != "daemon" and (problem := home_problem(home)):
+    if ctx.command.name != "daemon" and (
+        problem := home_problem(home) or store_dir_problem(home / STORE_DIR)
+    ):
         raise click.ClickException(problem)
     return home
 

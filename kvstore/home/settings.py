@@ -116,6 +116,13 @@ def home_problem(home: Path) -> str | None:
     return None
 
 
+def store_dir_problem(path: Path) -> str | None:
+    """Why `path` (a home's store/) cannot hold the store although it exists, or None."""
+    if path.exists() and not path.is_dir():
+        return f"{path}: is a file, not the store's directory; move it aside"
+    return None
+
+
 def ensure_home(home: Path) -> Path:
     """Create the home (0700) if missing and tighten it if it is looser. A home that cannot be
     made or tightened (a path under a file, no permission, an immutable directory) raises

@@ -27,7 +27,7 @@ import lmdb
 from kvstore import tokens as tk
 from kvstore.codec import CODEC_VERSION
 from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
-from kvstore.home.settings import DEFAULT, STORE_DIR
+from kvstore.home.settings import DEFAULT, STORE_DIR, store_dir_problem
 from kvstore.store.entry import (
     _META_FIELDS,
     CHUNK_SUMS_KEY,
@@ -65,8 +65,13 @@ class Store:
         self.readonly = readonly
         self.max_map_size = max_map_size
         self._pid = os.getpid()
+        if problem := store_dir_problem(self.path):
+            raise StoreError(problem)
         if readonly and not (self.path / "data.mdb").is_file():
             raise StoreError(f"{self.path}: no store here (run `kvstore warm` or start the daemon)")
+        if readonly and (self.path / "data.mdb").stat().st_size == 0:  # a writer would make one
+            data = self.path / "data.mdb"
+            raise StoreError(f"{data}: the store file is empty (0 bytes); {damaged_hint(data)}")
         if not readonly:
             try:
                 self.path.mkdir(parents=True, exist_ok=True, mode=0o700)

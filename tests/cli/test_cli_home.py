@@ -165,3 +165,28 @@ def test_an_empty_kvstore_home_is_unset(tmp_path, monkeypatch):
     result = cli("ls")
     assert result.exit_code == 0, result.output
     assert "store" not in {p.name for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("argv", [("ls",), ("stats",), ("verify",), ("ls", "--json")], ids=" ".join)
+def test_an_empty_store_file_is_the_damaged_store_line(tmp_path, argv):
+    """A 0-byte data.mdb read: "cannot open the LMDB store: Bad file descriptor", no advice."""
+    data = tmp_path / "store" / "data.mdb"
+    data.parent.mkdir(parents=True)
+    data.touch()
+    result = cli(*argv, "--home", tmp_path)
+    assert result.exit_code == 1, result.output
+    line = _one_line(result)
+    assert f"{data}: the store file is empty (0 bytes)" in line and "move it aside" in line
+    assert data.stat().st_size == 0  # left as it was
+
+
+@pytest.mark.parametrize("argv", [c for c in COMMANDS if c != ("daemon",)], ids=" ".join)
+def test_a_store_that_is_a_file_is_one_line(tmp_path, argv):
+    """`store` a regular file: `ls` said "0 entries" and exit 0."""
+    (tmp_path / "store").write_text("not a directory")
+    result = cli(*argv, "--home", tmp_path)
+    assert result.exit_code == 1, result.output
+    assert (
+        _one_line(result)
+        == f"Error: {tmp_path / 'store'}: is a file, not the store's directory; move it aside"
+    )

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
 
 from kvstore.client import hydrate
 from kvstore.codec import codec
+from kvstore.identity.fingerprint import with_model_location
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill
@@ -66,9 +67,9 @@ def test_export_names_the_model_by_its_absolute_path(llama_path, kv_home, tmp_pa
     tokens = [3, 4, 5, 6, 7, 8]
     fp = bytes.fromhex(json.loads(cli("fingerprint", rel, "--json", code=0).output)["fingerprint"])
     key = entry_key(fp, tokens)
-    with Store(kv_home) as store:
-        store.put(key, codec.encode(prefill(model, tokens), {"model": rel}),
-                  tokens=pack_tokens(tokens), label="app", model=rel)  # fmt: skip
+    with Store(kv_home) as store:  # recording where the model resolved, as the put operation does
+        fields = with_model_location(dict(tokens=pack_tokens(tokens), label="app", model=rel))
+        store.put(key, codec.encode(prefill(model, tokens), {"model": rel}), **fields)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)

@@ -394,7 +394,7 @@ class PinnedPromptCache(LRUPromptCache):
 @dataclass(frozen=True)
 class CacheOptions:
     """How a PersistentPromptCache keeps, counts and sends KV (its model's identity and home
-    apart). Each is also a keyword argument of `PersistentPromptCache` and `load`."""
+    apart). Each is also a keyword argument of `PersistentPromptCache.open` and `load`."""
 
     model_key: Any = None  # the LRU's key of the model; default: the model path
     max_size: int = 10  # LRU entries, pins apart
@@ -416,7 +416,7 @@ class CacheOptions:
 
 
 class CacheKeywords(IdentityKeywords, total=False):
-    """The keyword arguments `PersistentPromptCache` and `load` take one by one: the model's
+    """The keyword arguments `PersistentPromptCache.open` and `load` take one by one: the model's
     identity (or the whole `identity`) and the cache's options (CacheOptions' fields)."""
 
     identity: ModelIdentity

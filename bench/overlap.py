@@ -6,7 +6,7 @@ full scale; entries of at least 0.5 GiB in total are stored under its real finge
 alternative runs as one call in its own new interpreter, alternating, medians of N:
   mlx_lm.load         model and tokenizer, nothing hydrated (what an app without kvstore pays)
   kvstore.client.load         the same, plus a PersistentPromptCache hydrated on a second thread
-  load, then hydrate  mlx_lm.load, then PersistentPromptCache(model, ...) hydrating after it
+  load, then hydrate  mlx_lm.load, then PersistentPromptCache.open(model, ...) hydrating after it
   load, then touch    mlx_lm.load, then as many new pages as the entries fill faulted in, as
                       kvstore's decoder allocates them (bench.coldstart.fault_in), nothing copied:
                       the floor after the load for a loader that puts the entries in process memory
@@ -70,7 +70,7 @@ def start(argv: list[str]) -> dict:
 
         imported = time.perf_counter()
         m, tok = load(model)
-        cache = PersistentPromptCache(m, tok, model, home=home, stats=False)
+        cache = PersistentPromptCache.open(m, tok, model, home=home, stats=False)
         hydrated = cache.report.entries
         cache.close()
     done = time.perf_counter()

@@ -57,7 +57,7 @@ def _persistent_prompt_cache(tmp: Path):
     logging.getLogger("kvstore.client").setLevel(logging.ERROR)  # the one no-daemon warning
     path = make_tiny_model(tmp / "model", "llama")
     model, tokenizer = load(str(path))
-    return PersistentPromptCache(model, tokenizer, path, home=tmp / "ppc-home", stats=False)
+    return PersistentPromptCache.open(model, tokenizer, path, home=tmp / "ppc-home", stats=False)
 
 
 def run(quick: bool) -> dict:

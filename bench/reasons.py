@@ -118,7 +118,9 @@ def worked_example() -> str:
         with Store(home) as store:
             warm(load_manifest(manifest), store, home=home)
         model, tokenizer = load(str(model_path))
-        with PersistentPromptCache(model, tokenizer, model_path, home=home, verbose=False) as c:
+        with PersistentPromptCache.open(
+            model, tokenizer, model_path, home=home, verbose=False
+        ) as c:
             for user in ("My invoice 2291 was charged twice.", "Where is my parcel?",
                          "Is the blue shirt in stock?"):  # fmt: skip
                 msgs = [{"role": "system", "content": system("2026-12-01")},

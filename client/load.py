@@ -134,7 +134,7 @@ def load(
         )
     prefetched = reading.result(model, given.path)
     largest, largest_tokens, pinned = _warm_entry(prefetched)
-    cache = PersistentPromptCache(
+    cache = PersistentPromptCache.open(
         model, tokenizer, reading.identity, home=home, options=options, prefetched=prefetched
     )
     if warm:

@@ -45,7 +45,7 @@ from kvstore.pins.render import RenderedPin, pin_extra
 from kvstore.wire.messages import TouchRequest
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
     from kvstore.identity.fingerprint import Fingerprint
 
@@ -394,7 +394,7 @@ class PinnedPromptCache(LRUPromptCache):
 @dataclass(frozen=True)
 class CacheOptions:
     """How a PersistentPromptCache keeps, counts and sends KV (its model's identity and home
-    apart). Each is also a keyword argument of `PersistentPromptCache` and `load`."""
+    apart). Each is also a keyword argument of `PersistentPromptCache.open` and `load`."""
 
     model_key: Any = None  # the LRU's key of the model; default: the model path
     max_size: int = 10  # LRU entries, pins apart
@@ -416,7 +416,7 @@ class CacheOptions:
 
 
 class CacheKeywords(IdentityKeywords, total=False):
-    """The keyword arguments `PersistentPromptCache` and `load` take one by one: the model's
+    """The keyword arguments `PersistentPromptCache.open` and `load` take one by one: the model's
     identity (or the whole `identity`) and the cache's options (CacheOptions' fields)."""
 
     identity: ModelIdentity
@@ -430,33 +430,94 @@ class CacheKeywords(IdentityKeywords, total=False):
     chat_template_kwargs: Mapping[str, Any] | None
 
 
+# what the constructor takes by keyword (anything else is an earlier checkout's call form)
+_INIT_NAMES = frozenset({"model", "tokenizer", "identity", "home", "options", "writer", "stats"})
+
+
 class PersistentPromptCache(PinnedPromptCache):
     """An LRUPromptCache for one loaded model that survives restarts through the kvstore daemon.
 
-    >>> cache = PersistentPromptCache(model, tokenizer, "/models/Qwen3-8B")
+    >>> cache = PersistentPromptCache.open(model, tokenizer, "/models/Qwen3-8B")
     >>> cache.pin("classify", messages=[{"role": "system", "content": ROUTER}])
     >>> text = client.generate(cache, model, tokenizer, prompt, label="classify")
 
-    Built from the model, its tokenizer, its identity (a path, or a `ModelIdentity`), the home
-    and `options` (CacheOptions). The keyword rows of both are accepted as before
-    (`adapter_path=`, `kv_bits=`, ..., `learn=`, `stats=`, ...): the model as loaded
-    (`model_config`: the overrides of `mlx_lm.load(model_config=)`; its own arguments are read
-    from `model` either way) and how the cache keeps KV. Constructing it hydrates the store's
-    entries for the model (read now, or `prefetched` by `kvstore.client.load`) and starts the
+    `open` (or `kvstore.client.load`) makes one: from the model, its tokenizer, its identity (a
+    path, or a `ModelIdentity`), the home and `options` (CacheOptions). The keyword rows of both
+    are accepted as well (`adapter_path=`, `kv_bits=`, ..., `learn=`, `stats=`, ...): the model
+    as loaded (`model_config`: the overrides of `mlx_lm.load(model_config=)`; its own arguments
+    are read from `model` either way) and how the cache keeps KV. `open` hydrates the store's
+    entries for the model (read then, or `prefetched` by `kvstore.client.load`) and starts the
     write-behind to the daemon. Load it with `kvstore.client.load` and a weight file changed
     since is caught: nothing is hydrated or persisted for that model. A model from plain
     `mlx_lm.load` is compared with its files (a sample of its weights) instead. Before each store
     the files are checked again: KV is filed only under the fingerprint of the weights that
-    computed it. Like `hydrate`, it never raises for a store problem or a wrong argument type:
-    the report holds one warning and the cache works as a plain LRUPromptCache.
+    computed it. Like `hydrate`, `open` never raises for a store problem or a wrong argument
+    type: the report holds one warning and the cache works as a plain LRUPromptCache.
+
+    The constructor takes the values the cache holds, already checked and opened (the identity,
+    the resolved home, the options, the write-behind and stats recorder, if any) and does no
+    I/O: nothing read, no thread started, nothing sent.
 
     With `learn=True` prompts are reported to the daemon, which learns the prefixes that recur
     (kept in the store as block records or learned entries), and a memory miss the store can
     serve is restored from it instead of prefilled (kvstore.client.learn).
     """
 
+    def __new__(cls, *args: Any, **keywords: Any) -> Self:
+        # An earlier checkout's call form, PersistentPromptCache(model, tokenizer, path, ...):
+        # one line naming the new one, before anything is built.
+        third = args[2] if len(args) > 2 else keywords.get("identity")
+        if (third is not None and not isinstance(third, ModelIdentity)) or (
+            set(keywords) - _INIT_NAMES
+        ):
+            raise TypeError(
+                "PersistentPromptCache(model, tokenizer, path, ...) is now "
+                "PersistentPromptCache.open(model, tokenizer, path, ...) (or kvstore.client.load)"
+            )
+        return super().__new__(cls)
+
     def __init__(
         self,
+        model: Any,
+        tokenizer: Any,
+        identity: ModelIdentity,
+        home: Path | None = None,
+        options: CacheOptions | None = None,
+        *,
+        writer: WriteBehind | None = None,
+        stats: StatsRecorder | None = None,
+    ):
+        from kvstore.warm.prefill import model_vocab_size
+
+        self.options = options = options if options is not None else CacheOptions()
+        super().__init__(
+            options.max_size, options.max_bytes,
+            tier=StoreTier(
+                writer=writer, on_insert=self._offer_chain if options.persist_chains else None
+            ),
+        )  # fmt: skip
+        self.model, self.tokenizer = model, tokenizer
+        self.identity = identity  # the model as its entries are keyed
+        self.model_path = str(identity.path)
+        self.model_key = self.model_path if options.model_key is None else options.model_key
+        # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
+        self.chat_template_kwargs = dict(options.chat_template_kwargs or {})
+        self.home = home  # None: nothing read or sent (no usable home)
+        self._writer = writer
+        self.stats = stats
+        self.stored_labels: dict[tuple[int, ...], str] = {}  # hydrated entries: tokens -> label
+        self.stored_dates: dict[tuple[int, ...], str] = {}  # of those, clock-bound: -> ISO day
+        self._fp: Fingerprint | None = None  # with the files it hashed: re-checked before a store
+        self._files_warned = False  # the files changed since: said once, nothing stored after
+        self._template_hash: bytes | None = None
+        self.fingerprint: bytes | None = None
+        self.vocab_size = model_vocab_size(model)  # ids the model takes (a prompt's are checked)
+        self.report = HydrateReport()
+        self._at_exit: Callable[[], None] | None = None
+
+    @classmethod
+    def open(
+        cls,
         model: Any,
         tokenizer: Any,
         model_path: str | Path | ModelIdentity,
@@ -465,49 +526,45 @@ class PersistentPromptCache(PinnedPromptCache):
         options: CacheOptions | None = None,
         prefetched: Prefetched | None = None,
         **keywords: Unpack[CacheKeywords],
-    ):
+    ) -> Self:
+        """A ready cache: check the arguments, start the write-behind and the stats, hydrate,
+        and attach the learner. Never raises for a store problem or a wrong argument."""
         rows: dict[str, Any] = dict(keywords)
-        given = ModelIdentity.given(model_path, rows)  # as given: checked when the cache opens
+        given = ModelIdentity.given(model_path, rows)  # as given: checked here
         identity = rows.pop("identity", None)
         if identity is None:
             identity = model_path if isinstance(model_path, ModelIdentity) else given
-        self.options = options = CacheOptions.given(rows, options)
-        super().__init__(
-            options.max_size, options.max_bytes,
-            tier=StoreTier(on_insert=self._offer_chain if options.persist_chains else None),
-        )  # fmt: skip
-        self.model, self.tokenizer = model, tokenizer
-        self.identity = identity  # the model as its entries are keyed (checked: with str paths)
-        self.model_path = str(identity.path)
-        self.model_key = self.model_path if options.model_key is None else options.model_key
-        # What the app passes to apply_chat_template (as mlx_lm.server --chat-template-args).
-        self.chat_template_kwargs = dict(options.chat_template_kwargs or {})
-        self.stored_labels: dict[tuple[int, ...], str] = {}  # hydrated entries: tokens -> label
-        self.stored_dates: dict[tuple[int, ...], str] = {}  # of those, clock-bound: -> ISO day
-        self._fp: Fingerprint | None = None  # with the files it hashed: re-checked before a store
-        self._files_warned = False  # the files changed since: said once, nothing stored after
-        self._template_hash: bytes | None = None
-        self.fingerprint: bytes | None = None
-        self.home: Path | None = None
-        self._writer: WriteBehind | None = None
-        self.stats: StatsRecorder | None = None
-        self.vocab_size: int | None = None  # ids the model takes (a prompt's ids are checked)
-        self.report: HydrateReport = self._open(home, prefetched)
-
-    def _open(self, home: str | Path | None, prefetched: Prefetched | None) -> HydrateReport:
-        """The I/O of construction: check the arguments, start the write-behind and the stats,
-        hydrate, and attach the learner. Never raises for a store problem or a wrong argument."""
-        from kvstore.warm.prefill import model_vocab_size
-
-        self.vocab_size = model_vocab_size(self.model)
-        bad = None
+        options = CacheOptions.given(rows, options)
+        resolved, bad = None, None
         try:
-            self.home, self.identity = check_arguments(self.identity, home=home)
+            resolved, identity = check_arguments(identity, home=home)
         except KVStoreError as e:
             bad = f"kvstore: not hydrating or persisting: {e}"
-        if self.home is not None:  # no writer (nothing sent anywhere) without a usable home
-            self._writer = self.tier.writer = WriteBehind(self.home)
-        # Unsent stats and pins still reach the daemon when the app exits without close().
+        # no writer (nothing sent anywhere) without a usable home
+        writer = WriteBehind(resolved) if resolved is not None else None
+        stats = None
+        if options.stats:
+            stats = StatsRecorder(
+                str(identity.path), writer=writer, send=writer is not None, verbose=options.verbose
+            )
+        cache = cls(model, tokenizer, identity, resolved, options, writer=writer, stats=stats)
+        cache._close_at_exit()
+        if bad is not None:
+            log.warning("%s", bad)
+            cache.report = HydrateReport(warning=bad)
+        else:
+            cache.report = cache._hydrate(prefetched, home)
+        if stats is not None:  # what the reasons of prefilled tokens need from it
+            after_hydrate(
+                stats.attribute, cache.report, cache.home, cache.model_path, cache.stored_dates,
+                cache._fp.parts if cache._fp is not None else None,
+            )  # fmt: skip
+        if options.learn and cache.fingerprint is not None and writer is not None:
+            cache._attach_learner()
+        return cache
+
+    def _close_at_exit(self) -> None:
+        """Unsent stats and pins still reach the daemon when the app exits without close()."""
         ref = weakref.ref(self)
 
         def at_exit() -> None:
@@ -516,26 +573,7 @@ class PersistentPromptCache(PinnedPromptCache):
                 c.close()
 
         self._at_exit = at_exit
-        atexit.register(self._at_exit)
-        options = self.options
-        if options.stats:
-            sends = self._writer is not None
-            self.stats = StatsRecorder(
-                self.model_path, writer=self._writer, send=sends, verbose=options.verbose
-            )
-        if bad is not None:
-            log.warning("%s", bad)
-            report = HydrateReport(warning=bad)
-        else:
-            report = self._hydrate(prefetched, home)
-        if self.stats is not None:  # what the reasons of prefilled tokens need from it
-            after_hydrate(
-                self.stats.attribute, report, self.home, self.model_path, self.stored_dates,
-                self._fp.parts if self._fp is not None else None,
-            )  # fmt: skip
-        if options.learn and self.fingerprint is not None and self._writer is not None:
-            self._attach_learner()
-        return report
+        atexit.register(at_exit)
 
     def _hydrate(self, prefetched: Prefetched | None, home: str | Path | None) -> HydrateReport:
         """Insert the stored entries of this model (read now unless `prefetched`); the report."""
@@ -789,7 +827,8 @@ class PersistentPromptCache(PinnedPromptCache):
 
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Flush, then stop the write-behind thread. The cache itself keeps working."""
-        atexit.unregister(self._at_exit)
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
         self.tier.send_hits()
         if self.stats is not None:
             self.stats.close(timeout)

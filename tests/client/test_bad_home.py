@@ -34,7 +34,7 @@ def test_an_immutable_home_is_one_warning(tmp_path, llama_path, loaded):
         pytest.skip("chattr +i is not available here")
     try:
         model, tokenizer = loaded
-        with PersistentPromptCache(model, tokenizer, llama_path, home=home, stats=False) as c:
+        with PersistentPromptCache.open(model, tokenizer, llama_path, home=home, stats=False) as c:
             assert c.report.entries == 0 and c.report.warning and str(home) in c.report.warning
     finally:
         subprocess.run(["chattr", "-i", str(home)], check=True)

@@ -125,7 +125,9 @@ def test_wrong_argument_types_are_one_warning_in_hydrate_load_and_the_cache(
     model, tokenizer = load(str(llama_path))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvstore"):
-        with PersistentPromptCache(model, tokenizer, llama_path, stats=False, **kwargs) as cache:
+        with PersistentPromptCache.open(
+            model, tokenizer, llama_path, stats=False, **kwargs
+        ) as cache:
             assert cache.report.entries == 0 and said in cache.report.warning
             assert cache.fingerprint is None
             pin = cache.pin("p", tokens=[1, 2, 3])

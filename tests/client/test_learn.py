@@ -206,17 +206,17 @@ def test_persistent_prompt_cache_learns_with_a_real_daemon(llama_path, kv_home, 
     a, b, c = prompt("Do you sell hammers?"), prompt("When do you open?"), prompt("Any nails?")
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False) as d:
-        with PersistentPromptCache(model, tok, llama_path, home=kv_home, learn=True) as first:
+        with PersistentPromptCache.open(model, tok, llama_path, home=kv_home, learn=True) as first:
             generate(first, model, tok, a, max_tokens=2)
             generate(first, model, tok, b, max_tokens=2)
             assert first.flush(10.0)
             assert first.learner.reported == 2 and first.learner.records_sent > 0
         assert d.request("stats")["learned"]["records"] > 0
-        with PersistentPromptCache(model, tok, llama_path, home=kv_home, learn=True) as second:
+        with PersistentPromptCache.open(model, tok, llama_path, home=kv_home, learn=True) as second:
             assert second.report.entries == 0  # nothing pinned: only learned records
             generate(second, model, tok, c, max_tokens=2)
             assert second.stats.calls[-1].cached_tokens >= shared
-    with PersistentPromptCache(model, tok, llama_path, home=kv_home) as off:  # learn=False
+    with PersistentPromptCache.open(model, tok, llama_path, home=kv_home) as off:  # learn=False
         assert off.learner is None
         generate(off, model, tok, c, max_tokens=2)
         assert off.stats.calls[-1].cached_tokens == 0

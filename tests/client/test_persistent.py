@@ -70,7 +70,7 @@ def test_construct_hydrates_from_a_warmed_store(llama, llama_path, kv_home, tmp_
         )
     model, tokenizer = llama
     prefills = count_prefills(monkeypatch)
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         assert cache.report.entries == 2 and cache.report.warning is None
         assert sorted(cache.report.labels) == ["classify", "synthesize"]
         pin = cache.pin("classify", messages=ROUTER)
@@ -88,7 +88,7 @@ def test_pin_persists_and_a_new_cache_and_process_hydrate_it(
 ):
     model, tokenizer = llama
     prefills = count_prefills(monkeypatch)
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home) as first:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home) as first:
         pin = first.pin("classify", messages=ROUTER)
         assert (pin.source, pin.queued) == ("prefill", True)
         assert first.pin("classify", messages=ROUTER) is pin
@@ -104,7 +104,7 @@ def test_pin_persists_and_a_new_cache_and_process_hydrate_it(
     assert entry["source"] == "pin"
 
     # a new cache object: hydrated, so pin() and the stage call prefill nothing of the prefix
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home) as second:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home) as second:
         assert second.report.entries == 1
         assert second.pin("classify", messages=ROUTER).source == "memory"
         cached, rest = second.fetch_nearest_cache(second.model_key, [*pin.tokens, 7])
@@ -125,7 +125,7 @@ import json
 from mlx_lm import load
 from kvstore.client import PersistentPromptCache, generate
 model, tok = load({str(llama_path)!r})
-with PersistentPromptCache(model, tok, {str(llama_path)!r}, home={str(daemon.home)!r}) as c:
+with PersistentPromptCache.open(model, tok, {str(llama_path)!r}, home={str(daemon.home)!r}) as c:
     generate(c, model, tok, {prompt!r}, label="classify", max_tokens=2)
     print(json.dumps([c.report.entries, c.stats.calls[0].cached_tokens]))
 """
@@ -138,7 +138,7 @@ with PersistentPromptCache(model, tok, {str(llama_path)!r}, home={str(daemon.hom
 def test_pins_survive_lru_pressure(arch, llama_path, hybrid_path, llama):
     path = llama_path if arch == "llama" else hybrid_path
     model, tokenizer = llama if arch == "llama" else load(str(path))
-    with PersistentPromptCache(model, tokenizer, path, max_size=2, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, path, max_size=2, verbose=False) as cache:
         pins = [cache.pin("classify", messages=ROUTER), cache.pin("synthesize", messages=WRITER)]
         for i in range(8):
             system = (CLASSIFY, SYNTHESIZE, "Unrelated system prompt.")[i % 3]
@@ -174,7 +174,7 @@ def test_a_prompt_stored_whole_still_prefills_its_last_token(arch, llama_path, h
     (a state layout cannot step back)."""
     path = llama_path if arch == "llama" else hybrid_path
     model, tokenizer = llama if arch == "llama" else load(str(path))
-    with PersistentPromptCache(model, tokenizer, path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, path, verbose=False) as cache:
         pin = cache.pin("classify", messages=ROUTER)
         whole = [*pin.tokens, 11, 12, 13]
         cache.attach_pin(cache.model_key, whole, prefill(model, whole), "whole")
@@ -198,7 +198,9 @@ def _pin_entries(cache):
 def test_chaining_is_persisted_only_when_asked(daemon, llama, llama_path):
     model, tokenizer = llama
     prompt = chat(tokenizer, CLASSIFY, "Refund my order.")
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, verbose=False) as c:
+    with PersistentPromptCache.open(
+        model, tokenizer, llama_path, home=daemon.home, verbose=False
+    ) as c:
         c.pin("classify", messages=ROUTER)
         generate(c, model, tokenizer, prompt, label="classify", max_tokens=4)
         first = c.stats.calls[-1]
@@ -210,7 +212,7 @@ def test_chaining_is_persisted_only_when_asked(daemon, llama, llama_path):
         assert c.flush()
     assert [(e["label"], e["pinned"]) for e in ls(daemon.home)] == [("classify", True)]
 
-    with PersistentPromptCache(
+    with PersistentPromptCache.open(
         model, tokenizer, llama_path, home=daemon.home, verbose=False, persist_chains=True
     ) as c:
         generate(c, model, tokenizer, prompt, label="classify", max_tokens=4)
@@ -224,12 +226,16 @@ def test_store_hits_reach_the_daemon(daemon, llama, llama_path):
     """Fetches that reuse a stored pin are reported to the daemon (hits, last_used), so its
     budget evicts by real use; a prompt that does not start with the pin is no hit."""
     model, tokenizer = llama
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, verbose=False) as c:
+    with PersistentPromptCache.open(
+        model, tokenizer, llama_path, home=daemon.home, verbose=False
+    ) as c:
         c.pin("classify", messages=ROUTER)
         assert c.flush()
     (before,) = ls(daemon.home)
     assert before["hits"] == 0
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, verbose=False) as c:
+    with PersistentPromptCache.open(
+        model, tokenizer, llama_path, home=daemon.home, verbose=False
+    ) as c:
         for user in ("Refund my order.", "Where is my parcel?"):
             generate(
                 c, model, tokenizer, chat(tokenizer, CLASSIFY, user), label="classify", max_tokens=2
@@ -253,7 +259,7 @@ def test_no_daemon_one_warning_and_unchanged_output(llama, llama_path, kv_home, 
     ]
     expected = [mlx_lm.generate(model, tokenizer, p, max_tokens=6) for p in prompts]
     caplog.set_level(logging.WARNING, logger="kvstore.client")
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         assert cache.pin("classify", messages=ROUTER).queued
         assert cache.pin("synthesize", messages=WRITER).queued
         got = [

@@ -51,7 +51,7 @@ def test_a_plain_load_whose_files_changed_before_the_cache_files_no_pin(
     model, tokenizer = mlx_lm.load(str(model_copy))  # the old weights, in memory
     rewrite_in_place(model_copy, new_weights)
     with caplog.at_level(logging.WARNING, "kvstore"):
-        with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home) as cache:
+        with PersistentPromptCache.open(model, tokenizer, model_copy, home=daemon.home) as cache:
             pin = cache.pin("late", messages=ROUTER)
             assert cache.flush()
     assert cache.fingerprint is None and pin.queued is False
@@ -81,7 +81,7 @@ def test_files_changed_after_the_cache_was_built_store_nothing_and_warn_once(
 ):
     model, tokenizer = mlx_lm.load(str(model_copy))
     with caplog.at_level(logging.WARNING, "kvstore"):
-        with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home) as cache:
+        with PersistentPromptCache.open(model, tokenizer, model_copy, home=daemon.home) as cache:
             assert cache.fingerprint is not None
             rewrite_in_place(model_copy, new_weights)
             cache.pin("a", messages=ROUTER)
@@ -96,7 +96,7 @@ def test_files_changed_after_the_cache_was_built_store_nothing_and_warn_once(
 
 def test_unchanged_or_touched_files_still_store_and_hydrate(daemon, model_copy):
     model, tokenizer = mlx_lm.load(str(model_copy))
-    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home) as cache:
+    with PersistentPromptCache.open(model, tokenizer, model_copy, home=daemon.home) as cache:
         first = cache.pin("first", messages=ROUTER)
         assert cache.flush()
         os.utime(model_copy / "model.safetensors")  # new mtime, same bytes

@@ -38,7 +38,7 @@ def chat(tokenizer, sys: str, user: str) -> list[int]:
 
 def test_cold_then_date_in_system_prompt_is_diverged(llama, llama_path, kv_home, tmp_path):
     model, tokenizer = llama
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         generate(cache, model, tokenizer, chat(tokenizer, system(NEW), "hi"), max_tokens=2)
         (first,) = cache.stats.calls
         assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
@@ -51,7 +51,7 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
     with Store(kv_home) as store:
         warm(load_manifest(manifest_for(tmp_path, llama_path, prefixes)), store, home=kv_home)
     prompt = chat(tokenizer, system(NEW), "My invoice 2291 was charged twice.")
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         generate(cache, model, tokenizer, prompt, label="classify", max_tokens=2)
         (call,) = cache.stats.calls
     by = call.prefilled_by_reason()
@@ -75,7 +75,7 @@ def _warm(kv_home, tmp_path, model_path, extra: str = "") -> None:
 
 def _ask(model_path, prompt_of, **kw):
     model, tokenizer = mlx_lm.load(str(model_path))
-    with PersistentPromptCache(model, tokenizer, model_path, verbose=False, **kw) as cache:
+    with PersistentPromptCache.open(model, tokenizer, model_path, verbose=False, **kw) as cache:
         generate(cache, model, tokenizer, prompt_of(tokenizer), max_tokens=2)
         (call,) = cache.stats.calls
     assert sum(call.prefilled_by_reason().values()) == call.prefilled_tokens
@@ -126,7 +126,7 @@ def test_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it
     llama, llama_path, daemon
 ):
     model, tokenizer = llama
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, max_size=1,
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home, max_size=1,
                                learn=True, verbose=False) as cache:  # fmt: skip
         first = _learning(model, tokenizer, cache, "My invoice 2291 was charged twice.")
         assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
@@ -146,7 +146,7 @@ def test_learning_paused_by_the_write_budget_is_write_budget(llama, llama_path, 
     home.mkdir()
     (home / "settings.toml").write_text("learn_write_bytes_per_day = 1\n")
     with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
-        with PersistentPromptCache(model, tokenizer, llama_path, home=home, max_size=1,
+        with PersistentPromptCache.open(model, tokenizer, llama_path, home=home, max_size=1,
                                    learn=True, verbose=False) as cache:  # fmt: skip
             for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
                 _learning(model, tokenizer, cache, user, OTHER)  # learned: the budget is spent
@@ -162,13 +162,13 @@ def test_learning_paused_by_the_write_budget_is_write_budget(llama, llama_path, 
 def test_a_pin_removed_by_kvstore_evict_is_evicted_by_kvstore_evict(llama, llama_path, daemon):
     model, tokenizer = llama
     router = [{"role": "system", "content": system(OLD)}]
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home,
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home,
                                verbose=False) as cache:  # fmt: skip
         cache.pin("router", messages=router)
         assert cache.flush()
     out = CliRunner().invoke(main, ["evict", "--label", "router", "--home", str(daemon.home)])
     assert out.exit_code == 0, out.output
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home,
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home,
                                verbose=False) as cache:  # fmt: skip
         generate(cache, model, tokenizer, _router_request(tokenizer), max_tokens=2)
         (call,) = cache.stats.calls
@@ -181,14 +181,14 @@ def test_a_date_inside_a_learned_prefix_is_diverged_naming_the_learned_chain(
     llama, llama_path, daemon
 ):
     model, tokenizer = llama
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home, learn=True,
                                verbose=False) as cache:  # fmt: skip
         for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
             _learning(model, tokenizer, cache, user)  # seen twice: learned
         wait_for(lambda: daemon.request("stats")["learned"].get("records"), 10, daemon.text)
         assert cache.flush()
     today = SHOP.replace(OLD, NEW)  # the next day's system prompt, after a restart
-    with PersistentPromptCache(model, tokenizer, llama_path, home=daemon.home, learn=True,
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home, learn=True,
                                verbose=False) as cache:  # fmt: skip
         call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?", today)
     (d,) = [s for s in call.reasons if s["reason"] == "diverged"]
@@ -210,14 +210,14 @@ def test_a_learned_record_that_fails_its_checks_is_corrupt(llama, llama_path, tm
     model, tokenizer = llama
     home = tmp_path / "corrupt-home"  # of its own: every learned record in it is damaged
     with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
-        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+        with PersistentPromptCache.open(model, tokenizer, llama_path, home=home, learn=True,
                                    verbose=False) as cache:  # fmt: skip
             for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
                 _learning(model, tokenizer, cache, user)  # seen twice: learned
             wait_for(lambda: d.request("stats")["learned"].get("records"), 10, d.text)
             assert cache.flush()
     corrupt_a_blob(home)
-    with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+    with PersistentPromptCache.open(model, tokenizer, llama_path, home=home, learn=True,
                                verbose=False) as cache:  # fmt: skip
         call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (c,) = [s for s in call.reasons if s["reason"] == "corrupt"]
@@ -231,7 +231,7 @@ def test_a_learned_prefix_evicted_by_the_learned_budget_is_evicted_by_it(
     home = tmp_path / "budget-home"
 
     def learn(system_prompt: str) -> int:
-        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+        with PersistentPromptCache.open(model, tokenizer, llama_path, home=home, learn=True,
                                    verbose=False) as cache:  # fmt: skip
             for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
                 _learning(model, tokenizer, cache, user, system_prompt)  # seen twice: learned
@@ -244,7 +244,7 @@ def test_a_learned_prefix_evicted_by_the_learned_budget_is_evicted_by_it(
     with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
         learn(OTHER)  # over the learned budget: the least recently used leaf (SHOP's) goes
         wait_for(lambda: "evicted learned record" in d.text(), 10, d.text)
-        with PersistentPromptCache(model, tokenizer, llama_path, home=home, learn=True,
+        with PersistentPromptCache.open(model, tokenizer, llama_path, home=home, learn=True,
                                    verbose=False) as cache:  # fmt: skip
             call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (e,) = [s for s in call.reasons if s["reason"] == "evicted"]
@@ -256,7 +256,7 @@ def test_a_pin_the_app_stored_then_weights_changed_is_model_changed_naming_the_w
     model_copy, tmp_path, daemon
 ):
     model, tokenizer = mlx_lm.load(str(model_copy))
-    with PersistentPromptCache(model, tokenizer, model_copy, home=daemon.home,
+    with PersistentPromptCache.open(model, tokenizer, model_copy, home=daemon.home,
                                verbose=False) as cache:  # fmt: skip
         cache.pin("router", messages=[{"role": "system", "content": system(OLD)}])
         assert cache.flush()
@@ -288,7 +288,7 @@ def test_a_prefix_learned_before_the_weights_changed_is_model_changed_naming_the
     home = tmp_path / "learned-home"
     with serving(Proc(home, log=tmp_path / "daemon.log"), warm=False) as d:
         model, tokenizer = mlx_lm.load(str(model_copy))
-        with PersistentPromptCache(model, tokenizer, model_copy, home=home, learn=True,
+        with PersistentPromptCache.open(model, tokenizer, model_copy, home=home, learn=True,
                                    verbose=False) as cache:  # fmt: skip
             for user in ("My invoice 2291 was charged twice.", "Where is my parcel?"):
                 _learning(model, tokenizer, cache, user)  # seen twice: learned
@@ -297,7 +297,7 @@ def test_a_prefix_learned_before_the_weights_changed_is_model_changed_naming_the
         other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
         (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
         model, tokenizer = mlx_lm.load(str(model_copy))
-        with PersistentPromptCache(model, tokenizer, model_copy, home=home, learn=True,
+        with PersistentPromptCache.open(model, tokenizer, model_copy, home=home, learn=True,
                                    verbose=False) as cache:  # fmt: skip
             call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]

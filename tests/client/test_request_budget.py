@@ -120,7 +120,7 @@ def test_a_library_generate_on_a_pin_hit_stays_within_its_budget(llama, llama_pa
 
     model, tokenizer = llama
     prompt = prompt_after_pin(tokenizer, "My invoice 2291 was charged twice.")
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         assert cache.report.entries == 2
         pin = cache.pin("classify", messages=[{"role": "system", "content": CLASSIFY}])
         assert pin.source == "memory" and prompt[: len(pin.tokens)] == list(pin.tokens)

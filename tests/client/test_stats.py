@@ -50,7 +50,7 @@ def test_cold_and_hydrated_calls_add_up(llama, llama_path, kv_home, tmp_path):
     with Store(kv_home) as store:
         warm(load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS)), store, home=kv_home)
         pins = {m.label: m.ntokens for m in store.metas()}
-    with PersistentPromptCache(model, tokenizer, llama_path, verbose=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         generate(cache, model, tokenizer, prompt, label="classify", max_tokens=5)
         generate(cache, model, tokenizer, prompt + [9, 9], label="classify", max_tokens=5)
         generate(cache, model, tokenizer, chat(tokenizer, SYNTHESIZE, "ok"), label="synthesize")
@@ -113,7 +113,9 @@ def test_daemon_ledger_after_flush(tmp_path, llama, llama_path):
     d = Proc(tmp_path / "dhome", log=tmp_path / "daemon.log")
     try:
         d.wait_ready()
-        with PersistentPromptCache(model, tokenizer, llama_path, home=d.home, verbose=False) as c:
+        with PersistentPromptCache.open(
+            model, tokenizer, llama_path, home=d.home, verbose=False
+        ) as c:
             c.pin("classify", messages=[{"role": "system", "content": CLASSIFY}])
             for user in ("one", "two"):
                 generate(c, model, tokenizer, chat(tokenizer, CLASSIFY, user), label="classify")

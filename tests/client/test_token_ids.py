@@ -31,10 +31,10 @@ from kvstore.warm.warm import warm
 VOCAB = 512  # the tiny models' embedding rows
 
 PATHS = {
-    "pin": "PersistentPromptCache(model, tok, path, stats=False).pin('bad', tokens=IDS)",
+    "pin": "PersistentPromptCache.open(model, tok, path, stats=False).pin('bad', tokens=IDS)",
     "prefill": "prefill(model, IDS)",
-    "generate": "generate(PersistentPromptCache(model, tok, path, stats=False), model, tok, IDS,"
-    " max_tokens=1)",
+    "generate": "generate(PersistentPromptCache.open(model, tok, path, stats=False), model, tok,"
+    " IDS, max_tokens=1)",
 }
 
 

@@ -197,7 +197,7 @@ def test_a_runtime_pin_follows_the_same_rule(dated_model, kv_home):
 
     model, tok = load(str(dated_model))
     messages = [{"role": "system", "content": SYSTEM}]
-    with PersistentPromptCache(model, tok, dated_model, stats=False) as cache:
+    with PersistentPromptCache.open(model, tok, dated_model, stats=False) as cache:
         pin = cache.pin("dated", messages=messages)
         terse = cache.pin("terse", messages=messages, chat_template_kwargs={"x": 1})
     assert pin.valid_date == dt.date.today().isoformat() and pin.warning is None

@@ -245,7 +245,9 @@ def test_an_entry_fetched_after_start_is_not_restored_unchecked_on_a_request(
     model, tokenizer = mlx_load(str(llama_path))
     with Store(b):
         pass  # an empty store: the app starts with nothing to hydrate
-    cache = PersistentPromptCache(model, tokenizer, llama_path, home=b, learn=True, stats=False)
+    cache = PersistentPromptCache.open(
+        model, tokenizer, llama_path, home=b, learn=True, stats=False
+    )
     try:
         assert cache.report.entries == 0 and cache.learner is not None
         r = cli("warm", "--manifest", manifest, "--home", b, code=0)  # fetched while it runs

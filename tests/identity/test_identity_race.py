@@ -80,7 +80,7 @@ def test_the_app_does_not_hydrate_when_weights_change_after_loading(model_copy, 
     assert report.entries == 0
     assert "changed since the model was loaded" in report.warning
     # nor does a PersistentPromptCache of it hydrate, or send its pins to be stored
-    with client.PersistentPromptCache(model, tokenizer, model_copy, home=kv_home) as cache:
+    with client.PersistentPromptCache.open(model, tokenizer, model_copy, home=kv_home) as cache:
         assert cache.fingerprint is None and len(cache) == 0
         assert cache.pin("p", tokens=[1, 2, 3, 4]).queued is False
     # the same model loaded again hydrates them

@@ -41,7 +41,7 @@ def test_pin_refuses_a_control_character_name(llama_path, kv_home):
     from kvstore.client import PersistentPromptCache
 
     model, tokenizer = load(str(llama_path))
-    with PersistentPromptCache(model, tokenizer, llama_path, stats=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, llama_path, stats=False) as cache:
         for name in ("two\nlines", "", "tab\there"):
             with pytest.raises(ValueError, match="pin name"):
                 cache.pin(name, tokens=[5, 6, 7])

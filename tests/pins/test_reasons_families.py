@@ -21,7 +21,7 @@ DAY1, DAY2 = dt.date(2026, 11, 30), dt.date(2026, 12, 1)
 
 def _diverged(path, pin_kwargs, prompt_of, pin_at=DAY1, ask_at=DAY1):
     model, tokenizer = mlx_lm.load(str(path))
-    with PersistentPromptCache(model, tokenizer, path, verbose=False, learn=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, path, verbose=False, learn=False) as cache:
         with clock_at(pin_at):
             pin = cache.pin("stage", **pin_kwargs)
         with clock_at(ask_at):
@@ -87,7 +87,7 @@ def test_a_clock_bound_pin_of_another_day_is_other_date(
         warm(load_manifest(manifest), store, home=kv_home)
     model, tokenizer = mlx_lm.load(str(path))
     user = system + [{"role": "user", "content": "Where is my order 1042?"}]
-    with PersistentPromptCache(model, tokenizer, path, verbose=False, learn=False) as cache:
+    with PersistentPromptCache.open(model, tokenizer, path, verbose=False, learn=False) as cache:
         generate(cache, model, tokenizer, request_tokens(tokenizer, user), max_tokens=2)
         (call,) = cache.stats.calls
     by = call.prefilled_by_reason()

@@ -56,7 +56,7 @@ APPS = {
     "PersistentPromptCache": "from mlx_lm import load\n"
     "from kvstore.client import PersistentPromptCache\n"
     "model, tok = load(MODEL)\n"
-    "cache = PersistentPromptCache(model, tok, MODEL, home=HOME)\n"
+    "cache = PersistentPromptCache.open(model, tok, MODEL, home=HOME)\n"
     "print('entries', cache.report.entries)",
 }
 

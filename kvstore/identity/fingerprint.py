@@ -232,6 +232,57 @@ def cache_layout(model_dir: Path, model=None, *, model_config: dict | None = Non
     return tuple(describe_cache(c) for c in make_prompt_cache(model))
 
 
+def _architecture(
+    config: dict,
+    model_dir: Path,
+    model_object: Any,
+    *,
+    adapter: bool,
+    kv_bits: Any,
+    cache: FileHashCache,
+    name: str,
+) -> tuple[tuple, bytes, bytes]:
+    """(cache layout, model arguments' identity, mlx-lm code digest) of a config. Building the
+    architecture and hashing mlx-lm's source cost ~15 ms in a new process: what they give for
+    this config is remembered while the source files keep their identity."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    key = (
+        None
+        if model_object is not None or config.get("model_file")
+        else _memo_key(config, adapter, kv_bits)
+    )
+    hit = cache.memo(key) if key else None
+    if hit is not None:
+        return _tuplify(hit[0]), bytes(hit[1]), bytes(hit[2])
+    built = model_object if model_object is not None else build_architecture(config, model_dir)
+    built_layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
+    args_id = config_identity(model_args(built, config), config)
+    try:
+        code = kv_code_digest(config, model_dir, adapter=adapter, kv_bits=kv_bits)
+        if key:
+            sources = kv_code_files(config, adapter=adapter, kv_bits=kv_bits)
+            cache.remember(key, sources, [built_layout, args_id, code])
+    except (OSError, ValueError, SyntaxError) as e:
+        raise ModelError(f"model {name!r}: cannot hash the mlx-lm code: {e}") from None
+    return built_layout, args_id, code
+
+
+def _hash_files(h: Any, files: list[tuple[str, Path]], cache: FileHashCache) -> list[tuple]:
+    """Each file's name, size and content digest into `h` (config.json's effect is hashed by
+    the caller, as the model reads it); returns (path, identity, digest) per file."""
+    seen = []
+    for name, path in files:
+        if name == "model/config.json":
+            digest, ident = b"", FileHashCache.identity(path.stat())
+        else:
+            digest, ident = cache.digest_and_identity(path)
+            h.update(f"{name}\0{path.stat().st_size}\0".encode())
+            h.update(digest)
+        seen.append((str(path), tuple(ident), digest))
+    return seen
+
+
 def model_fingerprint(
     model: ResolvedModel | ModelIdentity | str | Path,
     *,
@@ -248,8 +299,6 @@ def model_fingerprint(
     The model's arguments and cache layout come from the loaded `model_object` when given (so
     overrides it was loaded with count even if not named here), else from the effective config.
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
     located = model if isinstance(model, ResolvedModel) else None
     if located is not None:
         identity = replace(located.identity, path=str(located.directory))
@@ -275,40 +324,14 @@ def model_fingerprint(
         if not afiles:
             raise ModelError(f"adapter {str(adapter_path)!r}: no adapter files in that directory")
         files += [(f"adapter/{p.relative_to(adir)}", p) for p in afiles]
-    # Building the architecture and hashing mlx-lm's source cost ~15 ms in a new process: what
-    # they give for this config is remembered while the source files keep their identity.
     adapter = adapter_path is not None
-    key = (
-        None
-        if model_object is not None or config.get("model_file")
-        else _memo_key(config, adapter, kv_bits)
+    built_layout, args_id, code = _architecture(
+        config, model_dir, model_object, adapter=adapter, kv_bits=kv_bits, cache=cache, name=model
     )
-    hit = cache.memo(key) if key else None
-    if hit is not None:
-        built_layout, args_id, code = _tuplify(hit[0]), bytes(hit[1]), bytes(hit[2])
-    else:
-        built = model_object if model_object is not None else build_architecture(config, model_dir)
-        built_layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
-        args_id = config_identity(model_args(built, config), config)
-        try:
-            code = kv_code_digest(config, model_dir, adapter=adapter, kv_bits=kv_bits)
-            if key:
-                sources = kv_code_files(config, adapter=adapter, kv_bits=kv_bits)
-                cache.remember(key, sources, [built_layout, args_id, code])
-        except (OSError, ValueError, SyntaxError) as e:
-            raise ModelError(f"model {str(model)!r}: cannot hash the mlx-lm code: {e}") from None
     if layout is None:
         layout = built_layout
     h = xxhash.xxh3_128()
-    seen = []
-    for name, path in files:
-        if name == "model/config.json":  # its effect is hashed below, as the model reads it
-            digest, ident = b"", FileHashCache.identity(path.stat())
-        else:
-            digest, ident = cache.digest_and_identity(path)
-            h.update(f"{name}\0{path.stat().st_size}\0".encode())
-            h.update(digest)
-        seen.append((str(path), tuple(ident), digest))
+    seen = _hash_files(h, files, cache)
     h.update(b"config\0" + args_id)
     h.update(b"code\0" + code)
     quant = (kv_bits, identity.kv_group_size, identity.quantized_kv_start) if kv_bits else None

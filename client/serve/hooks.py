@@ -128,6 +128,10 @@ class _Hooks:
         self.warm_secret = secrets.token_hex(8)  # marks this server's own warm-up requests
         self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
         self.warm_prompts: list[tuple[int, ...]] = []  # the warm-up requests' prompts
+        # mlx-lm's request and context objects of the warm-up requests in flight (by id: they
+        # are neither hashable nor ours to mark): request -> its index; contexts
+        self._warm_up_requests: dict[int, int] = {}
+        self._warm_up_contexts: set[int] = set()
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
@@ -152,7 +156,8 @@ class _Hooks:
             self.record_call(ctx, first - t0, end - first, n)
 
     def record_call(self, ctx: Any, prefill_s: float, decode_s: float, generated: int) -> None:
-        if getattr(ctx, "_kvstore_warm_up", False):
+        if id(ctx) in self._warm_up_contexts:
+            self._warm_up_contexts.discard(id(ctx))
             return  # a warm-up request: not a call
         prompt = list(getattr(ctx, "prompt", None) or [])
         cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0))
@@ -258,6 +263,8 @@ class _Hooks:
         finally:
             self.warming = False
             self.warm_prompts = []
+            self._warm_up_requests.clear()
+            self._warm_up_contexts.clear()
             self.gauges.refresh(force=True)
             self.ready = True
             log.info("kvstore: ready (%s)", provider.model_key[0])
@@ -306,6 +313,22 @@ class _Hooks:
             return None
         secret, _, i = str(mark).partition(":")
         return int(i) if secret == self.warm_secret and i.isdigit() else None
+
+    def mark_warm_up(self, request: Any, i: int) -> None:
+        """mlx-lm's request object of warm-up request `i` (its handler made it)."""
+        self._warm_up_requests[id(request)] = i
+
+    def warm_up_of(self, request: Any) -> int | None:
+        """The warm-up index of mlx-lm's request object, or None for a real request."""
+        return self._warm_up_requests.get(id(request)) if self.warming else None
+
+    def take_warm_up(self, request: Any) -> int | None:
+        """`warm_up_of`, forgetting the request (its tokenizing is its last use: an id may be
+        reused by a later object)."""
+        return self._warm_up_requests.pop(id(request), None) if self.warming else None
+
+    def mark_warm_up_context(self, ctx: Any) -> None:
+        self._warm_up_contexts.add(id(ctx))
 
     def warm_tokenize(self, out: tuple, i: int) -> tuple:
         """The warm-up request `i`'s prompt: pin i's tokens, then the rendered user turn."""
@@ -531,9 +554,10 @@ def _cache(hooks: _Hooks) -> type:
 def _generator(server: Any, hooks: _Hooks) -> type:
     class StableSegmentGenerator(server.ResponseGenerator):
         def generate(self, request, generation_args, *a: Any, **kw: Any):
+            warm = hooks.warm_up_of(request)  # before: tokenizing it (in there) forgets it
             ctx, responses = super().generate(request, generation_args, *a, **kw)
-            if getattr(request, "_kvstore_warm_up", None) is not None:
-                ctx._kvstore_warm_up = True
+            if warm is not None:
+                hooks.mark_warm_up_context(ctx)
             return ctx, hooks.recorded(ctx, responses)
 
         def _generate(self):
@@ -548,7 +572,7 @@ def _generator(server: Any, hooks: _Hooks) -> type:
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
             hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
-            warm = getattr(request, "_kvstore_warm_up", None)
+            warm = hooks.take_warm_up(request)
             if warm is not None:
                 return hooks.warm_tokenize(out, warm)
             if hooks.boundary is None:
@@ -569,7 +593,7 @@ def _handler(server: Any, hooks: _Hooks) -> type:
             request = super().handle_chat_completions()
             warm = hooks.warm_request_of(self.headers)
             if warm is not None:
-                request._kvstore_warm_up = warm  # this server's own warm-up (hooks.warm_requests)
+                hooks.mark_warm_up(request, warm)  # this server's own (hooks.warm_requests)
             return request
 
         def do_GET(self):

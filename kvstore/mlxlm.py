@@ -60,6 +60,7 @@ REQUIRED: tuple[Internal, ...] = (
     Internal(f"{SERVER}:ResponseGenerator", "_tokenize", "serve's warm-up and system segment"),
     Internal(f"{SERVER}:ResponseGenerator", "_generate", "serve stops when its thread dies"),
     Internal(f"{SERVER}:APIHandler", "do_GET", "serve answers GET /metrics and /health"),
+    Internal(f"{SERVER}:APIHandler", "do_POST", "serve holds requests until it is ready"),
 )
 
 # what ModelProvider._load resets and sets (mlx-lm 0.31 has no processor): kept across a failed load

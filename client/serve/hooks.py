@@ -587,7 +587,9 @@ def _generator(server: Any, hooks: _Hooks) -> type:
 
 def _handler(server: Any, hooks: _Hooks) -> type:
     class KVStoreHandler(server.APIHandler):
-        """mlx-lm's handler, plus `GET /metrics` and a `/health` that is 503 until ready."""
+        """mlx-lm's handler, plus `GET /metrics`; until serve is ready (hydrated, warm-up requests
+        and fleet checks done) `/health`, `/v1/models` and every request answer 503 with
+        Retry-After."""
 
         def handle_chat_completions(self):
             request = super().handle_chat_completions()
@@ -608,15 +610,30 @@ def _handler(server: Any, hooks: _Hooks) -> type:
                 self.end_headers()
                 self.wfile.write(body)
                 return
-            if self.path == "/health" and not hooks.ready:
-                body = json.dumps({"status": "starting"}).encode()
-                self.send_response(503)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+            if not hooks.ready and (self.path == "/health" or self.path.startswith("/v1/models")):
+                self._starting()  # what clients and load balancers poll: ready means ready
                 return
             super().do_GET()
+
+        def do_POST(self):
+            # A request before the warm-up requests and fleet checks are done would run beside
+            # them at several times a steady request's cost: told to come back instead. The
+            # warm-up requests themselves carry this server's header.
+            if not hooks.ready and hooks.warm_request_of(self.headers) is None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(min(length, 1 << 26))  # the body, so the connection stays sound
+                self._starting()
+                return
+            super().do_POST()
+
+        def _starting(self) -> None:
+            body = json.dumps({"status": "starting"}).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
 
     return KVStoreHandler
 

@@ -367,3 +367,58 @@ def test_a_generation_thread_that_dies_ends_the_server_in_one_line(llama_path, k
     lines = _error_lines(out)
     assert len(lines) == 1, out
     assert "generation thread died: RuntimeError: the test broke it" in lines[0], out
+
+
+_HELD = """
+import os, time
+from kvstore.client.serve import hooks
+warm = hooks._Hooks.warm_requests
+def held(self, provider):  # the warm-up waits for the test's word
+    while not os.path.exists(os.environ["GO"]):
+        time.sleep(0.02)
+    return warm(self, provider)
+hooks._Hooks.warm_requests = held
+from kvstore.cli.main import main
+main()
+"""
+
+
+def _status(port: int, path: str, body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers)
+
+
+def test_no_route_answers_before_the_server_is_ready(llama_path, kv_home, tmp_path):
+    """/v1/models (what OpenAI clients and load balancers poll) answered, and requests ran beside
+    the warm-up at several times a steady request's cost, while only /health waited."""
+    port = free_port()
+    go = tmp_path / "go"
+    argv = [sys.executable, "-c", _HELD, "serve", "--home", str(kv_home), "--model",
+            str(llama_path), "--port", str(port), "--no-learn"]  # fmt: skip
+    server = BenchServer(argv, port, tmp_path / "serve.log", env={**os.environ, "GO": str(go)})
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    try:
+        wait_for(lambda: _said(port), EXIT_TIMEOUT, server.tail, proc=server.proc)
+        for path, body in (("/health", None), ("/v1/models", None), ("/v1/chat/completions", chat)):
+            code, headers = _status(port, path, body)
+            assert (code, headers.get("Retry-After")) == (503, "1"), (path, server.tail())
+        go.touch()
+        server.wait_ready()
+        assert _status(port, "/v1/models")[0] == 200
+        assert _status(port, "/v1/chat/completions", chat)[0] == 200
+    finally:
+        go.touch()
+        assert server.stop() == 0, server.tail()
+
+
+def _said(port: int) -> bool:
+    try:
+        return _status(port, "/health")[0] == 503
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False

@@ -214,11 +214,9 @@ def leave_last_token(lru: Any, model: Any, tokens: list[int], cache: list) -> tu
     return shorter, [*rest, tokens[-1]]
 
 
-def generated_transcript(cache: list, transcript: list[int]) -> list[int] | None:
-    """The part of a generation's `transcript` (prompt + generated tokens) its `cache` holds:
-    mlx-lm runs one token ahead, so the last generated token is not in it. The offset every
-    offset-keeping layer agrees on (a pure state-space model's layers keep none: the whole
-    transcript); None when they disagree or hold more (nothing to file it under)."""
+def cache_offsets(cache: list) -> set[int]:
+    """The offsets a prompt cache's offset-keeping layers hold (CacheList: its members'); an
+    ArraysCache (linear attention / SSM state) keeps none."""
     offsets: set[int] = set()
 
     def visit(c: Any) -> None:
@@ -230,6 +228,15 @@ def generated_transcript(cache: list, transcript: list[int]) -> list[int] | None
 
     for c in cache:
         visit(c)
+    return offsets
+
+
+def generated_transcript(cache: list, transcript: list[int]) -> list[int] | None:
+    """The part of a generation's `transcript` (prompt + generated tokens) its `cache` holds:
+    mlx-lm runs one token ahead, so the last generated token is not in it. The offset every
+    offset-keeping layer agrees on (a pure state-space model's layers keep none: the whole
+    transcript); None when they disagree or hold more (nothing to file it under)."""
+    offsets = cache_offsets(cache)
     if not offsets:
         return transcript
     held = offsets.pop() if len(offsets) == 1 else None

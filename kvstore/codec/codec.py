@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlc
 
+from kvstore import mlxlm
 from kvstore.codec import CODEC_VERSION, cache_api, materialize
 from kvstore.codec.cache_state import (
     ALLOWED_CLASSES,
@@ -54,17 +55,7 @@ def cache_classes(cache: list) -> list[str]:
 def cache_tokens(cache: list) -> int | None:
     """How many tokens a prompt cache holds: the offset every offset-keeping layer agrees on
     (ArraysCache state has none), or None when they disagree or no layer keeps one."""
-    offsets: set[int] = set()
-
-    def visit(c: Any) -> None:
-        if type(c).__name__ == "CacheList":
-            for x in c.caches:
-                visit(x)
-        elif isinstance(getattr(c, "offset", None), int):
-            offsets.add(c.offset)
-
-    for c in cache:
-        visit(c)
+    offsets = mlxlm.cache_offsets(cache)
     return offsets.pop() if len(offsets) == 1 else None
 
 

@@ -132,11 +132,9 @@ def test_an_evicted_pin_is_restored_from_its_stored_entry(llama, kv_home, learne
     lru.insert_cache(KEY, other, mlx_lm_prefill(llama, other))  # max_size=1: the pin is gone
     assert len(lru) == 1
     request = pin + [11, 12, 13]
-    t0 = time.perf_counter()
     cache, rest = lru.fetch_nearest_cache(KEY, request)
     assert rest == [11, 12, 13]  # from the store, not a prefill
     assert_same_kv(cache, mlx_lm_prefill(llama, pin))
-    assert time.perf_counter() - t0 < 5.0
 
 
 def test_no_store_means_prefill_as_before(llama, learner_for):

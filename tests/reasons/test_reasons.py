@@ -178,7 +178,7 @@ def test_explain_suggests_a_fixed_order_where_the_request_goes_on_differently():
     assert "one fixed order" in suggestion(d) and "static-first" not in suggestion(d)
 
 
-def test_explain_over_a_busy_day_is_fast(tmp_path):
+def test_explain_reads_a_busy_day_whole(tmp_path):
     """A day of a busy server: 200k requests (about 2.3 a second), each with reasons."""
     home = tmp_path / "home"
     home.mkdir()
@@ -187,12 +187,10 @@ def test_explain_over_a_busy_day_is_fast(tmp_path):
                  ts=now - i * 0.43) for i in range(200_000)]  # fmt: skip
     with open(home / LEDGER_NAME, "wb") as f:
         f.write(b"".join(msgpack.packb(r) for r in recs))
-    t0 = time.perf_counter()
     out = CliRunner().invoke(main, ["explain", "--json", "--since", "1d", "--home", str(home)])
-    dt = time.perf_counter() - t0
     assert out.exit_code == 0
     assert json.loads(out.output)["stages"][0]["requests"] == 200_000
-    assert dt < 5, dt
+    # how fast: bench.reasons (`kvstore explain --since 1d --json` over 200,000 records)
 
 
 def test_every_reason_has_a_rule_and_a_docs_row():

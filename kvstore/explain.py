@@ -82,6 +82,9 @@ def explain(
             for sp in spans:
                 r = sp["reason"]
                 pre[r] = pre.get(r, 0) + sp["tokens"]
+                if r == Reason.MODEL_CHANGED and sp.get("differs"):  # what changed, as serve says
+                    changed = s.setdefault("model_changed", {})
+                    changed[sp["differs"]] = changed.get(sp["differs"], 0) + sp["tokens"]
                 if r == Reason.DIVERGED:
                     dk = (sp.get("entry"), sp.get("position"), sp.get("stored_text", ""),
                           sp.get("request_text", ""))  # fmt: skip
@@ -126,7 +129,9 @@ def render(result: dict[str, Any]) -> str:
             f"{s['prefilled_tokens']} prefilled"
         )
         for r, n in sorted(s["prefilled"].items(), key=lambda kv: -kv[1]):
-            lines.append(f"  {r:16} {n}")
+            changed = s.get("model_changed", {}) if r == Reason.MODEL_CHANGED else {}
+            what = f" ({'; '.join(sorted(changed))})" if changed else ""
+            lines.append(f"  {r:16} {n}{what}")
         for d in s["divergences"]:
             lines.append(
                 f"  diverged from {d['entry']} at token {d['position']}: "

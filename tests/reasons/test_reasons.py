@@ -205,3 +205,20 @@ def test_every_reason_has_a_rule_and_a_docs_row():
     doc = (Path(__file__).parents[2] / "docs" / "reasons.md").read_text()
     rows = [line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| `")]
     assert rows == [f"`{r.value}`" for r in Reason]
+
+
+def test_explain_names_what_changed_for_model_changed(tmp_path):
+    """`explain --json` said only {"model_changed": 295}; serve's line named what changed."""
+    home = tmp_path / "home"
+    home.mkdir()
+    changed = {"reason": "model_changed", "tokens": 295, "differs": "weights"}
+    recs = [_rec(0, [changed, {"reason": "suffix", "tokens": 191}]),
+            _rec(1, [dict(changed, differs="config")])]  # fmt: skip
+    (home / LEDGER_NAME).write_bytes(b"".join(msgpack.packb(r) for r in recs))
+    out = CliRunner().invoke(main, ["explain", "--json", "--home", str(home)])
+    assert out.exit_code == 0, out.output
+    (stage,) = json.loads(out.output)["stages"]
+    assert stage["prefilled"]["model_changed"] == 590
+    assert stage["model_changed"] == {"weights": 295, "config": 295}
+    text = CliRunner().invoke(main, ["explain", "--home", str(home)]).output
+    assert "  model_changed    590 (config; weights)" in text, text

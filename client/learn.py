@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore import metrics
+from kvstore import metrics, mlxlm
 from kvstore.client import modelthread
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_entry
@@ -567,11 +567,9 @@ class Learner:
         target = self.targets.get(model)
         if prompt is None or target is None or len(prompt) < 2:
             return
-        import mlx.core as mx
-
         # Normally a no-op; a lazy graph (the batched path's extracted caches) must be evaluated
         # on this thread's stream: the worker has no access to it.
-        mx.eval([c.state for c in cache])
+        mlxlm.eval_cache(cache)
         if not target.is_sliceable():
             self._note_end(model, prompt)
             with self._lock:

@@ -214,6 +214,26 @@ def leave_last_token(lru: Any, model: Any, tokens: list[int], cache: list) -> tu
     return shorter, [*rest, tokens[-1]]
 
 
+def eval_cache(cache: list) -> None:
+    """Evaluate a prompt cache's arrays on this thread (a lazy graph, as the batched path's
+    extracted caches are), whatever mlx-lm built it: an empty layer holds nothing to evaluate
+    (mlx-lm 0.31's `KVCache.state` of an empty layer raises)."""
+    import mlx.core as mx
+
+    arrays: list = []
+
+    def visit(c: Any) -> None:
+        if type(c).__name__ == "CacheList":
+            for x in c.caches:
+                visit(x)
+        elif getattr(c, "keys", True) is not None:
+            arrays.append(c.state)
+
+    for c in cache:
+        visit(c)
+    mx.eval(arrays)
+
+
 def cache_offsets(cache: list) -> set[int]:
     """The offsets a prompt cache's offset-keeping layers hold (CacheList: its members'); an
     ArraysCache (linear attention / SSM state) keeps none."""

@@ -29,7 +29,7 @@ from kvstore.fleet.queue import UploadQueue
 from kvstore.fleet.remote_settings import RemoteSettings, RemoteSettingsError, remote_settings
 from kvstore.home.ledger import Ledger
 from kvstore.home.settings import load_settings
-from kvstore.identity.fingerprint import model_fingerprint
+from kvstore.identity.fingerprint import model_fingerprint, with_model_location
 from kvstore.pins.manifest import load_manifest
 from kvstore.pins.ownership import APP, owners
 from kvstore.store.entry import entry_key, pack_tokens
@@ -277,9 +277,10 @@ def test_pulled_runtime_entry_records_this_boxs_model_dir_not_the_other_boxs(
     a_manifest = str(tmp_path / "box_a" / "manifest.toml")
     extra = {"source": "manifest", "manifest": a_manifest, "owners": [f"manifest:{a_manifest}"]}
     with Store(a) as sa:  # box A: a pin of one of A's manifests, with A's locations
-        sa.put(key, blob, tokens=pack_tokens(tokens), label="a-only", pinned=True,
-               model=str(a_model), classes=["KVCache"] * len(model.layers),
-               extra=extra)  # fmt: skip
+        fields = with_model_location(dict(tokens=pack_tokens(tokens), label="a-only", pinned=True,
+                                          model=str(a_model), classes=["KVCache"] *
+                                          len(model.layers), extra=extra))  # fmt: skip
+        sa.put(key, blob, **fields)  # located as the put operation locates
         assert sa.get_meta(key).extra["model_dir"] == str(a_model)
     assert "1 uploaded" in cli("remote", "push", "--home", str(a)).output
 

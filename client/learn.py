@@ -363,7 +363,6 @@ class Learner:
         self._tails: OrderedDict[tuple[Any, tuple[int, ...]], tuple[list, int]] = OrderedDict()
         self._lock = threading.Lock()
         self._paused_said = False
-        self._unsupported = False
         # state layouts: recent inserts that were not a request's end (system segments)
         self._segments: deque[tuple[Any, tuple[int, ...], list]] = deque(maxlen=PENDING_PROMPTS)
         self.reported = 0  # learn requests the daemon answered
@@ -374,7 +373,6 @@ class Learner:
         # chains `warm` read at start that no request used yet: (tokens, their records' keys)
         self._warmed: dict[Any, list[tuple[tuple[int, ...], list[bytes]]]] = {}
         self._touched_sent = time.monotonic()
-        self._no_touch = False  # an older daemon without touch_blocks
         self._block = 256  # the store's block_tokens (read from it before records are cut)
 
     def add_target(self, model_key: Any, target: LearnTarget) -> None:
@@ -397,7 +395,7 @@ class Learner:
             return None
         if hit.prompt_end:  # a turn's end before a restart: this turn's end is snapshotted too
             self._note_end(model, tokens[: hit.n])
-        if used and hit.keys and not self._no_touch:
+        if used and hit.keys:
             with self._lock:
                 self._touched.setdefault(target.fingerprint, []).extend(hit.keys)
             if time.monotonic() - self._touched_sent >= TOUCH_BATCH_S:
@@ -440,7 +438,7 @@ class Learner:
         """Remember the prompt of a request about to run: its insert_cache reports it."""
         if self._warmed.get(model):
             self._use_warmed(model, tokens)
-        if self.learn and not self._unsupported and model in self.targets:
+        if self.learn and model in self.targets:
             self._pending.append((model, list(tokens)))
 
     def _use_warmed(self, model: Any, tokens: Sequence[int]) -> None:
@@ -451,7 +449,7 @@ class Learner:
             n = len(chain)
             if n <= len(tokens) and tokens[n - 1] == chain[-1] and tuple(tokens[:n]) == chain:
                 del chains[i]
-                if target is not None and keys and not self._no_touch:
+                if target is not None and keys:
                     with self._lock:
                         self._touched.setdefault(target.fingerprint, []).extend(keys)
                 return
@@ -471,7 +469,7 @@ class Learner:
         bounds = self._boundaries.get(model)
         if bounds:
             cache, rest = self._split_at_boundary(model, target, tokens, cache, rest, keep)
-        if self.learn and not self._unsupported and rest and self._extends_an_end(model, tokens):
+        if self.learn and rest and self._extends_an_end(model, tokens):
             cache, rest = self._split_at_end(model, target, tokens, cache, rest)
         return cache, rest, keep
 
@@ -615,7 +613,7 @@ class Learner:
     def _learn(self, client: Any, model: Any, target: LearnTarget, prompt: list, cache: list):
         from kvstore.store.entry import pack_tokens
 
-        if self._unsupported or (target.files_ok is not None and not target.files_ok()):
+        if target.files_ok is not None and not target.files_ok():
             return
         sliceable = target.is_sliceable()
         reply = client.send(

@@ -1,6 +1,6 @@
 """What working out a reason costs, and `kvstore explain` over a day of a busy server's ledger.
 
-1. Attribution per request, as the request path pays it (`kvstore.client.reasons.Attributor`:
+1. Attribution per request, as the request path pays it (`kvstore.reasons.Attributor`:
    the attribution, the recent prompt kept, the counter), against 8 pins, 512 learned prefixes
    and the 64 recent prompts; a 2,048-token prompt that diverges from a pin at token 14 (the
    costly case: a `diverged` span, its text decoded by a real tokenizer) and one served whole.
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstore.client.reasons import RECENT_PROMPTS, Attributor
+from kvstore.reasons import RECENT_PROMPTS, Attributor
 from kvstore.tokens import pack
 
 PROMPT = 2048

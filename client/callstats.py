@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstore import mlxlm
-from kvstore.client.reasons import Attributor
+from kvstore import metrics, mlxlm
 from kvstore.client.writebehind import Job, WriteBehind
-from kvstore.reasons import SpanRecord, by_reason, describe
+from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.wire.messages import RecordRequest
 
 log = logging.getLogger("kvstore.client")
@@ -113,6 +112,8 @@ class StatsRecorder:
         reasons: tuple[SpanRecord, ...] = ()
         if prompt is not None:
             reasons = tuple(self.attribute(prompt, cached_tokens, pins or {}, decode))
+            for s in reasons:
+                metrics.PREFILLED_TOKENS.labels(reason=s["reason"]).inc(s["tokens"])
         call = CallStats(
             model=self.model,
             label=label,

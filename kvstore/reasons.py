@@ -11,7 +11,11 @@ fraction of a millisecond (`python -m bench.reasons` measures it).
 from __future__ import annotations
 
 import bisect
+import datetime as _dt
 import hashlib
+import threading
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -417,3 +421,164 @@ def identity_diff(stored: Mapping[str, Any], running: Mapping[str, Any]) -> str:
     if "KV quantization" in found and "mlx-lm code" in found:
         found.remove("mlx-lm code")  # the hashed code follows kv_bits: not told apart then
     return ", ".join(found) or "fingerprint"
+
+
+# -- one process's attribution, request after request ----------------------------------------
+RECENT_PROMPTS = 64
+RECENT_TOKENS = 16384  # of each: a longer shared prefix than this reads as suffix past it
+TOMBSTONES = 256
+CORRUPT = 64  # prefixes whose entry or learned record failed its checks, remembered
+LEARNED_PREFIXES = 512  # this model's learned prefixes kept (most recently used)
+LEARNED_TOKENS = 4096  # of each: a divergence past this is not told
+DECODED = 256  # token windows whose decoded text is kept (a divergence's texts)
+LEARNED_REFRESH_S = 10.0  # seconds between re-reads of them (on a thread of their own)
+
+
+class Attributor:
+    """What one client process knows between its requests, and `attribute` of each request
+    against it: the prompts it saw recently (a prefix seen but not stored is `not_learned_yet`),
+    tombstones of evictions it was told of, this model's learned prefixes (read by the caller's
+    `learned_from` reader, off the request path), whether the store could be read. Called on the
+    request path: its state is behind one lock, and nothing here does I/O."""
+
+    def __init__(self) -> None:
+        self.recent: deque[bytes] = deque()  # packed, in arrival order, to drop the oldest
+        self.sorted: list[bytes] = []  # the same, sorted (kvstore.reasons bisects)
+        self.tombstones: deque[Tombstone] = deque(maxlen=TOMBSTONES)
+        self.unavailable = False
+        self.model_changed = ""
+        self.other_model: list[tuple[tuple[int, ...], str]] = []  # (tokens, what differs)
+        self.dated: dict[tuple[int, ...], str] = {}  # clock-bound stored pins: tokens -> ISO day
+        self.write_budget = False
+        self.learner: Any = None  # its `paused` (the daemon's last word) says the write budget
+        self.corrupt: deque[tuple[tuple[int, ...], str]] = deque(maxlen=CORRUPT)
+        self.learned: list[bytes] = []  # this model's learned prefixes, packed, sorted
+        self.learned_ends: dict[bytes, int] = {}  # of those cut at LEARNED_TOKENS: their length
+        self._read: Callable[[], tuple[list[bytes], dict[bytes, int]]] | None = None
+        self._learned_at = 0.0
+        self._refreshing = False
+        # the pins last given, by identity, and their (packed, label): pins change rarely
+        self._pins_seen: list[tuple[int, ...]] = []
+        self._pin_keys: list[tuple[bytes, str]] = []
+        self._decode: Any = None  # the decode last given, and texts it gave (kvstore.reasons)
+        self._texts: OrderedDict[tuple[int, ...], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def evicted(self, tokens: Sequence[int], by: str, ts: float, entry: str = "") -> None:
+        with self._lock:
+            self.tombstones.append(Tombstone.of(tokens, by, ts, entry))
+
+    def _decoder(self, decode: Callable[[Sequence[int]], str]) -> Callable[[Sequence[int]], str]:
+        """`decode`, remembering the texts of recent token windows: a divergence repeats (the
+        same date all day), and decoding costs more than the rest of the attribution."""
+        if self._decode is not decode:
+            self._decode, self._texts = decode, OrderedDict()
+        texts = self._texts
+
+        def cached(tokens: Sequence[int]) -> str:
+            t = tuple(tokens)
+            text = texts.get(t)
+            if text is None:
+                text = texts[t] = decode(list(t))
+                if len(texts) > DECODED:
+                    texts.popitem(last=False)
+            return text
+
+        return cached
+
+    def _keys_of(self, pins: Mapping[tuple[int, ...], str]) -> list[tuple[bytes, str]]:
+        """The pins as (packed, label), kept while the same token tuples come (an identity
+        check each: hashing a long tuple costs more than the attribution)."""
+        seen = self._pins_seen
+        if len(seen) != len(pins) or any(a is not b for a, b in zip(seen, pins, strict=False)):
+            self._pins_seen = list(pins)
+            self._pin_keys = [(tk.pack(t), str(name)) for t, name in pins.items()]
+        return self._pin_keys
+
+    def failed_checks(self, tokens: Sequence[int], what: str) -> None:
+        """A stored entry or learned record of this prefix failed its checks (`corrupt`)."""
+        with self._lock:
+            self.corrupt.append((tuple(tokens), what))
+
+    def learned_from(self, read: Callable[[], tuple[list[bytes], dict[bytes, int]]]) -> None:
+        """Read this model's learned prefixes with `read` (the caller's I/O: sorted packed
+        prefixes and the stored lengths of those cut at LEARNED_TOKENS) now, and again every
+        LEARNED_REFRESH_S on a thread of its own, off the request path. A read that raises
+        LookupError leaves what was known."""
+        self._read = read
+        self._read_learned()
+
+    def _read_learned(self) -> None:
+        try:
+            if self._read is None:
+                return
+            try:
+                keys, ends = self._read()
+            except LookupError:
+                return
+            with self._lock:
+                self.learned, self.learned_ends = keys, ends
+        finally:
+            self._learned_at = time.monotonic()
+            self._refreshing = False
+
+    def _refresh_learned(self) -> None:
+        if self._read is None or self._refreshing:
+            return
+        if time.monotonic() - self._learned_at < LEARNED_REFRESH_S:
+            return
+        self._refreshing = True
+        threading.Thread(target=self._read_learned, name="kvstore-learned-prefixes",
+                         daemon=True).start()  # fmt: skip
+
+    def __call__(
+        self,
+        prompt: Sequence[int],
+        served: int,
+        pins: Mapping[tuple[int, ...], str],
+        decode: Callable[[Sequence[int]], str] | None = None,
+    ) -> list[SpanRecord]:
+        if decode is not None:
+            decode = self._decoder(decode)
+        other_day: list[tuple[tuple[int, ...], str]] = []
+        if self.dated:  # a clock-bound pin of another day: other_date, not diverged
+            today = _dt.date.today().isoformat()  # the local day, as a pin's date is
+            stale = {t for t in pins if self.dated.get(t, today) != today}
+            if stale:
+                other_day = [(t, f"{pins[t]} ({self.dated[t]})") for t in stale]
+                pins = {t: v for t, v in pins.items() if t not in stale}
+        key = tk.pack(prompt)
+        with self._lock:
+            known = Known(
+                pins=pins,
+                pin_keys=self._keys_of(pins),
+                other_day=other_day,
+                seen=self.sorted,
+                tombstones=list(self.tombstones),
+                unavailable=self.unavailable and not pins,
+                model_changed=self.model_changed,
+                other_model=self.other_model,
+                write_budget=self.write_budget or _learner_write_budget(self.learner),
+                learned=self.learned,
+                learned_ends=self.learned_ends,
+                corrupt=[*self.corrupt, *_learner_corrupt(self.learner)],
+            )
+            spans = attribute(prompt, served, known, decode, key=key)
+            t = tk.cut(key, 0, RECENT_TOKENS)  # 64 prompts stay small
+            self.recent.append(t)
+            bisect.insort(self.sorted, t)
+            if len(self.recent) > RECENT_PROMPTS:
+                old = self.recent.popleft()
+                del self.sorted[bisect.bisect_left(self.sorted, old)]
+        self._refresh_learned()
+        return spans
+
+
+def _learner_write_budget(learner: Any) -> bool:
+    return getattr(learner, "paused_by", None) == "write_budget"
+
+
+def _learner_corrupt(learner: Any) -> list[tuple[tuple[int, ...], str]]:
+    """The prefixes the learner's cold tier found a corrupt record or entry in."""
+    cold = getattr(learner, "cold", None)
+    return list(getattr(cold, "corrupt", None) or ())

@@ -30,10 +30,6 @@ NEVER_WHEN_MEMORY_SERVED = (
     "kvstore.learned.blockstore",
     "kvstore.store.store",
 )
-# Not counted against the budget: the token-bytes module (pure functions over packed ids, importing
-# no other kvstore module), which the reasons' attribution calls on every request. Any other
-# module, however small, counts.
-LEAF_VALUES = ("kvstore.tokens",)
 
 
 @dataclass
@@ -93,7 +89,7 @@ class RequestTrace:
 
     def check(self, limit: int) -> None:
         assert not self.reentries, self.reentries
-        assert len(self.modules - set(LEAF_VALUES)) <= limit, sorted(self.modules)
+        assert len(self.modules) <= limit, sorted(self.modules)
         assert not self.modules & set(NEVER_WHEN_MEMORY_SERVED), sorted(self.modules)
 
 

@@ -209,5 +209,5 @@ def store_entry(
         runtime=runtime_versions(),
         extra=extra,
     )
-    put_ops.send(client, entry_key(fingerprint, tokens), blob, fields.as_kwargs())
+    put_ops.send(client, entry_key(fingerprint, tokens), blob, fields)
     return len(blob)

@@ -172,7 +172,7 @@ class Commands:
         """An entry, inline or streamed as `{"data": bytes}` frames; verified before commit. A
         streamed put that fails midway leaves chunk frames unread: `dispatch` set the connection
         to close after the reply rather than parse them."""
-        put_ops.check_request(req, max_bytes=int(self.settings["max_bytes"]))
+        fields = put_ops.check_request(req, max_bytes=int(self.settings["max_bytes"]))
         blob = req.blob
         if blob is None:  # grows to at most nbytes (itself at most max_bytes, checked above)
             blob = conn.receive_stream(req.nbytes)
@@ -183,7 +183,7 @@ class Commands:
             # Decoded here, on the writer (main) thread: see kvstore.daemon.writer on mlx and
             # threads. after_put: kvstore.daemon.learn's write budget and snapshot cap.
             meta = put_ops.put(self.store, req, blob, budget=self.upkeep.budget,
-                               after=self.learning.after_put)  # fmt: skip
+                               after=self.learning.after_put, fields=fields)  # fmt: skip
             log.info("put %s %r of %s: %d tokens, %d bytes", req.key.hex(), meta.label,
                      meta.model, meta.ntokens, meta.nbytes)  # fmt: skip
             return meta

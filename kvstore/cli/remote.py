@@ -11,6 +11,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -18,6 +19,9 @@ from kvstore.cli.options import home_option, human_size, open_store, user_errors
 from kvstore.errors import RemoteError, counted
 from kvstore.fleet.remote_settings import REMOTE_SAMPLE
 from kvstore.store.keys import fingerprint_of, short_hex
+
+if TYPE_CHECKING:
+    from kvstore.store.entry import PutFields
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.I)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -493,11 +497,11 @@ class _Checked:
         return f"checked {what} against this box's model: {seconds:.2f}s{load}"
 
     @staticmethod
-    def mark(fields: dict) -> dict:
+    def mark(fields: PutFields) -> PutFields:
         """The put fields of a checked object: never checked again (kvstore.fleet.check)."""
         from kvstore.store.entry import CHECK_PASSED, FLEET_CHECK
 
-        fields["extra"][FLEET_CHECK] = CHECK_PASSED
+        fields.extra[FLEET_CHECK] = CHECK_PASSED
         return fields
 
     def refused_record(
@@ -564,7 +568,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set, check) -> tuple[in
             failed += 1
             continue
         fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-        fields["extra"].update(origin="remote", uploader=uploader)
+        fields.extra.update(origin="remote", uploader=uploader)
         put(pp.key, blob, check.mark(fields))
         have.add(pp.key)
         fetched += 1

@@ -18,7 +18,7 @@ from kvstore.errors import RemoteError
 from kvstore.fleet.objects import Remote, verify_object
 from kvstore.fleet.queue import UploadQueue
 from kvstore.pins.ownership import APP, PINNED_BEFORE, owners
-from kvstore.store.entry import pack_tokens
+from kvstore.store.entry import PutFields, pack_tokens
 
 if TYPE_CHECKING:
     from kvstore.fleet.check import Checked
@@ -215,8 +215,8 @@ def other_runtime(meta: EntryMeta) -> str | None:
 _THAT_BOX = ("model_dir", "adapter_dir", "owners", "manifest", PINNED_BEFORE)
 
 
-def foreign_fields(meta: EntryMeta, plan: ModelPlan, uploader: str) -> dict:
-    """The Store.put fields for an object another box stored (a runtime pin, a chain), fetched
+def foreign_fields(meta: EntryMeta, plan: ModelPlan, uploader: str) -> PutFields:
+    """The put fields for an object another box stored (a runtime pin, a chain), fetched
     for `plan`'s model: its own extra without that box's locations and manifest owners, so the
     put records where the model resolves here and no manifest of this box is taken to own it;
     the model named as this box's manifest names it, so its purges find the entry."""
@@ -228,7 +228,7 @@ def foreign_fields(meta: EntryMeta, plan: ModelPlan, uploader: str) -> dict:
         extra["source"] = "remote"  # the manifest that stored it is another box's
     # same fingerprint: the model as this box's manifest names it
     extra.update(plan.spec.identity.state, owners=[APP], origin="remote", uploader=uploader)
-    return dict(
+    return PutFields(
         tokens=meta.tokens,
         label=meta.label,
         pinned=pinned,

@@ -5,7 +5,7 @@ A client hands its put to the daemon with `send` (`request` builds what it sends
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,72 +15,24 @@ from kvstore.identity.fingerprint import with_model_location
 from kvstore.learned.blockstore import BlockStore
 from kvstore.learned.chain import chain_hashes, position_hash
 from kvstore.ops.budget import Budget
-from kvstore.store.entry import (
-    KEY_BYTES,
-    EntryMeta,
-    blob_checksum,
-    tokens_match_key,
-)
+from kvstore.store.entry import KEY_BYTES, EntryMeta, PutFields, blob_checksum, tokens_match_key
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
 from kvstore.wire.messages import PutBlocksRequest, PutRequest
 
-_PUT_FIELDS: dict[str, tuple[type, str]] = {
-    "label": (str, "str"),
-    "model": (str, "str"),
-    "pinned": (bool, "bool"),
-    "template_hash": (bytes, "bytes"),
-    "classes": (list, "a list of str"),
-    "extra": (dict, "a map with str keys and msgpack-simple values"),
-}
-_SIMPLE = (type(None), bool, int, float, str, bytes)
-_MAX_DEPTH = 8
 
-
-def _simple(value: Any, depth: int = 0) -> bool:
-    """A value msgpack stores and reads back as itself: scalars, bytes, and lists or str-keyed
-    maps of those (nested at most _MAX_DEPTH deep)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return -(2**63) <= value < 2**64
-    if isinstance(value, _SIMPLE):
-        return True
-    if depth >= _MAX_DEPTH:
-        return False
-    if isinstance(value, list):
-        return all(_simple(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _simple(v, depth + 1) for k, v in value.items())
-    return False
-
-
-def check_put_fields(fields: dict[str, Any]) -> None:
-    """The meta fields of a put, type-checked before anything is queued; raises ValueError
-    naming the first bad field (`tokens` is checked with the key)."""
-    for name, value in fields.items():
-        if name == "tokens":
-            continue
-        if name not in _PUT_FIELDS:
-            raise ValueError(f"field {name!r} is not one a put may set ({', '.join(_PUT_FIELDS)})")
-        kind, what = _PUT_FIELDS[name]
-        if not isinstance(value, kind):
-            raise ValueError(f"field {name!r} must be {what}, not {type(value).__name__}")
-        if name == "classes" and not all(isinstance(c, str) for c in fields[name]):
-            raise ValueError(f"field {name!r} must be {what}")
-        if name == "extra" and not _simple(value):
-            raise ValueError(f"field {name!r} must be {what}")
-
-
-def check_request(req: PutRequest, *, max_bytes: int) -> None:
-    """The key, fields and size of a put, before its blob is read."""
+def check_request(req: PutRequest, *, max_bytes: int) -> PutFields:
+    """The key, fields and size of a put, before its blob is read; its fields, checked."""
     key, tokens = req.key, req.fields.get("tokens")
     if len(key) != KEY_BYTES or not isinstance(tokens, bytes) or len(tokens) % tk.SIZE:
         raise ValueError(f"put: key must be {KEY_BYTES} bytes and tokens packed uint32")
-    check_put_fields(req.fields)
+    fields = PutFields.from_map(req.fields)
     # The key's second half is the tokens' hash: a mismatch would file KV under a lie.
     if not tokens_match_key(key, tokens):
         raise ValueError(f"put {key.hex()}: key does not match the entry's tokens")
     if not 0 < req.nbytes <= max_bytes:
         raise ValueError(f"put {key.hex()}: {req.nbytes} bytes is outside 1..max_bytes={max_bytes}")
+    return fields
 
 
 def check_blob(req: PutRequest, blob: Any) -> Any:
@@ -122,15 +74,18 @@ def put(
     budget: Budget,
     after: Callable[[EntryMeta], object] | None = None,
     decode: bool = True,
+    fields: PutFields | None = None,
 ) -> EntryMeta:
-    """Store one entry: its fields checked, its KV decoded and compared with its tokens
-    (`decode`: a blob from another process; False for one this process just encoded from a
-    cache), then `after(meta)` (the daemon's accounting of what it stores) and the budgets held.
-    The model was located by whoever built the request (`request`)."""
-    check_put_fields(req.fields)
+    """Store one entry: its fields checked (unless `fields` are the request's, already checked
+    by `check_request`), its KV decoded and compared with its tokens (`decode`: a blob from
+    another process; False for one this process just encoded from a cache), then `after(meta)`
+    (the daemon's accounting of what it stores) and the budgets held. The model was located by
+    whoever built the request (`request`)."""
+    if fields is None:
+        fields = PutFields.from_map(req.fields)
     if decode:
         check_kv(req, blob)
-    meta = store.put(req.key, blob, **req.fields)
+    meta = store.put(req.key, blob, **fields.as_kwargs())
     if after is not None:
         after(meta)
     budget.enforce()
@@ -153,20 +108,22 @@ def put_blocks(
     return written, keys
 
 
-def request(key: bytes, blob: bytes, fields: dict[str, Any]) -> PutRequest:
-    """A put as the daemon takes it. The model is located here, in the putting process's cwd and
-    environment (the daemon's may resolve a relative path or hub id to something else, or not at
-    all); the checksum lets the daemon tell the blob it received is the one sent."""
+def request(key: bytes, blob: bytes, fields: Mapping[str, Any]) -> PutRequest:
+    """A put as the daemon takes it, its fields (PutFields, or a map sent as it is: the daemon
+    checks what arrives, `check_request`) as a map. The model is located here, in the
+    putting process's cwd and environment (the daemon's may resolve a relative path or hub id to
+    something else, or not at all); the checksum lets the daemon tell the blob it received is
+    the one sent."""
     return PutRequest(
         key=key,
-        fields=with_model_location(fields),
+        fields=with_model_location(dict(fields)),
         nbytes=len(blob),
         checksum=blob_checksum(blob),
         blob=blob,
     )
 
 
-def send(client: DaemonClient, key: bytes, blob: bytes, fields: dict[str, Any]) -> EntryMeta:
+def send(client: DaemonClient, key: bytes, blob: bytes, fields: Mapping[str, Any]) -> EntryMeta:
     """Store an entry through the daemon (it checks, commits and holds the budget)."""
     reply = client.send(request(key, blob, fields))
     return EntryMeta.unpack(reply.key, reply.meta)

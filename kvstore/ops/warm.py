@@ -12,6 +12,7 @@ from typing import Any
 from kvstore.ops import put as put_ops
 from kvstore.ops.budget import Budget
 from kvstore.pins.manifest import Manifest
+from kvstore.store.entry import PutFields
 from kvstore.store.store import Store
 from kvstore.warm.plan import ModelPlan
 from kvstore.warm.warm import PinResult, PrefillBounds, Purged, WarmReport
@@ -43,7 +44,7 @@ def warm(
 
     held = budget if budget is not None else Budget.of(store, home)
 
-    def put(key: bytes, blob: bytes, fields: dict[str, Any]) -> Any:
+    def put(key: bytes, blob: bytes, fields: PutFields) -> Any:
         req = put_ops.request(key, blob, fields)
         return put_ops.put(store, req, blob, budget=held, decode=False)
 

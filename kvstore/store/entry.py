@@ -15,7 +15,7 @@ meta's extra where the model resolved (kvstore.identity.fingerprint.model_locati
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any
@@ -278,22 +278,91 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 
 # -- what a put gives ----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class PutFields:
-    """The meta fields a put sets (Store.put's keywords, DaemonClient.put's `fields` map); the
-    store adds the rest (key, sizes, checksum, times)."""
+class PutFields(Mapping[str, Any]):
+    """The meta fields a put sets, the one description of them: built by `entry_fields`,
+    checked once by `from_map` where they arrive as a map (a request, a Store-shaped writer's
+    keywords), carried on the wire as `as_kwargs()` and stored by Store.put; the store adds
+    the rest (key, sizes, checksum, times). Also a read-only map of the same (`**fields`)."""
 
     tokens: bytes  # packed uint32 token ids of the prefix
-    label: str
-    pinned: bool
-    model: str  # model path as given
-    template_hash: bytes | None
-    classes: list[str]  # the cache class of each layer
-    extra: dict[str, Any]  # what the model was made with, where the entry came from, ...
+    label: str = ""
+    pinned: bool = False
+    model: str = ""  # model path as given
+    template_hash: bytes | None = None
+    classes: list[str] = field(default_factory=list)  # the cache class of each layer
+    extra: dict[str, Any] = field(default_factory=dict)  # identity, where it came from, ...
 
     def as_kwargs(self) -> dict[str, Any]:
-        """The fields as Store.put takes them (and DaemonClient.put sends them), in that order."""
+        """The fields as Store.put takes them (and a put request carries them), in that order."""
         # not asdict: that would deep-copy extra
         return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in _PUT_TYPES:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_PUT_TYPES)
+
+    def __len__(self) -> int:
+        return len(_PUT_TYPES)
+
+    @classmethod
+    def from_map(cls, fields: Mapping[str, Any]) -> PutFields:
+        """The fields of a map, each checked against its type here; raises ValueError naming the
+        first bad one (an unknown name included). Missing ones take their defaults."""
+        for name, value in fields.items():
+            if name not in _PUT_TYPES:
+                names = ", ".join(_PUT_TYPES)
+                raise ValueError(f"field {name!r} is not one a put may set ({names})")
+            kind, what = _PUT_TYPES[name]
+            if not isinstance(value, kind) or not _PUT_CHECKS.get(name, _any)(value):
+                got = "" if isinstance(value, kind) else f", not {type(value).__name__}"
+                raise ValueError(f"field {name!r} must be {what}{got}")
+        if "tokens" not in fields:
+            raise ValueError(f"field 'tokens' must be {_PUT_TYPES['tokens'][1]}")
+        return cls(**fields)
+
+
+_PUT_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "tokens": (bytes, "packed uint32 token ids (bytes)"),
+    "label": (str, "str"),
+    "pinned": (bool, "bool"),
+    "model": (str, "str"),
+    "template_hash": ((bytes, type(None)), "bytes"),
+    "classes": (list, "a list of str"),
+    "extra": (dict, "a map with str keys and msgpack-simple values"),
+}
+_SIMPLE = (type(None), bool, int, float, str, bytes)
+_MAX_DEPTH = 8
+
+
+def _any(value: Any) -> bool:
+    return True
+
+
+def _simple(value: Any, depth: int = 0) -> bool:
+    """A value msgpack stores and reads back as itself: scalars, bytes, and lists or str-keyed
+    maps of those (nested at most _MAX_DEPTH deep)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -(2**63) <= value < 2**64
+    if isinstance(value, _SIMPLE):
+        return True
+    if depth >= _MAX_DEPTH:
+        return False
+    if isinstance(value, list):
+        return all(_simple(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _simple(v, depth + 1) for k, v in value.items())
+    return False
+
+
+_PUT_CHECKS: dict[str, Any] = {
+    "tokens": lambda t: len(t) % tk.SIZE == 0,
+    "classes": lambda c: all(isinstance(x, str) for x in c),
+    "extra": _simple,
+}
 
 
 def entry_fields(

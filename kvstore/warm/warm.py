@@ -13,7 +13,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from kvstore.store.entry import (
     CHECK_PENDING,
     FLEET_CHECK,
     EntryMeta,
+    PutFields,
     entry_fields,
     entry_key,
     pack_tokens,
@@ -292,8 +293,8 @@ def prefill_pin(model, plan: ModelPlan, tokens, *, on_chunk=None) -> list:
 
 def encode_pin(
     model, plan: ModelPlan, pp: PlannedPin, *, manifest: Path | None = None, on_chunk=None
-) -> tuple[bytes, dict]:
-    """Prefill one pin and encode it; returns the blob and the meta fields for Store.put."""
+) -> tuple[bytes, PutFields]:
+    """Prefill one pin and encode it; returns the blob and its put fields."""
     cache = prefill_pin(model, plan, pp.pin.tokens, on_chunk=on_chunk)
     blob = codec.encode(cache, {"model": plan.spec.path, "tokenizer_config": "{}"})
     return blob, pin_fields(plan, pp, classes=codec.cache_classes(cache), manifest=manifest)
@@ -301,10 +302,10 @@ def encode_pin(
 
 def pin_fields(
     plan: ModelPlan, pp: PlannedPin, *, classes: list[str], manifest: Path | None = None
-) -> dict:
-    """The meta fields Store.put takes for a manifest pin (prefilled here or fetched). Where the
+) -> PutFields:
+    """The put fields of a manifest pin (prefilled here or fetched). Where the
     model resolved comes from the plan (the put does not resolve it again), first in `extra` as
-    kvstore.store.entry.with_model_location puts it."""
+    kvstore.identity.fingerprint.with_model_location puts it."""
     fields = entry_fields(
         pp.pin.tokens,
         label=pp.pin.name,
@@ -319,9 +320,8 @@ def pin_fields(
         runtime=runtime_versions(),
         fingerprint_parts=plan.fingerprint.parts,  # what a later `model_changed` names
         extra=_pin_extra(pp),
-    ).as_kwargs()
-    fields["extra"] = {**plan.model.location, **fields["extra"]}
-    return fields
+    )
+    return replace(fields, extra={**plan.model.location, **fields.extra})
 
 
 def _pin_extra(pp: PlannedPin) -> dict:
@@ -377,7 +377,7 @@ def _warm_model(
     manifest: Manifest,
     report: WarmReport,
     *,
-    put: Callable[[bytes, bytes, dict], object],
+    put: Callable[[bytes, bytes, PutFields], object],
     say: Callable[[str], None],
     fetch: Callable | None = None,
     may_load: Callable[[ModelPlan], str | None] | None = None,
@@ -472,7 +472,7 @@ def _prefill_pins(
     missing: list[PlannedPin],
     report: WarmReport,
     *,
-    put: Callable[[bytes, bytes, dict], object],
+    put: Callable[[bytes, bytes, PutFields], object],
     say: Callable[[str], None],
     bounds: PrefillBounds,
     notes: dict[bytes, str],
@@ -551,7 +551,7 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path, fetched: list)
     if blob is None:
         return False
     fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-    fields["extra"].update(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
+    fields.extra.update(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
     try:
         put(pp.key, blob, fields)
     except KVStoreError as e:
@@ -569,7 +569,7 @@ def warm(
     *,
     home: Path,
     progress: Callable[[str], None] | None = None,
-    put: Callable[[bytes, bytes, dict], object] | None = None,
+    put: Callable[[bytes, bytes, PutFields], object] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
@@ -589,7 +589,7 @@ def warm(
         bounds = PrefillBounds(max_pin_tokens=max_pin_tokens(load_settings(home)))
     report = WarmReport()
     say = progress or (lambda msg: None)
-    put = put or (lambda key, blob, fields: store.put(key, blob, **fields))
+    put = put or (lambda key, blob, fields: store.put(key, blob, **fields.as_kwargs()))
     delete, edit = store.delete, store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:

@@ -330,13 +330,14 @@ def oversized(prefix: PrefixSpec, max_tokens: int) -> str | None:
     limit = max_tokens * MAX_BYTES_PER_TOKEN
     if size <= limit:
         return None
-    what = (
-        str(prefix.file)
-        if prefix.file is not None
-        else "its " + ("text" if prefix.text is not None else "messages")
-    )
+    if prefix.text is not None:
+        what = "its text is"
+    elif prefix.file is not None:  # the file fills the system message
+        what = f"{prefix.file} is" if len(parts) == 1 else f"its messages with {prefix.file} are"
+    else:
+        what = "its messages are"
     return (
-        f"pin {prefix.name!r}: {what} is {size:,} bytes, over the {limit:,} bytes that "
+        f"pin {prefix.name!r}: {what} {size:,} bytes, over the {limit:,} bytes that "
         f"max_pin_tokens={max_tokens:,} tokens can hold (at most {MAX_BYTES_PER_TOKEN} bytes a "
         f"token); not tokenized: shorten it or raise max_pin_tokens in settings.toml"
     )

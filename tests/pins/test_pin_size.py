@@ -8,7 +8,7 @@ import pytest
 from helpers import cli
 
 import kvstore.pins.render
-from kvstore.pins.manifest import MAX_BYTES_PER_TOKEN, load_manifest, oversized
+from kvstore.pins.manifest import MAX_BYTES_PER_TOKEN, PrefixSpec, load_manifest, oversized
 from kvstore.store.store import Store
 
 
@@ -63,3 +63,5 @@ def test_content_that_may_fit_is_left_to_the_tokenizer(big_file_manifest):
     assert oversized(big, 45_000 // MAX_BYTES_PER_TOKEN - 1) is not None
     assert oversized(short, 1) is not None and "its text is 19 bytes" in oversized(short, 1)
     assert oversized(short, 2) is None
+    chat = PrefixSpec("chat", ({"role": "system", "content": "é" * 20},), None, None, None, None)
+    assert "pin 'chat': its messages are 40 bytes, over the 32 bytes" in oversized(chat, 2)

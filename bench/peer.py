@@ -123,10 +123,14 @@ class Systems:
         if name == PLAIN:
             argv = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--port", str(port)]
             return Server(argv, port, self.log(name), self.env), None
+        assert state is not None
         extra = [*PEERS[name], str(self.warm)] if PEERS[name] else []
         argv = [str(self.exe), "serve", model, "--port", str(port), "--continuous-batching",
-                "--ssd-cache-dir", str(state), *extra]  # fmt: skip
-        return Server(argv, port, self.log(name), self.env), model
+                "--ssd-cache-dir", str(state / "ssd"), *extra]  # fmt: skip
+        # its clean stop also saves the prefix cache under ~/.cache/vllm-mlx/prefix_cache/<model
+        # path>, loaded at the next start: a HOME of its own keeps that in its state too
+        (state / "home").mkdir(parents=True, exist_ok=True)
+        return Server(argv, port, self.log(name), dict(self.env, HOME=str(state / "home"))), model
 
 
 def _system(stage: str) -> str:
@@ -162,12 +166,38 @@ def prepare(sy: Systems, name: str, state: Path) -> None:
             raise RuntimeError(f"{name} exited {rc} at its stop:\n{s.tail()}")
 
 
-def _log_cached(text: str) -> list[int]:
-    """Cached-token counts a server's log reports per request, in order (vllm-mlx's prefix and
-    SSD caches say how many tokens they served; mlx_lm.server and kvstore serve put theirs in the
-    reply)."""
-    pat = re.compile(r"(?:cached[_ ]tokens|cache hit|hit)[^0-9\n]{0,24}(\d+)", re.IGNORECASE)
-    return [int(m.group(1)) for m in pat.finditer(text)]
+_FETCH = re.compile(
+    r"\[cache_fetch\] request=(\S+) (?:HIT|MISS) prompt_tokens=(\d+)(?: cached=(\d+))?"
+)
+_PROMOTE = re.compile(r"\[ssd_promote\] request=(\S+) .*?(\d+)/(\d+) tokens from SSD")
+
+
+def _log_cached(text: str) -> list[tuple[int, int]]:
+    """(prompt tokens, cached tokens) of each request in a vllm-mlx log, in order: its replies
+    carry no `prompt_tokens_details`, its log says what the memory tier (`[cache_fetch] ... HIT
+    ... cached=N`) or the SSD tier (`[ssd_promote] ... N/M tokens from SSD`) served."""
+    seen: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        if m := _FETCH.search(line):
+            row = seen.setdefault(m.group(1), [int(m.group(2)), 0])
+            row[1] = max(row[1], int(m.group(3) or 0))
+        elif m := _PROMOTE.search(line):
+            row = seen.setdefault(m.group(1), [int(m.group(3)), 0])
+            row[1] = max(row[1], int(m.group(2)))
+    return [(n, c) for n, c in seen.values()]
+
+
+def _match_logged(cached: list, prompt: list, logged: list[tuple[int, int]]) -> list:
+    """Each request without a reply's count takes the next logged request of its prompt length
+    (a warm-up request the server ran itself has its own length)."""
+    out, k = [], 0
+    for c, n in zip(cached, prompt, strict=True):
+        while c is None and k < len(logged) and logged[k][0] != n:
+            k += 1
+        if c is None and k < len(logged):
+            c, k = logged[k][1], k + 1
+        out.append(c)
+    return out
 
 
 def one_start(sy: Systems, name: str, state: Path | None, user: str) -> dict:
@@ -195,8 +225,7 @@ def one_start(sy: Systems, name: str, state: Path | None, user: str) -> dict:
             s.stop(signal.SIGTERM)
     if None in cached:  # the reply reports none: the server's own log of this start
         logged = _log_cached(sy.log(name).read_bytes()[before:].decode(errors="replace"))
-        cached = [c if c is not None else (logged[i] if i < len(logged) else None)
-                  for i, c in enumerate(cached)]  # fmt: skip
+        cached = _match_logged(cached, prompt, logged)
     return {"spawn_to_ready_s": ready, "spawn_to_first_answer_s": first, "ttft_s": ttft,
             "total_ttft_s": sum(ttft), "cached_tokens": cached, "prompt_tokens": prompt,
             "texts": texts}  # fmt: skip
@@ -329,7 +358,7 @@ def targets(res: dict) -> list[dict]:
         for name, v in row["systems"].items():
             if "error" in v:
                 add(f"{name} side by side: {row['model']}", None, "", None, v["error"])
-        if "error" in k or not best:
+        if not k or "error" in k or not best:
             continue
         setting, p = best
         x = p["total_ttft_s"] / k["total_ttft_s"]

@@ -75,8 +75,18 @@ def test_the_ratios_are_read_against_each_model_class_goal():
 
 
 def test_cached_tokens_are_read_from_a_log_where_the_reply_has_none():
-    log = "INFO prefix cache hit: 917 tokens\nINFO cached_tokens=1060 of 1142\nnothing here\n"
-    assert peer._log_cached(log) == [917, 1060]
+    log = (  # vllm-mlx 0.6.0's lines: a warm-up, an SSD hit, a memory hit, a miss
+        "INFO [cache_fetch] request=warm-1 MISS prompt_tokens=40 time=0.000s entries=0\n"
+        "INFO [cache_fetch] request=aaa MISS prompt_tokens=999 time=0.001s entries=1\n"
+        "INFO [ssd_promote] request=aaa exact promote: 917/999 tokens from SSD, 82 remaining\n"
+        "INFO [cache_fetch] request=bbb HIT prompt_tokens=1142 cached=1060 remaining=82 "
+        "time=0.002s\n"
+        "INFO [cache_fetch] request=ccc MISS prompt_tokens=1246 time=0.001s entries=3\n"
+    )
+    logged = peer._log_cached(log)
+    assert logged == [(40, 0), (999, 917), (1142, 1060), (1246, 0)]
+    got = peer._match_logged([None, 1060, None], [999, 1142, 1246], logged)
+    assert got == [917, 1060, 0]
 
 
 @pytest.mark.slow

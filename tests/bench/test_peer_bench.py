@@ -103,3 +103,21 @@ def test_kvstore_serve_and_plain_mlx_lm_server_after_one_restart_from_the_prepar
     assert k["parity"] == {"same": 3, "compared": 3} == p["parity"]
     assert k["spawn_to_first_answer_s"] > k["spawn_to_ready_s"] > 0
     assert row["prefill_tok_s"] > 0
+
+
+def _run(texts: list) -> dict:
+    return {"spawn_to_ready_s": 1.0, "spawn_to_first_answer_s": 1.1, "ttft_s": [0.1, 0.1, 0.1],
+            "total_ttft_s": 0.3, "cached_tokens": [0, 0, 0], "prompt_tokens": [9, 9, 9],
+            "texts": texts}  # fmt: skip
+
+
+def test_greedy_parity_reads_a_null_answer_as_a_blank_one_and_says_the_check_is_weak():
+    runs = {peer.PLAIN: [_run(["\n\n", "\n\n", "\n\n"])], "vllm-mlx ssd": [_run([None] * 3)],
+            peer.KVSTORE: [_run(["\n\n", "\n\n", "x"])]}  # fmt: skip
+    row = peer.summarize("plain", list(runs), runs, {})
+    assert row["systems"]["vllm-mlx ssd"]["parity"] == {
+        "same": 3, "compared": 3, "blank_reference": True}  # fmt: skip
+    assert row["systems"][peer.KVSTORE]["parity"]["same"] == 2
+    rows = [r for r in peer.context_rows({"classes": {"plain": row}}) if "greedy" in r["target"]]
+    assert [r["ok"] for r in rows] == [True, False]
+    assert all("whitespace only: a weak check" in r["note"] for r in rows)

@@ -80,7 +80,7 @@ bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick $(if $(REFERENCE),--reference)
 
 # kvstore serve against vllm-mlx 0.6.0 after restarts, on a plain-attention and a hybrid model
-# (bench/peer.py, ~10 min). The peer lives in a venv of its own (6.5 GB with torch, outside the
+# (bench/peer.py, ~16 min here). The peer lives in a venv of its own (6.5 GB with torch, outside the
 # checkout), set up here when missing; when it cannot be, the benchmark says why and measures nothing.
 PEER_VENV ?= $(or $(KVSTORE_PEER_VENV),$(HOME)/.cache/kvstore-bench/peer-venv)
 bench-peer: $(STAMP)

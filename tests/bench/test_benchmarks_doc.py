@@ -22,7 +22,8 @@ def test_it_leads_with_the_two_model_classes_against_vllm_mlx():
     rows = rows[: next((i for i, r in enumerate(rows) if not r.startswith("| **")), len(rows))]
     assert [r.split("**")[1] for r in rows] == ["plain attention", "Qwen3.5-style hybrid"]
     for row in rows:
-        assert "tok/s" in row and "vllm-mlx" not in row.split("|")[1]  # the regime, per model
+        first = row.split("|")[1]
+        assert "tok/s here" in first and "`make bench-peer`" in first  # regime and command
         assert "@@" not in row
     assert "Why parity is the floor on plain attention" in text
     assert "@@" not in text

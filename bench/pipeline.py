@@ -13,11 +13,12 @@ the rest, decodes greedily and inserts its transcript, as mlx_lm.server does.
 
 Decode length: this CPU prefills only ~3x faster per token than it decodes, where an M-series GPU
 prefills ~10-15x faster; the same token counts would give a different time split. So decode tokens
-per query are calibrated so that each tier's cold static-prefix share of model time is the one the
-seed measured for that tier (SEED_SHARES: 44% / 47% / 17%); prompt tokens are the motivating ones
-(divided by 4 in --quick). It runs on the hybrid and on a plain-attention model (tiny llama, whose
-trimmable caches mlx-lm's LRU can reuse in-process), and reports end-to-end model time (prefill +
-decode), cold against kvstore after a restart, beside the seed's own change (SEED_CHANGE).
+per query are calibrated so that each tier's cold prefill share of model time is the one the seed
+measured for that tier (SEED_SHARES: 44% / 47% / 17%), from a probe replay's own rates; prompt
+tokens are the motivating ones (divided by 4 in --quick). It runs on the hybrid and on a
+plain-attention model (tiny llama, whose trimmable caches mlx-lm's LRU can reuse in-process), and
+reports end-to-end model time (prefill + decode), cold against kvstore after a restart, beside the
+seed's own change (SEED_CHANGE).
 
     python -m bench.pipeline [--quick] [--models hybrid,plain] [--out FILE]
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.timing import fresh_rounds, worker
+from bench.timing import fresh_process, fresh_rounds, worker
 
 # the seed's measured cold static-prefix share of model time, and its end-to-end model time with
 # kvstore after a restart against cold, per tier
@@ -218,11 +219,26 @@ def _decode_plan(tier: dict, rates: dict, share: float | None = None) -> list[in
     """Decode tokens per call so that static prefill is `share` of cold model time (default: the
     seed's share for this tier)."""
     share = SEED_SHARES[tier["name"]] if share is None else share
-    n = len(tier["calls"])
     static_s = static_tokens(tier) / rates["prefill_tps"]
     dyn = sum(c["suffix"] for c in tier["calls"])  # tool-call tokens are decoded, not here
     decode_s = static_s / share - static_s - dyn / rates["prefill_tps"]
-    total = max(n, round(decode_s * rates["decode_tps"]))
+    return _split(tier, round(decode_s * rates["decode_tps"]))
+
+
+def _recalibrate(tier: dict, probe: dict, share: float | None = None) -> list[int]:
+    """Decode tokens per call from a probe's cold replay (bench.timing.worker, short decodes):
+    its prefill seconds and seconds per decoded token, so that cold prefill is `share` of model
+    time (default: the seed's for this tier). The rates a 1,024-token calibration measures miss
+    how prefill chunks and decode contexts of the replay itself cost (a tiny llama's attention)."""
+    share = SEED_SHARES[tier["name"]] if share is None else share
+    per_token = probe["decode_s"] / probe["decode_tokens"]
+    return _split(tier, round(probe["prefill_s"] * (1 / share - 1) / per_token))
+
+
+def _split(tier: dict, total: int) -> list[int]:
+    """`total` decode tokens over a tier's calls."""
+    n = len(tier["calls"])
+    total = max(n, total)
     if tier["chain"]:  # calls 1..n-1 emit fixed-size tool calls; the last one writes the answer
         tc = tier["tool_call"]
         return [tc] * (n - 1) + [max(tc, total - tc * (n - 1))]
@@ -283,9 +299,13 @@ def run_model(arch: str, quick: bool) -> dict:
             f"prefill {rates['prefill_tps']:.0f} tok/s, decode {rates['decode_tps']:.0f} tok/s",
             flush=True,
         )
-        for tier in all_tiers.values():
-            tier["decode"] = _decode_plan(tier, rates)
         spec_path = root / "spec.json"
+        for tier in all_tiers.values():  # a probe first: the first guess, at most 128 a call
+            tier["decode"] = [min(128, d) for d in _decode_plan(tier, rates)]
+        spec_path.write_text(json.dumps({"tiers": all_tiers}))
+        probe = fresh_process(worker(replay, model_path, "", spec_path))
+        for name, tier in all_tiers.items():
+            tier["decode"] = _recalibrate(tier, probe["tiers"][name])
         spec_path.write_text(json.dumps({"tiers": all_tiers}))
         cases = {"cold": worker(replay, model_path, "", spec_path),
                  "kvstore": worker(replay, model_path, home, spec_path)}  # fmt: skip

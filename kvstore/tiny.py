@@ -357,7 +357,8 @@ def make_tiny_model(
     `tokenizer` holds extra `write_tokenizer` arguments (a family's control tokens, BOS, corpus).
     `sizes` replaces size parameters of the architecture's config (in its text_config where it has
     one), e.g. a qwen3_5 at a real model's shapes; `bits` quantizes the weights as mlx-lm's
-    quantize does (affine, group size 64), before they are first evaluated.
+    convert does from a bfloat16 checkpoint (affine, group size 64; what stays unquantized, and
+    so the activations and the KV cache, in bfloat16), before they are first evaluated.
     """
     from mlx_lm.utils import quantize_model, save_model
 
@@ -372,6 +373,7 @@ def make_tiny_model(
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     if bits:
+        model.set_dtype(mx.bfloat16)
         model, config = quantize_model(model, config, 64, bits)
     mx.eval(model.parameters())
     save_model(path, model)

@@ -288,7 +288,8 @@ def _step(results: dict, path: Path | None, key: str, limit: int, fn: Callable[[
     value: dict | None
     try:
         value = fn()
-    except (StepTimeout, RuntimeError, OSError, ValueError, subprocess.CalledProcessError) as e:
+    except (StepTimeout, RuntimeError, OSError, ValueError, KeyError, AssertionError,
+            subprocess.CalledProcessError) as e:  # fmt: skip
         if strict:
             raise
         err = getattr(e, "stderr", None) or str(e)

@@ -89,5 +89,12 @@ bench-peer: $(STAMP)
 	  || echo "bench-peer: the install of vllm-mlx 0.6.0 into $(PEER_VENV) failed (above)"; }
 	KVSTORE_PEER_VENV=$(abspath $(PEER_VENV)) $(PY) -m bench.run --quick --only peer --out peer
 
+# the restart path at Qwen3.5-9B's shapes (8-bit random weights made on the spot), for an
+# accelerator: `make bench-gpu` here, or `OUT=DIR bash bench/gpu_device.sh` on a CUDA box (it makes
+# its own venv with 'mlx[cuda12]'); `make bench-gpu TINY=1` is the smoke test's tiny run
+.PHONY: bench-gpu
+bench-gpu: $(STAMP)
+	$(PY) -m bench.gpu $(if $(TINY),--tiny) --out bench/results/gpu.json
+
 clean:
 	rm -rf $(VENV) $(LOW_VENV) .demo .pytest_cache build

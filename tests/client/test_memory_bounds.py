@@ -94,3 +94,39 @@ def test_serve_keeps_no_more_after_many_requests_than_after_a_few(llama, llama_p
             hooks.close(2.0)
     assert many == few, (few, many)
     assert many["calls"] == SERVE_CALLS
+
+
+def test_the_store_index_keeps_learned_chains_packed_and_answers_as_the_tuples_did():
+    """Serve's index of the store's learned chains (client/learn.py StoreIndex): packed bytes,
+    sorted, chains another extends left out; `may_serve` answers as the scan over tuples did."""
+    import random
+
+    from kvstore import tokens as tk
+    from kvstore.client.learn import RESTORE_MIN_GAIN, StoreIndex, leaf_chains
+
+    rng = random.Random(0)
+    systems = [[rng.randrange(300) for _ in range(rng.randint(40, 90))] for _ in range(3)]
+    chains: list[tuple[int, ...]] = []
+    for _ in range(60):
+        c = list(rng.choice(systems) if rng.random() < 0.8 else chains[-1] if chains else [])
+        chains.append(tuple(c + [rng.randrange(300) for _ in range(rng.randint(1, 80))]))
+    chains += [c[: len(c) // 2] for c in chains[:10]]  # prefixes of others
+
+    def scanned(tokens: list[int], served: int) -> bool:  # the tuples' answer
+        need = served + RESTORE_MIN_GAIN
+        return any(len(c) >= need and c[:need] == tuple(tokens[:need]) for c in chains)
+
+    index = StoreIndex(0, leaf_chains([tk.pack(c) for c in chains]), [])
+    assert all(type(c) is bytes for c in index.chains) and index.chains == sorted(index.chains)
+    assert len(index.chains) < len(chains)
+    answers = set()
+    for _ in range(2000):
+        c = list(rng.choice(chains))
+        tokens = c[: rng.randint(0, len(c))] + [
+            rng.randrange(300) for _ in range(rng.randint(0, 40))
+        ]
+        served = rng.randint(0, len(tokens))
+        answers.add(index.may_serve(tokens, served))
+        assert index.may_serve(tokens, served) == scanned(tokens, served), (tokens, served)
+    assert answers == {True, False}
+    assert leaf_chains([]) == [] and not StoreIndex(0, [], []).may_serve([1] * 40, 0)

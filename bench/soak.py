@@ -8,12 +8,19 @@ module does not read: it reports None there.
 
     python -m bench.soak                      # quick: 1,200 requests after 300 of warm-up
     python -m bench.soak --full               # 10,000 after 1,000
-    python -m bench.soak --in-process 2000    # where it grows: tracemalloc over serve's hooks
-    python -m bench.run --quick --only soak
+    python -m bench.soak --in-process 600     # where it grows: tracemalloc over serve's hooks
+    python -m bench.run --quick --only soak   # (about 4 minutes on a shared 2-core box)
 
 `--in-process N` drives serve's hooks and prompt cache in this process (as
 tests/client/test_request_budget.py does: fetch, generate, insert, record) against a real daemon
-and prints the Python allocations that grew between the warm-up and N requests later, by line.
+after 300 requests of warm-up, and prints the Python allocations that grew in two windows of N
+requests (`steady`: in both, by line; `last_window`: the second's), the trie's nodes and mlx's
+active and cache memory.
+
+Found and bounded so far (docs/benchmarks.md, "Memory under load"): StatsRecorder.calls (one
+CallStats with its reason spans per request, forever), and the cold tier's index of learned
+chains (tuples of ints: ~36 bytes a learned token). On this box a plain `mlx_lm.server` under the
+same load stays flat; `kvstore serve` still grows (see the notes there).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ after 300 requests of warm-up, and prints the Python allocations that grew in tw
 requests (`steady`: in both, by line; `last_window`: the second's), the trie's nodes and mlx's
 active and cache memory.
 
-Found and bounded so far (docs/benchmarks.md, "Memory under load"): StatsRecorder.calls (one
+Found and bounded so far (docs/soak.md): StatsRecorder.calls (one
 CallStats with its reason spans per request, forever), and the cold tier's index of learned
 chains (tuples of ints: ~36 bytes a learned token). On this box a plain `mlx_lm.server` under the
 same load stays flat; `kvstore serve` still grows (see the notes there).

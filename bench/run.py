@@ -26,6 +26,7 @@ RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
     "startup", "learned", "firstreq", "firstcall", "fleet_trust", "reasons", "canary_noise", "peer",
+    "soak",
 )  # fmt: skip
 OPT_IN = ("peer",)  # run only when named (`make bench-peer`): vllm-mlx in a venv of its own
 
@@ -154,7 +155,7 @@ def targets(res: dict) -> list[dict]:
     if "firstreq" in res:  # issue 22: each pinned stage's first request after a restart
         out.extend(own_targets("firstreq", res))
     out.extend(restart_targets(res))
-    for name in ("fleet_trust", "reasons", "canary_noise", "peer"):
+    for name in ("fleet_trust", "reasons", "canary_noise", "peer", "soak"):
         out.extend(own_targets(name, res))
     return out
 

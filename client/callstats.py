@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ log = logging.getLogger("kvstore.client")
 
 BATCH_RECORDS = 32  # records per `record` request to the daemon
 BATCH_SECONDS = 5.0  # oldest unsent record waits at most this long for the next call to send it
+KEEP_CALLS = 1000  # `StatsRecorder.calls` keeps the most recent calls; `summary()` counts all
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class LabelSummary:
 class StatsRecorder:
     """Per-call stats for one model: `.calls`, `.summary()`, and batches to the daemon.
 
+    `.calls` holds the most recent `keep_calls` calls (KEEP_CALLS by default; a server records
+    one per request for as long as it runs), oldest first; `.summary()` counts every call
+    recorded, from running totals.
+
     `verbose`: True prints each call's line to stderr, False only logs it at INFO, None (default)
     prints unless INFO records of "kvstore.client" already reach a handler.
     """
@@ -86,10 +91,13 @@ class StatsRecorder:
         home: str | Path | None = None,
         send: bool = True,
         verbose: bool | None = None,
+        keep_calls: int = KEEP_CALLS,
     ):
         self.model = str(model)
         self.verbose = verbose
-        self.calls: list[CallStats] = []
+        self.calls: list[CallStats] = []  # the most recent `keep_calls`
+        self.keep_calls = max(0, keep_calls)
+        self._totals: dict[str, LabelSummary] = {}  # every call's, by label
         self._own_writer = writer is None and send
         self._writer = WriteBehind(home) if self._own_writer else writer
         self._unsent: list[dict[str, Any]] = []
@@ -126,7 +134,7 @@ class StatsRecorder:
             ts=time.time(),
             reasons=reasons,
         )
-        self.calls.append(call)
+        self._keep(call)
         line = call.line()
         log.info("%s", line)
         if self._should_print():
@@ -139,18 +147,22 @@ class StatsRecorder:
         return call
 
     def summary(self) -> dict[str, LabelSummary]:
-        out: dict[str, LabelSummary] = {}
-        for c in self.calls:
-            s = out.setdefault(c.label, LabelSummary())
-            s.calls += 1
-            s.prompt_tokens += c.prompt_tokens
-            s.cached_tokens += c.cached_tokens
-            s.prefilled_tokens += c.prefilled_tokens
-            s.prefill_s += c.prefill_s
-            s.decode_s += c.decode_s
-            for reason, n in c.prefilled_by_reason().items():
-                s.prefilled[reason] = s.prefilled.get(reason, 0) + n
-        return out
+        """Every recorded call's totals by label (not only those `.calls` still holds)."""
+        return {label: replace(s, prefilled=dict(s.prefilled)) for label, s in self._totals.items()}
+
+    def _keep(self, c: CallStats) -> None:
+        self.calls.append(c)
+        if len(self.calls) > self.keep_calls:
+            del self.calls[: len(self.calls) - self.keep_calls]
+        s = self._totals.setdefault(c.label, LabelSummary())
+        s.calls += 1
+        s.prompt_tokens += c.prompt_tokens
+        s.cached_tokens += c.cached_tokens
+        s.prefilled_tokens += c.prefilled_tokens
+        s.prefill_s += c.prefill_s
+        s.decode_s += c.decode_s
+        for reason, n in c.prefilled_by_reason().items():
+            s.prefilled[reason] = s.prefilled.get(reason, 0) + n
 
     def send(self) -> None:
         """Hand every unsent record to the write-behind now (a timer's work); no wait."""

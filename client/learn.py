@@ -28,6 +28,7 @@ cache back: what goes into its LRU is returned.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
 import threading
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics, mlxlm
+from kvstore import tokens as tk
 from kvstore.client import modelthread
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_entry
@@ -123,13 +125,15 @@ SAID_CORRUPT: set[bytes] = set()  # learned records this process said are corrup
 
 @dataclass
 class StoreIndex:
-    """What the store holds of one model, read in one pass: the token ids of its learned chains
-    (from position 0 to each chain's end) and of its entries. Valid while the store's last
-    committed transaction is `change`: a request memory served is then answered from here,
-    without reading the store."""
+    """What the store holds of one model, read in one pass: its learned chains (the packed token
+    ids from position 0 to each chain's end, kvstore.tokens; sorted, none a prefix of another)
+    and the token ids of its entries. Valid while the store's last committed transaction is
+    `change`: a request memory served is then answered from here, without reading the store.
+    Packed, a learned token costs 4 bytes here (as tuples of ints it cost ~36: serve grew with
+    every chain the daemon learned, issue 34 item 6), and a request looks it up by bisection."""
 
     change: int
-    chains: list[tuple[int, ...]]
+    chains: list[bytes]
     entries: list[tuple[tuple[int, ...], Any]]  # (token ids, EntryMeta)
 
     def may_serve(self, tokens: Sequence[int], served: int) -> bool:
@@ -137,15 +141,24 @@ class StoreIndex:
         shares RESTORE_MIN_GAIN more tokens with them, or an entry that prefixes them past
         `served`."""
         need = served + RESTORE_MIN_GAIN
-        head = tuple(tokens[:need])
-        if any(len(c) >= need and c[need - 1] == head[-1] and c[:need] == head
-               for c in self.chains):  # fmt: skip
-            return True
+        if len(tokens) >= need:
+            head = tk.pack(tokens[:need])  # the chains extending it follow it in sorted order
+            i = bisect.bisect_left(self.chains, head)
+            if i < len(self.chains) and self.chains[i].startswith(head):
+                return True
         n = len(tokens)
         return any(
             served < len(t) < n and t[-1] == tokens[len(t) - 1] and t == tuple(tokens[: len(t)])
             for t, _ in self.entries
         )
+
+
+def leaf_chains(packed: Sequence[bytes]) -> list[bytes]:
+    """Packed chains, sorted, without those another one extends (in sorted order, a chain's
+    extensions follow it: the next one says)."""
+    chains = sorted(packed)
+    return [c for c, after in zip(chains, [*chains[1:], b""][: len(chains)], strict=True)
+            if not after.startswith(c)]  # fmt: skip
 
 
 @dataclass
@@ -209,13 +222,11 @@ class ColdTier:
         return index
 
     def _read_index(self, target: LearnTarget, change: int) -> StoreIndex:
-        from kvstore.store.entry import unpack_tokens
-
-        chains: list[tuple[int, ...]] = []
+        chains: list[bytes] = []
         if self._blocks is not None and target.is_sliceable():
             prefixes = self._blocks.learned_prefixes(target.fingerprint, max_tokens=1 << 40,
                                                      limit=1 << 40)  # fmt: skip
-            chains = [tuple(unpack_tokens(t)) for t, _ in prefixes]
+            chains = leaf_chains([t for t, _ in prefixes])
         metas = self._store.metas(target.fingerprint, errors=[])
         entries = [(tuple(m.token_ids()), m) for m in metas if not unchecked(m)]
         return StoreIndex(change, chains, entries)

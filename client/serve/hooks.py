@@ -71,6 +71,7 @@ WARM_UP_TEXT = (
 )
 WARM_UP_CONNECT_S = 60.0  # seconds the warm-up waits for the server's socket
 WARM_UP_TIMEOUT_S = 300.0  # seconds one warm-up request may take (a long pin on a slow machine)
+SERVE_CALLS = 64  # recent calls serve's StatsRecorder keeps (its ledger and /metrics count all)
 
 
 class ServeError(KVStoreError):
@@ -381,7 +382,7 @@ class _Hooks:
         with self._stats_lock:
             if self.stats is not None:
                 self.stats.close()  # the last model's unsent records
-            self.stats = StatsRecorder(str(model_path), writer=self.writer)
+            self.stats = StatsRecorder(str(model_path), writer=self.writer, keep_calls=SERVE_CALLS)
             parts = prefetched.fingerprint.parts if prefetched.fingerprint is not None else None
             after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated, parts)
             self.stats.attribute.learner = self.learner

@@ -1,0 +1,379 @@
+"""Memory under load (issue 34 item 6): a fixed number of requests through a real `kvstore serve`
+and `kvstore daemon` with learning on, the tiny llama, several client threads sending chats of
+1-6 turns over 3 system prompts. Reported: serve's anonymous memory (RssAnon of
+/proc/PID/status on Linux) after a warm-up and at the end, and its growth per request; the
+target is flat within noise. On macOS there is no /proc: the figure would be the process's
+private dirty memory (`footprint` or `vmmap --summary PID`, "Physical footprint"), which this
+module does not read: it reports None there.
+
+    python -m bench.soak                      # quick: 1,200 requests after 300 of warm-up
+    python -m bench.soak --full               # 10,000 after 1,000
+    python -m bench.soak --in-process 600     # where it grows: tracemalloc over serve's hooks
+    python -m bench.run --quick --only soak   # (about 4 minutes on a shared 2-core box)
+
+`--in-process N` drives serve's hooks and prompt cache in this process (as
+tests/client/test_request_budget.py does: fetch, generate, insert, record) against a real daemon
+after 300 requests of warm-up, and prints the Python allocations that grew in two windows of N
+requests (`steady`: in both, by line; `last_window`: the second's), the trie's nodes and mlx's
+active and cache memory.
+
+Found and bounded so far (docs/soak.md): StatsRecorder.calls (one
+CallStats with its reason spans per request, forever), and the cold tier's index of learned
+chains (tuples of ints: ~36 bytes a learned token). On this box a plain `mlx_lm.server` under the
+same load stays flat; `kvstore serve` still grows (see the notes there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+SYSTEMS = (
+    "You are a careful support assistant for an online shop. Classify each request as billing, "
+    "shipping, returns or account, say why in one sentence, and answer politely and briefly.",
+    "You are a concise assistant for a small team's wiki. Answer with the page's path and who "
+    "last edited it; when you do not know, say so and suggest where to look next.",
+    "You are a code reviewer. Read the user's snippet, name the one most serious problem, and "
+    "propose a fix in at most three lines. Prefer clarity over cleverness; never invent APIs.",
+)
+WORDS = (
+    "invoice parcel refund password page guide editor branch build test cache token prefix "
+    "shipping account billing return order review snippet function error timeout retry queue "
+    "daemon store learned budget memory request reply answer question team wiki onboarding"
+).split()
+MAX_TURNS = 6
+REPLY = "Noted: {n} items."  # the assistant turns a chat carries (fixed: every turn extends)
+TARGET_BYTES_PER_REQUEST = 512  # flat within noise: less than this per request after warm-up
+
+
+def chats(seed: int) -> Iterator[list[list[dict]]]:
+    """Endless chats: each the messages of its 1-6 turns (turn k: the system prompt, k user turns
+    and the k-1 replies between them), over the 3 system prompts."""
+    rng = random.Random(seed)
+    while True:
+        msgs = [{"role": "system", "content": rng.choice(SYSTEMS)}]
+        turns = []
+        for k in range(rng.randint(1, MAX_TURNS)):
+            user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 18)))
+            msgs = [*msgs, {"role": "user", "content": f"{rng.randrange(10**6)}: {user}?"}]
+            turns.append(msgs)
+            msgs = [*msgs, {"role": "assistant", "content": REPLY.format(n=k + 1)}]
+        yield turns
+
+
+def requests(seed: int) -> Iterator[list[dict]]:
+    """The requests of `chats(seed)`, turn after turn."""
+    for turns in chats(seed):
+        yield from turns
+
+
+def rss_anon(pid: int) -> int | None:
+    """Anonymous resident bytes of `pid` (RssAnon of /proc/PID/status); None where there is no
+    /proc (macOS: `footprint PID` / `vmmap --summary PID` would say it, not read here)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+# -- in process: where serve's Python memory grows --------------------------------------------
+
+
+def _drive(hooks, cache, key, model, tokenizer, messages: list[dict]) -> None:
+    """One request as mlx_lm.server runs it: tokenize, fetch, generate, insert, record."""
+    import types
+
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore import mlxlm
+
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    hooks.decode = tokenizer.decode
+    ctx = types.SimpleNamespace(prompt=prompt, prompt_cache_count=0)
+    kv, rest = cache.fetch_nearest_cache(key, prompt)
+    ctx.prompt_cache_count = len(prompt) - len(rest)
+    kv = kv if kv is not None else make_prompt_cache(model)
+    out = [r.token for r in stream_generate(model, tokenizer, rest, max_tokens=2, prompt_cache=kv)]
+    held = mlxlm.generated_transcript(kv, prompt + out)
+    if held is not None:
+        cache.insert_cache(key, held, kv)
+    list(hooks.recorded(ctx, iter(out)))
+
+
+def in_process(n: int, warmup: int = 300, seed: int = 0, top: int = 15) -> dict:
+    """`n` requests through serve's hooks and prompt cache in this process, against a real
+    daemon with learning on; the Python allocations that grew from the warm-up to the end."""
+    import argparse
+    import gc
+    import tracemalloc
+    import types
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from bench.learned import running_daemon
+    from kvstore.client.serve.hooks import patched_server
+    from kvstore.tiny import make_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="kvstore-soak-"))
+    try:
+        path = make_tiny_model(root / "model", "llama").resolve()
+        home = root / "home"
+        env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1")
+        model, tokenizer = load(str(path))
+        key = (str(path), None, None)
+        args = argparse.Namespace(host="127.0.0.1", port=0, prefill_step_size=2048)
+        provider = types.SimpleNamespace(model_key=key, model=model, tokenizer=tokenizer,
+                                         cli_args=args)  # fmt: skip
+        got: list = []
+        with (
+            running_daemon(home, root / "daemon.log", env),
+            patched_server(home, hooks_out=got) as server,
+        ):
+            (hooks,) = got
+            hooks.warm_thread_started = hooks.ready = True  # no warm-up requests over HTTP
+            cache = server.LRUPromptCache(10)
+            hooks.on_load(provider)
+            reqs = requests(seed)
+            snaps, marks = [], []
+            try:
+                for _ in range(warmup):
+                    _drive(hooks, cache, key, model, tokenizer, next(reqs))
+                tracemalloc.start(1)
+                for i in range(3):  # the warm-up's end, then twice `n` requests later
+                    if i:
+                        for _ in range(n):
+                            _drive(hooks, cache, key, model, tokenizer, next(reqs))
+                    hooks.flush()
+                    gc.collect()
+                    snap = tracemalloc.take_snapshot().filter_traces(
+                        [tracemalloc.Filter(False, tracemalloc.__file__)]  # the snapshots
+                    )
+                    snaps.append(snap)
+                    marks.append((sum(t.size for t in snap.traces), mx.get_active_memory(),
+                                  mx.get_cache_memory(), _trie_nodes(cache)))  # fmt: skip
+                tracemalloc.stop()
+            finally:
+                hooks.close(5.0)
+                if hooks.learner is not None:
+                    hooks.learner.close(5.0)
+        return _grew(snaps, marks, n, warmup, top, hooks)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _trie_nodes(cache) -> int:
+    """Nodes of the prompt cache's trie (mlx-lm's PromptTrie: a dict per token)."""
+    stack, n = list(cache._trie._trie.values()), 0
+    while stack:
+        node = stack.pop()
+        n += 1
+        stack.extend(v for k, v in node.items() if k != "__value__")
+    return n
+
+
+def _grew(snaps, marks, n: int, warmup: int, top: int, hooks) -> dict:
+    """What grew in both windows of `n` requests (steady growth, not the LRU's churn), by line."""
+    first = {s.traceback[0]: s.size_diff for s in snaps[1].compare_to(snaps[0], "lineno")}
+    second = snaps[2].compare_to(snaps[1], "lineno")
+    steady = sorted((s for s in second if s.size_diff > 0 and first.get(s.traceback[0], 0) > 0),
+                    key=lambda s: -s.size_diff)  # fmt: skip
+
+    def per(i: int) -> float:
+        return round((marks[2][i] - marks[1][i]) / n, 1)
+
+    return {
+        "requests": 2 * n,
+        "warmup": warmup,
+        "python_bytes_per_request": [
+            round((marks[k][0] - marks[k - 1][0]) / n, 1) for k in (1, 2)
+        ],  # fmt: skip
+        "mlx_active_bytes_per_request": per(1),
+        "mlx_cache_bytes_per_request": per(2),
+        "trie_nodes": [m[3] for m in marks],
+        "calls_kept": len(hooks.stats.calls) if hooks.stats is not None else None,
+        "steady": [
+            {
+                "where": str(s.traceback[0]),
+                "bytes_per_request": round(s.size_diff / n, 1),
+                "count": s.count_diff,
+            }
+            for s in steady[:top]
+        ],  # fmt: skip
+        "last_window": [
+            {
+                "where": str(s.traceback[0]),
+                "bytes_per_request": round(s.size_diff / n, 1),
+                "count": s.count_diff,
+            }
+            for s in second[:top]
+        ],  # fmt: skip
+    }
+
+
+# -- through real processes: serve's anonymous memory -----------------------------------------
+
+
+class _Load:
+    """`clients` threads sending requests (each its own chats) until `total` were sent."""
+
+    def __init__(self, server, clients: int, max_tokens: int):
+        self.server, self.max_tokens = server, max_tokens
+        self.streams = [requests(seed) for seed in range(clients)]
+        self.lock = threading.Lock()
+        self.sent = self.errors = self.prompt_tokens = self.cached_tokens = 0
+
+    def send(self, total: int) -> None:
+        """`total` requests more, over all clients; returns when all are answered."""
+        todo = [total]
+
+        def client(stream) -> None:
+            while True:
+                with self.lock:
+                    if todo[0] <= 0:
+                        return
+                    todo[0] -= 1
+                try:
+                    reply = self.server.chat(next(stream), max_tokens=self.max_tokens)
+                except OSError:
+                    with self.lock:
+                        self.errors += 1
+                    continue
+                usage = reply.get("usage") or {}
+                details = usage.get("prompt_tokens_details") or {}
+                with self.lock:
+                    self.sent += 1
+                    self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+                    self.cached_tokens += int(details.get("cached_tokens") or 0)
+
+        threads = [threading.Thread(target=client, args=(s,), daemon=True) for s in self.streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
+         max_tokens: int = 4) -> dict:  # fmt: skip
+    """`warmup` then `requests_` requests through a real daemon and `kvstore serve` (learning on,
+    the tiny llama, `clients` threads); serve's RssAnon after the warm-up, every
+    `requests_ / samples` requests, and at the end."""
+    from bench.learned import Server, _kv, free_port, running_daemon
+    from kvstore.tiny import make_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="kvstore-soak-"))
+    try:
+        model = make_tiny_model(root / "model", "llama").resolve()
+        home = root / "home"
+        env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_VERBOSITY="error")  # fmt: skip
+        with running_daemon(home, root / "daemon.log", env) as daemon:
+            port = free_port()
+            argv = _kv("serve", "--home", str(home), "--model", str(model), "--port", str(port))
+            server = Server(argv, port, root / "serve.log", env)
+            try:
+                server.wait_ready()
+                load = _Load(server, clients, max_tokens)
+                t0 = time.perf_counter()
+                load.send(warmup)
+                rss = [rss_anon(server.proc.pid)]
+                daemon_rss = [rss_anon(daemon.pid)]
+                t1 = time.perf_counter()
+                for k in range(samples):
+                    load.send(requests_ * (k + 1) // samples - requests_ * k // samples)
+                    rss.append(rss_anon(server.proc.pid))
+                daemon_rss.append(rss_anon(daemon.pid))
+                seconds = time.perf_counter() - t1
+                warm_s = t1 - t0
+            finally:
+                server.stop()
+        return _figures(load, rss, daemon_rss, requests_, warmup, clients, seconds, warm_s)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _figures(load, rss, daemon_rss, n, warmup, clients, seconds, warm_s) -> dict:
+    known = None not in rss
+    growth = rss[-1] - rss[0] if known else None
+    return {
+        "model": "tiny llama",
+        "clients": clients,
+        "warmup": warmup,
+        "requests": n,
+        "errors": load.errors,
+        "requests_per_s": round(n / seconds, 1) if seconds else None,
+        "warmup_s": round(warm_s, 1),
+        "cached_share": round(load.cached_tokens / load.prompt_tokens, 3)
+        if load.prompt_tokens
+        else None,
+        "memory": "RssAnon of /proc/PID/status" if known else None,
+        "serve_rss_anon": rss,  # after the warm-up, then after each of `samples` parts
+        "daemon_rss_anon": daemon_rss,
+        "growth_bytes": growth,
+        "bytes_per_request": round(growth / n, 1) if growth is not None else None,
+        "target_bytes_per_request": TARGET_BYTES_PER_REQUEST,
+    }
+
+
+def run(quick: bool = True, *, requests_: int | None = None, warmup: int | None = None,
+        clients: int = 4) -> dict:  # fmt: skip
+    """bench.run's entry: 1,200 requests after 300 (quick), 10,000 after 1,000 (full)."""
+    res = soak(requests_ or (1200 if quick else 10000), warmup or (300 if quick else 1000),
+               clients)  # fmt: skip
+    _print(res)
+    return res
+
+
+def targets(res: dict) -> list[dict]:
+    """bench.run's row: serve's anonymous memory per request after the warm-up."""
+    per = res["bytes_per_request"]
+    rss = res["serve_rss_anon"]
+    note = (f"serve RssAnon {rss[0] / 2**20:.1f} -> {rss[-1] / 2**20:.1f} MiB over "
+            f"{res['requests']} requests after {res['warmup']} ({res['clients']} clients, "
+            f"{res['errors']} errors); daemon {_mib(res['daemon_rss_anon'])}"
+            if per is not None else "no /proc here (macOS): not measured")  # fmt: skip
+    return [{
+        "target": f"kvstore serve's anonymous memory flat under load (< "
+                  f"{res['target_bytes_per_request']} B a request after warm-up), {res['model']}, "
+                  "learning on",
+        "measured": per,
+        "unit": "B/request",
+        "ok": None if per is None else per < res["target_bytes_per_request"],
+        "note": note,
+    }]  # fmt: skip
+
+
+def _mib(values: list) -> str:
+    return " -> ".join(f"{v / 2**20:.1f}" for v in values if v is not None) + " MiB"
+
+
+def _print(res: dict) -> None:
+    for row in targets(res):
+        print(f"  {'met' if row['ok'] else 'MISSED'}: {row['target']}: {row['measured']} "
+              f"{row['unit']} ({row['note']})")  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    if "--in-process" in argv:
+        n = int(argv[argv.index("--in-process") + 1])
+        print(json.dumps(in_process(n), indent=1))
+        return
+    res = run("--full" not in argv)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,114 @@
+"""Read-through on a request's miss (issue 32): a prefix box A learned and uploaded is served on
+box B from the fleet, verified and checked against B's model, stored through B's daemon; and
+every fault (a MAC that fails, a quarantined uploader, a truncated or vanished object, a bucket
+that hangs or dies mid-chain, no fleet key) is one log line and a prefill, nothing stored."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import pytest
+from fleet_boxes import box, remote_of, store_chain
+from helpers import Proc, assert_same_kv, mlx_lm_prefill, serving, wait_for
+from mlx_lm import load
+
+from kvstore import metrics
+from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.persistent import PinnedPromptCache
+from kvstore.fleet.learned import push_records
+from kvstore.learned.blockstore import BlockStore
+from kvstore.store.store import Store
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
+
+FP = bytes(range(16))
+KEY = "tiny"
+FLEET_KEY = secrets.token_hex(32)
+
+
+def chat(n: int, seed: int = 3) -> list[int]:
+    return [(7 * i + seed) % 200 + 1 for i in range(n)]
+
+
+def keyed(home, key: str = FLEET_KEY):
+    creds = home / "s3.toml"
+    creds.write_text(creds.read_text() + f'fleet_key = "{key}"\n')
+    return home
+
+
+def sample(name: str, labels: dict | None = None) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny(llama_path):
+    model, _ = load(str(llama_path))
+    return model, llama_path
+
+
+def uploaded(home, s3, tiny, tokens: list[int]) -> None:
+    """Box `home` learned `tokens` (records [0,256), [256,512), [512, len)) and pushed them."""
+    model, path = tiny
+    store_chain(box(home, s3), mlx_lm_prefill(model, tokens), tokens, FP, path)
+    keyed(home)
+    with Store(home) as store:
+        counts = push_records(remote_of(home), store, say=print)
+    assert counts["uploaded"] == 3
+
+
+def cache_on(home, tiny) -> tuple[PinnedPromptCache, Learner]:
+    model, path = tiny
+    lru = PinnedPromptCache(max_size=4)
+    learner = Learner(home)
+    learner.add_target(KEY, LearnTarget(fingerprint=FP, model=str(path), model_obj=model,
+                                        extra={}))  # fmt: skip
+    lru.learner = learner
+    return lru, learner
+
+
+def test_a_miss_is_read_through_from_the_fleet(s3, tiny, tmp_path, caplog):
+    tokens = chat(600)
+    uploaded(tmp_path / "a", s3, tiny, tokens)
+    b = keyed(box(tmp_path / "b", s3))
+    request = tokens + chat(30, seed=9)
+    before = sample("kvstore_prompt_tokens_total", {"source": "fleet"})
+    trips = sample("kvstore_fleet_round_trips_total")
+    lru, learner = cache_on(b, tiny)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvstore.client"):
+            cache, rest = lru.fetch_nearest_cache(KEY, request)
+        assert rest == request[512:]  # two whole blocks from the fleet; the rest prefills
+        assert_same_kv(cache, mlx_lm_prefill(tiny[0], tokens[:512]))
+        assert sample("kvstore_prompt_tokens_total", {"source": "fleet"}) - before == 512
+        # one HEAD (the longest first) and two GETs
+        assert sample("kvstore_fleet_round_trips_total") - trips == 3
+        assert "512 tokens of a request fetched from the fleet" in caplog.text
+        # in memory now: the next request of that prefix asks nothing
+        cache, rest = lru.fetch_nearest_cache(KEY, request)
+        assert rest == request[-1:] or len(rest) < len(request) - 511
+        assert sample("kvstore_fleet_round_trips_total") - trips == 3
+    finally:
+        learner.close(timeout=5.0)
+    with Store(b) as store:  # no daemon here: the client never writes the store itself
+        assert BlockStore(store).stored_end(FP, tokens) == 0
+
+
+def test_read_through_stores_through_the_daemon(s3, tiny, tmp_path):
+    tokens = chat(600, seed=5)
+    uploaded(tmp_path / "a", s3, tiny, tokens)
+    b = keyed(box(tmp_path / "b", s3))
+    request = tokens + chat(30, seed=9)
+    with serving(Proc(b, log=tmp_path / "b.log"), warm=False):
+        lru, learner = cache_on(b, tiny)
+        try:
+            _, rest = lru.fetch_nearest_cache(KEY, request)
+            assert rest == request[512:]
+            assert learner.drain(20.0)[1] == 0
+        finally:
+            learner.close(timeout=5.0)
+        with Store(b, readonly=True) as store:
+            blocks = BlockStore(store)
+            wait_for(lambda: blocks.stored_end(FP, tokens) == 512, timeout=10)
+            chain = blocks.lookup(FP, tokens)
+            assert {m.extra.get("origin") for m in chain[:2]} == {"remote"}

@@ -125,7 +125,10 @@ class FleetReads:
         ask = Ask(target.fingerprint, tokens, block, have, best, self.prefill_rate(target.model))
         try:
             got = self.reader.read(ask)
-            return None if got is None else self._serve(target, tokens, chain, cold, *got)
+            hit = None if got is None else self._serve(target, tokens, chain, cold, *got)
+            if got is not None and hit is None:
+                self.reader.not_used(ask)
+            return hit
         except (KVStoreError, OSError, ValueError) as e:  # never fail a request: prefill
             if "failed" not in self._said:
                 self._said.add("failed")

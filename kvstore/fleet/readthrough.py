@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -40,7 +40,8 @@ import msgpack
 
 from kvstore import metrics
 from kvstore import tokens as tk
-from kvstore.errors import RemoteError
+from kvstore.degrade import UNREADABLE
+from kvstore.errors import KVStoreError, RemoteError
 from kvstore.fleet.objects import (
     HEADER,
     RECORD_MAGIC,
@@ -58,7 +59,8 @@ BREAKER_S = 30.0  # seconds the breaker stays open after a failure
 MISS_S = 30.0  # seconds a prefix the fleet lacks is not asked again
 MISSES = 256  # prefixes remembered as missing, at most
 WEIGHT = 0.3  # a new measurement's weight in the moving estimates
-REFUSED = ("corrupt", "unauthentic", "version", "quarantined", "cut", "gone")
+# what a lookup or fetch may raise that is not a bug (Remote words the bucket's failures)
+_FAILURES: tuple[type[Exception], ...] = (KVStoreError, OSError, *UNREADABLE)
 
 
 @dataclass
@@ -148,7 +150,6 @@ class ReadThrough:
         self.estimate = Estimate()
         self.breaker = Breaker()
         self._misses: OrderedDict[bytes, float] = OrderedDict()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-fleet-read")
         self._busy: Future | None = None
         self._said: set[str] = set()
         self._lock = threading.Lock()
@@ -178,7 +179,7 @@ class ReadThrough:
         deadline = min(prefill_s or self.remote.settings.fetch_deadline,
                        self.remote.settings.fetch_deadline)  # fmt: skip
         t0 = time.monotonic()
-        self._busy = self._pool.submit(self._lookup_and_fetch, ask, first, last, prefill_s)
+        self._busy = _run(lambda: self._lookup_and_fetch(ask, first, last, prefill_s))
         try:
             got = self._busy.result(timeout=deadline)
         except FutureTimeout:
@@ -187,14 +188,15 @@ class ReadThrough:
             self.breaker.failed(f"a fetch from {self.remote.where()} passed its deadline "
                                 f"({deadline:.2f} s, the expected prefill)")  # fmt: skip
             return None
-        except RemoteError as e:
+        except _FAILURES as e:
             metrics.FLEET_READS.labels(outcome="error").inc()
             self.breaker.failed(str(e))
             return None
         self.breaker.ok()
-        if got is None:
-            return None
-        return self._verified(ask, got, prefill_s, time.monotonic() - t0)
+        found = None if got is None else self._verified(ask, got, prefill_s, time.monotonic() - t0)
+        if got is not None and found is None:  # refused: not asked again for a while either
+            self._miss(ask.hashes[last])
+        return found
 
     def _verified(
         self, ask: Ask, got: Fetched, prefill_s: float | None, seconds: float
@@ -235,6 +237,10 @@ class ReadThrough:
             self._said.add(cause)
             log.warning("kvstore: fleet read-through: %s; not used, the request prefills", what)
 
+    def not_used(self, ask: Ask) -> None:
+        """The caller refused what `read` returned (its check): not asked again for a while."""
+        self._miss(ask.hashes[-1])
+
     def _missed(self, h: bytes, now: float) -> bool:
         with self._lock:
             at = self._misses.get(h)
@@ -250,7 +256,7 @@ class ReadThrough:
                 self._misses.popitem(last=False)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to wait for: a fetch still running ends on its own (its result dropped)."""
 
     # -- the worker thread --------------------------------------------------------------------
 
@@ -313,8 +319,10 @@ class ReadThrough:
             try:
                 data, seconds = self.remote.fetch(key, name=name)
             except RemoteError as e:
-                if e.cause == "error" or e.cause == "corrupt":  # vanished or cut short
+                # vanished since the lookup (S3 names it only in its code) or cut short
+                if e.cause == "corrupt" or (e.cause == "error" and "NoSuchKey" in str(e)):
                     self._refused("gone", key, f"learned record {key.hex()}: {e}")
+                    self._miss(ask.hashes[-1])
                     return None
                 raise
             trips += 1
@@ -334,15 +342,35 @@ class ReadThrough:
         return Fetched(objects, at, end, trips, nbytes)
 
 
+def _run(work: Callable[[], Fetched | None]) -> Future:
+    """`work` on a daemon thread of its own (a fetch abandoned at its deadline never holds up
+    the process's exit), its outcome in the future returned."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except _FAILURES as e:  # the waiting request words it
+            future.set_exception(e)
+        finally:  # anything else is a bug: the thread's excepthook shows it; the request prefills
+            if not future.done():
+                future.set_result(None)
+
+    threading.Thread(target=run, name="kvstore-fleet-read", daemon=True).start()
+    return future
+
+
 def record_start(data: bytes | bytearray) -> int | None:
     """Where a record object's record starts, read from its header alone (unverified: it only
     names the next object to fetch; `verify_record` checks everything); None: not readable."""
+    if len(data) < HEADER.size:
+        return None
     try:
         magic, _, n = HEADER.unpack_from(data)
         if magic != RECORD_MAGIC or n > len(data) - HEADER.size:
             return None
         head = msgpack.unpackb(bytes(data[HEADER.size : HEADER.size + n]), raw=False)
         prefix = head["prefix"]
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+    except UNREADABLE:
         return None
     return len(prefix) // tk.SIZE if isinstance(prefix, bytes) else None

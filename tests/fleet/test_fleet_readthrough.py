@@ -47,10 +47,11 @@ def tiny(llama_path):
     return model, llama_path
 
 
-def uploaded(home, s3, tiny, tokens: list[int]) -> None:
-    """Box `home` learned `tokens` (records [0,256), [256,512), [512, len)) and pushed them."""
+def uploaded(home, s3, tiny, tokens: list[int], kv_of: list[int] | None = None) -> None:
+    """Box `home` learned `tokens` (records [0,256), [256,512), [512, len)) and pushed them
+    (`kv_of`: the KV of other tokens, filed as theirs: a faulty box)."""
     model, path = tiny
-    store_chain(box(home, s3), mlx_lm_prefill(model, tokens), tokens, FP, path)
+    store_chain(box(home, s3), mlx_lm_prefill(model, kv_of or tokens), tokens, FP, path)
     keyed(home)
     with Store(home) as store:
         counts = push_records(remote_of(home), store, say=print)
@@ -112,3 +113,74 @@ def test_read_through_stores_through_the_daemon(s3, tiny, tmp_path):
             wait_for(lambda: blocks.stored_end(FP, tokens) == 512, timeout=10)
             chain = blocks.lookup(FP, tokens)
             assert {m.extra.get("origin") for m in chain[:2]} == {"remote"}
+
+
+def two_requests(b, tiny, request: list[int]) -> tuple[list[list[int]], Learner]:
+    """Two requests of the same prompt on box `b` (the first's KV is not kept: each misses)."""
+    rests = []
+    lru, learner = cache_on(b, tiny)
+    try:
+        for _ in range(2):
+            lru = PinnedPromptCache(max_size=4)
+            lru.learner = learner
+            rests.append(lru.fetch_nearest_cache(KEY, request)[1])
+        learner.drain(5.0)
+    finally:
+        learner.close(timeout=5.0)
+    return rests, learner
+
+
+def object_names(s3) -> list[str]:
+    listed = s3.client().list_objects_v2(Bucket="kvstore").get("Contents", [])
+    return sorted(o["Key"] for o in listed)
+
+
+FAULTS = ["mac", "quarantined", "truncated", "vanished", "no_key", "mismatch"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_is_one_line_and_a_prefill(s3, tiny, tmp_path, caplog, monkeypatch, fault):
+    tokens = chat(600, seed=11)
+    a = tmp_path / "a"
+    uploaded(a, s3, tiny, tokens, kv_of=chat(600, seed=12) if fault == "mismatch" else None)
+    b = box(tmp_path / "b", s3)
+    if fault != "no_key":
+        keyed(b, secrets.token_hex(32) if fault == "mac" else FLEET_KEY)
+    if fault == "quarantined":
+        from kvstore.fleet.queue import UploadQueue
+        from kvstore.fleet.remote_settings import box_id
+
+        q = UploadQueue(b)
+        q.quarantine(box_id(a), "test: its KV was not this model's")
+        q.close()
+    if fault == "truncated":
+        # every object cut in half: the chain's first one is refused whatever the order
+        client = s3.client()
+        for name in object_names(s3):
+            data = client.get_object(Bucket="kvstore", Key=name)["Body"].read()
+            client.put_object(Bucket="kvstore", Key=name, Body=data[: len(data) // 2])
+    if fault == "vanished":  # the lookup finds the chain's end; then its objects are deleted
+        from kvstore.fleet.objects import Remote
+
+        head = Remote.head
+
+        def head_then_delete(self, key, *, name=None):
+            size = head(self, key, name=name)
+            s3.clear()
+            return size
+
+        monkeypatch.setattr(Remote, "head", head_then_delete)
+    request = tokens + chat(30, seed=9)
+    fleet = sample("kvstore_prompt_tokens_total", {"source": "fleet"})
+    with caplog.at_level(logging.INFO):
+        rests, learner = two_requests(b, tiny, request)
+    assert rests == [request, request]  # served by prefill, as without the fleet
+    assert sample("kvstore_prompt_tokens_total", {"source": "fleet"}) == fleet
+    # nothing sent to be stored (a mismatch sends its verdict: the uploader's quarantine)
+    assert learner.writer.sent + learner.writer.dropped == (fault == "mismatch")
+    lines = [r.getMessage() for r in caplog.records if "fleet" in r.getMessage()]
+    assert len(lines) == 1, lines  # one line, not one per request
+    word = {"mac": "MAC", "quarantined": "quarantined", "truncated": "bytes",
+            "vanished": "NoSuchKey", "no_key": "no fleet_key",
+            "mismatch": "not what this box's model computes"}[fault]  # fmt: skip
+    assert word in lines[0]

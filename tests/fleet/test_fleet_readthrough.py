@@ -6,7 +6,10 @@ that hangs or dies mid-chain, no fleet key) is one log line and a prefill, nothi
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import signal
+import time
 
 import pytest
 from fleet_boxes import box, remote_of, store_chain
@@ -184,3 +187,103 @@ def test_a_fault_is_one_line_and_a_prefill(s3, tiny, tmp_path, caplog, monkeypat
             "vanished": "NoSuchKey", "no_key": "no fleet_key",
             "mismatch": "not what this box's model computes"}[fault]  # fmt: skip
     assert word in lines[0]
+
+
+def asked(b, tokens: list[int], tps: float | None):
+    from kvstore.fleet.readthrough import Ask
+
+    return Ask(FP, tokens, 256, frozenset({0}), 0, tps)
+
+
+def test_only_when_fetching_beats_prefilling(s3, tiny, tmp_path):
+    from kvstore.fleet.readthrough import ReadThrough
+
+    tokens = chat(600, seed=21)
+    uploaded(tmp_path / "a", s3, tiny, tokens)
+    b = keyed(box(tmp_path / "b", s3))
+    reader = ReadThrough(remote_of(b))
+    request = tokens + [1]
+    got = reader.read(asked(b, request, None))  # nothing measured: fetch, and measure
+    assert got is not None and got[1] == 512 and reader.estimate.rtt is not None
+    trips, slower = sample("kvstore_fleet_round_trips_total"), "kvstore_fleet_reads_total"
+    n = sample(slower, {"outcome": "slower"})
+    # a box that prefills far faster than one round trip: the bucket is not even asked
+    assert reader.read(asked(b, request, 1e12)) is None
+    assert sample("kvstore_fleet_round_trips_total") == trips
+    assert sample(slower, {"outcome": "slower"}) == n + 1
+    # a slow link (1 KiB/s): the lookup answers, the records are not fetched
+    reader.estimate.bps = 1024.0
+    assert reader.read(asked(b, request, 2000.0)) is None
+    assert sample("kvstore_fleet_round_trips_total") == trips + 1  # the HEAD only
+    assert sample(slower, {"outcome": "slower"}) == n + 2
+    # a prefix the fleet lacks is asked once, then remembered for MISS_S
+    other = chat(600, seed=22)
+    assert reader.read(asked(b, other, None)) is None
+    after = sample("kvstore_fleet_round_trips_total")
+    assert after > trips + 1
+    assert reader.read(asked(b, other, None)) is None
+    assert sample("kvstore_fleet_round_trips_total") == after
+
+
+@pytest.fixture
+def own_weed(tmp_path):
+    """A SeaweedFS server of this test's own: it is stopped and killed."""
+    from bench.weed import Weed
+
+    server = Weed(tmp_path / "weed").start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_bucket_that_hangs_or_dies_mid_chain(own_weed, tiny, tmp_path, caplog, monkeypatch):
+    from kvstore.fleet.objects import Remote
+
+    tokens = chat(600, seed=31)
+    uploaded(tmp_path / "a", own_weed, tiny, tokens)
+    b = keyed(box(tmp_path / "b", own_weed, read_timeout=1.0, fetch_deadline=1.5))
+    request = tokens + chat(30, seed=9)
+    fetch, calls = Remote.fetch, []
+
+    def fault_then_fetch(self, key, **kw):
+        calls.append(key)
+        if len(calls) == 1:
+            os.kill(own_weed.proc.pid, signal.SIGSTOP)  # the bucket hangs mid-chain
+        return fetch(self, key, **kw)
+
+    monkeypatch.setattr(Remote, "fetch", fault_then_fetch)
+    abandoned = sample("kvstore_fleet_abandoned_fetches_total")
+    with caplog.at_level(logging.INFO):
+        t = time.monotonic()
+        rests, _ = two_requests(b, tiny, request)
+        took = time.monotonic() - t
+    assert rests == [request, request]  # prefilled, as without the fleet
+    assert took < 6.0  # the first waited for its deadline at most, the second not at all
+    assert sample("kvstore_fleet_abandoned_fetches_total") == abandoned + 1
+    assert sample("kvstore_fleet_breaker_open") == 1
+    assert len(calls) == 1  # the open breaker: the second request did not ask
+    lines = [r.getMessage() for r in caplog.records if "fleet" in r.getMessage()]
+    assert len(lines) == 1 and "deadline" in lines[0], lines
+    os.kill(own_weed.proc.pid, signal.SIGCONT)
+
+    # killed mid-fetch: unreachable, one line, prefilled (a new process: its breaker closed)
+    calls.clear()
+
+    def kill_then_fetch(self, key, **kw):
+        calls.append(key)
+        if len(calls) == 1:
+            own_weed.kill()
+        return fetch(self, key, **kw)
+
+    monkeypatch.setattr(Remote, "fetch", kill_then_fetch)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        rests, learner = two_requests(b, tiny, request)
+    assert rests == [request, request]
+    assert len(calls) == 1
+    lines = [r.getMessage() for r in caplog.records if "fleet" in r.getMessage()]
+    assert len(lines) == 1 and "unreachable" in lines[0], lines
+    assert learner.writer.sent + learner.writer.dropped == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,20 @@ log = logging.getLogger("kvstore.client")
 
 QUARANTINE_S = 60.0  # seconds between reads of this home's quarantined uploaders
 FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most
+TOTALS_S = 5.0  # seconds between writes of this process's totals (`kvstore remote status`)
+# prompts a read-through served, and how many of their tokens came from the fleet: the call's
+# record takes its own (`fleet_tokens`), once
+SERVED: deque[tuple[tuple[int, ...], int]] = deque(maxlen=16)
+
+
+def fleet_tokens(prompt: Sequence[int], cached: int) -> int:
+    """Of a call's `cached` tokens, how many a read-through served (taken once: the prompt's
+    next call is served from memory)."""
+    for i, (t, n) in enumerate(SERVED):
+        if len(t) <= cached and tuple(prompt[: len(t)]) == t:
+            del SERVED[i]
+            return n
+    return 0
 
 
 class FleetReads:
@@ -47,6 +62,7 @@ class FleetReads:
         self._quarantine_read = -1e9
         self._said: set[str] = set()
         self.block = 256  # block_tokens, where the home has no store to read it from yet
+        self._written = time.monotonic()
 
     def _open(self) -> ReadThrough | None:
         if self.reader is not None or not self.on:
@@ -128,12 +144,27 @@ class FleetReads:
             hit = None if got is None else self._serve(target, tokens, chain, cold, *got)
             if got is not None and hit is None:
                 self.reader.not_used(ask)
+            if hit is not None:
+                SERVED.append((tuple(tokens[: hit["n"]]), hit["fleet"]))
             return hit
         except (KVStoreError, OSError, ValueError) as e:  # never fail a request: prefill
             if "failed" not in self._said:
                 self._said.add("failed")
                 log.warning("kvstore: fleet read-through failed (the request prefills): %s", e)
             return None
+        finally:
+            if time.monotonic() - self._written >= TOTALS_S:
+                self.write_totals()
+
+    def write_totals(self) -> None:
+        """This process's read-through totals for `kvstore remote status` (one small file)."""
+        if self.reader is None:
+            return
+        self._written = time.monotonic()
+        try:
+            self.reader.tally.write(self.home, self.reader.breaker.state)
+        except OSError as e:
+            log.debug("kvstore: fleet read-through totals not written: %s", e)
 
     def _serve(
         self, target: Any, tokens: Sequence[int], chain: list, cold: Any,
@@ -203,6 +234,7 @@ class FleetReads:
 
     def close(self) -> None:
         if self.reader is not None:
+            self.write_totals()
             self.reader.close()
 
 

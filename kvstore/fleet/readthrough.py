@@ -27,7 +27,9 @@ against the model, the assembly, the put through the daemon).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +37,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -141,6 +145,76 @@ class Ask:
     hashes: list[bytes] = field(default_factory=list)
 
 
+TOTALS_DIR = "fleet-reads"  # HOME/fleet-reads/<pid>.json: each process's totals
+
+
+class Tally:
+    """What read-through did in this process: on /metrics (kvstore.metrics) and, for `kvstore
+    remote status`, in `totals`."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, n: float) -> None:
+        with self._lock:
+            self.totals[name] = self.totals.get(name, 0) + n
+        if name == "round_trips":
+            metrics.FLEET_ROUND_TRIPS.inc(n)
+        elif name == "fetch_bytes":
+            metrics.FLEET_FETCH_BYTES.inc(n)
+        elif name == "saved_s":
+            metrics.FLEET_SAVED_SECONDS.inc(n)
+
+    def outcome(self, name: str) -> None:
+        self.add(name, 1)
+        metrics.FLEET_READS.labels(outcome=name).inc()
+        if name == "abandoned":
+            metrics.FLEET_ABANDONED.inc()
+
+    def write(self, home: Path, breaker: str) -> None:
+        """This process's totals into HOME/fleet-reads/<pid>.json (what `remote status` sums)."""
+        from kvstore.home.settings import write_atomically
+
+        with self._lock:
+            data = {**self.totals, "breaker": breaker, "updated": time.time()}
+        folder = home / TOTALS_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        write_atomically(folder / f"{os.getpid()}.json", json.dumps(data).encode())
+
+
+def read_totals(home: Path) -> dict[str, Any]:
+    """Every process's read-through totals summed; `breaker_open`: processes whose breaker was
+    open when each last wrote."""
+    out: dict[str, Any] = {"processes": 0, "breaker_open": 0}
+    for path in sorted((home / TOTALS_DIR).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out["processes"] += 1
+        out["breaker_open"] += data.pop("breaker", "") == "open"
+        data.pop("updated", None)
+        for k, v in data.items():
+            if isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def shown_totals(t: dict[str, Any]) -> str:
+    """`read_totals` in one line, as `kvstore remote status` shows it."""
+    if not t.get("processes"):
+        return "no request asked the fleet yet"
+    return (
+        f"{int(t.get('fetched_tokens', 0))} tokens fetched ({int(t.get('fetch_bytes', 0))} "
+        f"bytes) in {int(t.get('round_trips', 0))} round trips; {int(t.get('miss', 0))} misses, "
+        f"{int(t.get('slower', 0))} slower than prefill, {int(t.get('abandoned', 0))} "
+        f"abandoned, {int(t.get('refused', 0))} refused, {int(t.get('error', 0))} failed; "
+        f"{t.get('saved_s', 0.0):.2f} s saved; breaker open in {t['breaker_open']} of "
+        f"{t['processes']} processes"
+    )
+
+
 class ReadThrough:
     """One endpoint's read-through: estimates, breaker, misses and the worker thread."""
 
@@ -149,6 +223,7 @@ class ReadThrough:
         self.quarantined = quarantined
         self.estimate = Estimate()
         self.breaker = Breaker()
+        self.tally = Tally()
         self._misses: OrderedDict[bytes, float] = OrderedDict()
         self._busy: Future | None = None
         self._said: set[str] = set()
@@ -174,7 +249,7 @@ class ReadThrough:
         prefill_s = tokens / ask.prefill_tps if ask.prefill_tps else None
         expected = self.estimate.fetch_s(1, 0)
         if prefill_s is not None and expected is not None and expected >= prefill_s:
-            metrics.FLEET_READS.labels(outcome="slower").inc()
+            self.tally.outcome("slower")
             return None  # one round trip already costs more than prefilling these tokens
         deadline = min(prefill_s or self.remote.settings.fetch_deadline,
                        self.remote.settings.fetch_deadline)  # fmt: skip
@@ -183,13 +258,12 @@ class ReadThrough:
         try:
             got = self._busy.result(timeout=deadline)
         except FutureTimeout:
-            metrics.FLEET_ABANDONED.inc()
-            metrics.FLEET_READS.labels(outcome="abandoned").inc()
+            self.tally.outcome("abandoned")
             self.breaker.failed(f"a fetch from {self.remote.where()} passed its deadline "
                                 f"({deadline:.2f} s, the expected prefill)")  # fmt: skip
             return None
         except _FAILURES as e:
-            metrics.FLEET_READS.labels(outcome="error").inc()
+            self.tally.outcome("error")
             self.breaker.failed(str(e))
             return None
         self.breaker.ok()
@@ -224,14 +298,15 @@ class ReadThrough:
         if not out:
             return None
         n = out[-1].meta.end
-        metrics.FLEET_READS.labels(outcome="fetched").inc()
+        self.tally.outcome("fetched")
+        self.tally.add("fetched_tokens", n - got.start)
         if prefill_s is not None:
             share = (n - got.start) / max(1, got.end - got.start)
-            metrics.FLEET_SAVED_SECONDS.inc(max(0.0, prefill_s * share - seconds))
+            self.tally.add("saved_s", max(0.0, prefill_s * share - seconds))
         return out, n
 
     def _refused(self, cause: str, key: bytes, what: str) -> None:
-        metrics.FLEET_READS.labels(outcome="refused").inc()
+        self.tally.outcome("refused")
         metrics.FLEET_REFUSED.labels(reason=cause).inc()
         if cause not in self._said:  # one line per cause, not one per request
             self._said.add(cause)
@@ -265,7 +340,7 @@ class ReadThrough:
         t = time.monotonic()
         size = self.remote.head(key, name=record_name(self.remote.settings, key))
         self.estimate.note_rtt(time.monotonic() - t)
-        metrics.FLEET_ROUND_TRIPS.inc()
+        self.tally.add("round_trips", 1)
         return size
 
     def _find(self, ask: Ask, first: int, last: int) -> tuple[int, int, int] | None:
@@ -292,7 +367,7 @@ class ReadThrough:
         found = self._find(ask, first, last)
         if found is None:
             self._miss(ask.hashes[last])
-            metrics.FLEET_READS.labels(outcome="miss").inc()
+            self.tally.outcome("miss")
             return None
         k, size, trips = found
         end = k * ask.block
@@ -304,7 +379,7 @@ class ReadThrough:
             and expected
             >= prefill_s * ((end - ask.served) / max(1, (last - first + 1) * ask.block))
         ):
-            metrics.FLEET_READS.labels(outcome="slower").inc()
+            self.tally.outcome("slower")
             return None
         return self._fetch_back(ask, end, trips)
 
@@ -326,8 +401,8 @@ class ReadThrough:
                     return None
                 raise
             trips += 1
-            metrics.FLEET_ROUND_TRIPS.inc()
-            metrics.FLEET_FETCH_BYTES.inc(len(data))
+            self.tally.add("round_trips", 1)
+            self.tally.add("fetch_bytes", len(data))
             self.estimate.note_transfer(len(data), seconds)
             nbytes += len(data)
             start = record_start(data)

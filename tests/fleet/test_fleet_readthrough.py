@@ -96,6 +96,33 @@ def test_a_miss_is_read_through_from_the_fleet(s3, tiny, tmp_path, caplog):
         learner.close(timeout=5.0)
     with Store(b) as store:  # no daemon here: the client never writes the store itself
         assert BlockStore(store).stored_end(FP, tokens) == 0
+    visible(b, request)
+
+
+def visible(b, request: list[int]) -> None:
+    """The fleet's tokens in the call's line, the ledger, `kvstore explain` and `remote status`."""
+    from dataclasses import asdict
+
+    from helpers import cli
+
+    from kvstore.client.callstats import StatsRecorder
+    from kvstore.explain import explain, render
+    from kvstore.home.ledger import Ledger, validate
+
+    rec = StatsRecorder("tiny", send=False, verbose=False)
+    call = rec.record(label="chat", prompt_tokens=len(request), cached_tokens=512, prefill_s=0.1,
+                      decode_s=0.1, prompt=request)  # fmt: skip
+    assert call.fleet_tokens == 512 and "512 from cache (512 from the fleet)" in call.line()
+    again = rec.record(label="chat", prompt_tokens=len(request), cached_tokens=512,
+                       prefill_s=0.1, decode_s=0.1, prompt=request)  # fmt: skip
+    assert again.fleet_tokens == 0  # the next call of that prompt: memory's
+    row = asdict(call)
+    row["reasons"] = list(row["reasons"])
+    Ledger(b).append(validate([row]))
+    assert "512 from the fleet" in render(explain(b))
+    status = cli("remote", "status", "--home", b, code=0).output
+    assert "read-through   512 tokens fetched" in status, status
+    assert sample("kvstore_fleet_fetch_bytes_total") > 0
 
 
 def test_read_through_stores_through_the_daemon(s3, tiny, tmp_path):

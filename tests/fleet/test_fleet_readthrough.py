@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from fleet_boxes import box, remote_of, store_chain
+from fleet_boxes import box, queue_counts, remote_of, store_chain
 from helpers import Proc, assert_same_kv, mlx_lm_prefill, serving, wait_for
 from mlx_lm import load
 
@@ -143,6 +143,11 @@ def test_read_through_stores_through_the_daemon(s3, tiny, tmp_path):
             wait_for(lambda: blocks.stored_end(FP, tokens) == 512, timeout=10)
             chain = blocks.lookup(FP, tokens)
             assert {m.extra.get("origin") for m in chain[:2]} == {"remote"}
+    # the bucket holds them: not queued for upload, nor swept in at the next start
+    with serving(Proc(b, log=tmp_path / "b2.log"), warm=False):
+        pass
+    counts = queue_counts(b)
+    assert counts["records_queued"] == counts["records_uploaded"] == 0, counts
 
 
 def two_requests(b, tiny, request: list[int]) -> tuple[list[list[int]], Learner]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics, mlxlm
-from kvstore.client.fleetread import SERVED, fleet_tokens
+from kvstore.client.fleetread import SERVED
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.wire.messages import RecordRequest
@@ -128,7 +128,7 @@ class StatsRecorder:
             generated_tokens=generated_tokens,
             ts=time.time(),
             reasons=reasons,
-            fleet_tokens=fleet_tokens(prompt, cached_tokens) if prompt and SERVED else 0,
+            fleet_tokens=SERVED.pop(tuple(prompt), 0) if prompt and SERVED else 0,
         )
         self.calls.append(call)
         line = call.line()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,19 +33,10 @@ log = logging.getLogger("kvstore.client")
 QUARANTINE_S = 60.0  # seconds between reads of this home's quarantined uploaders
 FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most
 TOTALS_S = 5.0  # seconds between writes of this process's totals (`kvstore remote status`)
-# prompts a read-through served, and how many of their tokens came from the fleet: the call's
-# record takes its own (`fleet_tokens`), once
-SERVED: deque[tuple[tuple[int, ...], int]] = deque(maxlen=16)
-
-
-def fleet_tokens(prompt: Sequence[int], cached: int) -> int:
-    """Of a call's `cached` tokens, how many a read-through served (taken once: the prompt's
-    next call is served from memory)."""
-    for i, (t, n) in enumerate(SERVED):
-        if len(t) <= cached and tuple(prompt[: len(t)]) == t:
-            del SERVED[i]
-            return n
-    return 0
+# prompts a read-through served (the whole prompt) -> how many of their tokens came from the
+# fleet: the call's record pops its own (kvstore.client.callstats: a dict's pop, no call here)
+SERVED: dict[tuple[int, ...], int] = {}
+SERVED_MAX = 16
 
 
 class FleetReads:
@@ -132,7 +122,9 @@ class FleetReads:
         from kvstore.fleet.readthrough import Ask
 
         blocks = cold.blocks()  # None: no store here yet (nothing local to extend)
-        block = blocks.cut_at() if blocks is not None else self.block
+        # the store's cut, else the settings' (a store with no record yet answers its default)
+        cut = blocks.cut_at() if blocks is not None else self.block
+        block = cut if blocks is None or cut != blocks.block else self.block
         chain = blocks.lookup(target.fingerprint, tokens) if blocks is not None else []
         chain = [m for m in chain if m.end <= len(tokens)
                  and tuple(tokens[m.start : m.end]) == _ids(m.tokens)]  # fmt: skip
@@ -145,7 +137,9 @@ class FleetReads:
             if got is not None and hit is None:
                 self.reader.not_used(ask)
             if hit is not None:
-                SERVED.append((tuple(tokens[: hit["n"]]), hit["fleet"]))
+                SERVED[tuple(tokens)] = hit["fleet"]
+                while len(SERVED) > SERVED_MAX:
+                    del SERVED[next(iter(SERVED))]
             return hit
         except (KVStoreError, OSError, ValueError) as e:  # never fail a request: prefill
             if "failed" not in self._said:

@@ -319,3 +319,36 @@ def test_a_bucket_that_hangs_or_dies_mid_chain(own_weed, tiny, tmp_path, caplog,
     lines = [r.getMessage() for r in caplog.records if "fleet" in r.getMessage()]
     assert len(lines) == 1 and "unreachable" in lines[0], lines
     assert learner.writer.sent + learner.writer.dropped == 0
+
+
+def test_kvstore_serve_reads_through_what_another_box_learned(s3, llama_path, tmp_path):
+    from helpers import Serve, cached_tokens, shared_tokens, wait_learned
+
+    a, b = keyed(box(tmp_path / "a", s3)), keyed(box(tmp_path / "b", s3))
+    for home in (a, b):  # blocks of 64: the tiny chat template's shared prefix holds several
+        path = home / "settings.toml"
+        path.write_text("block_tokens = 64\n" + path.read_text())
+    shared = shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    with serving(Proc(a, log=tmp_path / "a.log"), warm=False) as d:
+        s = Serve(a, llama_path, tmp_path / "serve-a.log")
+        try:
+            s.wait_ready()
+            s.chat("My invoice was charged twice.")
+            s.chat("Where is my parcel?")
+            wait_learned(d)
+        finally:
+            s.stop()
+        remote = remote_of(a)
+        wait_for(lambda: len(list(remote.records())) >= shared // 64, timeout=30)
+    with serving(Proc(b, log=tmp_path / "b.log"), warm=False):
+        s = Serve(b, llama_path, tmp_path / "serve-b.log")
+        try:
+            s.wait_ready()
+            reply = s.chat("How do I reset my password?")  # box B's first request
+            fetched = shared // 64 * 64
+            assert cached_tokens(reply) >= fetched, (tmp_path / "serve-b.log").read_text()
+            assert s.metric("fleet") == fetched
+            text = (tmp_path / "serve-b.log").read_text()
+            assert f"from cache ({fetched} from the fleet)" in text  # the request's line
+        finally:
+            s.stop()

@@ -26,6 +26,59 @@ from pathlib import Path
 
 SYSTEM_TOKENS = 600
 TURN_TOKENS = 300
+THROTTLE_BPS = 100_000.0  # bytes a second towards the box: slower than this VM prefills
+THROTTLE_DELAY_S = 0.02  # added to each request's way to the server
+
+
+class Throttle:
+    """A TCP proxy in front of the S3 port that moves at most `bps` bytes a second towards the
+    client and waits `delay` seconds before each chunk it forwards to the server: a slow LAN."""
+
+    def __init__(self, target_port: int, *, bps: float, delay: float = 0.0):
+        import socket
+        import threading
+
+        self.target, self.bps, self.delay = target_port, bps, delay
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            threading.Thread(target=self._pump, args=(client, server, 0, self.delay),
+                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=self._pump, args=(server, client, self.bps, 0),
+                             daemon=True).start()  # fmt: skip
+
+    @staticmethod
+    def _pump(src, dst, bps: float, delay: float) -> None:
+        try:
+            while chunk := src.recv(16384):
+                if delay:
+                    time.sleep(delay)
+                dst.sendall(chunk)
+                if bps:
+                    time.sleep(len(chunk) / bps)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _home(home: Path, server, key: str) -> Path:
@@ -71,8 +124,17 @@ def _sample(name: str) -> float:
     return metrics.REGISTRY.get_sample_value(name, {}) or 0.0
 
 
+OUTCOMES = ("fetched", "miss", "slower", "abandoned", "refused", "error")
+
+
+def _outcome(name: str) -> float:
+    from kvstore import metrics
+
+    return metrics.REGISTRY.get_sample_value("kvstore_fleet_reads_total", {"outcome": name}) or 0
+
+
 def run(*, boxes: int, chats: int, turns: int, read_through: bool, root: Path, server,
-        model, model_path: Path, key: str) -> dict:  # fmt: skip
+        model, model_path: Path, key: str, via=None) -> dict:  # fmt: skip
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -80,7 +142,7 @@ def run(*, boxes: int, chats: int, turns: int, read_through: bool, root: Path, s
     from kvstore.client.persistent import PinnedPromptCache
 
     fp = secrets.token_bytes(16)  # a fresh model identity per mode: nothing shared between them
-    homes = [_home(root / f"box{i}", server, key) for i in range(boxes)]
+    homes = [_home(root / f"box{i}", via or server, key) for i in range(boxes)]
     learned = root / "learned"  # the boxes' learning, one store (what their daemons keep)
     _home(learned, server, key)
     lrus, learners = [], []
@@ -98,6 +160,7 @@ def run(*, boxes: int, chats: int, turns: int, read_through: bool, root: Path, s
         _sample("kvstore_fleet_round_trips_total"),
         _sample("kvstore_fleet_fetch_bytes_total"),
     )
+    outcomes0 = {o: _outcome(o) for o in OUTCOMES}
     prefilled, ttft, requests = 0, [], 0
     for t in range(turns):
         for c in range(chats):
@@ -125,6 +188,7 @@ def run(*, boxes: int, chats: int, turns: int, read_through: bool, root: Path, s
         / requests,
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": statistics.median(ttft),
+        "reads": {o: int(_outcome(o) - outcomes0[o]) for o in OUTCOMES},
     }
 
 
@@ -161,6 +225,16 @@ def main() -> int:
                     root=root / ("on" if rt else "off"), server=server, model=model,
                     model_path=path, key=key,
                 )  # fmt: skip
+            # a slow link (THROTTLE_BPS, THROTTLE_DELAY_S a request): the cost rule declines
+            slow = Throttle(server.ports["s3"], bps=THROTTLE_BPS, delay=THROTTLE_DELAY_S)
+            try:
+                out["on_throttled"] = run(
+                    boxes=boxes, chats=chats, turns=turns, read_through=True,
+                    root=root / "slow", server=server, model=model, model_path=path, key=key,
+                    via=slow,
+                )  # fmt: skip
+            finally:
+                slow.close()
         finally:
             server.stop()
     print(json.dumps(out, indent=1))

@@ -193,8 +193,8 @@ class FleetReads:
 
         ids = tk.unpack(first.tokens)
         v = check_record(target.model_obj, ModelIdentity(target.model), ids, first.blob)
-        if v.seconds > 0:
-            self._rates.setdefault(target.model, min(len(ids), 64) / v.seconds)
+        if v.seconds > 0 and self._rates.get(target.model) is None:  # no ledger figure: this
+            self._rates[target.model] = min(len(ids), 64) / v.seconds  # check's own prefill
         if v.ok:
             return True
         box = first.provenance.box

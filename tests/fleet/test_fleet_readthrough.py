@@ -88,6 +88,8 @@ def test_a_miss_is_read_through_from_the_fleet(s3, tiny, tmp_path, caplog):
         # one HEAD (the longest first) and two GETs
         assert sample("kvstore_fleet_round_trips_total") - trips == 3
         assert "512 tokens of a request fetched from the fleet" in caplog.text
+        # no ledger here: the check's own prefill is this box's measured rate from now on
+        assert learner.fleet.prefill_rate(str(tiny[1])) > 0
         # in memory now: the next request of that prefix asks nothing
         cache, rest = lru.fetch_nearest_cache(KEY, request)
         assert rest == request[-1:] or len(rest) < len(request) - 511

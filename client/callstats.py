@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics, mlxlm
+from kvstore.client.fleetread import SERVED
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.wire.messages import RecordRequest
@@ -41,12 +42,14 @@ class CallStats:
     generated_tokens: int = 0
     ts: float = 0.0
     reasons: tuple[SpanRecord, ...] = ()  # why the prefilled ones were (kvstore.reasons.Span)
+    fleet_tokens: int = 0  # of the cached ones, read through from the fleet on this call
 
     def line(self) -> str:
         why = f" ({describe(self.reasons)})" if self.reasons else ""
         return (
             f"kvstore: {self.label}: {self.prompt_tokens} prompt tokens, {self.cached_tokens} "
-            f"from cache, {self.prefilled_tokens} prefilled{why} in {self.prefill_s:.3f} s; "
+            f"from cache{f' ({self.fleet_tokens} from the fleet)' if self.fleet_tokens else ''}, "
+            f"{self.prefilled_tokens} prefilled{why} in {self.prefill_s:.3f} s; "
             f"{self.generated_tokens} generated in {self.decode_s:.3f} s"
         )
 
@@ -133,6 +136,7 @@ class StatsRecorder:
             generated_tokens=generated_tokens,
             ts=time.time(),
             reasons=reasons,
+            fleet_tokens=SERVED.pop(tuple(prompt), 0) if prompt and SERVED else 0,
         )
         self._keep(call)
         line = call.line()

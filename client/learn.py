@@ -43,6 +43,7 @@ from kvstore import metrics, mlxlm
 from kvstore import tokens as tk
 from kvstore.client import modelthread
 from kvstore.client.fleetcheck import unchecked
+from kvstore.client.fleetread import FleetReads
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_entry
 from kvstore.codec import cache_api
 from kvstore.degrade import serve_hook
@@ -118,6 +119,7 @@ class Restored:
     what: str  # "3 records", "entry 'classify'"
     keys: list[bytes] = field(default_factory=list)  # the records read: used now (touch_blocks)
     prompt_end: bool = False  # a snapshot of a request's whole prompt (a chat turn's end)
+    fleet: int = 0  # of its tokens, read through from the fleet (kvstore.client.fleetread)
 
 
 SAID_CORRUPT: set[bytes] = set()  # learned records this process said are corrupt (once each)
@@ -365,6 +367,7 @@ class Learner:
         self.writer = writer if writer is not None else WriteBehind(home, maxsize=LEARN_QUEUE)
         self._own_writer = writer is None
         self.cold = ColdTier(self.home)
+        self.fleet = FleetReads(self.home, self.writer)  # read-through on a miss; no I/O here
         self.targets: dict[Any, LearnTarget] = {}
         self._pending: deque[tuple[Any, list[int]]] = deque(maxlen=PENDING_PROMPTS)
         self._boundaries: dict[Any, OrderedDict[int, tuple[int, ...]]] = {}
@@ -402,6 +405,9 @@ class Learner:
             return None
         t0 = time.perf_counter()
         hit = self.cold.restore(target, tokens, served)
+        if self.fleet.on and len(tokens) - 1 - max(served, hit.n if hit else 0) >= self._block:
+            got = self.fleet.restore(target, tokens, served, hit, self.cold)
+            hit = Restored(**got) if got is not None else hit
         if hit is None:
             return None
         if hit.prompt_end:  # a turn's end before a restart: this turn's end is snapshotted too
@@ -774,3 +780,4 @@ class Learner:
         if self._own_writer:
             self.writer.close(timeout)
         self.cold.close()
+        self.fleet.close()

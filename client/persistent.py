@@ -100,16 +100,20 @@ class Provenance:
                 best = k
         return best
 
-    def count(self, model: Any, tokens: Sequence[int], served_mem: int, restored: int) -> None:
-        """Add one request to kvstore_prompt_tokens_total."""
+    def count(
+        self, model: Any, tokens: Sequence[int], served_mem: int, restored: int, fleet: int = 0
+    ) -> None:
+        """Add one request to kvstore_prompt_tokens_total (`fleet`: of `restored`, read through
+        from the fleet)."""
         if restored:
-            store, memory = restored, 0
+            store, memory = restored - fleet, 0
         else:
             store = self.store_part(model, tokens, served_mem)
             memory = served_mem - store
         served = restored or served_mem
         metrics.PROMPT_TOKENS.labels(source="store").inc(store)
         metrics.PROMPT_TOKENS.labels(source="memory").inc(memory)
+        metrics.PROMPT_TOKENS.labels(source="fleet").inc(fleet)
         metrics.PROMPT_TOKENS.labels(source="prefill").inc(len(tokens) - served)
 
 
@@ -197,12 +201,14 @@ class StoreTier:
         memory: int,
         restored: int,
         served: int,
+        fleet: int = 0,
         *,
         learn: bool = True,
     ) -> None:
-        """A request's fetch is done: count its tokens by source, remember its prompt for the
-        learner (unless not `learn`), and record a hit on the stored prefix that served it."""
-        self.provenance.count(model, tokens, memory, restored)
+        """A request's fetch is done: count its tokens by source (`fleet`: of `restored`, read
+        through from the fleet), remember its prompt for the learner (unless not `learn`), and
+        record a hit on the stored prefix that served it."""
+        self.provenance.count(model, tokens, memory, restored, fleet)
         if learn and self.learner is not None:
             self.learner.fetched(model, tokens)
         if served and model == self.model and self.fingerprint is not None:
@@ -295,19 +301,20 @@ class PinnedPromptCache(LRUPromptCache):
             if not quiet:
                 self.tier.served(model, tokens, memory, 0, memory, learn=False)
             return cache, rest
-        restored = 0
+        restored = fleet = 0
         hit = self.tier.restore(model, tokens, memory, quiet=quiet)
         if hit is not None:
             if not quiet:  # in memory now: the next hit is memory's
                 self._insert(model, list(tokens[: hit.n]), hit.cache, cache_type="system")
                 self.tier.note_stored(model, tokens[: hit.n])
             cache, rest, restored = copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
+            fleet = hit.fleet
         if quiet:
             return cache, rest
         cache, rest, keep = self.tier.split(model, tokens, cache, rest)
         for t, kv in keep:  # a learned boundary's snapshot, computed here
             self._insert(model, t, kv, cache_type="system")
-        self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest))
+        self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest), fleet)
         return cache, rest
 
     def insert_cache(

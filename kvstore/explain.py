@@ -68,11 +68,12 @@ def explain(
             if s is None:
                 s = stages[key] = {"model": m, "label": lab, "prefilled": {}}
                 s.update(dict.fromkeys(("requests", "prompt_tokens", "served_tokens",
-                                        "prefilled_tokens"), 0))  # fmt: skip
+                                        "fleet_tokens", "prefilled_tokens"), 0))  # fmt: skip
                 divs[key] = {}
             s["requests"] += 1
             s["prompt_tokens"] += rec["prompt_tokens"]
             s["served_tokens"] += rec["cached_tokens"]
+            s["fleet_tokens"] += rec.get("fleet_tokens", 0)
             s["prefilled_tokens"] += rec["prefilled_tokens"]
             spans = rec.get("reasons")
             pre = s["prefilled"]
@@ -125,7 +126,8 @@ def render(result: dict[str, Any]) -> str:
         p = s["prompt_tokens"]
         lines.append(
             f"{s['model']} {s['label']}: {s['requests']} requests, {p} prompt tokens, "
-            f"{s['served_tokens']} served ({100 * s['served_tokens'] / p if p else 0:.0f}%), "
+            f"{s['served_tokens']} served ({100 * s['served_tokens'] / p if p else 0:.0f}%"
+            f"{'; ' + str(s['fleet_tokens']) + ' from the fleet' if s['fleet_tokens'] else ''}), "
             f"{s['prefilled_tokens']} prefilled"
         )
         for r, n in sorted(s["prefilled"].items(), key=lambda kv: -kv[1]):

@@ -56,6 +56,38 @@ FLEET_REFUSED = Counter(
     ["reason"],
     registry=REGISTRY,
 )
+FLEET_READS = Counter(
+    "kvstore_fleet_reads",
+    "Read-through asks of the fleet on a request's miss, by outcome (fetched, miss, slower: "
+    "prefilling was expected to be faster, abandoned: past its deadline, refused, error)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+FLEET_FETCH_BYTES = Counter(
+    "kvstore_fleet_fetch_bytes",
+    "Bytes of learned records fetched from the fleet on a request's miss",
+    registry=REGISTRY,
+)
+FLEET_ROUND_TRIPS = Counter(
+    "kvstore_fleet_round_trips",
+    "Requests to the fleet's bucket made on a request's miss (lookups and fetches)",
+    registry=REGISTRY,
+)
+FLEET_ABANDONED = Counter(
+    "kvstore_fleet_abandoned_fetches",
+    "Read-through fetches abandoned at their deadline (the request prefilled)",
+    registry=REGISTRY,
+)
+FLEET_BREAKER = Gauge(
+    "kvstore_fleet_breaker_open",
+    "1 while the read-through's circuit breaker is open (the endpoint failed: requests prefill)",
+    registry=REGISTRY,
+)
+FLEET_SAVED_SECONDS = Counter(
+    "kvstore_fleet_saved_seconds",
+    "Prefill seconds read-through saved: the expected prefill minus the fetch",
+    registry=REGISTRY,
+)
 PREFILLED_TOKENS = Counter(
     "kvstore_prefilled_tokens",
     "Prefilled prompt tokens, by why they were not served (kvstore.reasons; suffix included)",
@@ -63,7 +95,7 @@ PREFILLED_TOKENS = Counter(
     registry=REGISTRY,
 )
 
-for _source in ("memory", "store", "prefill"):  # shown at 0 before the first request
+for _source in ("memory", "store", "fleet", "prefill"):  # shown at 0 before the first request
     PROMPT_TOKENS.labels(source=_source)
 for _kind in ("pin", "learned"):
     WRITTEN_BYTES.labels(kind=_kind)

@@ -135,6 +135,9 @@ def status_cmd(as_json: bool, home: Path) -> None:
         data["quarantined"] = queue.quarantined()
     finally:
         queue.close()
+    from kvstore.fleet.readthrough import read_totals, shown_totals
+
+    data["read_through"] = read_totals(home)
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -147,6 +150,7 @@ def status_cmd(as_json: bool, home: Path) -> None:
     for box, why in sorted(data["quarantined"].items()):
         click.echo(f"quarantined    {box}: {why} (`kvstore remote release {box}`)")
     click.echo(f"reachable      {'yes' if data['reachable'] else 'no: ' + data.get('error', '')}")
+    click.echo(f"read-through   {shown_totals(data['read_through'])}")
     if data["reachable"]:
         click.echo(f"objects        {data['objects']} ({human_size(data['bytes'])}), "
                    f"{counted(data['models'], 'model')}")  # fmt: skip

@@ -33,7 +33,11 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "prefill_s": (int, float),
     "decode_s": (int, float),
 }
-OPTIONAL: dict[str, type | tuple[type, ...]] = {"generated_tokens": int, "ts": (int, float)}
+OPTIONAL: dict[str, type | tuple[type, ...]] = {
+    "generated_tokens": int,
+    "ts": (int, float),
+    "fleet_tokens": int,  # of cached_tokens, read through from the fleet (kvstore.client.fleetread)
+}
 SUMMED = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens", "prefill_s",
           "decode_s")  # fmt: skip
 MAX_BATCH = 10_000  # records per request

@@ -296,3 +296,63 @@ def test_serve_a_prefix_it_learned_then_weights_changed_is_model_changed_naming_
         finally:
             s.stop()
     assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()
+
+
+def _prompt_sources(server) -> dict[str, float]:
+    text = server.get("/metrics")[1].decode()
+    pattern = r'kvstore_prompt_tokens_total\{source="(\w+)"\} (\S+)'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, text)}
+
+
+def _plain_mlx_lm_cached(model, log, turns) -> list[int]:
+    """cached_tokens of each turn as plain `mlx_lm.server` reports them."""
+    import sys
+
+    from bench.learned import Server as BenchServer
+    from bench.learned import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
+    s = BenchServer(argv, port, log)
+    try:
+        s.wait_ready()
+        return [
+            s.chat(m, max_tokens=4)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for m in turns
+        ]
+    finally:
+        s.stop()
+
+
+def test_serve_a_hybrid_chats_own_prefill_is_prefilled_not_cached(hybrid_path, kv_home, tmp_path):
+    """A state layout's learned chat (each turn extends the last one's whole prompt, so the
+    learner prefills all but its last token inside the fetch): cached_tokens is what memory or
+    the store reused, as plain mlx_lm.server's (kvstore's turn-end snapshot holds one token
+    more: the whole previous prompt), and the reasons sum to the prefill counter."""
+    from helpers import Proc, Serve, serving
+    from test_reasons_truth import chat_turns
+
+    from bench.learned import Server as BenchServer
+
+    turns = chat_turns(5)
+    plain = _plain_mlx_lm_cached(hybrid_path, tmp_path / "plain.log", turns)
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        s = Serve(kv_home, hybrid_path, log)
+        try:
+            s.wait_ready()
+            replies = [BenchServer.chat(s, m, max_tokens=4) for m in turns]
+            prefilled = sum(r["usage"]["prompt_tokens"] - cached_of(r) for r in replies)
+            wait_for(lambda: sum(_prefilled(s).values()) >= prefilled, 30, log.read_text)
+            by, sources = _prefilled(s), _prompt_sources(s)
+        finally:
+            s.stop()
+    cached = [cached_of(r) for r in replies]
+    assert all(p <= c <= p + 1 for p, c in zip(plain, cached, strict=True)), (plain, cached)
+    assert sum(by.values()) == sources["prefill"] == prefilled, (by, sources)
+    assert sum(cached) == sources["memory"] + sources["store"], (cached, sources)
+    assert not by.get("diverged"), log.read_text()
+
+
+def cached_of(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]

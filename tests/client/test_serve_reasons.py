@@ -40,7 +40,9 @@ def test_serve_names_cold_then_diverged_date(llama_path, kv_home, tmp_path):
         reply = server.chat(messages)
         wait_for(lambda: _prefilled(server).get("cold", 0) > 0, 30, log.read_text)
         by = _prefilled(server)
-        assert by["cold"] == reply["usage"]["prompt_tokens"] == sum(by.values())
+        # the last token, which every request prefills, is `suffix`
+        assert by["cold"] + 1 == by["suffix"] + by["cold"] == reply["usage"]["prompt_tokens"]
+        assert sum(by.values()) == reply["usage"]["prompt_tokens"]
     finally:
         server.stop()
 
@@ -62,6 +64,11 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
         assert sum(by.values()) == prompt - cached
         wait_for(lambda: re.search(r"diverged \d+ \(router at \d+\)", log.read_text()), 30,
                  log.read_text)  # fmt: skip
+        # a user-only request shares only the template's header with the pin: cold, not diverged
+        before = _prefilled(server)
+        server.chat([{"role": "user", "content": "What is the weather in Paris tomorrow?"}])
+        wait_for(lambda: _prefilled(server)["cold"] > before["cold"], 30, log.read_text)
+        assert _prefilled(server)["diverged"] == before["diverged"], log.read_text()
     finally:
         server.stop()
 
@@ -148,7 +155,7 @@ def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(
     killed_daemon(home, tmp_path / "daemon.log", before_its_store=before_its_store)
     messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
     by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
-    assert {k for k, v in by.items() if v} == {"unavailable"}
+    assert {k: v for k, v in by.items() if v} == {"unavailable": sum(by.values()) - 1, "suffix": 1}
 
 
 def test_serve_weights_changed_after_the_warm_is_model_changed_naming_the_weights(

@@ -311,8 +311,9 @@ class PinnedPromptCache(LRUPromptCache):
             return cache, rest
         before, t0 = len(rest), time.perf_counter()
         cache, rest, keep = self.tier.split(model, tokens, cache, rest)
-        for t, kv in keep:  # a learned boundary's snapshot, computed here
-            self._insert(model, t, kv, cache_type="system")
+        for t, kv in keep:  # a learned boundary's snapshot, or a turn's state one short of its
+            kind = "user" if len(t) == len(tokens) - 1 else "system"  # end (as mlx-lm files it)
+            self._insert(model, t, kv, cache_type=kind)
         split = (before - len(rest), time.perf_counter() - t0)  # prefilled here, not served
         self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest), split)
         return cache, rest

@@ -251,9 +251,12 @@ def test_serve_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_ho
     assert re.search(r"corrupt \d+ \(entry 'router'\)", log.read_text())
 
 
+@pytest.mark.parametrize("daemon", ["running", "stopped"])
 def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_naming_them(
-    model_copy, kv_home, tmp_path
+    model_copy, kv_home, tmp_path, daemon
 ):
+    """The daemon running, or stopped over its readable store (then not `unavailable`: that is
+    only when nothing could be read)."""
     from helpers import Proc, serving
 
     from kvstore.tiny import make_tiny_model
@@ -271,7 +274,11 @@ def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_n
             server.stop()
         other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
         (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        if daemon == "running":
+            by = _serve_ask(kv_home, model_copy, log, messages)
+    if daemon == "stopped":
         by = _serve_ask(kv_home, model_copy, log, messages)
+        assert not by.get("unavailable") and by["suffix"] > 0, log.read_text()
     assert by["model_changed"] > 0, log.read_text()
     assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()
 

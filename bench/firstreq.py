@@ -1,13 +1,14 @@
 """The first request after a restart against the hundredth (issue 22), through a real server.
 
-The pipeline's stages are pinned (`kvstore warm`, a real daemon), then `kvstore serve` is started
-`restarts` times. After each start the stages are asked in pipeline order, `requests` rounds of
-new user turns (round 1 classify, reason, examine, synthesize; round 2 ...). Per stage: its first
-request's time to first token (max_tokens=1: the request's wall time) over its steady time, the
-median of its requests 2..`requests`; the figure is the median of that ratio over the restarts
-(target <= 1.1), with the spread.
+On a plain-attention model (tiny llama) and on a Qwen3.5-style hybrid (tiny qwen3_5, full
+attention every 2nd layer), each in turn: the pipeline's stages are pinned (`kvstore warm`, a
+real daemon), then `kvstore serve` is started `restarts` times. After each start the stages are
+asked in pipeline order, `requests` rounds of new user turns (round 1 classify, reason, examine,
+synthesize; round 2 ...). Per stage: its first request's time to first token (max_tokens=1: the
+request's wall time) over its steady time, the median of its requests 2..`requests`; the figure
+is the median of that ratio over the restarts (target <= 1.1), with the spread.
 
-    python -m bench.firstreq            # quick: tiny llama, 3 restarts, 10 rounds
+    python -m bench.firstreq            # quick: 3 restarts, 10 rounds (the hybrid 6)
     python -m bench.run --quick --only firstreq
 """
 
@@ -87,14 +88,28 @@ def one_start(root: Path, home: Path, model: Path, env: dict, users: list[str], 
     return {"spawn_to_ready_s": ready, "ttft_s": ttft, "cached_tokens": cached}
 
 
-def run(quick: bool = True, *, restarts: int | None = None, requests: int | None = None) -> dict:
+ARCHS = ("llama", "qwen3_5")  # plain attention, and the Qwen3.5-style hybrid (issue 33)
+HYBRID_REQUESTS = 6  # the hybrid's rounds per start in the quick run (its prefill is ~10x slower)
+
+
+def run(quick: bool = True, *, restarts: int | None = None, requests: int | None = None,
+        archs: tuple[str, ...] = ARCHS) -> dict:  # fmt: skip
+    """Each architecture's figures (`measure`), keyed by its model's name."""
+    out = {}
+    for arch in archs:
+        n = requests or (HYBRID_REQUESTS if quick and arch != "llama" else 10)
+        r = measure(arch, restarts or (3 if quick else 5), max(3, n))
+        out[r["model"]] = r
+    return {"models": out}
+
+
+def measure(arch: str, restarts: int, requests: int) -> dict:
+    """The stages pinned on a tiny `arch` model, then `restarts` starts of `kvstore serve`."""
     from kvstore.tiny import make_tiny_model
 
-    restarts = restarts or (3 if quick else 5)
-    requests = max(3, requests or 10)
     root = Path(tempfile.mkdtemp(prefix="kvbench-firstreq-"))
     try:
-        model = make_tiny_model(root / "model", "llama").resolve()
+        model = make_tiny_model(root / "model", arch).resolve()
         home = root / "home"
         env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error")  # fmt: skip
@@ -124,7 +139,7 @@ def run(quick: bool = True, *, restarts: int | None = None, requests: int | None
             "cached_steady": statistics.median(starts[0]["cached_tokens"][stage][1:]),
         }
     return {
-        "model": "tiny llama",
+        "model": f"tiny {arch}",
         "restarts": restarts,
         "requests_per_stage": requests,
         "target": TARGET,
@@ -134,7 +149,12 @@ def run(quick: bool = True, *, restarts: int | None = None, requests: int | None
 
 
 def targets(res: dict) -> list[dict]:
-    """bench.run's rows: each stage's first/steady ratio against TARGET."""
+    """bench.run's rows: each model's stages (plain, then the hybrid), each first/steady ratio
+    against TARGET."""
+    return [row for r in res["models"].values() for row in _targets(r)]
+
+
+def _targets(res: dict) -> list[dict]:
     out = []
     for stage, r in res["stages"].items():
         x = r["first_over_steady"]

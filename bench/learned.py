@@ -11,7 +11,7 @@
   cold tier's restore against LRUPromptCache's in-memory copy of the same cache (the literal
   ratio), time to first token served from the store against from memory, and prefill.
 - report: what reporting a request's prompt costs the request path at 8k tokens.
-- peer: vllm-mlx 0.6.0 side by side, opt-in: KVSTORE_PEER_VENV=/path/to/venv (`make bench-peer`).
+- vllm-mlx side by side, on both model classes: bench/peer.py (`make bench-peer`).
 
     python -m bench.learned            # quick sizes, prints the figures as JSON
     python -m bench.run --quick --only learned
@@ -26,7 +26,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -650,125 +649,6 @@ def report(root: Path, ntokens: int, reps: int) -> dict:
     }
 
 
-PEER_RESTARTS = 3  # restarts of each server; the figures are their medians
-
-
-def _peer_round(s: Server, user: str, model: str | None) -> dict:
-    """One request per stage (a new user turn): total time to first token, spawn to the first
-    answer, cached tokens."""
-    ttft, cached, first = [], [], None
-    for stage in STAGE_NAMES:
-        reply = s.chat(_stage_messages(stage, user), model=model)
-        first = first or time.perf_counter() - s.spawned
-        ttft.append(reply["ttft_s"])
-        cached.append(_cached(reply))
-    return {"spawn_to_first_answer_s": first, "total_ttft_s": sum(ttft), "ttft_s": ttft,
-            "cached_tokens": cached, "spawn_to_ready_s": s.ready_s}  # fmt: skip
-
-
-PLAIN = "mlx_lm.server"
-
-
-def peer(root: Path) -> dict:
-    """vllm-mlx 0.6.0 side by side after restarts, opt-in on an existing venv: the same tiny model,
-    the same requests. Each server is first asked every stage twice (kvstore learns the prefixes
-    through its daemon, with no manifest; vllm-mlx saves its SSD cache at the clean stop), then
-    restarted PEER_RESTARTS times, the servers' restarts interleaved; after each, every stage once
-    with a user turn new to all of them."""
-    venv = os.environ.get("KVSTORE_PEER_VENV")
-    exe = Path(venv or "/nonexistent") / "bin" / "vllm-mlx"
-    if not venv or not exe.exists():
-        msg = ("peer skipped: set KVSTORE_PEER_VENV to a venv with vllm-mlx 0.6.0 "
-               "(`python3 -m venv V && V/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]'`), "
-               "or run `make bench-peer`")  # fmt: skip
-        print(f"  {msg}")
-        return {"skipped": msg}
-    from kvstore.tiny import make_tiny_model
-
-    model = make_tiny_model(root / "model-peer", "llama").resolve()
-    home = root / "home-peer"
-    env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error")  # fmt: skip
-    warm = root / "warm.json"
-    warm.write_text(json.dumps([[{"role": "system", "content": STAGES[s]["system"]}]
-                                for s in STAGE_NAMES]))  # fmt: skip
-    variants = {"ssd": [], "ssd + warm prompts": ["--warm-prompts", str(warm)]}
-
-    def start(name: str) -> tuple[Server, str | None]:
-        port = free_port()
-        if name == "kvstore":
-            argv = _kv("serve", "--home", str(home), "--model", str(model), "--port", str(port))
-            s = Server(argv, port, root / "peer-kvstore.log", env)
-            s.wait_ready()
-            return s, None
-        if name == PLAIN:  # the server kvstore serve wraps, without kvstore: the spawn's floor
-            argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
-                    str(port)]  # fmt: skip
-            s = Server(argv, port, root / "peer-plain.log", env)
-            s.ready_s = s.wait_ready("/v1/models")
-            return s, None
-        ssd = root / f"peer-ssd-{len(variants[name])}"  # each setting its own SSD tier
-        argv = [str(exe), "serve", str(model), "--port", str(port), "--continuous-batching",
-                "--ssd-cache-dir", str(ssd), *variants[name]]  # fmt: skip
-        s = Server(argv, port, root / "peer.log")
-        s.wait_ready("/v1/models")
-        return s, str(model)
-
-    out: dict = {"model": "tiny llama", "venv": venv, "restarts": PEER_RESTARTS}
-    runs: dict[str, list] = {"kvstore": [], PLAIN: [], **{v: [] for v in variants}}
-    errors: dict[str, str] = {}
-    with running_daemon(home, root / "daemon-peer.log", env):
-        for phase in ["before", *range(PEER_RESTARTS)]:
-            for name in runs:
-                if name in errors or (phase == "before" and name == PLAIN):
-                    continue  # nothing of plain mlx_lm.server outlives a restart: no before
-                try:
-                    s, m = start(name)
-                    try:
-                        if phase == "before":
-                            for stage in STAGE_NAMES:
-                                for user in USERS[:2]:
-                                    s.chat(_stage_messages(stage, user), model=m)
-                            if name == "kvstore":
-                                _wait_learned(home, True)
-                        else:
-                            user = f"Ticket {phase + 1} of the week. {USERS[3]}"
-                            runs[name].append(_peer_round(s, user, m))
-                    finally:
-                        s.stop(signal.SIGTERM)  # the peer saves its cache at a clean stop only
-                except (RuntimeError, OSError, urllib.error.URLError) as e:
-                    lines = [x for x in str(e).splitlines() if "Error" in x or "error" in x]
-                    errors[name] = (lines[-1] if lines else str(e).splitlines()[0])[:400]
-                    print(f"  peer {name}: {errors[name]}")
-    for name, rows in runs.items():
-        if name in errors:
-            out[name] = {"error": errors[name]}
-            continue
-        out[name] = {
-            "after": {
-                "total_ttft_s": statistics.median(r["total_ttft_s"] for r in rows),
-                "total_ttft_spread_s": [
-                    min(r["total_ttft_s"] for r in rows),
-                    max(r["total_ttft_s"] for r in rows),
-                ],  # fmt: skip
-                "spawn_to_first_answer_s": statistics.median(
-                    r["spawn_to_first_answer_s"] for r in rows
-                ),
-                "ttft_s": [
-                    statistics.median(r["ttft_s"][i] for r in rows) for i in range(len(STAGE_NAMES))
-                ],  # fmt: skip
-                "cached_tokens": rows[-1]["cached_tokens"],
-                **(
-                    {"spawn_to_ready_s": statistics.median(r["spawn_to_ready_s"] for r in rows)}
-                    if name == PLAIN
-                    else {}
-                ),  # fmt: skip
-            },
-            "runs": rows,
-        }
-    return out
-
-
 def run(quick: bool, *, turns: int | None = None, prefix: int | None = None) -> dict:
     """All figures; `turns` and `prefix` override the sizes (the smoke test's smallest)."""
     turns = turns or 20
@@ -784,7 +664,6 @@ def run(quick: bool, *, turns: int | None = None, prefix: int | None = None) -> 
         res["hybrid_shapes"] = hybrid_shapes(SHAPE_PROMPTS if prefix is None else (1024,))
         res["restore"] = restore(root, prefix or (800 if quick else 4096), 5 if quick else 15)
         res["report"] = report(root, 8192 if prefix is None else 1024, 20 if quick else 100)
-        res["peer"] = peer(root)
     finally:
         quiet.setLevel(level)
         shutil.rmtree(root, ignore_errors=True)

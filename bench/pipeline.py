@@ -13,8 +13,14 @@ the rest, decodes greedily and inserts its transcript, as mlx_lm.server does.
 
 Decode length: this CPU prefills only ~3x faster per token than it decodes, where an M-series GPU
 prefills ~10-15x faster; the same token counts would give a different time split. So decode tokens
-per query are calibrated so that the cold run's static-prefix share of model time is the motivating
-45% (measured 44-47%); prompt tokens are the motivating ones (divided by 4 in --quick).
+per query are calibrated so that each tier's cold prefill share of model time is the one the seed
+measured for that tier (SEED_SHARES: 44% / 47% / 17%), from a probe replay's own rates; prompt
+tokens are the motivating ones (divided by 4 in --quick). It runs on the hybrid and on a
+plain-attention model (tiny llama, whose trimmable caches mlx-lm's LRU can reuse in-process), and
+reports end-to-end model time (prefill + decode), cold against kvstore after a restart, beside the
+seed's own change (SEED_CHANGE).
+
+    python -m bench.pipeline [--quick] [--models hybrid,plain] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.timing import fresh_rounds, worker
+from bench.timing import fresh_process, fresh_rounds, worker
 
-MOTIVATING_STATIC_SHARE = 0.45
+# the seed's measured cold static-prefix share of model time, and its end-to-end model time with
+# kvstore after a restart against cold, per tier
+SEED_SHARES = {"standard": 0.44, "agentic": 0.47, "research": 0.17}
+SEED_CHANGE = {"standard": -0.34, "agentic": -0.45, "research": -0.24}
+MODELS = {"hybrid": "qwen3_5", "plain": "llama"}  # kvstore.tiny architectures
 VOCAB = 512
 
 
@@ -205,13 +215,30 @@ def _warm_and_calibrate(model_path: Path, home: Path, all_tiers: dict) -> dict:
     return {"pins": len(pins), "warm_s": warm_s, "prefill_tps": max(pre), "decode_tps": max(dec)}
 
 
-def _decode_plan(tier: dict, rates: dict) -> list[int]:
-    """Decode tokens per call so that static prefill is ~45% of cold model time."""
-    n = len(tier["calls"])
+def _decode_plan(tier: dict, rates: dict, share: float | None = None) -> list[int]:
+    """Decode tokens per call so that static prefill is `share` of cold model time (default: the
+    seed's share for this tier)."""
+    share = SEED_SHARES[tier["name"]] if share is None else share
     static_s = static_tokens(tier) / rates["prefill_tps"]
     dyn = sum(c["suffix"] for c in tier["calls"])  # tool-call tokens are decoded, not here
-    decode_s = static_s / MOTIVATING_STATIC_SHARE - static_s - dyn / rates["prefill_tps"]
-    total = max(n, round(decode_s * rates["decode_tps"]))
+    decode_s = static_s / share - static_s - dyn / rates["prefill_tps"]
+    return _split(tier, round(decode_s * rates["decode_tps"]))
+
+
+def _recalibrate(tier: dict, probe: dict, share: float | None = None) -> list[int]:
+    """Decode tokens per call from a probe's cold replay (bench.timing.worker, short decodes):
+    its prefill seconds and seconds per decoded token, so that cold prefill is `share` of model
+    time (default: the seed's for this tier). The rates a 1,024-token calibration measures miss
+    how prefill chunks and decode contexts of the replay itself cost (a tiny llama's attention)."""
+    share = SEED_SHARES[tier["name"]] if share is None else share
+    per_token = probe["decode_s"] / probe["decode_tokens"]
+    return _split(tier, round(probe["prefill_s"] * (1 / share - 1) / per_token))
+
+
+def _split(tier: dict, total: int) -> list[int]:
+    """`total` decode tokens over a tier's calls."""
+    n = len(tier["calls"])
+    total = max(n, total)
     if tier["chain"]:  # calls 1..n-1 emit fixed-size tool calls; the last one writes the answer
         tc = tier["tool_call"]
         return [tc] * (n - 1) + [max(tc, total - tc * (n - 1))]
@@ -225,7 +252,38 @@ def replay(argv: list[str]) -> dict:
     return child(Path(model), Path(home) if home else None, json.loads(Path(spec).read_text()))
 
 
-def run(quick: bool) -> dict:
+def _equal_decode(row: dict) -> float:
+    """The change with decode counted once for both: the same decode tokens are the same work,
+    so only the prefill saved counts (decode seconds swing most on a shared machine)."""
+    cold = row["cold"]
+    return -(cold["prefill_s"] - row["kvstore"]["prefill_s"]) / (
+        cold["prefill_s"] + cold["decode_s"]
+    )
+
+
+def _median_rows(runs: dict, name: str) -> dict:
+    row = {}
+    for mode, results in runs.items():
+        per = [res["tiers"][name] for res in results]
+        med = {k: statistics.median(p[k] for p in per) for k in per[0]}
+        med["prefill_s_range"] = [
+            min(p["prefill_s"] for p in per),
+            max(p["prefill_s"] for p in per),
+        ]
+        med["model_s"] = med["prefill_s"] + med["decode_s"]
+        med["prefill_share"] = med["prefill_s"] / med["model_s"]
+        row[mode] = med
+    row["prefill_speedup"] = row["cold"]["prefill_s"] / row["kvstore"]["prefill_s"]
+    # end-to-end model time (prefill + decode) after a restart with kvstore, against cold
+    row["model_time_change"] = row["kvstore"]["model_s"] / row["cold"]["model_s"] - 1
+    row["model_time_change_equal_decode"] = _equal_decode(row)
+    row["seed_share"] = SEED_SHARES[name]
+    row["seed_change"] = SEED_CHANGE[name]
+    return row
+
+
+def run_model(arch: str, quick: bool) -> dict:
+    """One model's replay: pin, calibrate each tier to its seed share, alternate fresh processes."""
     from kvstore.tiny import make_tiny_model
 
     scale = 0.25 if quick else 1.0
@@ -233,59 +291,91 @@ def run(quick: bool) -> dict:
     all_tiers = tiers(scale)
     with tempfile.TemporaryDirectory(prefix="kvbench-pipeline-") as tmp:
         root = Path(tmp)
-        model_path = make_tiny_model(root / "model", "qwen3_5").resolve()
+        model_path = make_tiny_model(root / "model", arch).resolve()
         home = root / "home"
         rates = _warm_and_calibrate(model_path, home, all_tiers)
         print(
-            f"  pipeline: pinned {rates['pins']} prefixes in {rates['warm_s']:.1f}s; "
+            f"  pipeline {arch}: pinned {rates['pins']} prefixes in {rates['warm_s']:.1f}s; "
             f"prefill {rates['prefill_tps']:.0f} tok/s, decode {rates['decode_tps']:.0f} tok/s",
             flush=True,
         )
-        for tier in all_tiers.values():
-            tier["decode"] = _decode_plan(tier, rates)
         spec_path = root / "spec.json"
+        for tier in all_tiers.values():  # a probe first: the first guess, at most 128 a call
+            tier["decode"] = [min(128, d) for d in _decode_plan(tier, rates)]
+        spec_path.write_text(json.dumps({"tiers": all_tiers}))
+        probe = fresh_process(worker(replay, model_path, "", spec_path))
+        for name, tier in all_tiers.items():
+            tier["decode"] = _recalibrate(tier, probe["tiers"][name])
         spec_path.write_text(json.dumps({"tiers": all_tiers}))
         cases = {"cold": worker(replay, model_path, "", spec_path),
                  "kvstore": worker(replay, model_path, home, spec_path)}  # fmt: skip
         runs = fresh_rounds(cases, reps=reps, warmup=0)  # alternating, first place rotating
     table = {}
     for name, tier in all_tiers.items():
-        row = {}
-        for mode, results in runs.items():
-            per = [res["tiers"][name] for res in results]
-            med = {k: statistics.median(p[k] for p in per) for k in per[0]}
-            med["prefill_s_range"] = [
-                min(p["prefill_s"] for p in per),
-                max(p["prefill_s"] for p in per),
-            ]
-            med["prefill_share"] = med["prefill_s"] / (med["prefill_s"] + med["decode_s"])
-            row[mode] = med
-        row["prefill_speedup"] = row["cold"]["prefill_s"] / row["kvstore"]["prefill_s"]
+        row = table[name] = _median_rows(runs, name)
         row["static_share_of_prompt"] = (
             sum(c["static"] for c in tier["calls"]) / row["cold"]["prompt_tokens"]
         )
-        table[name] = row
         for mode in ("cold", "kvstore"):
             m = row[mode]
             print(
-                f"  {name:9} {mode:8} calls {m['calls']:3.0f} prompt {m['prompt_tokens']:6.0f} "
-                f"prefilled {m['prefilled']:6.0f} (pinned {m['pinned_prefilled']:5.0f}) "
-                f"prefill {m['prefill_s']:6.2f}s decode {m['decode_s']:6.2f}s "
-                f"share {m['prefill_share']:5.1%}",
+                f"  {arch:7} {name:9} {mode:8} calls {m['calls']:3.0f} prompt "
+                f"{m['prompt_tokens']:6.0f} prefilled {m['prefilled']:6.0f} (pinned "
+                f"{m['pinned_prefilled']:5.0f}) prefill {m['prefill_s']:6.2f}s decode "
+                f"{m['decode_s']:6.2f}s share {m['prefill_share']:5.1%}",
                 flush=True,
             )
-    hyd = [r.get("hydrate", {}) for r in runs["kvstore"]]
     return {
+        "arch": arch,
         "scale": scale,
         "reps": reps,
         "rates": rates,
         "tiers": table,
-        "hydrate": hyd,
+        "hydrate": [r.get("hydrate", {}) for r in runs["kvstore"]],
         "load_s": {m: [r["load_s"] for r in v] for m, v in runs.items()},
     }
+
+
+def run(quick: bool, models: tuple[str, ...] = ("hybrid", "plain")) -> dict:
+    """Every model's replay; the hybrid's (the seed's model class) also at the top level, as
+    bench.run and its plot read it."""
+    by_model = {m: run_model(MODELS[m], quick) for m in models}
+    first = by_model["hybrid" if "hybrid" in by_model else models[0]]
+    return {**first, "models": by_model}
+
+
+def table(res: dict) -> str:
+    """Each model and tier: the cold share it was calibrated to and got, end-to-end model time
+    cold and after a restart with kvstore, its change beside the seed's."""
+    lines = [
+        "| model | tier | cold share (seed) | cold model s | kvstore model s | change | at equal "
+        "decode | seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, r in res["models"].items():
+        for name, row in r["tiers"].items():
+            c, k = row["cold"], row["kvstore"]
+            lines.append(
+                f"| {model} ({r['arch']}) | {name} | {c['prefill_share']:.0%} "
+                f"({row['seed_share']:.0%}) | {c['model_s']:.2f} | {k['model_s']:.2f} | "
+                f"{row['model_time_change']:+.0%} | **{_equal_decode(row):+.0%}** | "
+                f"{row['seed_change']:+.0%} |"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    print(json.dumps(run(ap.parse_args().quick), indent=1))
+    ap.add_argument("--models", default="hybrid,plain", help="comma-separated: hybrid, plain")
+    ap.add_argument("--out", help="write the JSON here (the table goes to stdout)")
+    a = ap.parse_args()
+    names = tuple(a.models.split(","))
+    if unknown := [m for m in names if m not in MODELS]:
+        ap.error(f"unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    out = run(a.quick, names)
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    else:
+        print(json.dumps(out, indent=1))
+    print(table(out))

@@ -4,7 +4,7 @@
     python -m bench.run --full                  # the full sizes (up to 1 GiB), ~15 minutes
     python -m bench.run --quick --only hydrate,persist
     python -m bench.run --quick --reference     # also refresh bench/results/reference/
-    KVSTORE_PEER_VENV=V python -m bench.run --quick --only learned --out peer  # vllm-mlx too
+    KVSTORE_PEER_VENV=V python -m bench.run --quick --only peer --out peer  # against vllm-mlx
 
 Every comparison inside a module runs its alternatives interleaved in this one process (the
 pipeline replay alternates fresh subprocesses); `summary.json` lists each target and its measure.
@@ -25,8 +25,9 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
-    "startup", "learned", "firstreq", "firstcall", "fleet_trust", "reasons", "canary_noise",
+    "startup", "learned", "firstreq", "firstcall", "fleet_trust", "reasons", "canary_noise", "peer",
 )  # fmt: skip
+OPT_IN = ("peer",)  # run only when named (`make bench-peer`): vllm-mlx in a venv of its own
 
 
 def _largest(rows: list[dict], **match) -> dict:
@@ -153,7 +154,7 @@ def targets(res: dict) -> list[dict]:
     if "firstreq" in res:  # issue 22: each pinned stage's first request after a restart
         out.extend(own_targets("firstreq", res))
     out.extend(restart_targets(res))
-    for name in ("fleet_trust", "reasons", "canary_noise"):
+    for name in ("fleet_trust", "reasons", "canary_noise", "peer"):
         out.extend(own_targets(name, res))
     return out
 
@@ -198,6 +199,19 @@ def restart_targets(res: dict) -> list[dict]:
                 + _floor_note(r.get("stats", {}))
                 + ("; quick: no 1 GiB row (--full)" if quick else ""),
             )
+            if "fresh pages" in r.get("stats", {}):  # what any loader pays first: the floor
+                st = r["stats"]
+                x = st["kvstore"]["median"] / st["fresh pages"]["median"]
+                add(
+                    f"first hydrate in a fresh process over its floor (faulting in as many new "
+                    f"pages, nothing copied): {r['shape']}, {r['size_mb']} MB",
+                    round(x, 2),
+                    "x",
+                    None,
+                    f"kvstore {st['kvstore']['median'] * 1e3:.1f} ms, load_prompt_cache "
+                    f"{st['load_prompt_cache']['median'] * 1e3:.1f} ms, fresh pages "
+                    f"{st['fresh pages']['median'] * 1e3:.1f} ms",
+                )
     if h := res.get("hydrate"):
         for r in h["rows"]:
             if r["regime"] != "reused" or r["size_mb"] < 16:
@@ -346,58 +360,6 @@ def learned_targets(le: dict) -> list[dict]:
         f"request path (fetched + inserted); the daemon's chain hash "
         f"{rp['daemon_chain_hash_ms']:.3f} ms, off the path",
     )
-    pe = le.get("peer") or {}
-    if "skipped" in pe or not pe:
-        add("vllm-mlx 0.6.0 side by side", "skipped", "", None, pe.get("skipped", "not run"))
-    else:  # issue 22: over PEER_RESTARTS restarts, medians, against vllm-mlx's best variant
-        k = (pe.get("kvstore") or {}).get("after")
-        best = None
-        for setting, row in pe.items():
-            if not isinstance(row, dict) or setting in ("kvstore", "mlx_lm.server"):
-                continue
-            if "error" in row:
-                add(f"vllm-mlx 0.6.0 ({setting}) side by side: {pe['model']}", None, "", None,
-                    row["error"])  # fmt: skip
-                continue
-            after = row.get("after") or {}
-            if after and (best is None or after["total_ttft_s"] < best[1]["total_ttft_s"]):
-                best = (setting, after)
-        if k and best:
-            setting, after = best
-            n = pe.get("restarts", 1)
-            x = after["total_ttft_s"] / k["total_ttft_s"]
-            add(
-                f"3-stage TTFT after a restart, vllm-mlx's best ({setting}) / kvstore serve >= "
-                f"1.2 ({n} restarts, medians): {pe['model']}",
-                round(x, 3),
-                "x",
-                x >= 1.2,
-                f"{k['total_ttft_s'] * 1e3:.0f} vs {after['total_ttft_s'] * 1e3:.0f} ms; per stage "
-                f"kvstore {'/'.join(f'{t * 1e3:.0f}' for t in k['ttft_s'])}, vllm-mlx "
-                f"{'/'.join(f'{t * 1e3:.0f}' for t in after['ttft_s'])} ms",
-            )
-            x = after["spawn_to_first_answer_s"] / k["spawn_to_first_answer_s"]
-            add(
-                f"spawn to first answer, vllm-mlx ({setting}) / kvstore serve >= 4 ({n} restarts, "
-                f"medians): {pe['model']}",
-                round(x, 2),
-                "x",
-                x >= 4,
-                f"{after['spawn_to_first_answer_s']:.2f} vs {k['spawn_to_first_answer_s']:.2f} s",
-            )
-            plain = (pe.get("mlx_lm.server") or {}).get("after")
-            if plain:  # kvstore serve is mlx_lm.server plus kvstore: its start is at least this
-                floor = plain["spawn_to_ready_s"] + k["ttft_s"][0]
-                x = after["spawn_to_first_answer_s"] / floor
-                add(
-                    f"spawn to first answer, vllm-mlx ({setting}) / (plain mlx_lm.server's spawn "
-                    f"to ready + kvstore's first TTFT): the most kvstore serve's can be",
-                    round(x, 2),
-                    "x",
-                    None,
-                    f"mlx_lm.server ready in {plain['spawn_to_ready_s']:.2f} s, first answer "
-                    f"{plain['spawn_to_first_answer_s']:.2f} s (nothing cached)",
-                )
     return out
 
 
@@ -406,7 +368,8 @@ def main() -> int:
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--quick", action="store_true")
     mode.add_argument("--full", action="store_true")
-    ap.add_argument("--only", default=",".join(MODULES), help="comma-separated modules")
+    ap.add_argument("--only", default=",".join(m for m in MODULES if m not in OPT_IN),
+                    help="comma-separated modules")  # fmt: skip
     ap.add_argument("--reference", action="store_true", help="copy summary + plots to reference/")
     ap.add_argument("--out", help="folder under bench/results (default: quick or full)")
     args = ap.parse_args()

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvstore import metrics, mlxlm
+from kvstore import tokens as token_ids
 from kvstore.client.callstats import StatsRecorder
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
@@ -147,6 +148,7 @@ class StoreTier:
         self.offered: set[tuple[int, ...]] = set()  # sent towards the store from here
         self._hits: list[tuple[int, ...]] = []  # stored prefixes that served a fetch, unsent
         self._hits_sent = time.monotonic()
+        self._said_unstorable = False
         # prompts whose fetch prefilled part of them itself: -> [(tokens, seconds)], until taken
         self._split: dict[tuple[int, ...], list[tuple[int, float]]] = {}
         self._split_lock = threading.Lock()
@@ -158,6 +160,19 @@ class StoreTier:
 
     def is_quiet(self, tokens: Sequence[int]) -> bool:
         return self.quiet is not None and self.quiet(tokens)
+
+    def storable(self, tokens: Sequence[int]) -> bool:
+        """Whether the store can key `tokens`; a prompt with images (mlx_lm.server's negative
+        ids) cannot: memory serves it as mlx-lm's cache would, and it is never restored,
+        learned or offered; a stored prefix of it that serves it is a hit. Said once a
+        process."""
+        if token_ids.storable(tokens):
+            return True
+        if not self._said_unstorable:
+            self._said_unstorable = True
+            log.info("kvstore: prompts with images are cached in memory only, not in the store "
+                     "(their image tokens have no stored form)")  # fmt: skip
+        return False
 
     def note_stored(self, model: Any, tokens: Sequence[int]) -> None:
         """The KV of `tokens` in memory was read from the store: counted as `store` when it
@@ -187,18 +202,20 @@ class StoreTier:
         restored: int,
         served: int,
         split: tuple[int, float] = (0, 0.0),
+        *,
+        learn: bool = True,
     ) -> None:
         """A request's fetch is done: count its tokens by source, remember its prompt for the
-        learner, and record a hit on the stored prefix that served it. `split`: (tokens,
-        seconds) the fetch prefilled itself (a learned split): prefill, whatever the remainder
-        it hands mlx-lm says, until `prefilled_in_fetch` takes them."""
+        learner (unless not `learn`), and record a hit on the stored prefix that served it.
+        `split`: (tokens, seconds) the fetch prefilled itself (a learned split): prefill,
+        whatever the remainder it hands mlx-lm says, until `prefilled_in_fetch` takes them."""
         self.provenance.count(model, tokens, memory, restored)
         if split[0] > 0:
             with self._split_lock:
                 self._split.setdefault(tuple(tokens), []).append(split)
                 while len(self._split) > SPLIT_PROMPTS:
                     self._split.pop(next(iter(self._split)))
-        if self.learner is not None:
+        if learn and self.learner is not None:
             self.learner.fetched(model, tokens)
         if served and model == self.model and self.fingerprint is not None:
             self._hit(tokens, served)
@@ -300,6 +317,10 @@ class PinnedPromptCache(LRUPromptCache):
             cache, rest = mlxlm.leave_last_token(self, model, tokens, cache)
         memory = len(tokens) - len(rest)
         quiet = self.tier.is_quiet(tokens)
+        if not self.tier.storable(tokens):  # memory only: nothing restored, split or learned
+            if not quiet:
+                self.tier.served(model, tokens, memory, 0, memory, learn=False)
+            return cache, rest
         restored = 0
         hit = self.tier.restore(model, tokens, memory, quiet=quiet)
         if hit is not None:
@@ -341,7 +362,8 @@ class PinnedPromptCache(LRUPromptCache):
             return True
         if not self._insert(model, tokens, prompt_cache, cache_type=cache_type):
             return False
-        self.tier.inserted(model, tokens, prompt_cache, cache_type)
+        if self.tier.storable(tokens):
+            self.tier.inserted(model, tokens, prompt_cache, cache_type)
         return True
 
     # -- what is not a request --------------------------------------------------------------

@@ -2,8 +2,16 @@
 
 Order matters: the lock first (a second daemon exits 0 without touching the home), then settings,
 store and socket; a refusal there is a configuration error (78), except a transient I/O error (a
-full disk, EIO: kvstore.errors.transient) which a restart may mend (70); a failure once serving is
-an internal one (70).
+full disk, EIO: kvstore.errors.transient) which time may mend; a failure once serving is an
+internal one (70).
+
+A transient error at start is waited out here, under a supervisor: the daemon tries again after
+2 s, doubling to at most a minute, one log line a try, and exits 0 on SIGTERM meanwhile. Left to
+the supervisor, a full disk would start it every few seconds for as long as the disk stays full:
+launchd's ThrottleInterval is a fixed spacing between launches, with no backoff (launchd.plist(5)),
+and systemd's RestartSec= is too, unless RestartSteps= and RestartMaxDelaySec= (systemd.service(5),
+"Added in version 254") grow it, which older systemd (Ubuntu 22.04 has 249, Debian 12 252)
+ignores. Started by hand, it exits 70 at once with the one line.
 """
 
 from __future__ import annotations
@@ -14,7 +22,14 @@ import os
 from pathlib import Path
 
 from kvstore.daemon import exits
-from kvstore.daemon.lifecycle import DaemonRunning, acquire_lock, bind_socket, park_if_supervised
+from kvstore.daemon.lifecycle import (
+    DaemonRunning,
+    acquire_lock,
+    bind_socket,
+    park_if_supervised,
+    stopped,
+    supervisor,
+)
 from kvstore.daemon.server import Daemon
 from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, transient
@@ -24,22 +39,16 @@ from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
 
+RETRY_FIRST_S = 2.0  # seconds before the first try again after a transient I/O error at start
+RETRY_MAX_S = 60.0  # seconds between tries at most (the wait doubles up to it)
+
+Booted = tuple[Daemon, int] | int  # a daemon ready to serve and its lock's fd, or a status
+
 
 def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = None) -> int:
     """Run the daemon for `home` until SIGTERM, SIGINT or a shutdown request. The exit status
     per condition, and what the supervisor then does, is daemon/exits.py's table."""
-    with daemon_handler("internal failure while starting", logger=log) as failed:
-        try:
-            booted = _boot(home, manifest)
-        except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
-            if transient(e):  # a full disk, EIO: the supervisor starts it again; it may then work
-                log.error("cannot start (a transient I/O error; exits %d to be restarted): %s",
-                          exits.TRANSIENT_IO, e)  # fmt: skip
-                return exits.TRANSIENT_IO
-            log.error("cannot start: %s", e)
-            return park_if_supervised(exits.CONFIG, str(e))
-    if failed.error is not None:
-        return exits.INTERNAL
+    booted = _start(home, manifest)
     if isinstance(booted, int):
         return booted
     daemon, lock_fd = booted
@@ -52,7 +61,33 @@ def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = 
         os.close(lock_fd)
 
 
-def _boot(home: Path, manifest: Path | None) -> tuple[Daemon, int] | int:
+def _start(home: Path, manifest: Path | None) -> Booted:
+    """`_boot`, tried again with backoff while a transient I/O error refuses it under a
+    supervisor; every other way it fails mapped to its exit status."""
+    delay = RETRY_FIRST_S
+    while True:
+        with daemon_handler("internal failure while starting", logger=log) as failed:
+            try:
+                return _boot(home, manifest)
+            except (KVStoreError, OSError) as e:  # the home, socket, settings or store refused
+                if not transient(e):
+                    log.error("cannot start: %s", e)
+                    return park_if_supervised(exits.CONFIG, str(e))
+                if not supervisor():  # by hand: say it and exit, restartable
+                    log.error("cannot start (a transient I/O error; exits %d to be restarted): %s",
+                              exits.TRANSIENT_IO, e)  # fmt: skip
+                    return exits.TRANSIENT_IO
+                log.error("cannot start (a transient I/O error): %s; trying again in %.0f s",
+                          e, delay)  # fmt: skip
+        if failed.error is not None:
+            return exits.INTERNAL
+        if stopped(delay):
+            log.info("stopped while waiting to start")
+            return exits.OK
+        delay = min(delay * 2, RETRY_MAX_S)
+
+
+def _boot(home: Path, manifest: Path | None) -> Booted:
     """Take the lock, open the store, bind the socket: a Daemon ready to serve and the lock's
     fd, or the exit status when another daemon holds the lock."""
     home = ensure_home(home.expanduser().absolute())

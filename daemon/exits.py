@@ -40,10 +40,12 @@ EXITS: dict[str, ExitRule] = {
     ),
     "transient_io": ExitRule(
         70,  # EX_SOFTWARE, as "internal": a failure worth a restart, not a refusal
-        "a transient I/O error at start (ENOSPC, EDQUOT, EIO: kvstore.errors.TRANSIENT_ERRNOS)",
+        "a transient I/O error at start (ENOSPC, EDQUOT, EIO: kvstore.errors.TRANSIENT_ERRNOS), "
+        "started by hand; under launchd or systemd it does not exit but tries again itself, "
+        "after 2 s doubling to a minute (daemon/boot.py), and exits 0 if stopped meanwhile",
         True,
-        "restarted after ThrottleInterval / RestartSec; the log line names the path and the "
-        "error: free space or check that disk, and the next start proceeds",
+        "each try's log line names the path and the error: free space or check that disk, and "
+        "the next try proceeds",
     ),
     "config": ExitRule(
         78,  # EX_CONFIG (sysexits.h)

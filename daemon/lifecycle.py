@@ -44,28 +44,43 @@ class DaemonRunning(KVStoreError):
     """Another daemon holds this home's lock."""
 
 
+def supervisor() -> str:
+    """The supervisor that runs this daemon ("launchd", "systemd"), as its service file says
+    (daemon/exits.py), or "" when started by hand."""
+    return os.environ.get(SUPERVISOR_ENV, "")
+
+
 def park_if_supervised(code: int, reason: str) -> int:
     """Return `code` at once, except under a supervisor that restarts every non-zero exit
     (launchd: daemon/exits.py): there, say so once and wait for SIGTERM, then return it."""
-    supervisor = os.environ.get(SUPERVISOR_ENV, "")
-    if supervisor not in PARK_UNDER:
+    if supervisor() not in PARK_UNDER:
         return code
     log.error(
         "%s would restart a daemon that exits %d every ThrottleInterval, so it waits here until "
         "stopped; fix the cause (%s), then run `kvstore service install` again",
-        supervisor,
+        supervisor(),
         code,
         reason,
     )
+    stopped(None)
+    return code
+
+
+def stopped(seconds: float | None) -> bool:
+    """Wait `seconds` (None: for ever) for SIGTERM or SIGINT; whether one came. The daemon's
+    own handlers are not installed yet: these are, for the wait, then the previous ones."""
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    deadline = None if seconds is None else time.monotonic() + seconds
     try:
-        while not stop.wait(0.5):  # a timeout, so the handler gets the main thread to run on
-            pass
+        # a timeout on each wait, so the handler gets the main thread to run on
+        while not stop.wait(0.5 if deadline is None else min(0.5, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return code
+    return stop.is_set()
 
 
 # A CLI tests the lock with a shared flock held for microseconds (kvstore.wire.daemon_client.

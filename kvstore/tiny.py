@@ -349,22 +349,32 @@ def make_tiny_model(
     seed: int = 0,
     chat_template: str = CHAT_TEMPLATE,
     tokenizer: dict | None = None,
+    sizes: dict | None = None,
+    bits: int | None = None,
 ) -> Path:
     """Write a random-weight mlx-lm model directory (config, safetensors, tokenizer) to `path`.
 
     `tokenizer` holds extra `write_tokenizer` arguments (a family's control tokens, BOS, corpus).
+    `sizes` replaces size parameters of the architecture's config (in its text_config where it has
+    one), e.g. a qwen3_5 at a real model's shapes; `bits` quantizes the weights as mlx-lm's
+    convert does from a bfloat16 checkpoint (affine, group size 64; what stays unquantized, and
+    so the activations and the KV cache, in bfloat16), before they are first evaluated.
     """
-    from mlx_lm.utils import save_model
+    from mlx_lm.utils import quantize_model, save_model
 
     from kvstore import mlxlm
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
     path = Path(path)
-    config = ARCHITECTURES[arch]
+    config = json.loads(json.dumps(ARCHITECTURES[arch]))  # a copy: sizes edit it
+    (config["text_config"] if "text_config" in config else config).update(sizes or {})
     model_class, args_class = mlxlm.model_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
+    if bits:
+        model.set_dtype(mx.bfloat16)
+        model, config = quantize_model(model, config, 64, bits)
     mx.eval(model.parameters())
     save_model(path, model)
     (path / "config.json").write_text(json.dumps(config, indent=2))

@@ -4,6 +4,8 @@ size, byte order, pack / unpack, slicing by token index and common prefixes.
 
 A token id is an unsigned 32-bit integer, little-endian: 4 bytes a token, so two packed
 sequences share a prefix of n tokens exactly when their first 4n bytes are equal (one memcmp).
+A key with ids outside that (mlx_lm.server keys an image's patch tokens with negative ids, one
+per image) is not `storable`: it has no packed form, so the store neither holds nor learns it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ ORDER = "little"  # byte order of a packed token id: the store's layout, never c
 
 _CODE = next(c for c in ("I", "L") if array.array(c).itemsize == SIZE)  # C unsigned of 4 bytes
 _SWAP = sys.byteorder != ORDER
+_MAX = 2**32 - 1  # the largest id a packed token holds
 
 
 def pack(tokens: Sequence[int]) -> bytes:
@@ -37,6 +40,12 @@ def pack(tokens: Sequence[int]) -> bytes:
         return np.asarray(tokens, dtype="<u4").tobytes()
     except (OverflowError, ValueError, TypeError):
         raise ValueError("token ids must be integers in 0 .. 2**32-1") from None
+
+
+def storable(tokens: Sequence[int]) -> bool:
+    """Whether every id of `tokens` has a packed form (0 .. 2**32-1): False for a prompt with
+    images as mlx_lm.server keys it (negative ids), which `pack` refuses."""
+    return len(tokens) == 0 or (min(tokens) >= 0 and max(tokens) <= _MAX)
 
 
 def unpack(data: bytes) -> list[int]:

@@ -407,8 +407,10 @@ def _setting_rows(settings: dict, prefix: str = "") -> list[tuple[str, str]]:
     "--deep",
     is_flag=True,
     help="Also re-prefill one short pin per manifest model and compare it with the stored KV "
-    "(the upgrade canary), and every entry that is no manifest's pin (imports, app pins); with "
-    "--repair, a model that differs is dropped and re-warmed, an entry that differs deleted.",
+    "(the upgrade canary), check every entry at positions drawn at random (one decoding step "
+    "each, after its first 64 re-prefilled), and re-prefill every entry that is no manifest's "
+    "pin (imports, app pins); with --repair, a model that differs is dropped and re-warmed, an "
+    "entry that differs deleted.",
 )
 @click.option(
     "--manifest",
@@ -557,28 +559,31 @@ def _report_trusted(home: Path, deep: bool) -> None:
 
 
 def _deep_entries(home: Path, *, repair: bool) -> int:
-    """Re-prefill every entry that is no manifest's pin (imports, app pins, write-behind) and
-    compare it; returns how many differ (deleted with --repair)."""
+    """Check every entry against its model (kvstore.fleet.check.check_cache: its first positions
+    re-prefilled, then one decoding step at each of a few positions drawn at random here), and
+    re-prefill every entry that is no manifest's pin (imports, app pins, write-behind) as an
+    import is checked; returns how many differ (deleted with --repair)."""
     from kvstore.pins.ownership import owners
     from kvstore.warm.canary import check_entries
 
     with open_store(home) as store:
-        metas = [
-            m
-            for m in store.metas(errors=[])
-            if not any(o.startswith("manifest:") for o in owners(m))
-        ]
+        metas = store.metas(errors=[])
         if not metas:
             return 0
-        progress(f"re-prefilling {counted(len(metas), 'entry')} that are no manifest's pins")
-        results = check_entries(store, metas, home=home)
+        pins = {m.key for m in metas if any(o.startswith("manifest:") for o in owners(m))}
+        progress(
+            f"checking {counted(len(metas), 'entry')} at positions drawn at random, and "
+            f"re-prefilling the {counted(len(metas) - len(pins), 'entry')} that are no "
+            "manifest's pins"
+        )
+        results = check_entries(store, metas, home=home, judge=_entry_judge(pins))
     differs = []
     for r in results:
         what = f"entry {r.label!r} ({short_hex(r.key)}, {r.tokens} tokens) of {r.model}"
         if r.error:
             click.echo(f"error   {what}: could not be checked: {r.error}")
         elif r.ok:
-            click.echo(f"ok      {what}: re-prefilled, {r.detail} match")
+            click.echo(f"ok      {what}: {r.detail}")
         else:
             click.echo(f"DIFFERS {what}: {r.detail}")
             differs.append(bytes.fromhex(r.key))
@@ -588,6 +593,22 @@ def _deep_entries(home: Path, *, repair: bool) -> int:
         with Route(home) as route, _store_here(route, home) as store:
             _evict_keys(route, store, home, differs)
     return len(differs)
+
+
+def _entry_judge(pins: set[bytes]):
+    """verify --deep's check of one entry (kvstore.warm.canary.check_entries' judge)."""
+    from kvstore.fleet.check import check_cache
+    from kvstore.warm.importfit import ImportMismatch, kv_check
+
+    def judge(model, identity, meta, cache) -> str:
+        ids = meta.token_ids()
+        full = None if meta.key in pins else kv_check(model, cache, ids, what="")
+        v = check_cache(model, identity, ids, cache)  # both leave `cache` as it was
+        if not v.ok:
+            raise ImportMismatch(f"not the KV this model computes for these tokens: {v.what}")
+        return f"checked, {v.what}" if full is None else f"re-prefilled, {full} match; {v.what}"
+
+    return judge
 
 
 def _store_here(route, home: Path):

@@ -124,7 +124,7 @@ def status_cmd(as_json: bool, home: Path) -> None:
         data["other_format_versions"] = remote.other_versions()
     except RemoteError as e:
         data["error"] = str(e)
-    from kvstore.fleet.fetch import UNAUTHENTICATED
+    from kvstore.fleet.fetch import unauthenticated
 
     data["authenticated"] = bool(rs.fleet_keys)
     queue = UploadQueue(home)
@@ -140,8 +140,8 @@ def status_cmd(as_json: bool, home: Path) -> None:
         return
     click.echo(f"remote         {remote.where()}")
     click.echo(f"box            {rs.box_id}")
-    if not data["authenticated"]:
-        click.echo(f"warning: {UNAUTHENTICATED}", err=True)
+    if why := unauthenticated(rs):
+        click.echo(f"warning: {why}", err=True)
     refused = ", ".join(f"{n} {c}" for c, n in sorted(data["refused"].items())) or "none"
     click.echo(f"refused        {refused}")
     for box, why in sorted(data["quarantined"].items()):
@@ -271,6 +271,10 @@ def pull_cmd(model: str | None, manifest: Path | None, home: Path) -> None:
     from kvstore.home.settings import MANIFEST_NAME
 
     remote = _remote(home)
+    if not remote.settings.fleet_keys and not remote.settings.allow_unsigned:
+        from kvstore.fleet.fetch import UNSIGNED_REFUSED
+
+        raise click.ClickException(UNSIGNED_REFUSED)
     manifest = (manifest or home / MANIFEST_NAME).resolve()
     from kvstore.wire.daemon_client import connect_writer
 
@@ -587,7 +591,9 @@ def _pull_objects(plan, remote, queue, put, have: set, check) -> tuple[int, int]
             continue
         try:
             data, _ = remote.fetch(o.key)
-            meta, blob, prov = verify_object(o.key, data, keys=remote.settings.fleet_keys)
+            rs = remote.settings
+            meta, blob, prov = verify_object(o.key, data, keys=rs.fleet_keys,
+                                             unsigned=rs.allow_unsigned)  # fmt: skip
         except RemoteError as e:
             if e.cause in REFUSALS:
                 queue.refused(e)

@@ -2,7 +2,13 @@
 own model computes for the same tokens before it serves a request here. The first CHECK_TOKENS
 positions are re-prefilled and compared with the object's first positions (kvstore.warm.kvdiff,
 the upgrade canary's comparison and tolerance); all of it when shorter, and the whole entry for
-caches that cannot be cut (final-state layouts) or whose KV is quantized. A mismatch quarantines
+caches that cannot be cut (final-state layouts) or whose KV is quantized. Past the first
+CHECK_TOKENS of a cuttable entry, SPOT_CHECKS positions drawn here from the OS's randomness (one
+in each of SPOT_CHECKS equal stretches of the rest, so the uploader cannot know which) get one
+decoding step each: the stored token run over the stored KV before it, the K/V it makes compared
+with the stored K/V at that position by the same comparison. A few single-token steps, whatever
+the entry's length; a tamper of a stretch of positions is caught when a step lands in it (or
+after it: a step attends to every position before it). A mismatch quarantines
 every object of that uploader (kvstore.fleet.queue.UploadQueue.quarantine) until `kvstore remote
 release`.
 
@@ -18,6 +24,7 @@ request path, and records the verdict in the store (`record_verdicts`, through t
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore")
 
 CHECK_TOKENS = 64  # positions re-prefilled per object
+SPOT_CHECKS = 8  # positions past CHECK_TOKENS checked by one decoding step each, drawn at random
 # an entry's extra: "pending" (fetched, not yet checked) | "passed"
 CHECK_FIELD, PENDING, PASSED = FLEET_CHECK, CHECK_PENDING, CHECK_PASSED
 MISMATCH = "mismatch"  # the refusal count's cause (`remote status`, /metrics)
@@ -68,12 +76,93 @@ def _first(cache: list, n: int) -> list | None:
     return out
 
 
+def spot_positions(n: int, k: int | None = None, start: int = CHECK_TOKENS) -> list[int]:
+    """`k` (SPOT_CHECKS) positions of [start, n), one drawn uniformly in each of `k` equal
+    stretches (so they spread over the whole rest of the entry), from the OS's randomness:
+    nothing an uploader could know when it sealed the object."""
+    k = SPOT_CHECKS if k is None else k
+    span = n - start
+    if span <= 0 or k <= 0:
+        return []
+    k = min(k, span)
+    rng = secrets.SystemRandom()
+    edges = [start + span * i // k for i in range(k + 1)]
+    return [rng.randrange(lo, hi) for lo, hi in zip(edges, edges[1:])]
+
+
+def _upto(stored: list, p: int, n: int) -> list:
+    """A cache holding the first `p` positions of `stored`, to run a step on (`stored` itself is
+    never changed: plain KVCache layers are sliced, other cuttable layouts copied and cut)."""
+    import copy as copying
+
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    view = _first(stored, p)
+    if view is None:
+        view = copying.deepcopy(stored)
+        trim_prompt_cache(view, n - p)
+    return view
+
+
+def _at(c: Any, p: int) -> Any:
+    """A one-position KVCache of layer `c`'s K/V at position `p`, or None for a layer that keeps
+    no K/V per position there (a state layer, a wrapped window, quantized KV)."""
+    from mlx_lm.models.cache import KVCache
+
+    name = type(c).__name__
+    if name not in ("KVCache", "RotatingKVCache") or getattr(c, "keys", None) is None:
+        return None
+    if name == "RotatingKVCache" and c.offset > c.max_size:
+        return None
+    out = KVCache()
+    out.keys, out.values, out.offset = c.keys[..., p : p + 1, :], c.values[..., p : p + 1, :], 1
+    return out
+
+
+def step_check(model: Any, token_ids: list[int], stored: list, positions: list[int]) -> Verdict:
+    """At each of `positions`, one decoding step of the stored token over the stored KV before
+    it, its K/V compared with the stored K/V at that position (kvstore.warm.kvdiff). `stored` is
+    left as it was. The verdict names the first position that differs."""
+    import mlx.core as mx
+
+    from kvstore.warm.kvdiff import kv_difference
+
+    t = time.perf_counter()
+    layers = [i for i, c in enumerate(stored) if _at(c, 0) is not None]
+    if not layers:
+        return Verdict(True, "no layer keeps K/V per position: no step", 0.0)
+    worst, tol, bad = 0.0, 0.0, None
+    for p in sorted(positions):
+        view = _upto(stored, p, len(token_ids))
+        model(mx.array(token_ids[p : p + 1])[None], cache=view)
+        fresh = [_at(view[i], p) for i in layers]
+        if any(f is None for f in fresh):
+            return Verdict(False, f"position {p}: the step made no K/V to compare", 0.0)
+        d, tl = kv_difference([_at(stored[i], p) for i in layers], fresh)
+        worst, tol = max(worst, d), max(tol, tl)
+        if d > tl and bad is None:
+            bad = f"position {p}: difference {d:.3g}, tolerance {tl:.3g}"
+    steps = f"{len(positions)} drawn positions stepped"
+    if len(layers) < len(stored):
+        steps += f" ({len(layers)} of {len(stored)} layers keep K/V per position)"
+    what = f"{steps}, {bad}" if bad else f"{steps}: difference {worst:.3g}, tolerance {tol:.3g}"
+    return Verdict(bad is None, what, time.perf_counter() - t)
+
+
 def check_cache(
-    model: Any, identity: ModelIdentity, token_ids: list[int], stored: list, *, copy: bool = True
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    stored: list,
+    *,
+    copy: bool = True,
+    positions: list[int] | None = None,
 ) -> Verdict:
     """Compare `stored` (the decoded KV of `token_ids`) with this model's own prefill of its first
-    CHECK_TOKENS positions; the whole of it when shorter, or when it cannot be cut or is
-    quantized. `stored` is left as it was unless `copy` is False (then it may be trimmed)."""
+    CHECK_TOKENS positions, and past them one decoding step at each of `positions` (default:
+    SPOT_CHECKS drawn at random, spot_positions); the whole of it when shorter, or when it cannot
+    be cut or is quantized. `stored` is left as it was unless `copy` is False (then it may be
+    trimmed)."""
     import copy as copying
 
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -83,7 +172,10 @@ def check_cache(
 
     t = time.perf_counter()
     n = len(token_ids)
+    steps = None
     if n > CHECK_TOKENS and identity.kv_bits is None and can_trim_prompt_cache(stored):
+        where = spot_positions(n) if positions is None else positions
+        steps = step_check(model, token_ids, stored, where)  # before `stored` may be cut
         view = _first(stored, CHECK_TOKENS)
         if view is None:
             view = copying.deepcopy(stored) if copy else stored
@@ -92,12 +184,17 @@ def check_cache(
     fresh = prefill(model, token_ids[:n], identity=identity)
     diff, tol = kv_difference(stored, fresh)
     what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
-    return Verdict(diff <= tol, what, time.perf_counter() - t)
+    ok = diff <= tol
+    if steps is not None:
+        what, ok = f"{what}; {steps.what}", ok and steps.ok
+    return Verdict(ok, what, time.perf_counter() - t)
 
 
 def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob) -> Verdict:
     """The check of a learned chain's first record ([0, end) of `token_ids`): its KV layers
-    against those of this model's prefill of the first CHECK_TOKENS positions."""
+    against those of this model's prefill of the first CHECK_TOKENS positions, and past them, for
+    a record of plain KV layers (a state layout's records hold its KV layers only: no step can
+    run on them), one decoding step at each of SPOT_CHECKS positions drawn at random."""
     from kvstore.learned.records import kv_layers
     from kvstore.warm.kvdiff import kv_difference
     from kvstore.warm.prefill import prefill
@@ -108,11 +205,17 @@ def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob
     fresh = prefill(model, token_ids[:n], identity=identity)
     if layers := kv_layers(fresh):  # a state layout: its records hold the KV layers only
         fresh = [fresh[i] for i in layers]
+    steps = None
     if n < len(token_ids) and (view := _first(stored, n)) is not None:
+        if not layers and identity.kv_bits is None:
+            steps = step_check(model, token_ids, stored, spot_positions(len(token_ids)))
         stored = view
     diff, tol = kv_difference(stored, fresh)
     what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
-    return Verdict(diff <= tol, what, time.perf_counter() - t)
+    ok = diff <= tol
+    if steps is not None:
+        what, ok = f"{what}; {steps.what}", ok and steps.ok
+    return Verdict(ok, what, time.perf_counter() - t)
 
 
 class SemanticCheck:

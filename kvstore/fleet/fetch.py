@@ -22,6 +22,7 @@ from kvstore.store.entry import PutFields, pack_tokens
 
 if TYPE_CHECKING:
     from kvstore.fleet.check import Checked
+    from kvstore.fleet.remote_settings import RemoteSettings
     from kvstore.home.ledger import Ledger
     from kvstore.store.entry import EntryMeta
     from kvstore.store.store import Store
@@ -44,6 +45,19 @@ UNAUTHENTICATED = (
     "no fleet_key in the credentials file: what this box pulls is unauthenticated (anyone who "
     "can write to the bucket can make it serve their KV); `kvstore remote key new` makes one"
 )
+UNSIGNED_REFUSED = (
+    "no fleet_key in the credentials file: every object on the remote is refused, as this box "
+    "cannot authenticate it (`kvstore remote key new` makes a key; `allow_unsigned = true` in "
+    "the home's settings.toml takes objects unauthenticated)"
+)
+
+
+def unauthenticated(rs: RemoteSettings) -> str | None:
+    """What a box without a fleet key should hear (once): that it takes objects unauthenticated
+    (allow_unsigned) or refuses them all; None with a key."""
+    if rs.fleet_keys:
+        return None
+    return UNAUTHENTICATED if rs.allow_unsigned else UNSIGNED_REFUSED
 
 
 @dataclass
@@ -98,8 +112,10 @@ class WarmFetcher:
         self.always = always  # `remote pull`: fetch whatever the cost
         self.store = store  # where the warm stores what it fetched: check_loaded's verdicts
         self._down: str | None = None  # an outage seen in this warm: prefill the rest
-        if not remote.settings.fleet_keys:
-            log.warning("remote: %s", UNAUTHENTICATED)
+        if why := unauthenticated(remote.settings):
+            log.warning("remote: %s", why)
+        # no key and no allow_unsigned: nothing fetched could be used, so nothing is fetched
+        self._refuse = bool(why) and not remote.settings.allow_unsigned
 
     def start(self) -> None:
         """A new warm: an outage seen in the last one is asked about again."""
@@ -113,6 +129,8 @@ class WarmFetcher:
     ) -> tuple[bytes | memoryview | None, list, str, str | None]:
         if self._down:
             return None, [], f"remote unavailable ({self._down})", None
+        if self._refuse:
+            return None, [], "remote objects refused: no fleet_key, allow_unsigned is false", None
         try:
             nbytes = self.remote.head(pp.key)
             if nbytes is None:
@@ -129,6 +147,7 @@ class WarmFetcher:
                 data,
                 tokens=pack_tokens(pp.pin.tokens),
                 keys=self.remote.settings.fleet_keys,
+                unsigned=self.remote.settings.allow_unsigned,
             )
             if why := self.quarantined(prov.box):
                 log.error("remote: pin %r of %s: prefill, %s", pp.pin.name, plan.spec.path, why)

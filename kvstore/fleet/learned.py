@@ -91,7 +91,8 @@ def pull_records(
             continue
         try:
             data, _ = remote.fetch(o.key, name=o.name)
-            v = verify_record(o.key, data, keys=remote.settings.fleet_keys)
+            v = verify_record(o.key, data, keys=remote.settings.fleet_keys,
+                              unsigned=remote.settings.allow_unsigned)  # fmt: skip
         except RemoteError as e:
             if e.cause in ("corrupt", "unauthentic", "version"):
                 refused(e)

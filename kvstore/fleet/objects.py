@@ -55,6 +55,10 @@ READ_CHUNK = 1 << 20
 TRAILER_MAGIC = b"KVSM"
 TRAILER = struct.Struct("<4sI32s")  # magic, provenance length, HMAC-SHA256 (zeros: no key)
 NO_MAC = bytes(32)
+UNSIGNED_FIX = (
+    "`kvstore remote key new` makes a fleet key; `allow_unsigned = true` in the home's "
+    "settings.toml takes objects unauthenticated"
+)
 MAX_PROVENANCE_BYTES = 4096
 
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"}
@@ -132,10 +136,11 @@ def blob_end(data: bytes | bytearray) -> int:
 
 
 def authenticate(
-    data: memoryview, blob_end: int, keys: tuple[bytes, ...], where: str
+    data: memoryview, blob_end: int, keys: tuple[bytes, ...], where: str, unsigned: bool = True
 ) -> Provenance:
     """The provenance of an object whose blob ends at `blob_end`, its MAC checked when this box
-    has keys; raises RemoteError "unauthentic" (MAC missing or wrong) or "corrupt"."""
+    has keys; raises RemoteError "unauthentic" (MAC missing or wrong, or no key here to check it
+    with and `unsigned` False: the home's allow_unsigned) or "corrupt"."""
     tail = data[blob_end:]
     prov: Provenance | None = None
     mac = NO_MAC
@@ -155,8 +160,11 @@ def authenticate(
         except UNREADABLE:
             raise RemoteError("corrupt", f"{where}: unreadable provenance") from None
     shown = (prov or Provenance.unknown()).shown()
-    if not keys:
+    if not keys and unsigned:
         return prov or Provenance.unknown()
+    if not keys:
+        why = f"uploaded by {shown}, and this box has no fleet_key to check it"
+        raise RemoteError("unauthentic", f"{where}: {why}; refused ({UNSIGNED_FIX})")
     if mac == NO_MAC:
         raise RemoteError("unauthentic", f"{where}: no MAC (uploaded by {shown}); refused, "
                                          "this box holds a fleet key")  # fmt: skip
@@ -234,7 +242,12 @@ def _framed(data: bytes | bytearray, magic: bytes, where: str) -> tuple[memoryvi
 
 
 def _blob_and_provenance(
-    data: bytes | bytearray, rest: memoryview, meta: Any, keys: tuple[bytes, ...], where: str
+    data: bytes | bytearray,
+    rest: memoryview,
+    meta: Any,
+    keys: tuple[bytes, ...],
+    where: str,
+    unsigned: bool,
 ) -> tuple[memoryview, Provenance]:
     """The blob the meta sizes, and the provenance after it (MAC checked under `keys`); the MAC
     comes first: nothing of an unauthentic object is decoded."""
@@ -242,7 +255,7 @@ def _blob_and_provenance(
         raise RemoteError("corrupt", f"{where}: blob is {len(rest)} bytes, meta says {meta.nbytes}")
     view = memoryview(data)
     end = len(view) - len(rest) + meta.nbytes
-    return rest[: meta.nbytes], authenticate(view, end, keys, where)
+    return rest[: meta.nbytes], authenticate(view, end, keys, where, unsigned)
 
 
 def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False) -> None:
@@ -284,12 +297,12 @@ class VerifiedRecord:
 
 
 def verify_record(
-    key: bytes, data: bytes | bytearray, *, keys: tuple[bytes, ...] = ()
+    key: bytes, data: bytes | bytearray, *, keys: tuple[bytes, ...] = (), unsigned: bool = False
 ) -> VerifiedRecord:
-    """A fetched record object verified in full: format, meta seal, MAC under `keys` (when any),
-    its tokens (the prefix and its own) hashing to its key under its fingerprint, blob length and
-    checksum, and a full decode holding its token count in record classes. Raises RemoteError
-    ("corrupt", "version" or "unauthentic")."""
+    """A fetched record object verified in full: format, meta seal, MAC under `keys` (when any;
+    without, taken only when `unsigned`), its tokens (the prefix and its own) hashing to its key
+    under its fingerprint, blob length and checksum, and a full decode holding its token count in
+    record classes. Raises RemoteError ("corrupt", "version" or "unauthentic")."""
     from kvstore.learned.blockstore import BlockMeta
     from kvstore.learned.chain import position_hash
 
@@ -303,7 +316,7 @@ def verify_record(
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
     except UNREADABLE as e:
         raise RemoteError("corrupt", f"{where}: unreadable meta ({type(e).__name__})") from None
-    blob, prov = _blob_and_provenance(data, rest, meta, keys, where)
+    blob, prov = _blob_and_provenance(data, rest, meta, keys, where, unsigned)
     if len(prefix) != tk.nbytes(meta.start) or block <= 0:
         raise RemoteError("corrupt", f"{where}: {tk.count(prefix)} tokens before a record at "
                                      f"{meta.start}")  # fmt: skip
@@ -326,17 +339,19 @@ def verify_object(
     *,
     tokens: bytes | None = None,
     keys: tuple[bytes, ...] = (),
+    unsigned: bool = False,
 ) -> tuple[EntryMeta, memoryview, Provenance]:
     """Meta, blob and provenance of a fetched object, verified in full (MAC under `keys` when
-    any, the decode too); raises RemoteError with cause "corrupt", "version" or "unauthentic"
-    naming what is wrong. Nothing is stored here."""
+    any, else taken unauthenticated only when `unsigned`; the decode too); raises RemoteError
+    with cause "corrupt", "version" or "unauthentic" naming what is wrong. Nothing is stored
+    here."""
     where = f"remote object for entry {key.hex()}"
     meta_bytes, rest = _framed(data, MAGIC, where)
     try:
         meta = EntryMeta.unpack(key, bytes(meta_bytes))
     except CorruptEntryError as e:
         raise RemoteError("corrupt", f"{where}: {e.reason}") from None
-    blob, prov = _blob_and_provenance(data, rest, meta, keys, where)
+    blob, prov = _blob_and_provenance(data, rest, meta, keys, where, unsigned)
     if xxhash.xxh3_128(meta.tokens).digest() != digest_of(key):
         raise RemoteError("corrupt", f"{where}: its tokens do not hash to its key")
     if tokens is not None and meta.tokens != tokens:

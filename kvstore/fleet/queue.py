@@ -267,10 +267,12 @@ def upload_one_record(remote: Remote, blocks: BlockStore, queue: UploadQueue, ke
 
 def reseal(remote: Remote, store: Store, *, say: Callable[[str], None]) -> dict[str, int]:
     """After a key rotation: re-upload, sealed under the current fleet_key, every object on the
-    remote that this box uploaded (its S3 metadata and, once fetched, its signed provenance say
-    so), that is still sealed under fleet_key_previous, and that this box still holds. Other
-    boxes' objects are theirs to re-seal: each box runs it. Counts: resealed, current (already
-    under the current key), other (another box's), gone (not held here), refused."""
+    remote that this box uploaded, that is still sealed under fleet_key_previous, and that this
+    box still holds. Whose an object is, is read from its signed provenance (every object this
+    box holds is fetched and verified), never from its S3 metadata: a copy that dropped the
+    metadata is still this box's. Other boxes' objects are theirs to re-seal: each box runs it.
+    Counts: resealed, current (already under the current key), other (another box's; for an
+    object not held here, as its unsigned metadata says), gone (not held here), refused."""
     from kvstore.fleet.objects import verify_object, verify_record
 
     rs = remote.settings
@@ -285,9 +287,8 @@ def reseal(remote: Remote, store: Store, *, say: Callable[[str], None]) -> dict[
     records = {m.key for m in blocks.records()}
     listed = [(o, False) for o in remote.objects()] + [(o, True) for o in remote.records()]
     for o, record in listed:
-        mine = remote.uploader(o.name) == rs.box_id  # one HEAD; the signed copy is checked below
-        if not mine or o.key not in (records if record else entries):
-            counts["gone" if mine else "other"] += 1
+        if o.key not in (records if record else entries):  # nothing here to re-seal it from
+            counts["gone" if remote.uploader(o.name) == rs.box_id else "other"] += 1
             continue
         data, _ = remote.fetch(o.key, name=o.name)
         try:

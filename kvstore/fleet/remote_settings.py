@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,9 @@ class RemoteSettings:
     # fleet_key_previous while a rotation re-uploads); none: objects are taken unauthenticated
     fleet_keys: tuple[bytes, ...] = field(default=(), repr=False)
     box_id: str = ""  # this box, named in what it uploads (HOME/box_id, made at first use)
+    # from the home's top-level `allow_unsigned` (not the table): without a fleet key, objects are
+    # taken unauthenticated only when it is true, else refused; with a key it changes nothing
+    allow_unsigned: bool = False
 
     def shown(self) -> dict[str, Any]:
         """What `kvstore stats` and `remote status` show: every setting, never the secret."""
@@ -68,6 +71,7 @@ class RemoteSettings:
         out["fleet_key"] = "(set)" if self.fleet_keys else None
         out["fleet_key_previous"] = "(set)" if len(self.fleet_keys) > 1 else None
         out["box_id"] = self.box_id
+        out["allow_unsigned"] = self.allow_unsigned
         return out
 
 
@@ -77,9 +81,10 @@ SECRETS = (
     "fleet_keys",
     "box_id",
 )  # read from the credentials file, not the table
+HOME_KEYS = ("allow_unsigned",)  # top-level settings of the home (kvstore.home.settings)
 # Every key the table may hold, and its default: RemoteSettings' fields less the secrets.
 REMOTE_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in fields(RemoteSettings) if f.name not in SECRETS
+    f.name: f.default for f in fields(RemoteSettings) if f.name not in SECRETS + HOME_KEYS
 }
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
@@ -216,4 +221,10 @@ def remote_settings(settings: dict[str, Any], home: Path) -> RemoteSettings | No
     table = settings.get("remote")
     if table is None:
         return None
-    return parse_remote(table, source=home / "settings.toml", box=box_id(home))
+    rs = parse_remote(table, source=home / "settings.toml", box=box_id(home))
+    unsigned = settings.get("allow_unsigned", False)
+    if not isinstance(unsigned, bool):
+        raise RemoteSettingsError(
+            f"{home / 'settings.toml'}: allow_unsigned must be true or false, not {unsigned!r}"
+        )
+    return replace(rs, allow_unsigned=unsigned)

@@ -8,14 +8,17 @@ skipped on load); the per model+label summary is rebuilt from it at start and ke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from kvstore.degrade import UNREADABLE
+from kvstore.errors import StoreError
 from kvstore.reasons import clean as clean_reasons
 
 log = logging.getLogger("kvstore")
@@ -59,6 +62,15 @@ def validate(records: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:  # a short write would tear a record: write the rest
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(0, "write made no progress")
+        view = view[n:]
+
+
 class Ledger:
     def __init__(self, home: Path):
         self.path = home / LEDGER_NAME
@@ -92,22 +104,37 @@ class Ledger:
             pass
 
     def append(self, records: list[dict[str, Any]]) -> int:
-        """Persist a validated batch (one write, then fsync) and fold it into the summary."""
+        """Persist a validated batch (one write, then fsync) and fold it into the summary. A
+        failed write (a full disk) is cut back off, so the records after it still load, and
+        raised as one StoreError naming the file, the error and the space left (`errno` kept)."""
         data = b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            view = memoryview(data)
-            while view:  # a short write would tear a record: write the rest
-                n = os.write(fd, view)
-                if n <= 0:
-                    raise OSError(f"{self.path}: write made no progress")
-                view = view[n:]
-            os.fsync(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as e:
+            raise self._failed(e) from None
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            except OSError as e:
+                with contextlib.suppress(OSError):  # no torn record before the next batch
+                    os.ftruncate(fd, size)
+                raise self._failed(e) from None
         finally:
             os.close(fd)
         for r in records:
             self._add(r)
         return len(records)
+
+    def _failed(self, e: OSError) -> StoreError:
+        try:
+            free = f"; {shutil.disk_usage(self.path.parent).free // 2**20} MiB free there"
+        except OSError:
+            free = ""
+        return StoreError(
+            f"{self.path}: prefill stats not recorded: {e.strerror or e}{free}", errno=e.errno
+        )
 
     def stats(self) -> dict[str, Any]:
         rows = []

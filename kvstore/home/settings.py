@@ -46,6 +46,7 @@ class Settings:
     learned_max_bytes: int = 2 * 2**30  # bytes (2 GiB): learned data's budget inside max_bytes
     learn_write_bytes_per_day: int = 4 * 2**30  # bytes/day (4 GiB) learned, then learning pauses
     max_snapshots_per_prefix: int = 2  # state-layer models: learned whole-cache entries per chain
+    allow_unsigned: bool = False  # a box without a fleet key takes fleet objects unauthenticated
 
     @classmethod
     def of(cls, mapping: Mapping[str, object]) -> Settings:

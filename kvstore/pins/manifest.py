@@ -42,6 +42,10 @@ _RESERVED_TEMPLATE_KWARGS = (
     "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
 )  # fmt: skip
 _MESSAGE_KEYS = ("role", "content")
+# No tokenizer averages more bytes a token than this over a prompt's text (English about 4, code
+# and JSON 3, CJK 2 to 3; only long runs of one character merge further): content longer than
+# max_pin_tokens times this cannot fit, and is refused before it is tokenized (`oversized`).
+MAX_BYTES_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -313,6 +317,30 @@ def _load_prefix(
     own = check_template_kwargs(table.get("chat_template_kwargs"), where)
     merged = {**(template_kwargs or {}), **(own or {})} if (template_kwargs or own) else None
     return PrefixSpec(name, msgs, None, file, tools, tools_data, merged)
+
+
+def oversized(prefix: PrefixSpec, max_tokens: int) -> str | None:
+    """Why `prefix` cannot fit `max_tokens` tokens by its size alone (one line naming its file,
+    or its messages, their size and the limit), or None. Rendering a pin tokenizes its content
+    several times over (kvstore.pins.render): this asks nothing of a tokenizer."""
+    parts = (
+        [prefix.text] if prefix.text is not None else [m["content"] for m in prefix.messages or ()]
+    )
+    size = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
+    limit = max_tokens * MAX_BYTES_PER_TOKEN
+    if size <= limit:
+        return None
+    if prefix.text is not None:
+        what = "its text is"
+    elif prefix.file is not None:  # the file fills the system message
+        what = f"{prefix.file} is" if len(parts) == 1 else f"its messages with {prefix.file} are"
+    else:
+        what = "its messages are"
+    return (
+        f"pin {prefix.name!r}: {what} {size:,} bytes, over the {limit:,} bytes that "
+        f"max_pin_tokens={max_tokens:,} tokens can hold (at most {MAX_BYTES_PER_TOKEN} bytes a "
+        f"token); not tokenized: shorten it or raise max_pin_tokens in settings.toml"
+    )
 
 
 def pin_name_problem(name: Any) -> str | None:

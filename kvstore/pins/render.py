@@ -24,7 +24,7 @@ from kvstore.errors import ManifestError
 from kvstore.pins import coverage
 from kvstore.pins.clock import clock_at, local_now
 from kvstore.pins.coverage import PartCoverage
-from kvstore.pins.manifest import PrefixSpec
+from kvstore.pins.manifest import PrefixSpec, oversized
 
 log = logging.getLogger("kvstore")
 
@@ -75,10 +75,17 @@ class RenderedPin:
 
 
 def render_prefix(
-    tokenizer: Any, prefix: PrefixSpec, *, now: dt.datetime | None = None
+    tokenizer: Any,
+    prefix: PrefixSpec,
+    *,
+    now: dt.datetime | None = None,
+    max_tokens: int | None = None,
 ) -> RenderedPin:
     """Render `prefix` with `tokenizer` (mlx-lm TokenizerWrapper or a transformers tokenizer)
-    as requests on the local day of `now` (default: the real clock) render it."""
+    as requests on the local day of `now` (default: the real clock) render it. Content whose
+    size alone says it cannot fit `max_tokens` is refused before it is tokenized."""
+    if max_tokens is not None and (why := oversized(prefix, max_tokens)):
+        raise ManifestError(why)
     if prefix.text is not None:
         pin = _render_text(tokenizer, prefix)
     elif prefix.messages is not None:

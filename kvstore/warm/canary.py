@@ -84,11 +84,11 @@ def check_manifest(manifest: Any, store: Any, *, home: Path) -> list[CanaryResul
     return out
 
 
-def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
+def check_entries(store: Any, metas: list, *, home: Path, judge: Any = None) -> list[CanaryResult]:
     """Re-prefill each entry with its model as it was stored (adapter, KV quantization,
-    overrides) and compare it as an import is compared (kvstore.warm.importfit.kv_check): for
-    entries no manifest owns (imports, app pins, write-behind), which the per-model canary does
-    not reach. One model loaded at a time; an entry whose model changed since is not judged."""
+    overrides) and compare it as an import is compared (kvstore.warm.importfit.kv_check), or by
+    `judge(model, identity, meta, cache)` (returns what it compared; raises ImportMismatch). One
+    model loaded at a time; an entry whose model changed since is not judged."""
     from kvstore.home.settings import FILEHASH_NAME
     from kvstore.identity.fingerprint import FileHashCache, model_fingerprint, resolve_model
     from kvstore.warm.importfit import ImportMismatch, kv_check, loaded_for_check
@@ -121,7 +121,11 @@ def check_entries(store: Any, metas: list, *, home: Path) -> list[CanaryResult]:
                             from kvstore.learned.blockstore import load_entry
 
                             _, cache = load_entry(store, m.key, m.tokens)
-                            r.detail = kv_check(model, cache, m.token_ids(), what="")
+                            r.detail = (
+                                judge(model, identity, m, cache)
+                                if judge is not None
+                                else kv_check(model, cache, m.token_ids(), what="")
+                            )
                         except ImportMismatch as e:
                             r.difference, r.detail = float("inf"), str(e)
                         except (KVStoreError, ValueError, RuntimeError) as e:

@@ -125,11 +125,17 @@ class WarmReport:
 
 
 def plan_model(
-    spec: ModelSpec, store: Store | None, *, home: Path, now: dt.datetime | None = None
+    spec: ModelSpec,
+    store: Store | None,
+    *,
+    home: Path,
+    now: dt.datetime | None = None,
+    max_tokens: int | None = None,
 ) -> ModelPlan:
     """Render every pin of one model (as requests on the day of `now` render it) and find which
-    are missing. Loads the tokenizer only. A pin whose rendering fails fails alone. The model's
-    directory, config and template hash are read here, once, onto the plan's `model`."""
+    are missing. Loads the tokenizer only. A pin whose rendering fails fails alone, as one whose
+    content is too big for `max_tokens` does, unrendered. The model's directory, config and
+    template hash are read here, once, onto the plan's `model`."""
     from kvstore.identity.modelconfig import load_tokenizer
 
     located = resolve_model(spec.identity)
@@ -141,7 +147,7 @@ def plan_model(
     plan.context = model_context(located.config, tokenizer)
     for prefix in spec.prefixes:
         try:
-            pin = render_prefix(tokenizer, prefix, now=now)
+            pin = render_prefix(tokenizer, prefix, now=now, max_tokens=max_tokens)
         except KVStoreError as e:
             plan.failed.append((prefix.name, f"model {spec.path!r}: {e}"))
             continue
@@ -594,7 +600,9 @@ def warm(
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
-            plans[spec.identity.same_model()] = plan_model(spec, store, home=home, now=now)
+            plans[spec.identity.same_model()] = plan_model(
+                spec, store, home=home, now=now, max_tokens=bounds.max_pin_tokens
+            )
         except KVStoreError as e:
             for prefix in spec.prefixes:
                 report.pins.append(

@@ -185,3 +185,18 @@ def test_reasons_and_fleet_trust_rows_follow_from_their_measures():
     rows = run.targets({"fleet_trust": {"seal": [seal], "check": [check], "start": start}})
     assert [r["measured"] for r in rows] == [round(seal["verify_keyed_s"], 4), 0.005, 0.2]
     assert all(r["ok"] is None for r in rows)  # context: no target is set for them
+
+
+def test_each_first_hydrate_row_is_printed_beside_its_fresh_page_floor():
+    """The guard (issue 33 item 5): the plain model's rows and the hybrid's, each over its floor."""
+    rows = [
+        {"shape": shape, "size_mb": 64, "kvstore_vs_load_prompt_cache": 1.0, "cpu_ratio": 1.0,
+         "pairwise": {"median": 1.0, "min": 1.0, "max": 1.0},
+         "stats": {"kvstore": {"median": 0.030}, "load_prompt_cache": {"median": 0.030},
+                   "fresh pages": {"median": 0.020}}}
+        for shape in ("kv28-f16", "qwen3.5-9b-hybrid")
+    ]  # fmt: skip
+    got = run.restart_targets({"coldstart": {"rows": rows}})
+    floors = [t for t in got if "over its floor" in t["target"]]
+    assert [t["measured"] for t in floors] == [1.5, 1.5] and all(t["ok"] is None for t in floors)
+    assert "qwen3.5-9b-hybrid, 64 MB" in floors[1]["target"]

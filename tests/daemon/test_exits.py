@@ -136,8 +136,8 @@ def test_missing_manifest_waits_for_it_says_so_once_then_warms(tmp_path, llama_p
 def test_a_transient_io_error_at_start_exits_restartable_naming_the_path(
     tmp_path, monkeypatch, patch
 ):
-    # Even under launchd: a full disk is no configuration error, so no parking.
-    monkeypatch.setenv(exits.SUPERVISOR_ENV, "launchd")
+    # Started by hand (under a supervisor it waits and tries again: test_daemon_disk_full.py).
+    monkeypatch.delenv(exits.SUPERVISOR_ENV, raising=False)
     home = tmp_path / "h"
     d = Proc(home, log=tmp_path / "d.log", code=_PATCHED.format(patch=patch))
     code = _exit_code(d)

@@ -15,9 +15,17 @@ __all__ += ["big_entry", "box", "queue_counts", "remote_of", "store_chain"]
 
 
 def box(
-    home: Path, server: Weed, *, key: str = ACCESS_KEY, secret: str = SECRET_KEY, **remote
+    home: Path,
+    server: Weed,
+    *,
+    key: str = ACCESS_KEY,
+    secret: str = SECRET_KEY,
+    allow_unsigned: bool = True,
+    **remote,
 ) -> Path:
-    """A home (one box of the fleet) whose settings.toml points at `server`."""
+    """A home (one box of the fleet) whose settings.toml points at `server`. Without a fleet key
+    (test_fleet_trust.keyed gives one) a box refuses every object unless `allow_unsigned`: the
+    tests of the tier itself take them (True), the tests of that refusal pass False."""
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     creds = home / "s3.toml"
     creds.write_text(f'access_key_id = "{key}"\nsecret_access_key = "{secret}"\n')
@@ -26,7 +34,8 @@ def box(
                  retry_interval=0.2, connect_timeout=1.0)  # fmt: skip
     table.update(remote)
     lines = [f"{k} = {json.dumps(v)}" for k, v in table.items()]
-    (home / "settings.toml").write_text("[remote]\n" + "\n".join(lines) + "\n")
+    top = "allow_unsigned = true\n" if allow_unsigned else ""
+    (home / "settings.toml").write_text(top + "[remote]\n" + "\n".join(lines) + "\n")
     return home
 
 

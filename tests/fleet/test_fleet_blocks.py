@@ -59,15 +59,15 @@ def test_learned_records_push_and_pull_verified(s3, llama_path, tmp_path):
 
     # every object verifies alone; a flipped byte or another record's key is refused
     data, _ = remote.fetch(objs[0].key, name=objs[0].name)
-    v = verify_record(objs[0].key, data)
+    v = verify_record(objs[0].key, data, unsigned=True)
     meta, chain_tokens, block = v.meta, v.tokens, v.block
     assert block == 256 and len(chain_tokens) == 4 * meta.end
     bad = bytearray(data)
     bad[blob_end(data) - 3] ^= 0xFF
     with pytest.raises(RemoteError, match="checksum"):
-        verify_record(objs[0].key, bad)
+        verify_record(objs[0].key, bad, unsigned=True)
     with pytest.raises(RemoteError, match="do not hash to its key"):
-        verify_record(objs[1].key[:16] + objs[0].key[16:][::-1], data)
+        verify_record(objs[1].key[:16] + objs[0].key[16:][::-1], data, unsigned=True)
 
     r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=0)
     assert "0 fetched and 4 learned records, 2 not on the remote, 0 failed" in r.output, r.output

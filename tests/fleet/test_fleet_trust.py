@@ -72,7 +72,7 @@ def tampered(data: bytes, key: bytes, *, keep_trailer: bool) -> bytes:
     """The object with its KV values changed, re-framed with kvstore's own functions so every
     structural check passes: a new blob, a meta with its length and checksum, and either the
     original trailer (its MAC no longer matches) or a fresh one made without a key."""
-    meta, blob, _ = verify_object(key, data)
+    meta, blob, _ = verify_object(key, data, unsigned=True)
     cache, _ = codec.decode(blob)
     for c in cache:
         if getattr(c, "keys", None) is not None:  # attention layers; a state layer keeps its own
@@ -138,7 +138,7 @@ def test_tampered_object_is_refused_by_mac_counted_and_prefilled(s3, llama_path,
     for name in names.values():
         data = client.get_object(Bucket=BUCKET, Key=name)["Body"].read()
         key = bytes.fromhex(name.rsplit("/", 2)[1]) + bytes.fromhex(name.rsplit("/", 1)[1])
-        verify_object(key, data)
+        verify_object(key, data, unsigned=True)
 
 
 def test_object_from_a_box_with_another_key_is_refused(s3, llama_path, tmp_path):
@@ -212,7 +212,7 @@ def test_objects_of_older_kvstores_are_refused_only_with_a_key(s3, llama_path, t
     for name in objects_of(a).values():  # as the code before the trailer wrote them
         data = client.get_object(Bucket=BUCKET, Key=name)["Body"].read()
         key = bytes.fromhex(name.rsplit("/", 2)[1]) + bytes.fromhex(name.rsplit("/", 1)[1])
-        meta, blob, _ = verify_object(key, data)
+        meta, blob, _ = verify_object(key, data, unsigned=True)
         client.put_object(Bucket=BUCKET, Key=name, Body=object_header(meta) + bytes(blob))
     b, c = keyed(box(tmp_path / "b", s3), k), box(tmp_path / "c", s3)
     r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=1)

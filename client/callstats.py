@@ -233,6 +233,8 @@ def stream_generate(
             kwargs.setdefault(name, getattr(identity, name))
 
     cache, rest = _cache_for(prompt_cache, model_key, model, tokens)
+    # what the fetch prefilled itself (a learned split) is prefill, not cache
+    split, split_s = _prefilled_in_fetch(prompt_cache, tokens)
     generated: list[int] = []
     prefill_s = decode_s = 0.0
     t0 = time.perf_counter()
@@ -240,6 +242,7 @@ def stream_generate(
         for resp in mlx_lm.stream_generate(model, tokenizer, rest, prompt_cache=cache, **kwargs):
             if not generated:
                 prefill_s = resp.prompt_tokens / resp.prompt_tps if resp.prompt_tps else 0.0
+                prefill_s += split_s
             generated.append(resp.token)
             yield resp
     finally:
@@ -249,7 +252,7 @@ def stream_generate(
             stats.record(
                 label=label,
                 prompt_tokens=len(tokens),
-                cached_tokens=len(tokens) - len(rest),
+                cached_tokens=len(tokens) - len(rest) - split,
                 prefill_s=prefill_s,
                 decode_s=decode_s,
                 generated_tokens=len(generated),
@@ -262,6 +265,12 @@ def stream_generate(
             transcript = mlxlm.generated_transcript(cache, tokens + generated)
             if transcript is not None:
                 prompt_cache.insert_cache(model_key, transcript, cache)
+
+
+def _prefilled_in_fetch(prompt_cache: Any, tokens: list[int]) -> tuple[int, float]:
+    """(tokens, seconds) kvstore's cache prefilled inside its fetch (a learned split)."""
+    took = getattr(prompt_cache, "prefilled_in_fetch", None)  # client/persistent.py's caches
+    return took(tokens) if took is not None else (0, 0.0)
 
 
 def _pins_of(prompt_cache: Any, model_key: Any) -> dict[tuple[int, ...], str]:

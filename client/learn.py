@@ -487,7 +487,7 @@ class Learner:
         if bounds:
             cache, rest = self._split_at_boundary(model, target, tokens, cache, rest, keep)
         if self.learn and rest and self._extends_an_end(model, tokens):
-            cache, rest = self._split_at_end(model, target, tokens, cache, rest)
+            cache, rest = self._split_at_end(model, target, tokens, cache, rest, keep)
         return cache, rest, keep
 
     def _prefill(self, target: LearnTarget, cache: Any, ids: Sequence[int]) -> list:
@@ -540,10 +540,12 @@ class Learner:
             for e in ends
         )
 
-    def _split_at_end(self, model, target: LearnTarget, tokens, cache, rest):
-        """Prefill all but the prompt's last token, keep a copy of the state there."""
+    def _split_at_end(self, model, target: LearnTarget, tokens, cache, rest, keep: list):
+        """Prefill all but the prompt's last token, keep a copy of the state there (and one for
+        the caller's LRU: mlx-lm's own prefill would have left it there for the next turn)."""
         served, n = len(tokens) - len(rest), len(tokens)
         cache = self._prefill(target, cache, tokens[served : n - 1])
+        keep.append((list(tokens[: n - 1]), copy.deepcopy(cache)))
         with self._lock:
             self._tails[(model, tuple(tokens))] = (copy.deepcopy(cache), int(tokens[-1]))
             while len(self._tails) > PENDING_PROMPTS:

@@ -55,6 +55,7 @@ log = logging.getLogger("kvstore.client")
 PIN_TYPE = "system"  # the LRU cache_type pins are filed under (as hydrate files stored entries)
 HIT_BATCH_S = 5.0  # seconds between batches of hits sent to the daemon
 STORE_PREFIXES = 256  # store-read prefixes remembered for provenance
+SPLIT_PROMPTS = 64  # prompts whose fetch prefilled part of them, until their stats take it
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,9 @@ class StoreTier:
         self._hits: list[tuple[int, ...]] = []  # stored prefixes that served a fetch, unsent
         self._hits_sent = time.monotonic()
         self._said_unstorable = False
+        # prompts whose fetch prefilled part of them itself: -> [(tokens, seconds)], until taken
+        self._split: dict[tuple[int, ...], list[tuple[int, float]]] = {}
+        self._split_lock = threading.Lock()
 
     def serving(self, model: Any, fingerprint: bytes | None) -> None:
         """Hits are now recorded for `model`, whose entries are filed under `fingerprint`."""
@@ -202,17 +206,39 @@ class StoreTier:
         restored: int,
         served: int,
         fleet: int = 0,
+        split: tuple[int, float] = (0, 0.0),
         *,
         learn: bool = True,
     ) -> None:
         """A request's fetch is done: count its tokens by source (`fleet`: of `restored`, read
         through from the fleet), remember its prompt for the learner (unless not `learn`), and
-        record a hit on the stored prefix that served it."""
+        record a hit on the stored prefix that served it. `split`: (tokens, seconds) the fetch
+        prefilled itself (a learned split): prefill, whatever the remainder it hands mlx-lm
+        says, until `prefilled_in_fetch` takes them."""
         self.provenance.count(model, tokens, memory, restored, fleet)
+        if split[0] > 0:
+            with self._split_lock:
+                self._split.setdefault(tuple(tokens), []).append(split)
+                while len(self._split) > SPLIT_PROMPTS:
+                    self._split.pop(next(iter(self._split)))
         if learn and self.learner is not None:
             self.learner.fetched(model, tokens)
         if served and model == self.model and self.fingerprint is not None:
             self._hit(tokens, served)
+
+    def prefilled_in_fetch(self, tokens: Sequence[int]) -> tuple[int, float]:
+        """(tokens, seconds) of this prompt its fetch prefilled itself, taken once: what a
+        request's cached tokens must not count (the library's stats, serve's usage)."""
+        if not self._split:
+            return 0, 0.0
+        with self._split_lock:
+            got = self._split.get(tuple(tokens))
+            if not got:
+                return 0, 0.0
+            split = got.pop(0)
+            if not got:
+                del self._split[tuple(tokens)]
+        return split
 
     def inserted(self, model: Any, tokens: Sequence[int], kv: list, cache_type: str) -> None:
         """A request's insert (its end, or the batched path's system segment)."""
@@ -311,11 +337,19 @@ class PinnedPromptCache(LRUPromptCache):
             fleet = hit.fleet
         if quiet:
             return cache, rest
+        before, t0 = len(rest), time.perf_counter()
         cache, rest, keep = self.tier.split(model, tokens, cache, rest)
-        for t, kv in keep:  # a learned boundary's snapshot, computed here
-            self._insert(model, t, kv, cache_type="system")
-        self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest), fleet)
+        for t, kv in keep:  # a learned boundary's snapshot, or a turn's state one short of its
+            kind = "user" if len(t) == len(tokens) - 1 else "system"  # end (as mlx-lm files it)
+            self._insert(model, t, kv, cache_type=kind)
+        split = (before - len(rest), time.perf_counter() - t0)  # prefilled here, not served
+        self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest), fleet, split)
         return cache, rest
+
+    def prefilled_in_fetch(self, tokens: Sequence[int]) -> tuple[int, float]:
+        """(tokens, seconds) of this prompt that its fetch prefilled itself (a learned split:
+        mlx-lm counts them as cached), taken once; (0, 0.0) when none."""
+        return self.tier.prefilled_in_fetch(tokens)
 
     def insert_cache(
         self,
@@ -591,7 +625,7 @@ class PersistentPromptCache(PinnedPromptCache):
         if stats is not None:  # what the reasons of prefilled tokens need from it
             after_hydrate(
                 stats.attribute, cache.report, cache.home, cache.model_path, cache.stored_dates,
-                cache._fp.parts if cache._fp is not None else None,
+                cache._fp.parts if cache._fp is not None else None, tokenizer,
             )  # fmt: skip
         if options.learn and cache.fingerprint is not None and writer is not None:
             cache._attach_learner()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,56 @@ def other_fingerprints(
     return out
 
 
+PROBES = ("A0", "Z9")  # message contents that differ at their first token
+# (the messages before, the role of the message whose header is read): a first message, then
+# one after a system prompt, a user turn, and a whole exchange
+HEADER_CASES: tuple[tuple[tuple[tuple[str, str], ...], str], ...] = (
+    ((), "system"),
+    ((), "user"),
+    ((("system", "S"),), "user"),
+    ((("user", "U"),), "assistant"),
+    ((("user", "U"), ("assistant", "R")), "user"),
+    ((("system", "S"), ("user", "U")), "assistant"),
+)
+
+
+def template_headers(tokenizer: Any) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The chat template's message headers, as token ids: what it renders before a message's
+    content (where two renders that differ only in that content start to differ), from where
+    the messages before it end. (Those of a first message, with whatever the template puts
+    before it; those of any message.) A template that refuses a case (no system role, say)
+    leaves it out; no template, none."""
+    first: list[tuple[int, ...]] = []
+    later: list[tuple[int, ...]] = []
+    if getattr(tokenizer, "chat_template", None) is None:
+        return first, later
+    for before, role in HEADER_CASES:
+        msgs = [{"role": r, "content": c} for r, c in before]
+        a, b = (_render(tokenizer, [*msgs, {"role": role, "content": p}]) for p in PROBES)
+        start = _render(tokenizer, msgs) if msgs else []
+        if a is None or b is None or start is None:
+            continue
+        at = tk.common_prefix(tk.pack(a), tk.pack(b))
+        head = tuple(a[tk.common_prefix(tk.pack(start), tk.pack(a)) : at])
+        if head and head not in (first if not msgs else later):
+            (first if not msgs else later).append(head)
+    return first, later
+
+
+def _render(tokenizer: Any, messages: list[dict]) -> list[int] | None:
+    """The template's token ids of `messages` (as a prompt's history), or None if it refuses."""
+    from kvstore.degrade import foreign
+
+    try:
+        with foreign(lambda e: KVStoreError(f"{type(e).__name__}: {e}")):
+            out = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    except KVStoreError:
+        return None
+    if isinstance(out, Mapping):
+        out = out.get("input_ids")
+    return [int(t) for t in out] if isinstance(out, Sequence) else None
+
+
 def after_hydrate(
     attr: Attributor,
     report: Any,
@@ -92,11 +142,16 @@ def after_hydrate(
     model: str | None = None,
     dated: Mapping[tuple[int, ...], str] | None = None,
     parts: Mapping[str, Any] | None = None,
+    tokenizer: Any = None,
 ) -> None:
     """What hydrating told: entries of this path under another fingerprint (`model_changed`),
     tombstones of this model's evicted entries (`evicted`), a daemon that was there but no
     longer answers while nothing is stored (`unavailable`), entries that failed their checks
-    (`corrupt`); and this model's learned prefixes are read (`diverged`)."""
+    (`corrupt`); and this model's learned prefixes are read (`diverged`). The `tokenizer`'s chat
+    template tells where messages start (a header shared is not content shared)."""
+    if tokenizer is not None:
+        with library_call("kvstore: chat template headers not read", level=logging.DEBUG):
+            attr.first_headers, attr.headers = template_headers(tokenizer)
     attr.other_model = list(getattr(report, "other_model", None) or [])
     attr.dated = dict(dated or {})
     if home is not None and model:

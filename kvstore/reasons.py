@@ -140,6 +140,11 @@ class Known:
     corrupt: Sequence[tuple[Sequence[int], str]] = ()  # failed their checks
     unavailable: bool = False  # the store cannot be read / the daemon is down, nothing stored
     write_budget: bool = False  # learning paused by the daily write budget
+    # the chat template's message headers (what it renders before a message's content): those
+    # of a conversation's first message (with whatever the template puts before it), and those
+    # of any message (kvstore.client.reasons.template_headers)
+    first_headers: Sequence[tuple[int, ...]] = ()
+    headers: Sequence[tuple[int, ...]] = ()
 
 
 @dataclass
@@ -156,6 +161,8 @@ class _Walk:
     def __post_init__(self) -> None:
         self.n = len(self.prompt)
         self.pos = max(0, min(self.served, self.n))  # told up to here
+        # the rules tell up to the last token: every request prefills that one (`attribute`)
+        self.limit = max(self.pos, self.n - 1)
 
     def agree(self, tokens: Sequence[int] | bytes) -> int:
         """Tokens the prompt shares with these (token ids or packed)."""
@@ -163,7 +170,7 @@ class _Walk:
 
     def take(self, end: int, reason: Reason, **details: Any) -> None:
         """The prompt's tokens from `pos` to `end` are `reason`'s (none when `end` <= `pos`)."""
-        end = min(end, self.n)
+        end = min(end, self.limit)
         if end <= self.pos:
             return
         last = self.spans[-1] if self.spans else None
@@ -174,10 +181,39 @@ class _Walk:
         self.pos = end
 
     @cached_property
+    def content_start(self) -> int:
+        """Where the content of the request's first message starts: past the template's header
+        (and whatever it renders before it) when the request starts with one it knows, else 0."""
+        p = self.prompt
+        return max((len(h) for h in self.known.first_headers if _at(p, 0, h)), default=0)
+
+    def only_header(self, at: int) -> bool:
+        """An agreement of `at` tokens holds nothing of the request's content: only what the
+        template renders before its first message's content."""
+        return at <= self.content_start
+
+    def at_turn(self, at: int) -> bool:
+        """Token `at` is where a message of the request starts: inside or at the end of a
+        template header the request holds around it (a new turn, not a change inside one)."""
+        p = self.prompt
+        return any(
+            _at(p, at - k, h)
+            for h in (*self.known.first_headers, *self.known.headers)
+            for k in range(1, len(h) + 1)
+            if at - k >= 0
+        )
+
+    @cached_property
     def learned(self) -> tuple[int, bytes | None, int]:
         """`_learned_divergence` of the prompt against this model's learned prefixes."""
         k = self.known
         return _learned_divergence(self.key, k.learned, k.learned_ends)
+
+
+def _at(prompt: Sequence[int], start: int, header: tuple[int, ...]) -> bool:
+    """The prompt holds `header` from `start`."""
+    end = start + len(header)
+    return end <= len(prompt) and tuple(prompt[start:end]) == header
 
 
 def _corrupt(w: _Walk) -> None:
@@ -205,7 +241,9 @@ def _evicted(w: _Walk) -> None:
 
 def _diverged(w: _Walk) -> None:
     """What a stored prefix of this model would have served, had the request not differed: of
-    those the request leaves before their end, the one reaching furthest."""
+    those the request leaves before their end, the one reaching furthest. Not a prefix it
+    shares only the template's header with (its own content is not stored: `cold`), nor a
+    learned chain it leaves where a message starts (a new turn: not learned yet)."""
     k = w.known
     candidates: list[tuple[Sequence[int] | bytes, str, int]] = (
         [(key, name, tk.count(key)) for key, name in k.pin_keys]
@@ -214,13 +252,19 @@ def _diverged(w: _Walk) -> None:
     )
     _, stored, length = w.learned
     if stored is not None:
-        candidates.append((stored, f"learned chain of {length} tokens", length))
+        at = w.agree(stored)
+        if w.at_turn(at):  # a new turn after what the chain holds of this conversation
+            if not w.only_header(at):
+                k = w.known
+                w.take(at, Reason.WRITE_BUDGET if k.write_budget else Reason.NOT_LEARNED_YET)
+        else:
+            candidates.append((stored, f"learned chain of {length} tokens", length))
     # end, at, entry, its tokens (or packed, as far as known), its stored length
     best: tuple[int, int, str, Sequence[int] | bytes, int] | None = None
     for tokens, name, length in candidates:
         at = w.agree(tokens)
-        if at >= length:
-            continue  # all of it agrees: served (or not served for a reason below)
+        if at >= length or w.only_header(at):
+            continue  # all of it agrees (served, or not for a reason below), or none of it
         end = min(length, w.n)
         if at >= w.pos and end > w.pos and (best is None or end > best[0]):
             best = (end, at, name, tokens, length)
@@ -236,13 +280,23 @@ def _diverged(w: _Walk) -> None:
 
 
 def _unavailable(w: _Walk) -> None:
-    if w.known.unavailable:
+    """Only when nothing could be read: a store read that tells anything (an entry or learned
+    prefix of this path under any fingerprint, a tombstone, a corrupt record) says it instead."""
+    k = w.known
+    if k.unavailable and not _stored(k):
         w.take(w.n, Reason.UNAVAILABLE)
+
+
+def _stored(k: Known) -> bool:
+    """Whether anything stored is known (seen prompts apart: they are this process's)."""
+    return bool(k.pins or k.pin_keys or k.learned or k.other_day or k.other_model
+                or k.model_changed or k.tombstones or k.corrupt)  # fmt: skip
 
 
 def _model_changed(w: _Walk) -> None:
     for tokens, what in w.known.other_model:
-        w.take(w.agree(tokens), Reason.MODEL_CHANGED, differs=what)
+        if not w.only_header(at := w.agree(tokens)):
+            w.take(at, Reason.MODEL_CHANGED, differs=what)
     if w.known.model_changed:
         w.take(w.n, Reason.MODEL_CHANGED, differs=w.known.model_changed)
 
@@ -264,14 +318,16 @@ def _seen(w: _Walk) -> None:
     seen = w.known.seen
     i = bisect.bisect_left(seen, w.key)
     at = max((tk.common_prefix(w.key, s) for s in seen[max(0, i - 1) : i + 1]), default=0)
+    if w.only_header(at):
+        return  # another request of this template: nothing of this one's content seen
     w.take(at, Reason.WRITE_BUDGET if w.known.write_budget else Reason.NOT_LEARNED_YET)
 
 
 def _rest(w: _Walk) -> None:
-    k = w.known
-    nothing = not (k.pins or k.pin_keys or k.learned or k.seen or k.other_day or k.other_model
-                   or k.tombstones or k.corrupt)  # fmt: skip
-    w.take(w.n, Reason.COLD if nothing and w.served == 0 else Reason.SUFFIX)
+    """`cold` while nothing of the request's content was stored or seen (what was served, if
+    anything, is the template's header), else the request's own content: `suffix`."""
+    cold = not w.spans and w.only_header(w.served)
+    w.take(w.n, Reason.COLD if cold else Reason.SUFFIX)
 
 
 # In order along the prompt, each from where the last one stopped: what a stored prefix the
@@ -296,6 +352,8 @@ def attribute(
     w = _Walk(prompt, served, known, decode, tk.pack(prompt) if key is None else key)
     for rule in RULES:
         rule(w)
+    w.limit = w.n  # the last token: every request prefills it, stored or not (its logits give
+    w.take(w.n, Reason.SUFFIX)  # the first output token): always `suffix`
     return [s.record() for s in w.spans]
 
 
@@ -450,6 +508,9 @@ class Attributor:
         self.other_model: list[tuple[tuple[int, ...], str]] = []  # (tokens, what differs)
         self.dated: dict[tuple[int, ...], str] = {}  # clock-bound stored pins: tokens -> ISO day
         self.write_budget = False
+        # the chat template's message headers (Known.first_headers, Known.headers)
+        self.first_headers: list[tuple[int, ...]] = []
+        self.headers: list[tuple[int, ...]] = []
         self.learner: Any = None  # its `paused` (the daemon's last word) says the write budget
         self.corrupt: deque[tuple[tuple[int, ...], str]] = deque(maxlen=CORRUPT)
         self.learned: list[bytes] = []  # this model's learned prefixes, packed, sorted
@@ -555,13 +616,15 @@ class Attributor:
                 other_day=other_day,
                 seen=self.sorted,
                 tombstones=list(self.tombstones),
-                unavailable=self.unavailable and not pins,
+                unavailable=self.unavailable,  # told only when nothing stored is known
                 model_changed=self.model_changed,
                 other_model=self.other_model,
                 write_budget=self.write_budget or _learner_write_budget(self.learner),
                 learned=self.learned,
                 learned_ends=self.learned_ends,
                 corrupt=[*self.corrupt, *_learner_corrupt(self.learner)],
+                first_headers=self.first_headers,
+                headers=self.headers,
             )
             spans = attribute(prompt, served, known, decode, key=key)
             t = tk.cut(key, 0, RECENT_TOKENS)  # 64 prompts stay small

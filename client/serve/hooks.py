@@ -161,7 +161,10 @@ class _Hooks:
             self._warm_up_contexts.discard(id(ctx))
             return  # a warm-up request: not a call
         prompt = list(getattr(ctx, "prompt", None) or [])
-        cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0))
+        split = self.tier.prefilled_in_fetch(prompt)[0]  # a learned split's: prefill, not cache
+        cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0) - split)
+        if split:  # read for usage.prompt_tokens_details.cached_tokens after this
+            ctx.prompt_cache_count = cached
         if self.stats is None or not prompt:
             return
         label = max(
@@ -384,7 +387,8 @@ class _Hooks:
                 self.stats.close()  # the last model's unsent records
             self.stats = StatsRecorder(str(model_path), writer=self.writer, keep_calls=SERVE_CALLS)
             parts = prefetched.fingerprint.parts if prefetched.fingerprint is not None else None
-            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated, parts)
+            after_hydrate(self.stats.attribute, report, self.home, str(model_path), dated, parts,
+                          provider.tokenizer)  # fmt: skip
             self.stats.attribute.learner = self.learner
         pins = self.cache.pins_of(key)
         if pins:

@@ -41,7 +41,7 @@ def test_cold_then_date_in_system_prompt_is_diverged(llama, llama_path, kv_home,
     with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
         generate(cache, model, tokenizer, chat(tokenizer, system(NEW), "hi"), max_tokens=2)
         (first,) = cache.stats.calls
-        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
+        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens - 1, "suffix": 1}
 
     prefixes = f"""
 [[model.prefix]]
@@ -110,7 +110,7 @@ def test_a_daemon_killed_before_any_store_exists_is_unavailable(
 ):
     killed_daemon(kv_home, tmp_path / "daemon.log", before_its_store=before_its_store)
     call = _ask(llama_path, _router_request)
-    assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens}
+    assert call.prefilled_by_reason() == {"unavailable": call.prompt_tokens - 1, "suffix": 1}
 
 
 OTHER = "You are the writer. Reply in one short friendly sentence. " * 12
@@ -129,7 +129,7 @@ def test_a_prefix_seen_once_is_not_learned_yet_and_the_next_request_is_served_it
     with PersistentPromptCache.open(model, tokenizer, llama_path, home=daemon.home, max_size=1,
                                learn=True, verbose=False) as cache:  # fmt: skip
         first = _learning(model, tokenizer, cache, "My invoice 2291 was charged twice.")
-        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens}
+        assert first.prefilled_by_reason() == {"cold": first.prompt_tokens - 1, "suffix": 1}
         _learning(model, tokenizer, cache, "hello", OTHER)  # pushes it out of the memory
         second = _learning(model, tokenizer, cache, "Where is my parcel?")
         assert second.prefilled_by_reason().get("not_learned_yet", 0) > 0, second.reasons

@@ -40,7 +40,9 @@ def test_serve_names_cold_then_diverged_date(llama_path, kv_home, tmp_path):
         reply = server.chat(messages)
         wait_for(lambda: _prefilled(server).get("cold", 0) > 0, 30, log.read_text)
         by = _prefilled(server)
-        assert by["cold"] == reply["usage"]["prompt_tokens"] == sum(by.values())
+        # the last token, which every request prefills, is `suffix`
+        assert by["cold"] + 1 == by["suffix"] + by["cold"] == reply["usage"]["prompt_tokens"]
+        assert sum(by.values()) == reply["usage"]["prompt_tokens"]
     finally:
         server.stop()
 
@@ -62,6 +64,11 @@ messages = [{{ role = "system", content = "{system(OLD)}" }}]
         assert sum(by.values()) == prompt - cached
         wait_for(lambda: re.search(r"diverged \d+ \(router at \d+\)", log.read_text()), 30,
                  log.read_text)  # fmt: skip
+        # a user-only request shares only the template's header with the pin: cold, not diverged
+        before = _prefilled(server)
+        server.chat([{"role": "user", "content": "What is the weather in Paris tomorrow?"}])
+        wait_for(lambda: _prefilled(server)["cold"] > before["cold"], 30, log.read_text)
+        assert _prefilled(server)["diverged"] == before["diverged"], log.read_text()
     finally:
         server.stop()
 
@@ -148,7 +155,7 @@ def test_serve_a_daemon_killed_before_any_store_exists_is_unavailable(
     killed_daemon(home, tmp_path / "daemon.log", before_its_store=before_its_store)
     messages = [{"role": "system", "content": system(NEW)}, {"role": "user", "content": "hi"}]
     by = _serve_ask(home, llama_path, tmp_path / "serve.log", messages)
-    assert {k for k, v in by.items() if v} == {"unavailable"}
+    assert {k: v for k, v in by.items() if v} == {"unavailable": sum(by.values()) - 1, "suffix": 1}
 
 
 def test_serve_weights_changed_after_the_warm_is_model_changed_naming_the_weights(
@@ -244,9 +251,12 @@ def test_serve_a_stored_entry_that_fails_its_checks_is_corrupt(llama_path, kv_ho
     assert re.search(r"corrupt \d+ \(entry 'router'\)", log.read_text())
 
 
+@pytest.mark.parametrize("daemon", ["running", "stopped"])
 def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_naming_them(
-    model_copy, kv_home, tmp_path
+    model_copy, kv_home, tmp_path, daemon
 ):
+    """The daemon running, or stopped over its readable store (then not `unavailable`: that is
+    only when nothing could be read)."""
     from helpers import Proc, serving
 
     from kvstore.tiny import make_tiny_model
@@ -264,7 +274,11 @@ def test_serve_a_system_prompt_it_stored_then_weights_changed_is_model_changed_n
             server.stop()
         other = make_tiny_model(tmp_path / "other" / "llama", "llama", seed=1)
         (model_copy / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+        if daemon == "running":
+            by = _serve_ask(kv_home, model_copy, log, messages)
+    if daemon == "stopped":
         by = _serve_ask(kv_home, model_copy, log, messages)
+        assert not by.get("unavailable") and by["suffix"] > 0, log.read_text()
     assert by["model_changed"] > 0, log.read_text()
     assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()
 
@@ -296,3 +310,63 @@ def test_serve_a_prefix_it_learned_then_weights_changed_is_model_changed_naming_
         finally:
             s.stop()
     assert re.search(r"model_changed \d+ \(weights\)", log.read_text()), log.read_text()
+
+
+def _prompt_sources(server) -> dict[str, float]:
+    text = server.get("/metrics")[1].decode()
+    pattern = r'kvstore_prompt_tokens_total\{source="(\w+)"\} (\S+)'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, text)}
+
+
+def _plain_mlx_lm_cached(model, log, turns) -> list[int]:
+    """cached_tokens of each turn as plain `mlx_lm.server` reports them."""
+    import sys
+
+    from bench.learned import Server as BenchServer
+    from bench.learned import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
+    s = BenchServer(argv, port, log)
+    try:
+        s.wait_ready()
+        return [
+            s.chat(m, max_tokens=4)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            for m in turns
+        ]
+    finally:
+        s.stop()
+
+
+def test_serve_a_hybrid_chats_own_prefill_is_prefilled_not_cached(hybrid_path, kv_home, tmp_path):
+    """A state layout's learned chat (each turn extends the last one's whole prompt, so the
+    learner prefills all but its last token inside the fetch): cached_tokens is what memory or
+    the store reused, as plain mlx_lm.server's (kvstore's turn-end snapshot holds one token
+    more: the whole previous prompt), and the reasons sum to the prefill counter."""
+    from helpers import Proc, Serve, serving
+    from test_reasons_truth import chat_turns
+
+    from bench.learned import Server as BenchServer
+
+    turns = chat_turns(5)
+    plain = _plain_mlx_lm_cached(hybrid_path, tmp_path / "plain.log", turns)
+    log = tmp_path / "serve.log"
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        s = Serve(kv_home, hybrid_path, log)
+        try:
+            s.wait_ready()
+            replies = [BenchServer.chat(s, m, max_tokens=4) for m in turns]
+            prefilled = sum(r["usage"]["prompt_tokens"] - cached_of(r) for r in replies)
+            wait_for(lambda: sum(_prefilled(s).values()) >= prefilled, 30, log.read_text)
+            by, sources = _prefilled(s), _prompt_sources(s)
+        finally:
+            s.stop()
+    cached = [cached_of(r) for r in replies]
+    assert all(p <= c <= p + 1 for p, c in zip(plain, cached, strict=True)), (plain, cached)
+    assert sum(by.values()) == sources["prefill"] == prefilled, (by, sources)
+    assert sum(cached) == sources["memory"] + sources["store"], (cached, sources)
+    assert not by.get("diverged"), log.read_text()
+
+
+def cached_of(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]

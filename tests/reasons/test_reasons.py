@@ -18,7 +18,8 @@ SYS = list(range(1000, 1400))
 
 
 def test_first_ever_request_is_cold():
-    assert attribute(list(range(30)), 0, Known()) == [{"reason": "cold", "tokens": 30}]
+    assert attribute(list(range(30)), 0, Known()) == [
+        {"reason": "cold", "tokens": 29}, {"reason": "suffix", "tokens": 1}]  # fmt: skip
 
 
 def test_diverged_names_entry_position_and_text_then_suffix():
@@ -54,7 +55,8 @@ def test_evicted_tombstone_says_by_what():
 
 
 def test_unavailable_and_model_changed():
-    assert attribute(SYS, 0, Known(unavailable=True)) == [{"reason": "unavailable", "tokens": 400}]
+    assert attribute(SYS, 0, Known(unavailable=True)) == [
+        {"reason": "unavailable", "tokens": 399}, {"reason": "suffix", "tokens": 1}]  # fmt: skip
     stored = {"kv_bits": None, "model_config": {"a": 1}}
     running = {"kv_bits": 4, "model_config": {"a": 1}}
     what = identity_diff(stored, running)
@@ -74,8 +76,8 @@ def test_a_request_leaving_a_learned_prefix_inside_it_is_diverged_naming_it():
 def test_a_learned_prefix_cut_short_in_memory_still_names_its_stored_length():
     key = pack(SYS[:100])
     prompt = SYS[:14] + [7] + SYS[15:]
-    (d,) = attribute(prompt, 0, Known(learned=[key], learned_ends={key: 400}))
-    assert (d["entry"], d["tokens"]) == ("learned chain of 400 tokens", 400)
+    d, _ = attribute(prompt, 0, Known(learned=[key], learned_ends={key: 400}))
+    assert (d["entry"], d["tokens"]) == ("learned chain of 400 tokens", 399)  # then the last
 
 
 def test_leaving_where_a_learned_prefix_ends_is_the_request_own_content_not_cold():
@@ -222,3 +224,65 @@ def test_explain_names_what_changed_for_model_changed(tmp_path):
     assert stage["model_changed"] == {"weights": 295, "config": 295}
     text = CliRunner().invoke(main, ["explain", "--home", str(home)]).output
     assert "  model_changed    590 (config; weights)" in text, text
+
+
+# a chatml-like template: a message is [START, role, NL] + content + [END, NL]
+START, END, NL, SYSTEM, USER, ASSISTANT = 900, 901, 902, 903, 904, 905
+HEADS = dict(first_headers=[(START, SYSTEM, NL), (START, USER, NL)],
+             headers=[(START, USER, NL), (START, ASSISTANT, NL)])  # fmt: skip
+
+
+def msg(role: int, content: list[int]) -> list[int]:
+    return [START, role, NL, *content, END, NL]
+
+
+PIN = msg(SYSTEM, SYS[:40]) + [START, USER, NL]
+
+
+def test_a_pin_sharing_only_the_template_header_is_not_diverged_but_cold():
+    other = msg(SYSTEM, list(range(2000, 2030))) + msg(USER, [5, 6, 7])
+    user_only = msg(USER, [5, 6, 7, 8])
+    for prompt in (other, user_only):
+        spans = attribute(prompt, 0, Known(pins={tuple(PIN): "router"}, **HEADS))
+        assert spans == [{"reason": "cold", "tokens": len(prompt) - 1},
+                         {"reason": "suffix", "tokens": 1}], spans  # fmt: skip
+    # served the header from memory (a trimmable cache's common prefix): still nothing stored
+    spans = attribute(other, 3, Known(pins={tuple(PIN): "router"}, seen=[pack(PIN)], **HEADS))
+    assert [s["reason"] for s in spans] == ["cold", "suffix"], spans
+
+
+def test_a_pin_whose_content_the_request_changes_is_still_diverged():
+    prompt = msg(SYSTEM, SYS[:14] + [7] + SYS[15:40]) + msg(USER, [5, 6])
+    d, s = attribute(prompt, 0, Known(pins={tuple(PIN): "router"}, **HEADS))
+    assert (d["reason"], d["entry"], d["position"]) == ("diverged", "router", 3 + 14)
+    assert s["reason"] == "suffix"
+
+
+def test_a_new_user_turn_after_a_learned_chain_is_not_learned_yet_not_diverged():
+    chain = msg(SYSTEM, SYS[:40]) + msg(USER, [11] * 30) + msg(ASSISTANT, [12] * 20)
+    prompt = msg(SYSTEM, SYS[:40]) + msg(USER, [13] * 8)
+    spans = attribute(prompt, 0, Known(learned=[pack(chain)], **HEADS))
+    assert "diverged" not in by_reason(spans), spans
+    assert spans[0] == {"reason": "not_learned_yet", "tokens": 48}, spans
+    assert sum(by_reason(spans).values()) == len(prompt)
+    # the same chain left inside a message's content: diverged
+    changed = msg(SYSTEM, SYS[:14] + [7] + SYS[15:40]) + msg(USER, [13] * 8)
+    assert attribute(changed, 0, Known(learned=[pack(chain)], **HEADS))[0]["reason"] == "diverged"
+
+
+def test_the_last_token_every_request_prefills_is_always_suffix():
+    # a prompt stored whole (a pin of exactly it), seen before, or nothing known at all: the last
+    # token is prefilled for its logits, and it is `suffix` each time
+    assert attribute(PIN, len(PIN) - 1, Known(seen=[pack(PIN)])) == [
+        {"reason": "suffix", "tokens": 1}]  # fmt: skip
+    assert attribute(PIN, len(PIN) - 1, Known(pins={tuple(PIN): "router"})) == [
+        {"reason": "suffix", "tokens": 1}]  # fmt: skip
+    assert attribute(SYS, 0, Known())[-1] == {"reason": "suffix", "tokens": 1}
+    assert attribute(SYS, 0, Known(unavailable=True))[-1] == {"reason": "suffix", "tokens": 1}
+
+
+def test_a_stopped_daemon_over_a_readable_store_tells_what_it_read():
+    known = Known(unavailable=True, other_model=[(SYS[:300], "weights")])
+    spans = attribute(SYS, 0, known)
+    assert [(s["reason"], s["tokens"]) for s in spans] == [("model_changed", 300), ("suffix", 100)]
+    assert attribute(SYS, 0, Known(unavailable=True))[0] == {"reason": "unavailable", "tokens": 399}

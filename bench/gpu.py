@@ -38,25 +38,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.fingerprint import CONFIG
 from bench.timing import Stats, fresh_process, fresh_rounds, worker
 
-# Qwen3.5-9B's text config (its config.json; bench.fingerprint.CONFIG has the same)
-QWEN35_9B = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    intermediate_size=12288,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=256,
-    vocab_size=248320,
-    linear_num_value_heads=32,
-    linear_num_key_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=4,
-    tie_word_embeddings=False,
-)
+# Qwen3.5-9B's text config (its config.json), as bench.fingerprint lays out its files
+QWEN35_9B = {k: v for k, v in CONFIG["text_config"].items() if k != "model_type"}
 PREFIXES = (1024, 4096, 16384)
 TINY_PREFIXES = (96,)
 BITS = 8

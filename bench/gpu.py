@@ -161,7 +161,15 @@ def warm(root: Path, model: str, text: str, env: dict) -> dict:
     warm_s = time.perf_counter() - t
     with Store(home, readonly=True) as store:
         (meta,) = store.metas()
-        (root / "entry.safetensors").write_bytes(store.read_blob(meta.key))
+        blob = store.read_blob(meta.key)
+    # the same KV as the installed mlx-lm saves it: its load_prompt_cache reads its own layout
+    # (0.31's cannot read a hybrid's 0.32 layout, which the store keeps whichever is installed)
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from kvstore.codec import codec
+
+    cache, _ = codec.decode(blob, name="pin")
+    save_prompt_cache(str(root / "entry.safetensors"), cache)
     return {"warm_s": warm_s, "pin_tokens": meta.ntokens, "pin_bytes": meta.nbytes}
 
 

@@ -185,6 +185,13 @@ def _trie_nodes(cache) -> int:
     return n
 
 
+def _line_growth(stat, n: int) -> dict:
+    """One tracemalloc line's growth over a window of `n` requests."""
+    where = str(stat.traceback[0])
+    return {"where": where, "bytes_per_request": round(stat.size_diff / n, 1),
+            "count": stat.count_diff}  # fmt: skip
+
+
 def _grew(snaps, marks, n: int, warmup: int, top: int, hooks) -> dict:
     """What grew in both windows of `n` requests (steady growth, not the LRU's churn), by line."""
     first = {s.traceback[0]: s.size_diff for s in snaps[1].compare_to(snaps[0], "lineno")}
@@ -205,22 +212,8 @@ def _grew(snaps, marks, n: int, warmup: int, top: int, hooks) -> dict:
         "mlx_cache_bytes_per_request": per(2),
         "trie_nodes": [m[3] for m in marks],
         "calls_kept": len(hooks.stats.calls) if hooks.stats is not None else None,
-        "steady": [
-            {
-                "where": str(s.traceback[0]),
-                "bytes_per_request": round(s.size_diff / n, 1),
-                "count": s.count_diff,
-            }
-            for s in steady[:top]
-        ],  # fmt: skip
-        "last_window": [
-            {
-                "where": str(s.traceback[0]),
-                "bytes_per_request": round(s.size_diff / n, 1),
-                "count": s.count_diff,
-            }
-            for s in second[:top]
-        ],  # fmt: skip
+        "steady": [_line_growth(s, n) for s in steady[:top]],
+        "last_window": [_line_growth(s, n) for s in second[:top]],
     }
 
 

@@ -16,7 +16,7 @@ from kvstore.home.ledger import Ledger
 from kvstore.home.settings import DEFAULTS
 from kvstore.learned.blockstore import BlockStore, is_snapshot, learned_summary, today
 from kvstore.learned.chain import chain_hashes
-from kvstore.learned.policy import MIN_LCP, LearnPolicy, worth_storing
+from kvstore.learned.policy import MIN_LCP, LearnPolicy, Sighting, worth_storing
 from kvstore.ops import put as put_ops
 from kvstore.ops.budget import Budget
 from kvstore.ops.evict import evict, snapshot_cap
@@ -38,7 +38,8 @@ class Learning:
     """Learned prefixes: the daemon's part that answers learn, put_blocks and touch_blocks.
 
     `write(name, fn)` runs `fn` on the writer thread and waits; `budget` and `drop_learned_under`
-    are the upkeep's; `uploader()` is the fleet tier's upload queue, or None.
+    are the upkeep's; `uploader()` is the fleet tier's upload queue, or None. With an uploader,
+    a prefix recurs across the fleet (`_fleet_end`): its seen-markers are looked up and written.
     """
 
     def __init__(
@@ -104,7 +105,8 @@ class Learning:
         policy = self.policy
         hashes = chain_hashes(fp, data, policy.block)
         with self._learn_lock:
-            end = policy.learned_end(fp, data, hashes)
+            seen = policy.sighting(fp, data, hashes)
+        end = max(seen.end, self._fleet_end(fp, hashes, seen) if sliceable else 0)
         paused = self.learn_paused()
         if paused:
             return LearnReply(paused=paused, paused_by="write_budget")
@@ -144,6 +146,21 @@ class Learning:
             log.info("learn: %s of %s: want %s, snapshot at %s", req.label or "-", model, want,
                      snapshot_at)  # fmt: skip
         return LearnReply(want, snapshot_at)
+
+    def _fleet_end(self, fp: bytes, hashes: list[bytes], seen: Sighting) -> int:
+        """The prefix another box's earlier request makes recurring (block-granular, 0: none):
+        the seen-markers of the nodes this request saw first here, looked up; those the fleet
+        lacks are marked (written by kvstore.fleet.sightings' worker, off this reply)."""
+        uploader = self.uploader()
+        if seen.fleet is None or uploader is None:
+            return 0
+        lo, hi = seen.fleet
+        found = uploader.sightings.deepest(fp, hashes, lo, hi)
+        uploader.sightings.mark(fp, hashes, range(max(lo, found + 1), hi + 1))
+        if found:
+            log.info("learn: %d tokens recur across the fleet (another box's request passed "
+                     "them)", found * self.policy.block)  # fmt: skip
+        return found * self.policy.block
 
     def put_blocks(self, req: PutBlocksRequest) -> PutBlocksReply:
         rows = req.records

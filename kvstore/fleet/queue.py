@@ -27,6 +27,7 @@ from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, RemoteError, StoreError, counted
 from kvstore.fleet.learned import upload_record
 from kvstore.fleet.objects import Remote
+from kvstore.fleet.sightings import Sightings
 from kvstore.learned.blockstore import BlockStore
 from kvstore.store.entry import EntryMeta
 from kvstore.store.lmdbenv import close_env, gate_of, open_env
@@ -321,12 +322,14 @@ def reseal(remote: Remote, store: Store, *, say: Callable[[str], None]) -> dict[
 
 
 class Uploader(threading.Thread):
-    """Drains the queue on a side thread (boto3 only: no mlx work here); stops between entries."""
+    """Drains the queue on a side thread (boto3 only: no mlx work here); stops between entries.
+    `sightings`: the bucket's seen-markers this box writes and reads (fleet-wide learning)."""
 
     def __init__(self, remote: Remote, store: Store, queue: UploadQueue):
         super().__init__(name="kvstore-upload", daemon=True)
         self.remote, self.store, self.queue = remote, store, queue
         self.blocks = BlockStore(store)  # its tables opened here, on the store's writing thread
+        self.sightings = Sightings(remote)
         self.retry_interval = remote.settings.retry_interval
         self._stop_event = threading.Event()
         self._wake = threading.Event()
@@ -349,6 +352,7 @@ class Uploader(threading.Thread):
         self._wake.set()
 
     def stop(self, timeout: float = 2.0) -> bool:
+        self.sightings.stop(timeout)
         self._stop_event.set()
         self._wake.set()
         if self.is_alive():

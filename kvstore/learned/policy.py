@@ -6,6 +6,11 @@ common prefix, found per chain node: counts of requests through each full block 
 tokens that followed it) and it is at least `min_lcp` tokens long; or when a prompt extends an
 earlier request's whole prompt (a conversation's next turn: the whole prompt is learned). Counts
 live in memory, bounded (LRU); they are hints, so a restart only delays learning.
+
+Across the fleet (`sighting`): the chain nodes a request passes that this box never counted are
+its first sightings here; another box's earlier request through one of them (a seen-marker in the
+bucket, kvstore.fleet.sightings) makes the prefix up to that node recurring, block-granular. The
+policy only says which nodes the fleet may answer for; the daemon asks.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvstore import tokens as tk
 from kvstore.learned.chain import cuts, position_hash
@@ -38,6 +44,17 @@ def worth_storing(
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """One request counted: the prefix learned on this box's counts (`end`, 0: none), and the
+    chain nodes [lo, hi] (block indices) this box saw first now, past `end` and at least MIN_LCP
+    deep, that an earlier request on another box would make recurring (`fleet`; None: none, or
+    `min_requests` is not 2: a marker stands for one earlier request)."""
+
+    end: int
+    fleet: tuple[int, int] | None = None
 
 
 class LearnPolicy:
@@ -67,6 +84,16 @@ class LearnPolicy:
         self._said: set[tuple[str, str]] = set()
 
     # -- counting -----------------------------------------------------------------------------
+
+    def sighting(self, fp: bytes, data: bytes, hashes: list[bytes]) -> Sighting:
+        """`learned_end`, and the nodes the fleet may make recurring (see Sighting)."""
+        unseen = next((i for i, h in enumerate(hashes) if fp + h not in self.nodes), None)
+        end = self.learned_end(fp, data, hashes)
+        if unseen is None or self.min_requests != 2:
+            return Sighting(end)
+        lo = max(unseen, -(-MIN_LCP // self.block), 1, end // self.block + 1)
+        hi = tk.count(data) // self.block
+        return Sighting(end, (lo, hi) if lo <= hi else None)
 
     def learned_end(self, fp: bytes, data: bytes, hashes: list[bytes]) -> int:
         """The end of the prefix of this prompt (packed `data`, chain `hashes`) that is learned

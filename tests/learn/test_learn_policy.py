@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvstore.learned.chain import chain_hashes
-from kvstore.learned.policy import LearnPolicy, worth_storing
+from kvstore.learned.policy import LearnPolicy, Sighting, worth_storing
 from kvstore.store.entry import pack_tokens
 
 FP = bytes(range(16))
@@ -74,3 +74,25 @@ def test_cost_rule():
     assert worth_storing(None, 800, None)
     assert worth_storing(4 * 2**20, 800, 1500.0)  # 4 ms read vs 0.27 s prefill
     assert not worth_storing(4 * 2**30, 800, 1e6)  # reading 4 GiB is slower than prefill
+
+
+def sight(policy: LearnPolicy, tokens: list[int]):
+    data = pack_tokens(tokens)
+    return policy.sighting(FP, data, chain_hashes(FP, data, policy.block))
+
+
+def test_the_nodes_a_request_sees_first_are_the_fleets_to_answer():
+    p = LearnPolicy()
+    # all new here: every full block (node 1..3) is a first sighting
+    assert sight(p, prompt(800, 50, 1)) == Sighting(0, (1, 3))
+    # its first 800 tokens are counted now: only the blocks past them are new
+    assert sight(p, prompt(800, 500, 2)) == Sighting(800, (4, 5))
+    # nothing new (whole blocks already counted): the bucket is not asked
+    assert sight(p, prompt(800, 500, 2)).fleet is None
+    # a node shallower than MIN_LCP is never the fleet's (blocks of 32 tokens: node 2 first)
+    small = LearnPolicy(block=32)
+    assert sight(small, prompt(0, 100, 3)) == Sighting(0, (2, 3))
+    # a marker counts as one earlier request: with min_requests 3 the fleet is not asked
+    assert sight(LearnPolicy(min_requests=3), prompt(800, 0, 4)).fleet is None
+    # a prompt shorter than a block has no node to ask about
+    assert sight(LearnPolicy(), prompt(0, 200, 5)).fleet is None

@@ -106,7 +106,7 @@ class Learning:
         hashes = chain_hashes(fp, data, policy.block)
         with self._learn_lock:
             seen = policy.sighting(fp, data, hashes)
-        end = max(seen.end, self._fleet_end(fp, hashes, seen) if sliceable else 0)
+        end = max(seen.end, self._fleet_end(fp, data, hashes, seen) if sliceable else 0)
         paused = self.learn_paused()
         if paused:
             return LearnReply(paused=paused, paused_by="write_budget")
@@ -147,14 +147,18 @@ class Learning:
                      snapshot_at)  # fmt: skip
         return LearnReply(want, snapshot_at)
 
-    def _fleet_end(self, fp: bytes, hashes: list[bytes], seen: Sighting) -> int:
+    def _fleet_end(self, fp: bytes, data: bytes, hashes: list[bytes], seen: Sighting) -> int:
         """The prefix another box's earlier request makes recurring (block-granular, 0: none):
-        the seen-markers of the nodes this request saw first here, looked up; those the fleet
-        lacks are marked (written by kvstore.fleet.sightings' worker, off this reply)."""
+        the seen-markers of the nodes this request saw first here and the store does not hold
+        (records fetched from the fleet, say), looked up; those the fleet lacks are marked
+        (written by kvstore.fleet.sightings' worker, off this reply)."""
         uploader = self.uploader()
         if seen.fleet is None or uploader is None:
             return 0
         lo, hi = seen.fleet
+        lo = max(lo, self.blocks.stored_end(fp, data) // self.policy.block + 1)
+        if lo > hi:
+            return 0
         found = uploader.sightings.deepest(fp, hashes, lo, hi)
         uploader.sightings.mark(fp, hashes, range(max(lo, found + 1), hi + 1))
         if found:

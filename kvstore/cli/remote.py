@@ -401,6 +401,7 @@ def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: 
     kvstore remote gc --quarantined     # what a box that failed the semantic check uploaded
     """
     from kvstore.fleet.queue import UploadQueue
+    from kvstore.fleet.sightings import expire_markers
 
     remote = _remote(home)
     age = parse_duration(older_than) if older_than else None
@@ -428,6 +429,8 @@ def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: 
             kept -= o.size
     for o in victims:
         click.echo(f"{'would delete' if dry_run else 'deleted'} {o.name} ({human_size(o.size)})")
+    if markers := expire_markers(remote, dry_run=dry_run):  # a day old: they no longer count
+        click.echo(f"{'would delete' if dry_run else 'deleted'} {counted(markers, 'seen-marker')}")
     if dry_run:
         return
     n = remote.delete([o.name for o in victims])

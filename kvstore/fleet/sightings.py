@@ -228,3 +228,19 @@ class Sightings:
             self.failed(f"{r.where()}: writing seen-marker {name}: {e}")
             return
         self.counts["marked"] += 1
+
+
+def expire_markers(remote: Remote, *, dry_run: bool = False, now: float | None = None) -> int:
+    """Delete the seen-markers older than SEEN_TTL_S (they no longer count); how many (`dry_run`:
+    would go). `kvstore remote gc` runs it."""
+    now = time.time() if now is None else now
+    prefix = f"{version_prefix(remote.settings)}{SEEN_DIR}/"
+    try:
+        pages = remote.client.get_paginator("list_objects_v2").paginate(
+            Bucket=remote.bucket, Prefix=prefix
+        )
+        old = [o["Key"] for page in pages for o in page.get("Contents", [])
+               if now - o["LastModified"].timestamp() > SEEN_TTL_S]  # fmt: skip
+    except remote.failures as e:
+        raise KVStoreError(f"{remote.where()}: listing seen-markers: {e}") from None
+    return len(old) if dry_run else remote.delete(old)

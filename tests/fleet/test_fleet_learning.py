@@ -216,3 +216,22 @@ def test_a_record_the_bucket_holds_is_not_uploaded_again(s3, tiny, tmp_path):
     assert uploaded_lines(db) == []  # a HEAD each, no PUT
     assert queue_counts(b)["records_uploaded"] == 3  # done: never asked again
     assert {remote_of(b).uploader(o["Key"]) for o in listed(s3, "blocks")} == {box_id(a)}
+
+
+def test_remote_gc_deletes_markers_that_no_longer_count(s3, tmp_path, monkeypatch):
+    from helpers import cli
+
+    b = keyed(box(tmp_path / "b", s3))
+    hashes = chain_hashes(FP, pack_tokens(chat(800)))
+    sightings = Sightings(remote_of(b))
+    try:
+        sightings.mark(FP, hashes, range(1, 4))
+        wait_for(lambda: sightings.counts["marked"] == 3, 10)
+    finally:
+        sightings.stop()
+    out = cli("remote", "gc", "--home", b, code=0).output
+    assert "seen-marker" not in out and len(listed(s3, "seen")) == 3  # a day: they still count
+    monkeypatch.setattr(seen_mod, "SEEN_TTL_S", -1.0)
+    assert "would delete 3 seen-markers" in cli("remote", "gc", "--dry-run", "--home", b).output
+    assert "deleted 3 seen-markers" in cli("remote", "gc", "--home", b, code=0).output
+    assert listed(s3, "seen") == []

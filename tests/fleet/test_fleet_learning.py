@@ -235,3 +235,48 @@ def test_remote_gc_deletes_markers_that_no_longer_count(s3, tmp_path, monkeypatc
     assert "would delete 3 seen-markers" in cli("remote", "gc", "--dry-run", "--home", b).output
     assert "deleted 3 seen-markers" in cli("remote", "gc", "--home", b, code=0).output
     assert listed(s3, "seen") == []
+
+
+def test_kvstore_serve_on_two_boxes_learns_what_each_saw_once(s3, llama_path, tmp_path):
+    from helpers import Serve, cached_tokens, shared_tokens
+
+    a, b = keyed(box(tmp_path / "a", s3)), keyed(box(tmp_path / "b", s3))
+    for home in (a, b):  # blocks of 64: the tiny chat template's shared prefix holds several
+        path = home / "settings.toml"
+        path.write_text("block_tokens = 64\n" + path.read_text())
+    shared = shared_tokens(llama_path, "My invoice was charged twice.", "Where is my parcel?")
+    nodes = shared // 64
+
+    def one_chat(home, text: str, n: int, then=lambda: None) -> dict:
+        """One chat by a new `kvstore serve` on box `home`; `then()` before it stops."""
+        s = Serve(home, llama_path, tmp_path / f"serve-{home.name}-{n}.log")
+        try:
+            s.wait_ready()
+            reply = s.chat(text) | {"fleet": s.metric("fleet")}
+            then()
+            return reply
+        finally:
+            s.stop()
+
+    da, db = Proc(a, log=tmp_path / "a.log"), Proc(b, log=tmp_path / "b.log")
+    with serving(da, warm=False), serving(db, warm=False):
+        for d in (da, db):
+            d.wait_log("(upload True")
+        # box A: seen once; its markers written
+        one_chat(
+            a,
+            "My invoice was charged twice.",
+            1,
+            lambda: wait_for(lambda: len(listed(s3, "seen")) >= nodes, 20, da.text),
+        )
+        assert listed(s3, "blocks") == []  # nothing learned on one sighting
+        # box B: seen once here, once on A: learned and uploaded
+        one_chat(
+            b,
+            "Where is my parcel?",
+            1,
+            lambda: wait_for(lambda: len(listed(s3, "blocks")) >= nodes, 30, db.text),
+        )
+        assert f"{nodes * 64} tokens recur across the fleet" in db.text()
+        reply = one_chat(a, "How do I reset my password?", 2)  # a new process on box A
+        assert cached_tokens(reply) >= nodes * 64 and reply["fleet"] == nodes * 64, reply

@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from kvstore.degrade import settle
 from kvstore.errors import KVStoreError
 from kvstore.fleet.objects import Remote, version_prefix
 
@@ -164,13 +165,11 @@ class Sightings:
                     return
                 work, future, is_mark = self._jobs.popleft()
                 self._queued -= is_mark
-            try:
-                future.set_result(work())
-            except KVStoreError as e:
-                future.set_exception(e)
-            finally:  # anything else is a bug: the thread's excepthook shows it
-                if not future.done():
-                    future.set_result(None)
+            settle(future, work)  # whatever it raised is the waiting lookup's to see
+            error = future.exception() if is_mark else None
+            if error is not None:  # nobody waits for a marker: a bug, said here
+                log.error("remote: writing a seen-marker failed: %s: %s", type(error).__name__,
+                          error, exc_info=error)  # fmt: skip
 
     def _lookup(self, fingerprint: bytes, hashes: list[bytes], lo: int, hi: int) -> int:
         """The shallowest first (nobody passed it: no deeper one either), the deepest, then

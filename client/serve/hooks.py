@@ -161,7 +161,8 @@ class _Hooks:
             self._warm_up_contexts.discard(id(ctx))
             return  # a warm-up request: not a call
         prompt = list(getattr(ctx, "prompt", None) or [])
-        split = self.tier.prefilled_in_fetch(prompt)[0]  # a learned split's: prefill, not cache
+        took = self.tier.fetch_record(prompt)
+        split = took.split  # a learned split's: prefill, not cache
         cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0) - split)
         if split:  # read for usage.prompt_tokens_details.cached_tokens after this
             ctx.prompt_cache_count = cached
@@ -183,6 +184,7 @@ class _Hooks:
                 prompt=prompt,
                 pins=dict(self.labels),
                 decode=self.decode,
+                fleet_tokens=took.fleet,
             )
 
     def _flush_every(self) -> None:

@@ -373,7 +373,8 @@ def packed(prompt: Sequence[int]) -> bytes:
 
 
 def _text_only(decode: Callable[[Sequence[int]], str]) -> Callable[[Sequence[int]], str]:
-    """`decode` of a prompt with images (negative ids): their patches have no text."""
+    """`decode` of text ids only: an image's patches (negative ids) have no text, and a
+    tokenizer given one may raise anything."""
     return lambda tokens: decode([t for t in tokens if t >= 0])
 
 
@@ -619,14 +620,9 @@ class Attributor:
         pins: Mapping[tuple[int, ...], str],
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> list[SpanRecord]:
-        images = False
-        try:
-            key = tk.pack(prompt)
-        except ValueError:  # a prompt with images, as mlx_lm.server keys it
-            key, images = packed(prompt), True
+        key = packed(prompt)  # a prompt with images too, as mlx_lm.server keys it
         if decode is not None:
-            decode = self._decoder(decode)
-            decode = _text_only(decode) if images else decode
+            decode = _text_only(self._decoder(decode))
         other_day: list[tuple[tuple[int, ...], str]] = []
         if self.dated:  # a clock-bound pin of another day: other_date, not diverged
             today = _dt.date.today().isoformat()  # the local day, as a pin's date is

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import metrics, mlxlm
-from kvstore.client.fleetread import SERVED
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.wire.messages import RecordRequest
@@ -119,7 +118,12 @@ class StatsRecorder:
         prompt: Sequence[int] | None = None,
         pins: Mapping[tuple[int, ...], str] | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
+        fleet_tokens: int = 0,
     ) -> CallStats:
+        """One call: its line, its ledger record, /metrics' reasons. `prompt`: the ids the
+        prompt cache keys it by (what its prefilled tokens are attributed by; with images,
+        mlx_lm.server's key, one negative id per image); `fleet_tokens`: of the cached ones,
+        read through from the fleet on this call (its fetch's record)."""
         reasons: tuple[SpanRecord, ...] = ()
         if prompt is not None:
             reasons = tuple(self.attribute(prompt, cached_tokens, pins or {}, decode))
@@ -136,7 +140,7 @@ class StatsRecorder:
             generated_tokens=generated_tokens,
             ts=time.time(),
             reasons=reasons,
-            fleet_tokens=SERVED.pop(tuple(prompt), 0) if prompt and SERVED else 0,
+            fleet_tokens=fleet_tokens,
         )
         self._keep(call)
         line = call.line()
@@ -234,7 +238,7 @@ def stream_generate(
 
     cache, rest = _cache_for(prompt_cache, model_key, model, tokens)
     # what the fetch prefilled itself (a learned split) is prefill, not cache
-    split, split_s = _prefilled_in_fetch(prompt_cache, tokens)
+    split, split_s, fleet = _fetch_record(prompt_cache, tokens)
     generated: list[int] = []
     prefill_s = decode_s = 0.0
     t0 = time.perf_counter()
@@ -259,6 +263,7 @@ def stream_generate(
                 prompt=tokens,
                 pins=_pins_of(prompt_cache, model_key),
                 decode=getattr(tokenizer, "decode", None),
+                fleet_tokens=fleet,
             )
         if prompt_cache is not None:
             # mlx-lm runs one token ahead: key the entry by what the cache really holds.
@@ -267,10 +272,14 @@ def stream_generate(
                 prompt_cache.insert_cache(model_key, transcript, cache)
 
 
-def _prefilled_in_fetch(prompt_cache: Any, tokens: list[int]) -> tuple[int, float]:
-    """(tokens, seconds) kvstore's cache prefilled inside its fetch (a learned split)."""
-    took = getattr(prompt_cache, "prefilled_in_fetch", None)  # client/persistent.py's caches
-    return took(tokens) if took is not None else (0, 0.0)
+def _fetch_record(prompt_cache: Any, tokens: list[int]) -> tuple[int, float, int]:
+    """(tokens, seconds) kvstore's cache prefilled inside its fetch (a learned split), and the
+    tokens it read through from the fleet: the fetch's record, taken once."""
+    took = getattr(prompt_cache, "fetch_record", None)  # client/persistent.py's caches
+    if took is None:
+        return 0, 0.0, 0
+    record = took(tokens)
+    return record.split, record.split_s, record.fleet
 
 
 def _pins_of(prompt_cache: Any, model_key: Any) -> dict[tuple[int, ...], str]:

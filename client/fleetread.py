@@ -33,10 +33,6 @@ log = logging.getLogger("kvstore.client")
 QUARANTINE_S = 60.0  # seconds between reads of this home's quarantined uploaders
 FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most
 TOTALS_S = 5.0  # seconds between writes of this process's totals (`kvstore remote status`)
-# prompts a read-through served (the whole prompt) -> how many of their tokens came from the
-# fleet: the call's record pops its own (kvstore.client.callstats: a dict's pop, no call here)
-SERVED: dict[tuple[int, ...], int] = {}
-SERVED_MAX = 16
 
 
 class FleetReads:
@@ -136,11 +132,7 @@ class FleetReads:
             hit = None if got is None else self._serve(target, tokens, chain, cold, *got)
             if got is not None and hit is None:
                 self.reader.not_used(ask)
-            if hit is not None:
-                SERVED[tuple(tokens)] = hit["fleet"]
-                while len(SERVED) > SERVED_MAX:
-                    del SERVED[next(iter(SERVED))]
-            return hit
+            return hit  # its "fleet" tokens reach the call's record through the store tier
         except (KVStoreError, OSError, ValueError) as e:  # never fail a request: prefill
             if "failed" not in self._said:
                 self._said.add("failed")

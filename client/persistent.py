@@ -55,7 +55,8 @@ log = logging.getLogger("kvstore.client")
 PIN_TYPE = "system"  # the LRU cache_type pins are filed under (as hydrate files stored entries)
 HIT_BATCH_S = 5.0  # seconds between batches of hits sent to the daemon
 STORE_PREFIXES = 256  # store-read prefixes remembered for provenance
-SPLIT_PROMPTS = 64  # prompts whose fetch prefilled part of them, until their stats take it
+FETCH_RECORDS = 64  # prompts whose fetch did more than serve from memory, until their call takes it
+FETCH_RECORDS_EACH = 4  # records kept of one prompt (the same prompt fetched again untaken)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,20 @@ class Provenance:
         metrics.PROMPT_TOKENS.labels(source="prefill").inc(len(tokens) - served)
 
 
+@dataclass(frozen=True)
+class FetchRecord:
+    """What one request's fetch did beyond serving from memory, for the call's record: tokens it
+    prefilled itself (a learned split: prefill, though mlx-lm counts them as cached) and the
+    seconds that took, and tokens of those it served read through from the fleet."""
+
+    split: int = 0
+    split_s: float = 0.0
+    fleet: int = 0
+
+
+NO_FETCH = FetchRecord()
+
+
 # offer(model, tokens, kv, cache_type) -> whether the insert was sent towards the store
 OnInsert = Callable[[Any, Sequence[int], list, str], bool]
 
@@ -153,9 +168,9 @@ class StoreTier:
         self._hits: list[tuple[int, ...]] = []  # stored prefixes that served a fetch, unsent
         self._hits_sent = time.monotonic()
         self._said_unstorable = False
-        # prompts whose fetch prefilled part of them itself: -> [(tokens, seconds)], until taken
-        self._split: dict[tuple[int, ...], list[tuple[int, float]]] = {}
-        self._split_lock = threading.Lock()
+        # prompts whose fetch did more than serve from memory -> their FetchRecords, until taken
+        self._fetches: OrderedDict[tuple[int, ...], list[FetchRecord]] = OrderedDict()
+        self._fetches_lock = threading.Lock()
 
     def serving(self, model: Any, fingerprint: bytes | None) -> None:
         """Hits are now recorded for `model`, whose entries are filed under `fingerprint`."""
@@ -214,31 +229,40 @@ class StoreTier:
         through from the fleet), remember its prompt for the learner (unless not `learn`), and
         record a hit on the stored prefix that served it. `split`: (tokens, seconds) the fetch
         prefilled itself (a learned split): prefill, whatever the remainder it hands mlx-lm
-        says, until `prefilled_in_fetch` takes them."""
+        says. The split and the fleet's tokens are the prompt's `FetchRecord` until
+        `fetch_record` takes it."""
         self.provenance.count(model, tokens, memory, restored, fleet)
-        if split[0] > 0:
-            with self._split_lock:
-                self._split.setdefault(tuple(tokens), []).append(split)
-                while len(self._split) > SPLIT_PROMPTS:
-                    self._split.pop(next(iter(self._split)))
+        if split[0] > 0 or fleet > 0:
+            self._keep(tuple(tokens), FetchRecord(split[0], split[1], fleet))
         if learn and self.learner is not None:
             self.learner.fetched(model, tokens)
         if served and model == self.model and self.fingerprint is not None:
             self._hit(tokens, served)
 
-    def prefilled_in_fetch(self, tokens: Sequence[int]) -> tuple[int, float]:
-        """(tokens, seconds) of this prompt its fetch prefilled itself, taken once: what a
-        request's cached tokens must not count (the library's stats, serve's usage)."""
-        if not self._split:
-            return 0, 0.0
-        with self._split_lock:
-            got = self._split.get(tuple(tokens))
-            if not got:
-                return 0, 0.0
-            split = got.pop(0)
-            if not got:
-                del self._split[tuple(tokens)]
-        return split
+    def _keep(self, key: tuple[int, ...], record: FetchRecord) -> None:
+        with self._fetches_lock:
+            kept = self._fetches.setdefault(key, [])
+            kept.append(record)
+            del kept[:-FETCH_RECORDS_EACH]
+            self._fetches.move_to_end(key)
+            while len(self._fetches) > FETCH_RECORDS:
+                self._fetches.popitem(last=False)
+
+    def fetch_record(self, tokens: Sequence[int]) -> FetchRecord:
+        """What this prompt's fetch did beyond memory (the oldest untaken fetch of it), taken
+        once: the call's record reads it (the library's stats, serve's usage and line); an
+        empty record when there is none."""
+        if not self._fetches:
+            return NO_FETCH
+        key = tuple(tokens)
+        with self._fetches_lock:
+            kept = self._fetches.get(key)
+            if not kept:
+                return NO_FETCH
+            record = kept.pop(0)
+            if not kept:
+                del self._fetches[key]
+        return record
 
     def inserted(self, model: Any, tokens: Sequence[int], kv: list, cache_type: str) -> None:
         """A request's insert (its end, or the batched path's system segment)."""
@@ -346,10 +370,11 @@ class PinnedPromptCache(LRUPromptCache):
         self.tier.served(model, tokens, memory, restored, len(tokens) - len(rest), fleet, split)
         return cache, rest
 
-    def prefilled_in_fetch(self, tokens: Sequence[int]) -> tuple[int, float]:
-        """(tokens, seconds) of this prompt that its fetch prefilled itself (a learned split:
-        mlx-lm counts them as cached), taken once; (0, 0.0) when none."""
-        return self.tier.prefilled_in_fetch(tokens)
+    def fetch_record(self, tokens: Sequence[int]) -> FetchRecord:
+        """What this prompt's fetch did beyond memory (`StoreTier.fetch_record`), taken once: the
+        tokens it prefilled itself (a learned split: mlx-lm counts them as cached) and those read
+        through from the fleet."""
+        return self.tier.fetch_record(tokens)
 
     def insert_cache(
         self,

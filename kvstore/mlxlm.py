@@ -346,3 +346,14 @@ def load_with_config(server: Any, model_path: Any, model_config: dict | None) ->
 def provider_state(provider: Any) -> dict[str, Any]:
     """What ModelProvider._load resets and sets, to put back after a failed load."""
     return {n: getattr(provider, n) for n in PROVIDER_STATE if hasattr(provider, n)}
+
+
+def image_cache_key(tokenized: Sequence[Any]) -> list[int] | None:
+    """The key mlx_lm.server (0.32) fetches and inserts a prompt with images under: the
+    `cache_key` of `ResponseGenerator._tokenize`'s fifth value (a `Vision`), the prompt with each
+    image's patch tokens replaced by a negative id of that image (two images of one size have the
+    same token ids). A copy: mlx-lm appends the output to its own. None for a prompt without
+    images, and with mlx-lm 0.31 (no images)."""
+    vision = tokenized[4] if len(tokenized) > 4 else None
+    key = getattr(vision, "cache_key", None)
+    return list(key) if isinstance(key, list) else None

@@ -349,12 +349,33 @@ def attribute(
     """The prompt's prefilled tokens (`prompt[served:]`), in order, as reason spans (their
     records: [{"reason", "tokens", ...}]), adjacent spans of one reason merged; their tokens
     sum to `len(prompt) - served`. `key`: the prompt packed, when the caller has it."""
-    w = _Walk(prompt, served, known, decode, tk.pack(prompt) if key is None else key)
+    w = _Walk(prompt, served, known, decode, packed(prompt) if key is None else key)
     for rule in RULES:
         rule(w)
     w.limit = w.n  # the last token: every request prefills it, stored or not (its logits give
     w.take(w.n, Reason.SUFFIX)  # the first output token): always `suffix`
     return [s.record() for s in w.spans]
+
+
+IMAGE_IDS = 2**31  # images' ids in a packed prompt start here: past every vocabulary
+
+
+def packed(prompt: Sequence[int]) -> bytes:
+    """The prompt packed (kvstore.tokens) for comparing with others. A prompt with images as
+    mlx_lm.server keys it (each image's patch tokens a negative id of that image) packs each
+    image as an id past every vocabulary (IMAGE_IDS and 31 bits of its own): another image
+    differs there, a resent one does not. Compared only, never stored."""
+    try:
+        return tk.pack(prompt)
+    except ValueError:
+        low = IMAGE_IDS - 1
+        return tk.pack([t if 0 <= t < IMAGE_IDS else IMAGE_IDS | (t & low) for t in prompt])
+
+
+def _text_only(decode: Callable[[Sequence[int]], str]) -> Callable[[Sequence[int]], str]:
+    """`decode` of text ids only: an image's patches (negative ids) have no text, and a
+    tokenizer given one may raise anything."""
+    return lambda tokens: decode([t for t in tokens if t >= 0])
 
 
 LEARNED_TIES = 64  # learned prefixes looked at on each side of the request's place in order
@@ -599,8 +620,9 @@ class Attributor:
         pins: Mapping[tuple[int, ...], str],
         decode: Callable[[Sequence[int]], str] | None = None,
     ) -> list[SpanRecord]:
+        key = packed(prompt)  # a prompt with images too, as mlx_lm.server keys it
         if decode is not None:
-            decode = self._decoder(decode)
+            decode = _text_only(self._decoder(decode))
         other_day: list[tuple[tuple[int, ...], str]] = []
         if self.dated:  # a clock-bound pin of another day: other_date, not diverged
             today = _dt.date.today().isoformat()  # the local day, as a pin's date is
@@ -608,7 +630,6 @@ class Attributor:
             if stale:
                 other_day = [(t, f"{pins[t]} ({self.dated[t]})") for t in stale]
                 pins = {t: v for t, v in pins.items() if t not in stale}
-        key = tk.pack(prompt)
         with self._lock:
             known = Known(
                 pins=pins,

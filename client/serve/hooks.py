@@ -39,6 +39,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ WARM_UP_TEXT = (
 WARM_UP_CONNECT_S = 60.0  # seconds the warm-up waits for the server's socket
 WARM_UP_TIMEOUT_S = 300.0  # seconds one warm-up request may take (a long pin on a slow machine)
 SERVE_CALLS = 64  # recent calls serve's StatsRecorder keeps (its ledger and /metrics count all)
+IMAGE_PROMPTS = 16  # prompts with images whose cache key waits for their call's record
 
 
 class ServeError(KVStoreError):
@@ -136,6 +138,10 @@ class _Hooks:
         self.persister = SystemPromptPersister(home, writer) if persist else None
         self.boundary = StableSystemSegment() if persist else None
         self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
+        # prompts with images: id of the prompt list `_tokenize` gave (a context's prompt) ->
+        # (that list, the key mlx-lm's cache holds it by), until its call's record takes it
+        self._image_keys: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()
+        self._image_lock = threading.Lock()
 
     def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
         """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
@@ -160,8 +166,11 @@ class _Hooks:
         if id(ctx) in self._warm_up_contexts:
             self._warm_up_contexts.discard(id(ctx))
             return  # a warm-up request: not a call
-        prompt = list(getattr(ctx, "prompt", None) or [])
-        split = self.tier.prefilled_in_fetch(prompt)[0]  # a learned split's: prefill, not cache
+        given = getattr(ctx, "prompt", None) or []
+        prompt = list(given)
+        key = self.image_key_of(given, len(prompt)) or prompt  # what the cache keys it by
+        took = self.tier.fetch_record(key)
+        split = took.split  # a learned split's: prefill, not cache
         cached = max(0, int(getattr(ctx, "prompt_cache_count", 0) or 0) - split)
         if split:  # read for usage.prompt_tokens_details.cached_tokens after this
             ctx.prompt_cache_count = cached
@@ -180,10 +189,34 @@ class _Hooks:
                 prefill_s=prefill_s,
                 decode_s=decode_s,
                 generated_tokens=generated,
-                prompt=prompt,
+                prompt=key,  # attributed by the cache's key: another image is new content
                 pins=dict(self.labels),
                 decode=self.decode,
+                fleet_tokens=took.fleet,
             )
+
+    def tokenized(self, out: tuple) -> None:
+        """A request's `_tokenize` result: for a prompt with images, the key mlx-lm's cache
+        fetches and inserts it under (kvstore.mlxlm.image_cache_key) is kept for its call's
+        record, found by the prompt list the request's context holds."""
+        key = mlxlm.image_cache_key(out)
+        if key is None:
+            return
+        with self._image_lock:
+            self._image_keys[id(out[0])] = (out[0], key)
+            while len(self._image_keys) > IMAGE_PROMPTS:
+                self._image_keys.popitem(last=False)
+
+    def image_key_of(self, prompt: Any, n: int) -> list[int] | None:
+        """The cache key `tokenized` kept for this prompt list (the very object, taken once),
+        or None: a prompt without images, or a key that is not one of its `n` tokens."""
+        if not self._image_keys:
+            return None
+        with self._image_lock:
+            kept = self._image_keys.pop(id(prompt), None)
+        if kept is None or kept[0] is not prompt or len(kept[1]) != n:
+            return None
+        return kept[1]
 
     def _flush_every(self) -> None:
         while not self._stopped.wait(HIT_BATCH_S):
@@ -577,6 +610,7 @@ def _generator(server: Any, hooks: _Hooks) -> type:
         def _tokenize(self, tokenizer, request, args):
             out = super()._tokenize(tokenizer, request, args)
             hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
+            hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
             warm = hooks.take_warm_up(request)
             if warm is not None:
                 return hooks.warm_tokenize(out, warm)

@@ -44,7 +44,8 @@ def test_the_persisted_system_segment_is_one_every_request_shares(tmp_path: Path
     write_tokenizer(tmp_path / "tok", chat_template=TIMED)
     tok = load_tokenizer(tmp_path / "tok")
     now = dt.datetime.now().replace(hour=10, minute=31)
-    plain = types.SimpleNamespace(boundary=None, take_warm_up=lambda request: None)
+    plain = types.SimpleNamespace(boundary=None, take_warm_up=lambda request: None,
+                                  tokenized=lambda out: None)  # fmt: skip
     with clock_at(now):
         mlx_out = generator(plain)._tokenize(tok, *request("Is 7 prime?"))
     hooks = _Hooks(tmp_path / "home", persist=True)

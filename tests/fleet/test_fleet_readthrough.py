@@ -98,11 +98,12 @@ def test_a_miss_is_read_through_from_the_fleet(s3, tiny, tmp_path, caplog):
         learner.close(timeout=5.0)
     with Store(b) as store:  # no daemon here: the client never writes the store itself
         assert BlockStore(store).stored_end(FP, tokens) == 0
-    visible(b, request)
+    visible(b, request, lru)
 
 
-def visible(b, request: list[int]) -> None:
-    """The fleet's tokens in the call's line, the ledger, `kvstore explain` and `remote status`."""
+def visible(b, request: list[int], lru) -> None:
+    """The fleet's tokens in the call's line, the ledger, `kvstore explain` and `remote status`
+    (the call's record reads them from its fetch's record in the store tier, taken once)."""
     from dataclasses import asdict
 
     from helpers import cli
@@ -113,10 +114,12 @@ def visible(b, request: list[int]) -> None:
 
     rec = StatsRecorder("tiny", send=False, verbose=False)
     call = rec.record(label="chat", prompt_tokens=len(request), cached_tokens=512, prefill_s=0.1,
-                      decode_s=0.1, prompt=request)  # fmt: skip
+                      decode_s=0.1, prompt=request,
+                      fleet_tokens=lru.fetch_record(request).fleet)  # fmt: skip
     assert call.fleet_tokens == 512 and "512 from cache (512 from the fleet)" in call.line()
     again = rec.record(label="chat", prompt_tokens=len(request), cached_tokens=512,
-                       prefill_s=0.1, decode_s=0.1, prompt=request)  # fmt: skip
+                       prefill_s=0.1, decode_s=0.1, prompt=request,
+                       fleet_tokens=lru.fetch_record(request).fleet)  # fmt: skip
     assert again.fleet_tokens == 0  # the next call of that prompt: memory's
     row = asdict(call)
     row["reasons"] = list(row["reasons"])

@@ -13,7 +13,10 @@ back to it) and uploads it; with read-through on, another box's miss asks the bu
 
 Modes: read-through off (`[remote] download = false`), on, and on through a throttled link (the
 proxy moves THROTTLE_BPS bytes a second towards the boxes and waits THROTTLE_DELAY_S before
-each request: slower than this machine prefills, so the cost rule declines). Per mode, summed
+each request: slower than this machine prefills, so the cost rule declines). Each mode is a fleet
+of its own (its boxes, proxy and bucket prefix), all running at once; their rounds are
+interleaved, the order rotated each round, so a shared machine's load falls on every mode alike
+(requests are sent one at a time). Per mode, summed
 over the fleet: prefilled tokens (each reply's usage: prompt tokens less
 `prompt_tokens_details.cached_tokens`), tokens served by source (each serve's `/metrics`
 `kvstore_prompt_tokens_total`), bytes fetched and read-through asks (its
@@ -39,8 +42,9 @@ import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.learned import Server, _daemon_stats, _kv, free_port, running_daemon
 
@@ -199,35 +203,58 @@ def _metrics(server: Server) -> dict[str, float]:
     return out
 
 
-def replay(servers: list[Server], homes: list[Path], plan: Script, cfg: dict, proxy) -> list:
-    """Every chat's turn t on box (chat + t) mod N, round by round; the fleet settles between."""
-    rows = []
-    for t in range(cfg["turns"]):
+@dataclass
+class Mode:
+    """One mode's fleet: its boxes' homes and servers, its proxy, its rows so far."""
+
+    name: str
+    homes: list[Path]
+    servers: list[Server]
+    proxy: Any
+    before: int = 0  # the proxy's count when the replay began
+    rows: list = field(default_factory=list)
+
+    def round(self, plan: Script, cfg: dict, t: int) -> None:
+        """Every chat's turn t on box (chat + t) mod N; then the fleet settles."""
         for c in range(cfg["chats"]):
-            b = (c + t) % len(servers)
-            rows.append(dict(stream_chat(servers[b], plan.messages(c, t)), box=b, chat=c, turn=t))
-        settle(homes, proxy)
-    return rows
+            b = (c + t) % len(self.servers)
+            reply = stream_chat(self.servers[b], plan.messages(c, t))
+            self.rows.append(dict(reply, box=b, chat=c, turn=t))
+        settle(self.homes, self.proxy)
+
+    def figures(self) -> dict:
+        metrics = [_metrics(s) for s in self.servers]
+        return figures(self.rows, metrics, self.proxy.requests - self.before,
+                       self.proxy.snapshot())  # fmt: skip
 
 
-def run_mode(name: str, root: Path, *, weed, model: Path, plan: Script, cfg: dict,
-             key: str) -> dict:  # fmt: skip
+@contextmanager
+def mode_fleet(name: str, root: Path, *, weed, model: Path, cfg: dict, key: str):
+    """`name`'s boxes, running and settled, behind a proxy of their own, on a bucket prefix of
+    their own (nothing learned is shared between modes)."""
     from bench.s3proxy import S3Proxy
 
     read_through, bps, delay = MODES[name]
     proxy = S3Proxy(weed.ports["s3"], bps=bps, delay=delay)
-    prefix = "rt-" + secrets.token_hex(4)  # each mode its own bucket namespace
+    prefix = "rt-" + secrets.token_hex(4)
     homes = [_home(root / f"box{i}", proxy.endpoint, key, block=cfg["block"],
                    download=read_through, prefix=prefix) for i in range(cfg["boxes"])]  # fmt: skip
     try:
         with fleet(homes, model, root) as servers:
-            settle(homes, proxy)  # whatever the boxes ask the bucket at their start
-            before = proxy.requests
-            rows = replay(servers, homes, plan, cfg, proxy)
-            metrics = [_metrics(s) for s in servers]
+            yield Mode(name, homes, servers, proxy)
     finally:
         proxy.close()
-    return figures(rows, metrics, proxy.requests - before, proxy.snapshot())
+
+
+def replay(modes: list[Mode], plan: Script, cfg: dict) -> None:
+    """Round by round, the modes interleaved (their order rotated each round), so a shared
+    machine's load drifts over all of them alike."""
+    for m in modes:
+        settle(m.homes, m.proxy)  # whatever the boxes asked the bucket at their start
+        m.before = m.proxy.requests
+    for t in range(cfg["turns"]):
+        for m in modes[t % len(modes) :] + modes[: t % len(modes)]:
+            m.round(plan, cfg, t)
 
 
 def _sum(metrics: list[dict], name: str) -> float:
@@ -289,9 +316,12 @@ def run(quick: bool, modes: tuple[str, ...] = tuple(MODES), keep: Path | None = 
         weed = Weed(root / "weed").start()
         try:
             key = secrets.token_hex(32)
-            for i, name in enumerate(modes):
-                out[name] = run_mode(name, root / f"mode{i}", weed=weed, model=model,
-                                     plan=plan, cfg=cfg, key=key)  # fmt: skip
+            with ExitStack() as stack:
+                fleets = [stack.enter_context(mode_fleet(name, root / f"mode{i}", weed=weed,
+                                                         model=model, cfg=cfg, key=key))
+                          for i, name in enumerate(modes)]  # fmt: skip
+                replay(fleets, plan, cfg)
+                out.update((m.name, m.figures()) for m in fleets)
         finally:
             weed.stop()
     return out

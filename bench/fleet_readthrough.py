@@ -13,16 +13,16 @@ back to it) and uploads it; with read-through on, another box's miss asks the bu
 
 Modes: read-through off (`[remote] download = false`), on, and on through a throttled link (the
 proxy moves THROTTLE_BPS bytes a second towards the boxes and waits THROTTLE_DELAY_S before
-each request: slower than this machine prefills, so the cost rule declines). Each mode is a fleet
-of its own (its boxes, proxy and bucket prefix), all running at once; their rounds are
-interleaved, the order rotated each round, so a shared machine's load falls on every mode alike
-(requests are sent one at a time). Per mode, summed
-over the fleet: prefilled tokens (each reply's usage: prompt tokens less
-`prompt_tokens_details.cached_tokens`), tokens served by source (each serve's `/metrics`
-`kvstore_prompt_tokens_total`), bytes fetched and read-through asks (its
-`kvstore_fleet_*` counters), every bucket request (the proxy's count: uploads included) per
-served request, and mean / median time to first token; first, this machine's prefill rate
-(the regime the cost rule compares against).
+each request: slower than this machine prefills, so a fetch loses: abandoned at its deadline, the
+expected prefill, or declined once the link is measured). Each mode is a fleet of its own (its
+boxes, proxy and bucket prefix), all running at once; their rounds are interleaved, the order
+rotated each round, so a shared machine's load falls on every mode alike (requests are sent one
+at a time). Per mode, summed over the fleet: prefilled tokens (each reply's usage: prompt tokens
+less `prompt_tokens_details.cached_tokens`), tokens served by source (each serve's `/metrics`
+`kvstore_prompt_tokens_total`), bytes fetched and read-through asks (its `kvstore_fleet_*`
+counters), every bucket request (the proxy's count: uploads included) per served request, and
+mean / median time to first token; first, this machine's prefill rate (the regime the cost rule
+compares against).
 
     python -m bench.fleet_readthrough              # 3 boxes, 6 chats x 5 turns, 2 system prompts
     python -m bench.fleet_readthrough --quick      # 2 boxes, 2 chats x 4 turns, 1 system prompt

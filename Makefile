@@ -89,11 +89,12 @@ bench-peer: $(STAMP)
 	  || echo "bench-peer: the install of vllm-mlx 0.6.0 into $(PEER_VENV) failed (above)"; }
 	KVSTORE_PEER_VENV=$(abspath $(PEER_VENV)) $(PY) -m bench.run --quick --only peer --out peer
 
-# issue 32: boxes behind a round-robin balancer over one real weed, read-through off, on and through
-# a throttled link (docs/fleet.md); QUICK=1 is 2 boxes, 3 chats of 2 turns
+# issue 32: boxes (each its own daemon and `kvstore serve`) behind a round-robin balancer over one
+# real weed, read-through off, on and through a throttled link (docs/fleet.md); QUICK=1 is 2 boxes,
+# 2 chats of 4 turns; OUT=DIR also writes DIR/fleet-readthrough.{json,txt}
 .PHONY: bench-readthrough
 bench-readthrough: $(STAMP)
-	$(PY) -m bench.fleet_readthrough $(if $(QUICK),--quick)
+	$(PY) -m bench.fleet_readthrough $(if $(QUICK),--quick) $(if $(OUT),--out $(OUT))
 
 # the restart path at Qwen3.5-9B's shapes (8-bit random weights made on the spot), for an
 # accelerator: `make bench-gpu` here, or `OUT=DIR bash bench/gpu_device.sh` on a CUDA box (it makes

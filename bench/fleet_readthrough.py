@@ -1,87 +1,106 @@
-"""Fleet read-through on a request's miss (issue 32): N boxes behind a round-robin balancer
-replay C chats that share one system prompt; each chat's next turn lands on the next box, so
-it continues a transcript another box served. With read-through the box asks the fleet for the
-transcript before prefilling; without it, it prefills what its own memory lacks.
+"""Fleet read-through on a request's miss (issue 32), measured on real processes: N boxes, each a
+home with its own `kvstore daemon` and its own `kvstore serve` (mlx-lm's OpenAI-compatible
+server underneath), over one real SeaweedFS server (`weed mini`) behind a counting proxy. A
+round-robin balancer replays C chats that share system prompts over HTTP (streaming: time to
+first token is the first content chunk), each chat's next turn on the next box, so a turn
+continues a transcript another box served. Assistant replies are fixed text, so every prompt
+extends the chat's previous one whatever the random tiny model answers.
 
-Each box is a home with its own prompt cache and learner (the library's path, in this one
-process), over one real SeaweedFS server (`weed mini`). No daemons: what a box served is learned
-at once (its records cut and uploaded, as a daemon's learn + write-behind upload do after a
-request recurs), off the clock. Reported per mode: fleet-wide prefilled tokens, bytes fetched,
-bucket requests per served request, mean and p50 time to first token (fetch + prefill of the
-rest), and this machine's prefill rate (the regime the cost rule compares against).
+Between rounds (every chat's next turn) the balancer waits until the fleet is quiet (the daemons'
+learning and write-behind uploads done: a user's think time). A box learns a prefix that recurs
+on it (the shared system prompt after two chats; a chat's turn when its own earlier turn came
+back to it) and uploads it; with read-through on, another box's miss asks the bucket first.
 
-    python -m bench.fleet_readthrough            # 3 boxes, 6 chats x 3 turns, tiny llama
-    python -m bench.fleet_readthrough --quick    # 2 boxes, 3 chats x 2 turns
+Modes: read-through off (`[remote] download = false`), on, and on through a throttled link (the
+proxy moves THROTTLE_BPS bytes a second towards the boxes and waits THROTTLE_DELAY_S before
+each request: slower than this machine prefills, so a fetch loses: abandoned at its deadline, the
+expected prefill, or declined once the link is measured). Each mode is a fleet of its own (its
+boxes, proxy and bucket prefix), all running at once; their rounds are interleaved, the order
+rotated each round, so a shared machine's load falls on every mode alike (requests are sent one
+at a time). Per mode, summed over the fleet: prefilled tokens (each reply's usage: prompt tokens
+less `prompt_tokens_details.cached_tokens`), tokens served by source (each serve's `/metrics`
+`kvstore_prompt_tokens_total`), bytes fetched and read-through asks (its `kvstore_fleet_*`
+counters), every bucket request (the proxy's count: uploads included) per served request, and
+mean / median time to first token; first, this machine's prefill rate (the regime the cost rule
+compares against).
+
+    python -m bench.fleet_readthrough              # 3 boxes, 6 chats x 5 turns, 2 system prompts
+    python -m bench.fleet_readthrough --quick      # 2 boxes, 2 chats x 4 turns, 1 system prompt
+    python -m bench.fleet_readthrough --out DIR    # also DIR/fleet-readthrough.{json,txt}
+    python -m bench.fleet_readthrough --modes on,throttled --keep DIR   # some modes; logs kept
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import secrets
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-SYSTEM_TOKENS = 600
-TURN_TOKENS = 300
+from bench.learned import Server, _daemon_stats, _kv, free_port, running_daemon
+
+FULL = dict(boxes=3, chats=6, turns=5, block=256, system=600, turn=300, systems=2)
+QUICK = dict(boxes=2, chats=2, turns=4, block=256, system=600, turn=300, systems=1)
+REPLY_TOKENS = 40  # each turn's fixed assistant reply
+MAX_TOKENS = 2  # generated per request: the first token is what is timed
 THROTTLE_BPS = 100_000.0  # bytes a second towards the box: slower than this VM prefills
 THROTTLE_DELAY_S = 0.02  # added to each request's way to the server
+QUIET_S = 1.5  # the fleet is settled when nothing changed for this long
+SETTLE_TIMEOUT = 90.0
+MODES = {"off": (False, 0.0, 0.0), "on": (True, 0.0, 0.0),
+         "throttled": (True, THROTTLE_BPS, THROTTLE_DELAY_S)}  # fmt: skip
+LABELS = {"off": "read-through off", "on": "read-through on", "throttled": "on, throttled link"}
+WORDS = (
+    "invoice order parcel account password export team wiki page guide shipping refund plan "
+    "support ticket customer data report billing update login region quota backup"
+).split()
 
 
-class Throttle:
-    """A TCP proxy in front of the S3 port that moves at most `bps` bytes a second towards the
-    client and waits `delay` seconds before each chunk it forwards to the server: a slow LAN."""
-
-    def __init__(self, target_port: int, *, bps: float, delay: float = 0.0):
-        import socket
-        import threading
-
-        self.target, self.bps, self.delay = target_port, bps, delay
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while True:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.target))
-            threading.Thread(target=self._pump, args=(client, server, 0, self.delay),
-                             daemon=True).start()  # fmt: skip
-            threading.Thread(target=self._pump, args=(server, client, self.bps, 0),
-                             daemon=True).start()  # fmt: skip
-
-    @staticmethod
-    def _pump(src, dst, bps: float, delay: float) -> None:
-        try:
-            while chunk := src.recv(16384):
-                if delay:
-                    time.sleep(delay)
-                dst.sendall(chunk)
-                if bps:
-                    time.sleep(len(chunk) / bps)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
+def _text(tok, target: int, seed: int) -> str:
+    """Words (a fixed random choice) whose tokens are about `target`."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    while len(tok.encode(" ".join(words))) < target:
+        words += [rng.choice(WORDS) for _ in range(8)]
+    return " ".join(words)
 
 
-def _home(home: Path, server, key: str) -> Path:
+@dataclass
+class Script:
+    """What the balancer sends: every chat's system prompt, user turns and fixed replies."""
+
+    systems: list[str]
+    users: dict[int, list[str]]
+    replies: dict[int, list[str]]
+
+    def messages(self, chat: int, turn: int) -> list[dict]:
+        msgs = [{"role": "system", "content": self.systems[chat % len(self.systems)]}]
+        for t in range(turn + 1):
+            if t:
+                msgs.append({"role": "assistant", "content": self.replies[chat][t - 1]})
+            msgs.append({"role": "user", "content": self.users[chat][t]})
+        return msgs
+
+
+def script(tok, cfg: dict) -> Script:
+    chats, turns = range(cfg["chats"]), range(cfg["turns"])
+    return Script(
+        systems=[_text(tok, cfg["system"], 1 + s) for s in range(cfg["systems"])],
+        users={c: [_text(tok, cfg["turn"], 100 * c + t + 10) for t in turns] for c in chats},
+        replies={c: [_text(tok, REPLY_TOKENS, 100 * c + t + 60) for t in turns] for c in chats},
+    )
+
+
+def _home(home: Path, endpoint: str, key: str, *, block: int, download: bool, prefix: str) -> Path:
     from bench.weed import ACCESS_KEY, BUCKET, SECRET_KEY
 
     home.mkdir(parents=True, mode=0o700)
@@ -90,156 +109,267 @@ def _home(home: Path, server, key: str) -> Path:
                      f'fleet_key = "{key}"\n')  # fmt: skip
     creds.chmod(0o600)
     (home / "settings.toml").write_text(
-        f'[remote]\nendpoint = "{server.endpoint}"\nbucket = "{BUCKET}"\nprefix = "rt"\n'
-        f'credentials = "{creds}"\n'
+        f"block_tokens = {block}\n[remote]\n"
+        f'endpoint = "{endpoint}"\nbucket = "{BUCKET}"\nprefix = "{prefix}"\n'
+        f'credentials = "{creds}"\ndownload = {str(download).lower()}\nretry_interval = 1.0\n'
     )
     return home
 
 
-def _tokens(n: int, seed: int) -> list[int]:
-    return [(7919 * seed + 31 * i) % 400 + 3 for i in range(n)]
-
-
-def _learn(home: Path, fp: bytes, model_path: Path, prompt: list[int], cache: list) -> None:
-    """What the box's daemon would do: store the prompt's records and upload them."""
-    from kvstore.fleet.learned import push_records
-    from kvstore.fleet.objects import Remote
-    from kvstore.fleet.remote_settings import remote_settings
-    from kvstore.home.settings import load_settings
-    from kvstore.learned.blockstore import BlockStore
-    from kvstore.learned.chain import cuts
-    from kvstore.learned.records import slice_record
-    from kvstore.store.store import Store
-
-    rows = [(s, e, slice_record(cache, s, e)) for s, e in cuts(0, len(prompt))]
-    with Store(home) as store:
-        BlockStore(store).put_records(fp, prompt, rows, label="learned",
-                                      extra={"model": str(model_path)})  # fmt: skip
-        push_records(Remote(remote_settings(load_settings(home), home)), store, say=lambda s: None)
-
-
-def _sample(name: str) -> float:
-    from kvstore import metrics
-
-    return metrics.REGISTRY.get_sample_value(name, {}) or 0.0
-
-
-OUTCOMES = ("fetched", "miss", "slower", "abandoned", "refused", "error")
-
-
-def _outcome(name: str) -> float:
-    from kvstore import metrics
-
-    return metrics.REGISTRY.get_sample_value("kvstore_fleet_reads_total", {"outcome": name}) or 0
-
-
-def run(*, boxes: int, chats: int, turns: int, read_through: bool, root: Path, server,
-        model, model_path: Path, key: str, via=None) -> dict:  # fmt: skip
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kvstore.client.learn import Learner, LearnTarget
-    from kvstore.client.persistent import PinnedPromptCache
-
-    fp = secrets.token_bytes(16)  # a fresh model identity per mode: nothing shared between them
-    homes = [_home(root / f"box{i}", via or server, key) for i in range(boxes)]
-    learned = root / "learned"  # the boxes' learning, one store (what their daemons keep)
-    _home(learned, server, key)
-    lrus, learners = [], []
-    for h in homes:
-        lru, learner = PinnedPromptCache(max_size=64), Learner(h, learn=False)
-        learner.add_target("m", LearnTarget(fingerprint=fp, model=str(model_path),
-                                            model_obj=model, extra={}))  # fmt: skip
-        learner.fleet.on = read_through
-        lru.learner = learner
-        lrus.append(lru)
-        learners.append(learner)
-    system = _tokens(SYSTEM_TOKENS, 1)
-    transcripts = {c: list(system) for c in range(chats)}
-    trips0, bytes0 = (
-        _sample("kvstore_fleet_round_trips_total"),
-        _sample("kvstore_fleet_fetch_bytes_total"),
+@contextmanager
+def fleet(homes: list[Path], model: Path, logs: Path):
+    """Each home's daemon (started first, answering), then each home's `kvstore serve`, spawned
+    together and ready (`/v1/models` answers); all stopped at the end."""
+    hub = logs / "hf-hub"  # mlx-lm's /v1/models lists the hub cache: an empty one of its own
+    hub.mkdir(exist_ok=True)
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_CACHE=str(hub)
     )
-    outcomes0 = {o: _outcome(o) for o in OUTCOMES}
-    prefilled, ttft, requests = 0, [], 0
-    for t in range(turns):
-        for c in range(chats):
-            b = (c + t) % boxes  # round robin: a chat's next turn lands on the next box
-            prompt = transcripts[c] + _tokens(TURN_TOKENS, 100 * c + t + 2)
-            t0 = time.perf_counter()
-            cache, rest = lrus[b].fetch_nearest_cache("m", prompt)
-            cache = cache if cache is not None else make_prompt_cache(model)
-            logits = model(mx.array(rest)[None], cache=cache)
-            mx.eval(logits)
-            ttft.append(time.perf_counter() - t0)
-            prefilled += len(rest)
-            requests += 1
-            lrus[b].insert_cache("m", prompt, cache)
-            _learn(learned, fp, model_path, prompt, cache)
-            transcripts[c] = prompt
-    for learner in learners:
-        learner.close(timeout=5.0)
+    with ExitStack() as stack:
+        for i, h in enumerate(homes):
+            stack.enter_context(running_daemon(h, logs / f"daemon{i}.log", env))
+        servers = []
+        for i, h in enumerate(homes):
+            port = free_port()
+            argv = _kv("serve", "--home", str(h), "--model", str(model), "--port", str(port))
+            s = Server(argv, port, logs / f"serve{i}.log", env)
+            stack.callback(s.stop)
+            servers.append(s)
+        for s in servers:
+            s.wait_ready("/v1/models")
+        yield servers
+
+
+def stream_chat(server: Server, messages: list[dict]) -> dict:
+    """One streamed completion: seconds to its first content chunk, and its usage."""
+    body = dict(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+                stream_options={"include_usage": True})  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t, ttft, usage = time.perf_counter(), None, {}
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):
+                ttft = time.perf_counter() - t
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return {"ttft_s": ttft if ttft is not None else time.perf_counter() - t,
+            "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+            "cached_tokens": int(details.get("cached_tokens") or 0)}  # fmt: skip
+
+
+def _queued(home: Path) -> int:
+    from kvstore.fleet.queue import UploadQueue
+
+    q = UploadQueue(home)
+    try:
+        c = q.counts()
+    finally:
+        q.close()
+    return c["queued"] + c["records_queued"]
+
+
+def settle(homes: list[Path], proxy) -> float:
+    """Wait until the daemons' learning and uploads are done (nothing queued, and neither their
+    learned records nor the bucket's request count changed for QUIET_S); seconds waited."""
+    t0 = time.monotonic()
+    last, since = None, t0
+    while time.monotonic() - t0 < SETTLE_TIMEOUT:
+        learned = [(_daemon_stats(h).get("learned") or {}).get("records") for h in homes]
+        state = (learned, proxy.requests, sum(_queued(h) for h in homes))
+        if state != last:
+            last, since = state, time.monotonic()
+        elif not state[2] and time.monotonic() - since >= QUIET_S:
+            break
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    """The samples of a serve's `/metrics` this benchmark reads (name with labels -> value)."""
+    _, body = server._get("/metrics")
+    out = {}
+    for line in body.decode().splitlines():
+        if line.startswith(("kvstore_prompt_tokens_total", "kvstore_fleet_")):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@dataclass
+class Mode:
+    """One mode's fleet: its boxes' homes and servers, its proxy, its rows so far."""
+
+    name: str
+    homes: list[Path]
+    servers: list[Server]
+    proxy: Any
+    before: int = 0  # the proxy's count when the replay began
+    rows: list = field(default_factory=list)
+
+    def round(self, plan: Script, cfg: dict, t: int) -> None:
+        """Every chat's turn t on box (chat + t) mod N; then the fleet settles."""
+        for c in range(cfg["chats"]):
+            b = (c + t) % len(self.servers)
+            reply = stream_chat(self.servers[b], plan.messages(c, t))
+            self.rows.append(dict(reply, box=b, chat=c, turn=t))
+        settle(self.homes, self.proxy)
+
+    def figures(self) -> dict:
+        metrics = [_metrics(s) for s in self.servers]
+        return figures(self.rows, metrics, self.proxy.requests - self.before,
+                       self.proxy.snapshot())  # fmt: skip
+
+
+@contextmanager
+def mode_fleet(name: str, root: Path, *, weed, model: Path, cfg: dict, key: str):
+    """`name`'s boxes, running and settled, behind a proxy of their own, on a bucket prefix of
+    their own (nothing learned is shared between modes)."""
+    from bench.s3proxy import S3Proxy
+
+    read_through, bps, delay = MODES[name]
+    proxy = S3Proxy(weed.ports["s3"], bps=bps, delay=delay)
+    prefix = "rt-" + secrets.token_hex(4)
+    homes = [_home(root / f"box{i}", proxy.endpoint, key, block=cfg["block"],
+                   download=read_through, prefix=prefix) for i in range(cfg["boxes"])]  # fmt: skip
+    try:
+        with fleet(homes, model, root) as servers:
+            yield Mode(name, homes, servers, proxy)
+    finally:
+        proxy.close()
+
+
+def replay(modes: list[Mode], plan: Script, cfg: dict) -> None:
+    """Round by round, the modes interleaved (their order rotated each round), so a shared
+    machine's load drifts over all of them alike."""
+    for m in modes:
+        settle(m.homes, m.proxy)  # whatever the boxes asked the bucket at their start
+        m.before = m.proxy.requests
+    for t in range(cfg["turns"]):
+        for m in modes[t % len(modes) :] + modes[: t % len(modes)]:
+            m.round(plan, cfg, t)
+
+
+def _sum(metrics: list[dict], name: str) -> float:
+    return sum(m.get(name, 0.0) for m in metrics)
+
+
+def figures(rows: list[dict], metrics: list[dict], bucket_requests: int, proxied: dict) -> dict:
+    n = len(rows)
+    ttft = [r["ttft_s"] for r in rows]
+    sources = ("memory", "store", "fleet", "prefill")
+    outcomes = ("fetched", "miss", "slower", "abandoned", "refused", "error")
     return {
-        "read_through": read_through,
-        "requests": requests,
-        "prefilled_tokens": prefilled,
-        "fetched_bytes": int(_sample("kvstore_fleet_fetch_bytes_total") - bytes0),
-        "bucket_requests_per_request": (_sample("kvstore_fleet_round_trips_total") - trips0)
-        / requests,
+        "requests": n,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "prefilled_tokens": sum(r["prompt_tokens"] - r["cached_tokens"] for r in rows),
+        "tokens_by_source": {
+            s: int(_sum(metrics, f'kvstore_prompt_tokens_total{{source="{s}"}}')) for s in sources
+        },
+        "fetched_bytes": int(_sum(metrics, "kvstore_fleet_fetch_bytes_total")),
+        "read_through_requests_per_request": _sum(metrics, "kvstore_fleet_round_trips_total") / n,
+        "bucket_requests_per_request": bucket_requests / n,
+        "bucket": proxied,
+        "reads": {
+            o: int(_sum(metrics, f'kvstore_fleet_reads_total{{outcome="{o}"}}')) for o in outcomes
+        },  # fmt: skip
         "ttft_mean_s": statistics.mean(ttft),
         "ttft_p50_s": statistics.median(ttft),
-        "reads": {o: int(_outcome(o) - outcomes0[o]) for o in OUTCOMES},
+        "per_request": rows,
     }
 
 
-def prefill_rate(model, n: int = 1024) -> float:
+def prefill_rate(model_path: Path, n: int = 1024) -> float:
+    """This machine's prefill rate of the model, tokens a second (in this process, alone)."""
     import mlx.core as mx
+    from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
+    model, _ = load(str(model_path))
+    ids = mx.array([[(31 * i) % 400 + 3 for i in range(n)]])
+    mx.eval(model(ids[:, :64], cache=make_prompt_cache(model)))  # the first kernels
     cache = make_prompt_cache(model)
     t = time.perf_counter()
-    mx.eval(model(mx.array(_tokens(n, 9))[None], cache=cache))
+    mx.eval(model(ids, cache=cache))
     return n / (time.perf_counter() - t)
 
 
-def main() -> int:
-    from mlx_lm import load
+def run(quick: bool, modes: tuple[str, ...] = tuple(MODES), keep: Path | None = None) -> dict:
+    from mlx_lm.utils import load_tokenizer
 
     from bench.weed import Weed
     from kvstore.tiny import make_tiny_model
 
-    quick = "--quick" in sys.argv
-    boxes, chats, turns = (2, 3, 2) if quick else (3, 6, 3)
+    cfg = dict(QUICK if quick else FULL)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        server = Weed(root / "weed").start()
+        root = keep or Path(tmp)  # keep: the homes and logs stay there
+        model = make_tiny_model(root / "model", "llama").resolve()
+        plan = script(load_tokenizer(model), cfg)
+        out: dict = {"config": cfg, "prefill_tokens_per_s": prefill_rate(model)}
+        weed = Weed(root / "weed").start()
         try:
-            path = make_tiny_model(root / "model", "llama")
-            model, _ = load(str(path))
             key = secrets.token_hex(32)
-            out = {"boxes": boxes, "chats": chats, "turns": turns,
-                   "prefill_tokens_per_s": prefill_rate(model)}  # fmt: skip
-            for rt in (False, True):
-                out["on" if rt else "off"] = run(
-                    boxes=boxes, chats=chats, turns=turns, read_through=rt,
-                    root=root / ("on" if rt else "off"), server=server, model=model,
-                    model_path=path, key=key,
-                )  # fmt: skip
-            # a slow link (THROTTLE_BPS, THROTTLE_DELAY_S a request): the cost rule declines
-            slow = Throttle(server.ports["s3"], bps=THROTTLE_BPS, delay=THROTTLE_DELAY_S)
-            try:
-                out["on_throttled"] = run(
-                    boxes=boxes, chats=chats, turns=turns, read_through=True,
-                    root=root / "slow", server=server, model=model, model_path=path, key=key,
-                    via=slow,
-                )  # fmt: skip
-            finally:
-                slow.close()
+            with ExitStack() as stack:
+                fleets = [stack.enter_context(mode_fleet(name, root / f"mode{i}", weed=weed,
+                                                         model=model, cfg=cfg, key=key))
+                          for i, name in enumerate(modes)]  # fmt: skip
+                replay(fleets, plan, cfg)
+                out.update((m.name, m.figures()) for m in fleets)
         finally:
-            server.stop()
-    print(json.dumps(out, indent=1))
+            weed.stop()
+    return out
+
+
+def table(res: dict) -> str:
+    cfg = res["config"]
+    lines = [
+        f"regime: this machine prefills the tiny llama at {res['prefill_tokens_per_s']:.0f} "
+        f"tokens/s; {cfg['boxes']} boxes (each its daemon and kvstore serve), {cfg['chats']} chats"
+        f" x {cfg['turns']} turns, {cfg['systems']} shared system prompt(s) of ~{cfg['system']}"
+        f" tokens, turns of ~{cfg['turn']}, blocks of {cfg['block']}; throttled: "
+        f"{THROTTLE_BPS / 1000:.0f} kB/s, {THROTTLE_DELAY_S * 1000:.0f} ms a request",
+        "| mode | prefilled tokens | served: memory / store / fleet | bytes fetched "
+        "| bucket requests per request: all / read-through "
+        "| asks: fetched / miss / slower / abandoned "
+        "| TTFT mean / p50 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in MODES:
+        if name not in res:
+            continue
+        m, s, r = res[name], res[name]["tokens_by_source"], res[name]["reads"]
+        lines.append(
+            f"| {LABELS[name]} | {m['prefilled_tokens']:,} of {m['prompt_tokens']:,} "
+            f"| {s['memory']:,} / {s['store']:,} / {s['fleet']:,} "
+            f"| {m['fetched_bytes'] / 1e6:.1f} MB "
+            f"| {m['bucket_requests_per_request']:.1f} / "
+            f"{m['read_through_requests_per_request']:.1f} "
+            f"| {r['fetched']} / {r['miss']} / {r['slower']} / {r['abandoned']} "
+            f"| {m['ttft_mean_s']:.2f} / {m['ttft_p50_s']:.2f} s |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    modes = tuple(argv[argv.index("--modes") + 1].split(",")) if "--modes" in argv else MODES
+    keep = Path(argv[argv.index("--keep") + 1]) if "--keep" in argv else None
+    res = run("--quick" in argv, tuple(modes), keep)
+    text = table(res)
+    print(text)
+    if "--out" in argv:
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fleet-readthrough.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / "fleet-readthrough.txt").write_text(text + "\n")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

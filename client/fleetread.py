@@ -33,6 +33,7 @@ log = logging.getLogger("kvstore.client")
 QUARANTINE_S = 60.0  # seconds between reads of this home's quarantined uploaders
 FRAME_BYTES = 32 * 2**20  # record blobs per put_blocks request, at most
 TOTALS_S = 5.0  # seconds between writes of this process's totals (`kvstore remote status`)
+RATE_S = 5.0  # seconds between reads of the ledger while it has no prefill rate for a model
 
 
 class FleetReads:
@@ -44,6 +45,7 @@ class FleetReads:
         self.on = True  # False once found off (no [remote], no download, no fleet key)
         self.reader: ReadThrough | None = None
         self._rates: dict[str, float | None] = {}  # model -> prefill tokens/s on this box
+        self._rates_read: dict[str, float] = {}  # model -> when the ledger was last read for it
         self._quarantined: dict[str, str] = {}
         self._quarantine_read = -1e9
         self._said: set[str] = set()
@@ -97,13 +99,17 @@ class FleetReads:
         return self._quarantined
 
     def prefill_rate(self, model: str) -> float | None:
-        """Tokens a second this box prefills `model` at: the ledger's, else its own checks'."""
-        if model not in self._rates:
+        """Tokens a second this box prefills `model` at: the ledger's, else its own checks'. A
+        fresh home's ledger has none at the first ask: it is read again (every RATE_S) until it
+        has, so a long-running server's cost rule and deadline learn its own prefills."""
+        now = time.monotonic()
+        if self._rates.get(model) is None and now - self._rates_read.get(model, -1e9) >= RATE_S:
             from kvstore.fleet.fetch import ledger_rate
             from kvstore.home.ledger import Ledger
 
+            self._rates_read[model] = now
             self._rates[model] = ledger_rate(Ledger(self.home), model)
-        return self._rates[model]
+        return self._rates.get(model)
 
     def restore(
         self, target: Any, tokens: Sequence[int], served: int, local: Any, cold: Any

@@ -54,6 +54,8 @@ class Verdict:
     ok: bool
     what: str  # "first 64 of 148 tokens: difference 1.2e-4, tolerance 7.8e-3"
     seconds: float
+    prefilled: int = 0  # tokens the check prefilled (in prefill_seconds): a prefill rate
+    prefill_seconds: float = 0.0
 
 
 def pending(meta: EntryMeta) -> bool:
@@ -190,32 +192,89 @@ def check_cache(
     return Verdict(ok, what, time.perf_counter() - t)
 
 
-def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob) -> Verdict:
-    """The check of a learned chain's first record ([0, end) of `token_ids`): its KV layers
-    against those of this model's prefill of the first CHECK_TOKENS positions, and past them, for
-    a record of plain KV layers (a state layout's records hold its KV layers only: no step can
-    run on them), one decoding step at each of SPOT_CHECKS positions drawn at random."""
-    from kvstore.learned.records import kv_layers
+def check_chain(
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    cache: list,
+    start: int,
+    *,
+    positions: list[int] | None = None,
+) -> Verdict:
+    """The check of a fetched stretch [start, n) of a learned chain's assembled cache (`cache`:
+    the KV of all n = len(`token_ids`) positions, the records this box holds before `start`
+    and the fetched ones from it; plain KV layers, not quantized): where the stretch starts the
+    chain, its first CHECK_TOKENS positions against this model's prefill; over the rest of the
+    stretch, one decoding step at each of `positions` (default: SPOT_CHECKS drawn at random,
+    spot_positions), each over the whole assembled cache before it. A few single-token steps
+    whatever the chain's length. `cache` is left as it was."""
     from kvstore.warm.kvdiff import kv_difference
     from kvstore.warm.prefill import prefill
 
     t = time.perf_counter()
+    n = len(token_ids)
+    head = min(CHECK_TOKENS, n) if start == 0 else 0
+    parts, ok, took = [], True, 0.0
+    if head:
+        fresh = prefill(model, token_ids[:head], identity=identity)
+        took = time.perf_counter() - t
+        diff, tol = kv_difference(_upto(cache, head, n), fresh)
+        ok = diff <= tol
+        parts.append(f"first {head} of {n} tokens: difference {diff:.3g}, tolerance {tol:.3g}")
+    lo = max(start, head)
+    where = spot_positions(n, start=lo) if positions is None else positions
+    if where:
+        steps = step_check(model, token_ids, cache, where)
+        ok = ok and steps.ok
+        parts.append(f"{steps.what} (of [{lo}, {n}))")
+    what = "; ".join(parts) or f"nothing fetched past {start}"
+    return Verdict(ok, what, time.perf_counter() - t, head, took)
+
+
+def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob) -> Verdict:
+    """The check of one learned record, positions [start, end) of `token_ids` (the chain's
+    tokens up to the record's end; start = end - the positions the record holds). A chain's
+    first record of plain KV layers (not quantized): its first CHECK_TOKENS positions against
+    this model's prefill, and one decoding step at each of SPOT_CHECKS positions drawn at random
+    past them. Otherwise (a state layout's record, which holds its KV layers only, so no step
+    can run on it without the state before it; a record past a chain's start, whose KV before
+    it is not here; quantized KV) the whole of it: this model prefills [0, end) and every
+    position of the record is compared (kvstore.warm.kvdiff), which costs the chain's prefill
+    up to the record's end."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore.learned.records import kv_layers
+
     stored, _ = codec.decode(blob, name="fetched learned record")
-    n = min(len(token_ids), CHECK_TOKENS)
-    fresh = prefill(model, token_ids[:n], identity=identity)
-    if layers := kv_layers(fresh):  # a state layout: its records hold the KV layers only
-        fresh = [fresh[i] for i in layers]
-    steps = None
-    if n < len(token_ids) and (view := _first(stored, n)) is not None:
-        if not layers and identity.kv_bits is None:
-            steps = step_check(model, token_ids, stored, spot_positions(len(token_ids)))
-        stored = view
-    diff, tol = kv_difference(stored, fresh)
-    what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
-    ok = diff <= tol
-    if steps is not None:
-        what, ok = f"{what}; {steps.what}", ok and steps.ok
-    return Verdict(ok, what, time.perf_counter() - t)
+    end = len(token_ids)
+    start = end - (codec.cache_tokens(stored) or 0)
+    plain = not kv_layers(make_prompt_cache(model)) and _first(stored, 0) is not None
+    if start == 0 and plain and identity.kv_bits is None:
+        return check_chain(model, identity, token_ids, stored, 0)
+    return _whole_record(model, identity, token_ids, stored, start)
+
+
+def _whole_record(
+    model: Any, identity: ModelIdentity, token_ids: list[int], stored: list, start: int
+) -> Verdict:
+    """Record positions [start, len(token_ids)) of the cuttable layers against this model's
+    prefill of the whole chain up to them (check_record's full check)."""
+    from kvstore.learned.records import kv_layers, slice_record
+    from kvstore.warm.kvdiff import kv_difference
+    from kvstore.warm.prefill import prefill
+
+    t = time.perf_counter()
+    end = len(token_ids)
+    fresh = prefill(model, token_ids, identity=identity)
+    took = time.perf_counter() - t
+    layers = kv_layers(fresh) or None
+    mine, _ = codec.decode(slice_record(fresh, start, end, layers=layers))
+    diff, tol = kv_difference(stored, mine)
+    what = (f"positions {start}-{end - 1}, all of them, prefilled from 0: difference "
+            f"{diff:.3g}, tolerance {tol:.3g}")  # fmt: skip
+    if layers:
+        what += f" ({len(layers)} of {len(fresh)} layers keep K/V per position)"
+    return Verdict(diff <= tol, what, time.perf_counter() - t, end, took)
 
 
 class SemanticCheck:

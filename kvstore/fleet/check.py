@@ -231,16 +231,24 @@ def check_chain(
     return Verdict(ok, what, time.perf_counter() - t, head, took)
 
 
-def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob) -> Verdict:
+def check_record(
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    blob,
+    *,
+    ends: dict[bytes, list] | None = None,
+) -> Verdict:
     """The check of one learned record, positions [start, end) of `token_ids` (the chain's
     tokens up to the record's end; start = end - the positions the record holds). A chain's
     first record of plain KV layers (not quantized): its first CHECK_TOKENS positions against
     this model's prefill, and one decoding step at each of SPOT_CHECKS positions drawn at random
     past them. Otherwise (a state layout's record, which holds its KV layers only, so no step
     can run on it without the state before it; a record past a chain's start, whose KV before
-    it is not here; quantized KV) the whole of it: this model prefills [0, end) and every
-    position of the record is compared (kvstore.warm.kvdiff), which costs the chain's prefill
-    up to the record's end."""
+    it is not here; quantized KV) the whole of it: this model's own cache of [0, end), prefilled
+    from 0, or continued over [start, end) from its cache at `start` where `ends` (packed chain
+    tokens -> this model's cache at their end, which this check adds to: SemanticCheck keeps
+    the last ENDS_KEPT) holds it, and every position of the record compared."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvstore.learned.records import kv_layers
@@ -251,30 +259,65 @@ def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob
     plain = not kv_layers(make_prompt_cache(model)) and _first(stored, 0) is not None
     if start == 0 and plain and identity.kv_bits is None:
         return check_chain(model, identity, token_ids, stored, 0)
-    return _whole_record(model, identity, token_ids, stored, start)
+    return _whole_record(model, identity, token_ids, stored, start, ends)
+
+
+ENDS_KEPT = 4  # this model's caches at chain ends a SemanticCheck keeps, to continue from
+
+
+def _own_cache(
+    model: Any, identity: ModelIdentity, token_ids: list[int], start: int, ends: dict | None
+) -> tuple[list, int]:
+    """This model's cache of `token_ids`: continued from its own cache at `start` where `ends`
+    holds one (full-precision KV), else prefilled from 0; and the tokens it ran."""
+    import copy as copying
+
+    import mlx.core as mx
+
+    from kvstore import tokens as tk
+    from kvstore.warm.prefill import PREFILL_STEP, prefill
+
+    base = ends.get(tk.pack(token_ids[:start])) if ends is not None and start else None
+    if base is None or identity.kv_bits is not None:
+        return prefill(model, token_ids, identity=identity), len(token_ids)
+    cache = copying.deepcopy(base)
+    for at in range(start, len(token_ids), PREFILL_STEP):
+        model(mx.array(token_ids[at : at + PREFILL_STEP])[None], cache=cache)
+        mx.eval([codec.cache_api.state(c) for c in cache])
+    return cache, len(token_ids) - start
 
 
 def _whole_record(
-    model: Any, identity: ModelIdentity, token_ids: list[int], stored: list, start: int
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    stored: list,
+    start: int,
+    ends: dict | None,
 ) -> Verdict:
-    """Record positions [start, len(token_ids)) of the cuttable layers against this model's
-    prefill of the whole chain up to them (check_record's full check)."""
+    """Record positions [start, len(token_ids)) of the cuttable layers against this model's own
+    cache of the chain up to them (check_record's full check)."""
+    from kvstore import tokens as tk
     from kvstore.learned.records import kv_layers, slice_record
     from kvstore.warm.kvdiff import kv_difference
-    from kvstore.warm.prefill import prefill
 
     t = time.perf_counter()
     end = len(token_ids)
-    fresh = prefill(model, token_ids, identity=identity)
+    fresh, ran = _own_cache(model, identity, token_ids, start, ends)
     took = time.perf_counter() - t
+    if ends is not None:
+        ends[tk.pack(token_ids)] = fresh
+        while len(ends) > ENDS_KEPT:
+            del ends[next(iter(ends))]
     layers = kv_layers(fresh) or None
     mine, _ = codec.decode(slice_record(fresh, start, end, layers=layers))
     diff, tol = kv_difference(stored, mine)
-    what = (f"positions {start}-{end - 1}, all of them, prefilled from 0: difference "
-            f"{diff:.3g}, tolerance {tol:.3g}")  # fmt: skip
+    how = "prefilled from 0" if ran == end else f"continued from {start}"
+    what = (f"positions {start}-{end - 1}, all of them, {how}: difference {diff:.3g}, "
+            f"tolerance {tol:.3g}")  # fmt: skip
     if layers:
         what += f" ({len(layers)} of {len(fresh)} layers keep K/V per position)"
-    return Verdict(diff <= tol, what, time.perf_counter() - t, end, took)
+    return Verdict(diff <= tol, what, time.perf_counter() - t, ran, took)
 
 
 class SemanticCheck:
@@ -285,6 +328,7 @@ class SemanticCheck:
         self.plan = plan
         self._model: Any = model
         self.load_seconds = 0.0
+        self._ends: dict[bytes, list] = {}  # check_record's own caches at chain ends
 
     @property
     def model(self) -> Any:
@@ -302,10 +346,10 @@ class SemanticCheck:
         return check_cache(model, self.plan.spec.identity, token_ids, stored, copy=False)
 
     def record(self, token_ids: list[int], blob: bytes | memoryview) -> Verdict:
-        return check_record(self.model, self.plan.spec.identity, token_ids, blob)
+        return check_record(self.model, self.plan.spec.identity, token_ids, blob, ends=self._ends)
 
     def close(self) -> None:
-        self._model = None
+        self._model, self._ends = None, {}
 
 
 @dataclass

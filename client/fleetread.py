@@ -1,9 +1,11 @@
 """Read-through on a request's miss, the client side: when neither memory nor the local store
 serves a prompt's prefix, ask the fleet (kvstore.fleet.readthrough: lookup, cost rule, deadline,
-breaker, every object verified), check a fetched chain's first record against the model this
-process holds (kvstore.fleet.check, as fetched pins are), assemble it with the local records it
-extends and serve it; the records go to the store through the daemon's put_blocks (write-behind:
-the client never writes the store; without a daemon nothing is stored).
+breaker, every object verified), assemble the fetched records with the local ones they extend,
+check every fetched record against the model this process holds (kvstore.fleet.check.check_chain
+over the assembled cache: decoding steps at positions drawn at random over the whole fetched
+stretch, and the first 64 positions re-prefilled where it starts the chain) and serve it; the
+records go to the store through the daemon's put_blocks (write-behind: the client never writes
+the store; without a daemon nothing is stored).
 
 Called by the learner's restore (kvstore.client.learn) only when at least one whole block of the
 prompt is past what memory and the store serve: a pin hit never enters here. Off without a

@@ -12,6 +12,26 @@ after it: a step attends to every position before it). A mismatch quarantines
 every object of that uploader (kvstore.fleet.queue.UploadQueue.quarantine) until `kvstore remote
 release`.
 
+Learned records. A request's read-through (kvstore.client.fleetread) checks every record it
+fetched, over the cache it assembled from them and the local records they continue
+(`check_chain`): SPOT_CHECKS steps drawn over the whole fetched stretch [start, n), each over
+everything before it, and the first CHECK_TOKENS re-prefilled where the stretch starts the
+chain; a later record, or one continuing a chain this box holds, is stepped like the first.
+`remote pull` checks every record it fetches (`check_record`): a chain's first record of plain
+KV layers the same way; any other (past a chain's start, whose KV before it is not at hand; a
+state layout's, which holds only its attention layers' K/V, so no step can run without the state
+before it; quantized KV) whole: this model's own cache up to the record's end, continued from
+its own cache at the record's start where `ends` kept it (a chain pulled in order costs one
+prefill of it; SemanticCheck keeps the last ENDS_KEPT), else prefilled from 0, every position of
+the record compared. Read-through never serves a state layout (it cannot be cut), so a hybrid's
+learned records come from the fleet by `remote pull` only. Measured (tiny models, 2-core VM):
+see docs/fleet.md, "The semantic check".
+
+Limits: a change to a few positions that no drawn step lands on or after (a stretch is caught
+when any step lands in it or after it); a read-through mismatch cannot name the record that
+differs, so every uploader of the fetched records is quarantined; a record checked whole and
+pulled out of chain order is prefilled from 0 (its check costs the chain's prefill up to it).
+
 Where it runs: `kvstore remote pull` checks before it stores. The warm's read-through (the
 daemon's warms, `kvstore warm`) runs before any model is loaded, so it stores what it fetched
 marked `fleet_check: pending`; the warm checks those with the model when it loads it anyway (other

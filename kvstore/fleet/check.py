@@ -20,17 +20,17 @@ chain; a later record, or one continuing a chain this box holds, is stepped like
 `remote pull` checks every record it fetches (`check_record`): a chain's first record of plain
 KV layers the same way; any other (past a chain's start, whose KV before it is not at hand; a
 state layout's, which holds only its attention layers' K/V, so no step can run without the state
-before it; quantized KV) whole: this model's own cache up to the record's end, continued from
-its own cache at the record's start where `ends` kept it (a chain pulled in order costs one
-prefill of it; SemanticCheck keeps the last ENDS_KEPT), else prefilled from 0, every position of
-the record compared. Read-through never serves a state layout (it cannot be cut), so a hybrid's
-learned records come from the fleet by `remote pull` only. Measured (tiny models, 2-core VM):
-see docs/fleet.md, "The semantic check".
+before it; quantized KV) whole: this model's own cache up to the record's end (one kept of a
+longer chain as it is, one kept of a prefix continued, else prefilled from 0: SemanticCheck
+keeps the last ENDS_KEPT, so a chain pulled in any order costs about one prefill of it), every
+position of the record compared. Read-through never serves a state layout (it cannot be cut),
+so a hybrid's learned records come from the fleet by `remote pull` only. Measured (tiny models,
+2-core VM): docs/fleet.md, "The semantic check".
 
 Limits: a change to a few positions that no drawn step lands on or after (a stretch is caught
 when any step lands in it or after it); a read-through mismatch cannot name the record that
-differs, so every uploader of the fetched records is quarantined; a record checked whole and
-pulled out of chain order is prefilled from 0 (its check costs the chain's prefill up to it).
+differs, so every uploader of the fetched records is quarantined; a record checked whole whose
+chain this check keeps no cache of (a fifth chain pulled between them) is prefilled from 0.
 
 Where it runs: `kvstore remote pull` checks before it stores. The warm's read-through (the
 daemon's warms, `kvstore warm`) runs before any model is loaded, so it stores what it fetched
@@ -265,10 +265,11 @@ def check_record(
     this model's prefill, and one decoding step at each of SPOT_CHECKS positions drawn at random
     past them. Otherwise (a state layout's record, which holds its KV layers only, so no step
     can run on it without the state before it; a record past a chain's start, whose KV before
-    it is not here; quantized KV) the whole of it: this model's own cache of [0, end), prefilled
-    from 0, or continued over [start, end) from its cache at `start` where `ends` (packed chain
-    tokens -> this model's cache at their end, which this check adds to: SemanticCheck keeps
-    the last ENDS_KEPT) holds it, and every position of the record compared."""
+    it is not here; quantized KV) the whole of it: this model's own cache of [0, end) (from
+    `ends`: packed chain tokens -> this model's cache of them, which this check keeps up to date;
+    SemanticCheck keeps the last ENDS_KEPT: one of a longer chain serves as it is, one of a
+    prefix is continued, else it is prefilled from 0), every position of the record compared.
+    A chain's records checked in any order cost about one prefill of the chain."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from kvstore.learned.records import kv_layers
@@ -286,25 +287,36 @@ ENDS_KEPT = 4  # this model's caches at chain ends a SemanticCheck keeps, to con
 
 
 def _own_cache(
-    model: Any, identity: ModelIdentity, token_ids: list[int], start: int, ends: dict | None
-) -> tuple[list, int]:
-    """This model's cache of `token_ids`: continued from its own cache at `start` where `ends`
-    holds one (full-precision KV), else prefilled from 0; and the tokens it ran."""
-    import copy as copying
-
+    model: Any, identity: ModelIdentity, token_ids: list[int], ends: dict | None
+) -> tuple[list, int, str]:
+    """This model's own cache of (at least) `token_ids`, the tokens run for it and how: one `ends`
+    keeps of a chain these tokens start (their KV is in it already), else the one of their
+    longest prefix `ends` keeps continued over the rest (it is kept under the longer tokens
+    instead), else prefilled from 0 (kept). Quantized KV (`kv_bits`) is always prefilled."""
     import mlx.core as mx
 
     from kvstore import tokens as tk
     from kvstore.warm.prefill import PREFILL_STEP, prefill
 
-    base = ends.get(tk.pack(token_ids[:start])) if ends is not None and start else None
-    if base is None or identity.kv_bits is not None:
-        return prefill(model, token_ids, identity=identity), len(token_ids)
-    cache = copying.deepcopy(base)
-    for at in range(start, len(token_ids), PREFILL_STEP):
-        model(mx.array(token_ids[at : at + PREFILL_STEP])[None], cache=cache)
-        mx.eval([codec.cache_api.state(c) for c in cache])
-    return cache, len(token_ids) - start
+    n, packed = len(token_ids), tk.pack(token_ids)
+    if ends is None or identity.kv_bits is not None:
+        return prefill(model, token_ids, identity=identity), n, "prefilled from 0"
+    for kept, cache in ends.items():
+        if kept.startswith(packed):
+            return cache, 0, f"in this model's cache of a chain of {tk.count(kept)} here"
+    base = max((k for k in ends if packed.startswith(k)), key=len, default=None)
+    if base is None:
+        cache, at, how = prefill(model, token_ids, identity=identity), 0, "prefilled from 0"
+    else:
+        cache, at = ends.pop(base), tk.count(base)
+        for i in range(at, n, PREFILL_STEP):
+            model(mx.array(token_ids[i : i + PREFILL_STEP])[None], cache=cache)
+            mx.eval([codec.cache_api.state(c) for c in cache])
+        how = f"continued from {at}"
+    ends[packed] = cache
+    while len(ends) > ENDS_KEPT:
+        del ends[next(iter(ends))]
+    return cache, n - at, how
 
 
 def _whole_record(
@@ -317,22 +329,16 @@ def _whole_record(
 ) -> Verdict:
     """Record positions [start, len(token_ids)) of the cuttable layers against this model's own
     cache of the chain up to them (check_record's full check)."""
-    from kvstore import tokens as tk
     from kvstore.learned.records import kv_layers, slice_record
     from kvstore.warm.kvdiff import kv_difference
 
     t = time.perf_counter()
     end = len(token_ids)
-    fresh, ran = _own_cache(model, identity, token_ids, start, ends)
+    fresh, ran, how = _own_cache(model, identity, token_ids, ends)
     took = time.perf_counter() - t
-    if ends is not None:
-        ends[tk.pack(token_ids)] = fresh
-        while len(ends) > ENDS_KEPT:
-            del ends[next(iter(ends))]
-    layers = kv_layers(fresh) or None
+    layers = None if len(stored) == len(fresh) else kv_layers(fresh) or None
     mine, _ = codec.decode(slice_record(fresh, start, end, layers=layers))
     diff, tol = kv_difference(stored, mine)
-    how = "prefilled from 0" if ran == end else f"continued from {start}"
     what = (f"positions {start}-{end - 1}, all of them, {how}: difference {diff:.3g}, "
             f"tolerance {tol:.3g}")  # fmt: skip
     if layers:

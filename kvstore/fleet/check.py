@@ -24,8 +24,10 @@ before it; quantized KV) whole: this model's own cache up to the record's end (o
 longer chain as it is, one kept of a prefix continued, else prefilled from 0: SemanticCheck
 keeps the last ENDS_KEPT, so a chain pulled in any order costs about one prefill of it), every
 position of the record compared. Read-through never serves a state layout (it cannot be cut),
-so a hybrid's learned records come from the fleet by `remote pull` only. Measured (tiny models,
-2-core VM): docs/fleet.md, "The semantic check".
+so a hybrid's learned records come from the fleet by `remote pull` only, with its state-only
+snapshots (entries whose emptied KV layers are those records), which `check_cache` re-prefills
+whole and compares on the state layers they hold. Measured (tiny models, 2-core VM):
+docs/fleet.md, "The semantic check".
 
 Limits: a change to a few positions that no drawn step lands on or after (a stretch is caught
 when any step lands in it or after it); a read-through mismatch cannot name the record that
@@ -204,12 +206,31 @@ def check_cache(
             trim_prompt_cache(view, n - CHECK_TOKENS)
         stored, n = view, CHECK_TOKENS
     fresh = prefill(model, token_ids[:n], identity=identity)
+    stored, fresh, snapshot = _state_only(stored, fresh)
     diff, tol = kv_difference(stored, fresh)
     what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
+    what += snapshot
     ok = diff <= tol
     if steps is not None:
         what, ok = f"{what}; {steps.what}", ok and steps.ok
     return Verdict(ok, what, time.perf_counter() - t)
+
+
+def _state_only(stored: list, fresh: list) -> tuple[list, list, str]:
+    """A state layout's learned snapshot (kvstore.learned.records.state_part: its KV layers
+    emptied, held as learned records, each checked as a record; the store loads such an entry
+    only where its extra.kv_layers names them, and fills them from the records) compared on the
+    layers it holds; any other cache as it is."""
+    from kvstore.learned.records import kv_layers
+
+    layers = kv_layers(fresh)
+    empty = [i for i, c in enumerate(stored)
+             if type(c).__name__ == "KVCache" and getattr(c, "keys", None) is None]  # fmt: skip
+    if not layers or empty != layers or len(stored) != len(fresh):
+        return stored, fresh, ""
+    keep = [i for i in range(len(fresh)) if i not in set(layers)]
+    note = f" (a state-only snapshot: its {len(layers)} KV layers are learned records)"
+    return [stored[i] for i in keep], [fresh[i] for i in keep], note
 
 
 def check_chain(

@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 import xxhash
 from fleet_boxes import BUCKET, box, remote_of, store_chain
-from helpers import TWO_PINS, cli, manifest_for, mlx_lm_prefill
+from helpers import TWO_PINS, assert_same_kv, cli, manifest_for, mlx_lm_prefill
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -254,3 +254,38 @@ def test_a_chains_records_checked_in_any_order_cost_one_prefill(hybrid_path):
     forged = slice_record(cache, 512, 768, layers=layers)
     v = check_record(model, identity, tokens[:768], forged, ends=ends)
     assert not v.ok and "positions 512-767, all of them, in this model's cache" in v.what, v.what
+
+
+def test_a_hybrids_learned_snapshot_is_pulled_and_served_whole(s3, hybrid_path, tmp_path):
+    """A hybrid box's learned chain as its learner stores it (a state-only snapshot at the
+    prompt's end, its KV layers as records) is pulled by box B, every part checked (the
+    snapshot's state layers against a prefill, the records whole), and B's store serves the
+    whole cache of it; before, the snapshot's emptied KV layers failed the check and its honest
+    uploader was quarantined."""
+    from kvstore.learned.blockstore import load_entry
+    from kvstore.learned.records import state_part
+    from kvstore.store.entry import entry_key, pack_tokens
+
+    model, _ = load(str(hybrid_path))
+    fp = model_fingerprint(str(hybrid_path)).digest
+    manifest = str(manifest_for(tmp_path, hybrid_path, TWO_PINS))
+    tokens = chat(400, seed=53)
+    a = keyed(box(tmp_path / "a", s3))
+    hybrid_chain(a, model, hybrid_path, fp, tokens)
+    cache = mlx_lm_prefill(model, tokens)
+    layers = kv_layers(cache)
+    key = entry_key(fp, tokens)
+    with Store(a) as store:
+        store.put(key, codec.encode(state_part(cache, layers)), tokens=pack_tokens(tokens),
+                  label="learned", model=str(hybrid_path),
+                  classes=codec.cache_classes(cache),
+                  extra={"learned": True, "kv_layers": layers, "kv_block": 256})  # fmt: skip
+    r = cli("remote", "push", "--home", a, code=0)
+    assert "learned records: 2 uploaded" in r.output, r.output
+    b = keyed(box(tmp_path / "b", s3))
+    r = cli("remote", "pull", "--manifest", manifest, "--home", b, code=0)
+    assert "1 fetched and 2 learned records" in r.output and "refused" not in r.output, r.output
+    with Store(b) as store:
+        meta, whole = load_entry(store, key)
+    assert meta.extra.get("uploader") == remote_of(a).settings.box_id
+    assert_same_kv(whole, cache)

@@ -1,11 +1,13 @@
 """Entries another box computed, fetched by a warm's read-through and stored pending their
 semantic check (kvstore.fleet.check), are checked here, by the process that holds the model,
 before they are inserted: at start (kvstore.client.load, PersistentPromptCache, `kvstore serve`
-before it answers), never on a request. One re-prefill of the first CHECK_TOKENS positions per
-entry, once: the verdict goes back to the store (the daemon's `fleet_checked`, else the store
-here), so later starts insert the entry unchecked again only because it passed. An entry that
-fails is not inserted (the app prefills it), is deleted, and its uploader is quarantined. Without
-the model (`hydrate` called without `model=`) a pending entry is skipped, never inserted unchecked.
+before it answers), never on a request. One re-prefill of the first CHECK_TOKENS positions and
+SPOT_CHECKS decoding steps at positions drawn past them per entry (check_cache; a state layout's
+entry is re-prefilled whole), once: the verdict goes back to the store (the daemon's
+`fleet_checked`, else the store here), so later starts insert the entry unchecked again only
+because it passed. An entry that fails is not inserted (the app prefills it), is deleted, and its
+uploader is quarantined. Without the model (`hydrate` called without `model=`) a pending entry
+is skipped, never inserted unchecked.
 """
 
 from __future__ import annotations

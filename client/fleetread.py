@@ -1,9 +1,11 @@
 """Read-through on a request's miss, the client side: when neither memory nor the local store
 serves a prompt's prefix, ask the fleet (kvstore.fleet.readthrough: lookup, cost rule, deadline,
-breaker, every object verified), check a fetched chain's first record against the model this
-process holds (kvstore.fleet.check, as fetched pins are), assemble it with the local records it
-extends and serve it; the records go to the store through the daemon's put_blocks (write-behind:
-the client never writes the store; without a daemon nothing is stored).
+breaker, every object verified), assemble the fetched records with the local ones they extend,
+check every fetched record against the model this process holds (kvstore.fleet.check.check_chain
+over the assembled cache: decoding steps at positions drawn at random over the whole fetched
+stretch, and the first 64 positions re-prefilled where it starts the chain) and serve it; the
+records go to the store through the daemon's put_blocks (write-behind: the client never writes
+the store; without a daemon nothing is stored).
 
 Called by the learner's restore (kvstore.client.learn) only when at least one whole block of the
 prompt is past what memory and the store serve: a pin hit never enters here. Off without a
@@ -165,14 +167,14 @@ class FleetReads:
         from kvstore.learned.records import assemble
 
         start = fetched[0].meta.start
-        if start == 0 and not self._checked(target, fetched[0]):
-            return None
         local = [m for m in chain if m.end <= start]
         blobs = cold.blocks().read_blobs(local) if local else []
         if len(blobs) < len(local):  # evicted or corrupt since the lookup: prefill
             return None
         metas = local + [v.meta for v in fetched]
         cache = assemble([*blobs, *(bytes(v.blob) for v in fetched)], metas, n, target.template())
+        if not self._checked(target, tokens[:n], cache, fetched):
+            return None
         self._store(target, tokens[:n], fetched)
         metrics.PROMPT_TOKENS.labels(source="fleet")  # shown before counted
         nbytes = sum(len(b) for b in blobs) + sum(len(v.blob) for v in fetched)
@@ -182,29 +184,38 @@ class FleetReads:
         return {"cache": cache, "n": n, "nbytes": nbytes, "keys": [m.key for m in local],
                 "what": f"{len(fetched)} records from the fleet", "fleet": n - start}  # fmt: skip
 
-    def _checked(self, target: Any, first: VerifiedRecord) -> bool:
-        """A chain's first record against this process's model (kvstore.fleet.check); a mismatch
-        quarantines its uploader (through the daemon's fleet_checked)."""
-        from kvstore import tokens as tk
-        from kvstore.fleet.check import Checked, check_record, request_of
+    def _checked(
+        self, target: Any, tokens: Sequence[int], cache: list, fetched: list[VerifiedRecord]
+    ) -> bool:
+        """Every fetched record against this process's model (kvstore.fleet.check.check_chain
+        over the assembled `cache` of `tokens`: the first 64 positions re-prefilled where the
+        fetch starts the chain, and decoding steps at positions drawn at random over the whole
+        fetched stretch); a mismatch quarantines the uploaders of the fetched records (through
+        the daemon's fleet_checked) and the request prefills."""
+        from kvstore.fleet.check import Checked, check_chain, request_of
         from kvstore.identity.model import ModelIdentity
 
-        ids = tk.unpack(first.tokens)
-        v = check_record(target.model_obj, ModelIdentity(target.model), ids, first.blob)
-        if v.seconds > 0 and self._rates.get(target.model) is None:  # no ledger figure: this
-            self._rates[target.model] = min(len(ids), 64) / v.seconds  # check's own prefill
+        start = fetched[0].meta.start
+        ids = list(tokens)
+        v = check_chain(target.model_obj, ModelIdentity(target.model), ids, cache, start)
+        if v.prefill_seconds > 0 and self._rates.get(target.model) is None:  # no ledger
+            self._rates[target.model] = v.prefilled / v.prefill_seconds  # figure: the check's
         if v.ok:
             return True
-        box = first.provenance.box
         metrics.FLEET_REFUSED.labels(reason="mismatch").inc()
+        boxes = sorted({f.provenance.box for f in fetched})
         if "mismatch" not in self._said:
             self._said.add("mismatch")
-            log.error("kvstore: refused learned record %s from the fleet: its KV is not what "
-                      "this box's model computes (%s); uploader %s is quarantined",
-                      first.meta.key.hex(), v.what, box)  # fmt: skip
-        req = request_of([Checked(first.meta.key, False, v.what, box, first.meta.label)])
+            log.error("kvstore: refused %d learned records [%d, %d) from the fleet: their KV is "
+                      "not what this box's model computes (%s); uploader %s quarantined",
+                      len(fetched), start, len(ids), v.what, ", ".join(boxes))  # fmt: skip
+        first: dict[str, VerifiedRecord] = {}  # one verdict per uploader: its first record
+        for f in fetched:
+            first.setdefault(f.provenance.box, f)
+        req = request_of([Checked(f.meta.key, False, v.what, box, f.meta.label)
+                          for box, f in first.items()])  # fmt: skip
         self.writer.submit(Job("fleet check verdict", lambda client: client.send(req)))
-        self._quarantined = {**self._quarantined, box: v.what}
+        self._quarantined = {**self._quarantined, **{box: v.what for box in boxes}}
         return False
 
     def _store(self, target: Any, tokens: Sequence[int], fetched: list) -> None:

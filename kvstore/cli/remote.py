@@ -503,7 +503,7 @@ class _Checked:
         n, seconds = (self.records, self.records_seconds) if records else (self.count, self.seconds)
         if not n:
             return None
-        what = counted(n, "learned chain") + "'s first record" if records else counted(n, "object")
+        what = counted(n, "learned record") if records else counted(n, "object")
         load = "" if records else f", model loaded in {self.check.load_seconds:.2f}s"
         return f"checked {what} against this box's model: {seconds:.2f}s{load}"
 
@@ -518,7 +518,7 @@ class _Checked:
     def refused_record(
         self, key: bytes, label: str, token_ids: list[int], blob, uploader: str | None
     ) -> bool:
-        """A learned chain's first record: refused (and its uploader quarantined) as `refused`."""
+        """A learned record: refused (and its uploader quarantined) as `refused`."""
         return self.refused(key, label, token_ids, blob, uploader, record=True)
 
     def refused(

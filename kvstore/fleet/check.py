@@ -12,6 +12,28 @@ after it: a step attends to every position before it). A mismatch quarantines
 every object of that uploader (kvstore.fleet.queue.UploadQueue.quarantine) until `kvstore remote
 release`.
 
+Learned records. A request's read-through (kvstore.client.fleetread) checks every record it
+fetched, over the cache it assembled from them and the local records they continue
+(`check_chain`): SPOT_CHECKS steps drawn over the whole fetched stretch [start, n), each over
+everything before it, and the first CHECK_TOKENS re-prefilled where the stretch starts the
+chain; a later record, or one continuing a chain this box holds, is stepped like the first.
+`remote pull` checks every record it fetches (`check_record`): a chain's first record of plain
+KV layers the same way; any other (past a chain's start, whose KV before it is not at hand; a
+state layout's, which holds only its attention layers' K/V, so no step can run without the state
+before it; quantized KV) whole: this model's own cache up to the record's end (one kept of a
+longer chain as it is, one kept of a prefix continued, else prefilled from 0: SemanticCheck
+keeps the last ENDS_KEPT, so a chain pulled in any order costs about one prefill of it), every
+position of the record compared. Read-through never serves a state layout (it cannot be cut),
+so a hybrid's learned records come from the fleet by `remote pull` only, with its state-only
+snapshots (entries whose emptied KV layers are those records), which `check_cache` re-prefills
+whole and compares on the state layers they hold. Measured (tiny models, 2-core VM):
+docs/fleet.md, "The semantic check".
+
+Limits: a change to a few positions that no drawn step lands on or after (a stretch is caught
+when any step lands in it or after it); a read-through mismatch cannot name the record that
+differs, so every uploader of the fetched records is quarantined; a record checked whole whose
+chain this check keeps no cache of (a fifth chain pulled between them) is prefilled from 0.
+
 Where it runs: `kvstore remote pull` checks before it stores. The warm's read-through (the
 daemon's warms, `kvstore warm`) runs before any model is loaded, so it stores what it fetched
 marked `fleet_check: pending`; the warm checks those with the model when it loads it anyway (other
@@ -54,6 +76,8 @@ class Verdict:
     ok: bool
     what: str  # "first 64 of 148 tokens: difference 1.2e-4, tolerance 7.8e-3"
     seconds: float
+    prefilled: int = 0  # tokens the check prefilled (in prefill_seconds): a prefill rate
+    prefill_seconds: float = 0.0
 
 
 def pending(meta: EntryMeta) -> bool:
@@ -182,40 +206,165 @@ def check_cache(
             trim_prompt_cache(view, n - CHECK_TOKENS)
         stored, n = view, CHECK_TOKENS
     fresh = prefill(model, token_ids[:n], identity=identity)
+    stored, fresh, snapshot = _state_only(stored, fresh)
     diff, tol = kv_difference(stored, fresh)
     what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
+    what += snapshot
     ok = diff <= tol
     if steps is not None:
         what, ok = f"{what}; {steps.what}", ok and steps.ok
     return Verdict(ok, what, time.perf_counter() - t)
 
 
-def check_record(model: Any, identity: ModelIdentity, token_ids: list[int], blob) -> Verdict:
-    """The check of a learned chain's first record ([0, end) of `token_ids`): its KV layers
-    against those of this model's prefill of the first CHECK_TOKENS positions, and past them, for
-    a record of plain KV layers (a state layout's records hold its KV layers only: no step can
-    run on them), one decoding step at each of SPOT_CHECKS positions drawn at random."""
+def _state_only(stored: list, fresh: list) -> tuple[list, list, str]:
+    """A state layout's learned snapshot (kvstore.learned.records.state_part: its KV layers
+    emptied, held as learned records, each checked as a record; the store loads such an entry
+    only where its extra.kv_layers names them, and fills them from the records) compared on the
+    layers it holds; any other cache as it is."""
     from kvstore.learned.records import kv_layers
+
+    layers = kv_layers(fresh)
+    empty = [i for i, c in enumerate(stored)
+             if type(c).__name__ == "KVCache" and getattr(c, "keys", None) is None]  # fmt: skip
+    if not layers or empty != layers or len(stored) != len(fresh):
+        return stored, fresh, ""
+    keep = [i for i in range(len(fresh)) if i not in set(layers)]
+    note = f" (a state-only snapshot: its {len(layers)} KV layers are learned records)"
+    return [stored[i] for i in keep], [fresh[i] for i in keep], note
+
+
+def check_chain(
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    cache: list,
+    start: int,
+    *,
+    positions: list[int] | None = None,
+) -> Verdict:
+    """The check of a fetched stretch [start, n) of a learned chain's assembled cache (`cache`:
+    the KV of all n = len(`token_ids`) positions, the records this box holds before `start`
+    and the fetched ones from it; plain KV layers, not quantized): where the stretch starts the
+    chain, its first CHECK_TOKENS positions against this model's prefill; over the rest of the
+    stretch, one decoding step at each of `positions` (default: SPOT_CHECKS drawn at random,
+    spot_positions), each over the whole assembled cache before it. A few single-token steps
+    whatever the chain's length. `cache` is left as it was."""
     from kvstore.warm.kvdiff import kv_difference
     from kvstore.warm.prefill import prefill
 
     t = time.perf_counter()
+    n = len(token_ids)
+    head = min(CHECK_TOKENS, n) if start == 0 else 0
+    parts, ok, took = [], True, 0.0
+    if head:
+        fresh = prefill(model, token_ids[:head], identity=identity)
+        took = time.perf_counter() - t
+        diff, tol = kv_difference(_upto(cache, head, n), fresh)
+        ok = diff <= tol
+        parts.append(f"first {head} of {n} tokens: difference {diff:.3g}, tolerance {tol:.3g}")
+    lo = max(start, head)
+    where = spot_positions(n, start=lo) if positions is None else positions
+    if where:
+        steps = step_check(model, token_ids, cache, where)
+        ok = ok and steps.ok
+        parts.append(f"{steps.what} (of [{lo}, {n}))")
+    what = "; ".join(parts) or f"nothing fetched past {start}"
+    return Verdict(ok, what, time.perf_counter() - t, head, took)
+
+
+def check_record(
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    blob,
+    *,
+    ends: dict[bytes, list] | None = None,
+) -> Verdict:
+    """The check of one learned record, positions [start, end) of `token_ids` (the chain's
+    tokens up to the record's end; start = end - the positions the record holds). A chain's
+    first record of plain KV layers (not quantized): its first CHECK_TOKENS positions against
+    this model's prefill, and one decoding step at each of SPOT_CHECKS positions drawn at random
+    past them. Otherwise (a state layout's record, which holds its KV layers only, so no step
+    can run on it without the state before it; a record past a chain's start, whose KV before
+    it is not here; quantized KV) the whole of it: this model's own cache of [0, end) (from
+    `ends`: packed chain tokens -> this model's cache of them, which this check keeps up to date;
+    SemanticCheck keeps the last ENDS_KEPT: one of a longer chain serves as it is, one of a
+    prefix is continued, else it is prefilled from 0), every position of the record compared.
+    A chain's records checked in any order cost about one prefill of the chain."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvstore.learned.records import kv_layers
+
     stored, _ = codec.decode(blob, name="fetched learned record")
-    n = min(len(token_ids), CHECK_TOKENS)
-    fresh = prefill(model, token_ids[:n], identity=identity)
-    if layers := kv_layers(fresh):  # a state layout: its records hold the KV layers only
-        fresh = [fresh[i] for i in layers]
-    steps = None
-    if n < len(token_ids) and (view := _first(stored, n)) is not None:
-        if not layers and identity.kv_bits is None:
-            steps = step_check(model, token_ids, stored, spot_positions(len(token_ids)))
-        stored = view
-    diff, tol = kv_difference(stored, fresh)
-    what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
-    ok = diff <= tol
-    if steps is not None:
-        what, ok = f"{what}; {steps.what}", ok and steps.ok
-    return Verdict(ok, what, time.perf_counter() - t)
+    end = len(token_ids)
+    start = end - (codec.cache_tokens(stored) or 0)
+    plain = not kv_layers(make_prompt_cache(model)) and _first(stored, 0) is not None
+    if start == 0 and plain and identity.kv_bits is None:
+        return check_chain(model, identity, token_ids, stored, 0)
+    return _whole_record(model, identity, token_ids, stored, start, ends)
+
+
+ENDS_KEPT = 4  # this model's caches at chain ends a SemanticCheck keeps, to continue from
+
+
+def _own_cache(
+    model: Any, identity: ModelIdentity, token_ids: list[int], ends: dict | None
+) -> tuple[list, int, str]:
+    """This model's own cache of (at least) `token_ids`, the tokens run for it and how: one `ends`
+    keeps of a chain these tokens start (their KV is in it already), else the one of their
+    longest prefix `ends` keeps continued over the rest (it is kept under the longer tokens
+    instead), else prefilled from 0 (kept). Quantized KV (`kv_bits`) is always prefilled."""
+    import mlx.core as mx
+
+    from kvstore import tokens as tk
+    from kvstore.warm.prefill import PREFILL_STEP, prefill
+
+    n, packed = len(token_ids), tk.pack(token_ids)
+    if ends is None or identity.kv_bits is not None:
+        return prefill(model, token_ids, identity=identity), n, "prefilled from 0"
+    for kept, cache in ends.items():
+        if kept.startswith(packed):
+            return cache, 0, f"in this model's cache of a chain of {tk.count(kept)} here"
+    base = max((k for k in ends if packed.startswith(k)), key=len, default=None)
+    if base is None:
+        cache, at, how = prefill(model, token_ids, identity=identity), 0, "prefilled from 0"
+    else:
+        cache, at = ends.pop(base), tk.count(base)
+        for i in range(at, n, PREFILL_STEP):
+            model(mx.array(token_ids[i : i + PREFILL_STEP])[None], cache=cache)
+            mx.eval([codec.cache_api.state(c) for c in cache])
+        how = f"continued from {at}"
+    ends[packed] = cache
+    while len(ends) > ENDS_KEPT:
+        del ends[next(iter(ends))]
+    return cache, n - at, how
+
+
+def _whole_record(
+    model: Any,
+    identity: ModelIdentity,
+    token_ids: list[int],
+    stored: list,
+    start: int,
+    ends: dict | None,
+) -> Verdict:
+    """Record positions [start, len(token_ids)) of the cuttable layers against this model's own
+    cache of the chain up to them (check_record's full check)."""
+    from kvstore.learned.records import kv_layers, slice_record
+    from kvstore.warm.kvdiff import kv_difference
+
+    t = time.perf_counter()
+    end = len(token_ids)
+    fresh, ran, how = _own_cache(model, identity, token_ids, ends)
+    took = time.perf_counter() - t
+    layers = None if len(stored) == len(fresh) else kv_layers(fresh) or None
+    mine, _ = codec.decode(slice_record(fresh, start, end, layers=layers))
+    diff, tol = kv_difference(stored, mine)
+    what = (f"positions {start}-{end - 1}, all of them, {how}: difference {diff:.3g}, "
+            f"tolerance {tol:.3g}")  # fmt: skip
+    if layers:
+        what += f" ({len(layers)} of {len(fresh)} layers keep K/V per position)"
+    return Verdict(diff <= tol, what, time.perf_counter() - t, ran, took)
 
 
 class SemanticCheck:
@@ -226,6 +375,7 @@ class SemanticCheck:
         self.plan = plan
         self._model: Any = model
         self.load_seconds = 0.0
+        self._ends: dict[bytes, list] = {}  # check_record's own caches at chain ends
 
     @property
     def model(self) -> Any:
@@ -243,10 +393,10 @@ class SemanticCheck:
         return check_cache(model, self.plan.spec.identity, token_ids, stored, copy=False)
 
     def record(self, token_ids: list[int], blob: bytes | memoryview) -> Verdict:
-        return check_record(self.model, self.plan.spec.identity, token_ids, blob)
+        return check_record(self.model, self.plan.spec.identity, token_ids, blob, ends=self._ends)
 
     def close(self) -> None:
-        self._model = None
+        self._model, self._ends = None, {}
 
 
 @dataclass

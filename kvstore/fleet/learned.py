@@ -80,8 +80,9 @@ def pull_records(
     `put(fingerprint, chain tokens, [(start, end, blob)], label, extra)`; `model` and `extra` are
     this box's identity of the model (as its manifest names it); `refused` counts an object
     refused (corrupt, unauthentic); records of a `quarantined()` uploader are refused, and so is
-    the first record of a chain (start 0) that `check(key, label, its tokens, blob, uploader)` says
-    is not what this box's model computes (kvstore.fleet.check). Returns (fetched, failed)."""
+    every record that `check(key, label, the chain's tokens to its end, blob, uploader)` says is
+    not what this box's model computes (kvstore.fleet.check.check_record). Returns (fetched,
+    failed)."""
     blocks = BlockStore(store)
     have = {m.key for m in blocks.records()}
     block = blocks.cut_at()
@@ -106,11 +107,7 @@ def pull_records(
             failed += 1
             continue
         label = f"learned record {o.key.hex()}"
-        if (
-            check is not None
-            and meta.start == 0
-            and check(o.key, label, tk.unpack(tokens), blob, v.provenance.box)
-        ):
+        if check is not None and check(o.key, label, tk.unpack(tokens), blob, v.provenance.box):
             failed += 1
             continue
         if cut != block:

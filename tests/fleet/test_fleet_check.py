@@ -172,7 +172,7 @@ def test_a_forged_first_record_of_a_pulled_learned_chain_is_refused(s3, llama_pa
     assert "learned records: 2 uploaded" in cli("remote", "push", "--home", a, code=0).output
     r = cli("remote", "pull", "--manifest", manifest, "--home", c, code=0)
     assert "2 learned records" in r.output, r.output
-    assert "checked 1 learned chain's first record against this box's model" in r.output
+    assert "checked 2 learned records against this box's model" in r.output
 
     f = keyed(box(tmp_path / "f", s3), k)  # a member whose runtime computes wrong KV
     other = [(11 * i) % 400 + 5 for i in range(300)]

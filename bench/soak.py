@@ -16,13 +16,16 @@ module does not read: it reports None there.
 `--in-process N` drives serve's hooks and prompt cache in this process (as
 tests/client/test_request_budget.py does: fetch, generate, insert, record) against a real daemon
 after 300 requests of warm-up, and prints the Python allocations that grew in two windows of N
-requests (`steady`: in both, by line; `last_window`: the second's), the trie's nodes and mlx's
-active and cache memory.
+requests (`steady`: in both, by line; `last_window`: the second's), the trie's nodes, mlx's
+active and cache memory, this process's RssAnon and the Python allocator's arenas (flat arenas
+with a growing RssAnon: memory outside Python's heap; tracemalloc's own traces count in it).
 
-Found and bounded so far (docs/soak.md): StatsRecorder.calls (one
-CallStats with its reason spans per request, forever), and the cold tier's index of learned
-chains (tuples of ints: ~36 bytes a learned token). On this box a plain `mlx_lm.server` under the
-same load stays flat; `kvstore serve` still grows (see the notes there).
+Found and bounded so far (docs/soak.md): StatsRecorder.calls (one CallStats with its reason
+spans per request, forever); the cold tier's index of learned chains (tuples of ints: ~36 bytes
+a learned token); both periodic re-reads of every learned record (read incrementally now:
+kvstore.client.learn.LearnedChains); glibc's dynamic mmap threshold, which let KV buffers
+fragment serve's heap (`kvstore serve` fixes it at 128 KiB). What is left grows as much in the
+plain `mlx_lm.server` of the control row (see the notes there).
 """
 
 from __future__ import annotations

@@ -189,8 +189,9 @@ class LearnedChains:
 
     Kept: each record's own tokens (4 bytes a token: the learned budget bounds them) and the
     chains (`chains`: the packed token ids from position 0 to each record nothing extends,
-    sorted; a new list on each change, so a reader on another thread sees one or the other;
-    one that ends off a block boundary may prefix another, which `StoreIndex` answers alike). A
+    sorted, none a prefix of another, as `leaf_chains` keeps them; a new list on each change,
+    so a reader on another thread sees one or the other). A chain that ends off a block
+    boundary (a prompt's end) inside a record of another is left out while that one is there. A
     record's `last_used` is what it had when first read (later touches are not read again): the
     reasons' most recently used prefixes are the most recently learned ones."""
 
@@ -198,6 +199,7 @@ class LearnedChains:
         self.fingerprint = fingerprint
         self.records: dict[bytes, _Record] = {}
         self.kids: dict[bytes, int] = {}  # record (or root) key -> records known that follow it
+        self._off: dict[bytes, set[bytes]] = {}  # parent -> its records that end off a block
         self.chains: list[bytes] = []
         self.change = -1  # the store's last transaction id when last read
         self.version = 0  # changes seen
@@ -276,6 +278,12 @@ class LearnedChains:
             rec = self.records.pop(key)
             self.kids.pop(key, None)
             self._cut.pop(key, None)
+            off = self._off.get(rec.parent)
+            if off is not None:
+                off.discard(key)
+                if not off:
+                    del self._off[rec.parent]
+                parents.append(rec.parent)  # a chain it held inside may be an end again
             n = self.kids.get(rec.parent, 0) - 1
             if n > 0:
                 self.kids[rec.parent] = n
@@ -285,11 +293,16 @@ class LearnedChains:
         for key in parents:  # nothing follows them now: ends of chains
             if key in self.records and key not in self.kids:
                 _insert(chains, self._prefix(key))
+            for end in self._off.get(key, ()):
+                if end not in self.kids:
+                    _insert(chains, self._prefix(end))
 
     def _add(self, metas: list[tuple[bytes, bytes, Any]], chains: list[bytes]) -> None:
         metas.sort(key=lambda m: m[2].start if m[2] is not None else 0)  # parents first
         for parent, key, meta in metas:
-            self.records[key] = _Record(parent, meta)
+            self.records[key] = rec = _Record(parent, meta)
+            if self.block and rec.end % self.block:
+                self._off.setdefault(parent, set()).add(key)
             was = self.kids.get(parent, 0)
             self.kids[parent] = was + 1
             if not was and parent in self.records:  # its chain goes on in this one
@@ -329,8 +342,14 @@ def _discard(chains: list[bytes], chain: bytes) -> None:
 
 
 def _insert(chains: list[bytes], chain: bytes) -> None:
+    """Put `chain` in sorted `chains` unless one there extends it (it would follow it); one it
+    extends (it would precede it) goes (as `leaf_chains` leaves them)."""
     i = bisect.bisect_left(chains, chain)
-    if chain and not (i < len(chains) and chains[i] == chain):
+    if not chain or (i < len(chains) and chains[i].startswith(chain)):
+        return
+    if i and chain.startswith(chains[i - 1]):
+        chains[i - 1] = chain
+    else:
         chains.insert(i, chain)
 
 

@@ -130,9 +130,11 @@ def in_process(n: int, warmup: int = 300, seed: int = 0, top: int = 15) -> dict:
     from mlx_lm import load
 
     from bench.learned import running_daemon
+    from kvstore.client.cli import fixed_mmap_threshold
     from kvstore.client.serve.hooks import patched_server
     from kvstore.tiny import make_tiny_model
 
+    fixed_mmap_threshold()  # as `kvstore serve` starts (its RssAnon then compares)
     root = Path(tempfile.mkdtemp(prefix="kvstore-soak-"))
     try:
         path = make_tiny_model(root / "model", "llama").resolve()
@@ -184,7 +186,8 @@ def in_process(n: int, warmup: int = 300, seed: int = 0, top: int = 15) -> dict:
 def pymalloc_arenas() -> int | None:
     """Python's small-object allocator's arenas in use now (`sys._debugmallocstats`, which
     writes to the C stderr): freed to the system only when every block in one is free, so a
-    heap whose live objects stay flat can still hold more of them (fragmentation)."""
+    heap whose live objects stay flat can still hold more of them (fragmentation). None while
+    tracemalloc traces (Python prints only its free lists then)."""
     import re
 
     err = os.dup(2)

@@ -66,6 +66,7 @@ def serve(
         sys.argv = argv  # main() parses sys.argv: every mlx_lm.server option passes through
         saved_term = _stop_on_sigterm()
         _freeze_imports()
+        fixed_mmap_threshold()
         try:
             server.main()
         except KeyboardInterrupt:
@@ -94,6 +95,31 @@ def _freeze_imports() -> None:
     exists to keep long-lived start-up state out of collections; done here, in the process
     `kvstore serve` owns, never by the library in an app's process."""
     gc.freeze()
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 128 * 1024  # glibc's default, kept: larger buffers are mappings of their own
+
+
+def fixed_mmap_threshold() -> bool:
+    """Keep glibc's mmap threshold at its default, so that every buffer above 128 KiB (mlx's
+    arrays of KV, the learned records' blobs) is a mapping of its own, returned to the system
+    when freed. By default glibc raises the threshold to the size of each such buffer freed
+    (up to 32 MiB): later buffers of that size then come from the heap, and KV buffers of every
+    size, many freed after their request on the write-behind's thread, fragmented it: serve's
+    anonymous memory grew by kilobytes a request while what Python and mlx held stayed flat
+    (issue 34 item 6, docs/soak.md). Whether it was set: only glibc has it (Linux; not macOS,
+    where mlx's buffers are Metal's). In the process `kvstore serve` owns, never the library's."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc's (musl has a mallopt that does nothing)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 
 class ServeStopped(KVStoreError):

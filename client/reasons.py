@@ -22,12 +22,18 @@ log = logging.getLogger("kvstore.client")
 
 def learned_reader(home: Path, fingerprint: bytes) -> Callable[[], tuple[list[bytes], dict]]:
     """`read_learned` of this home and model, as `Attributor.learned_from` calls it (on a thread
-    of its own): a store it cannot read leaves what it knew, logged at DEBUG."""
+    of its own): a store it cannot read leaves what it knew, logged at DEBUG. Each read decodes
+    only the records learned since the last (kvstore.client.learn.LearnedChains, shared with
+    the cold tier), and gives the same lists again while nothing changed."""
+    from kvstore.client.learn import learned_chains
+
+    view = learned_chains(Path(home), fingerprint)
+    last: list = [-1, None]  # the view's version and what was given of it
 
     def read() -> tuple[list[bytes], dict]:
         got: tuple[list[bytes], dict] | None = None
         with library_call("kvstore: learned prefixes not read", level=logging.DEBUG):
-            got = read_learned(home, fingerprint)
+            got = read_learned(home, fingerprint, view, last)
         if got is None:
             raise LookupError("not read")
         return got
@@ -35,9 +41,14 @@ def learned_reader(home: Path, fingerprint: bytes) -> Callable[[], tuple[list[by
     return read
 
 
-def read_learned(home: Path, fingerprint: bytes) -> tuple[list[bytes], dict[bytes, int]]:
+def read_learned(
+    home: Path, fingerprint: bytes, view: Any = None, last: list | None = None
+) -> tuple[list[bytes], dict[bytes, int]]:
     """This model's learned prefixes in the store of `home`, as `Known.learned` takes them
-    (none when there is no store yet)."""
+    (none when there is no store yet). With a `view` (LearnedChains), what changed since its
+    last update is read, and `last` ([version, given]) gives the same lists again while the
+    view did not change."""
+    from kvstore.client.learn import LearnedChains
     from kvstore.errors import KVStoreError
     from kvstore.learned.blockstore import BlockStore
     from kvstore.store.store import Store
@@ -46,16 +57,20 @@ def read_learned(home: Path, fingerprint: bytes) -> tuple[list[bytes], dict[byte
         store = Store(home, readonly=True)
     except (KVStoreError, OSError):
         return [], {}
+    view = view if view is not None else LearnedChains(fingerprint)
     with store:
-        got = BlockStore(store).learned_prefixes(
-            fingerprint, max_tokens=LEARNED_TOKENS, limit=LEARNED_PREFIXES
-        )
+        view.update(BlockStore(store))
+    if last is not None and last[0] == view.version and last[1] is not None:
+        return last[1]
     keys, ends = [], {}
-    for packed, end in got:
+    for packed, end in view.prefixes(max_tokens=LEARNED_TOKENS, limit=LEARNED_PREFIXES):
         keys.append(packed)
         if tk.count(packed) < end:
             ends[packed] = end
-    return sorted(keys), ends
+    got = sorted(keys), ends
+    if last is not None:
+        last[:] = [view.version, got]
+    return got
 
 
 def other_fingerprints(

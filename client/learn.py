@@ -212,15 +212,13 @@ class LearnedChains:
         """Read what changed in `blocks` (a BlockStore of an open Store) since the last update;
         whether the records changed."""
         with self._lock:
-            change = int(blocks.store.env.info()["last_txnid"])
+            change = blocks.changes()
             if change == self.change or not blocks.opened():
                 return False
-            from kvstore.learned.blockstore import BLOCK_TOKENS
-
             with blocks.store.reading() as txn:
                 added, removed = self._diff(blocks, txn)
-                metas = [(parent, key, blocks._get_meta(txn, key)) for parent, key in added]
-                self.block = blocks._stat_int(txn, BLOCK_TOKENS) or blocks.block
+                metas = [(parent, key, blocks.meta_in(txn, key)) for parent, key in added]
+                self.block = blocks.block_tokens(txn)
             self.decoded += len(metas)
             self.change = change
             if not added and not removed:
@@ -235,26 +233,17 @@ class LearnedChains:
     def _diff(self, blocks: Any, txn: Any) -> tuple[list[tuple[bytes, bytes]], list[bytes]]:
         """(parent, key) of the records the store holds that are not known, and the keys of
         known records it no longer holds."""
-        from kvstore.store.keys import kids_row, parse_kids_row
-
         added, seen = [], 0
-        db = blocks._db(b"kids")
-        cur = txn.cursor(db)
-        fp = self.fingerprint
-        if cur.set_range(fp):
-            for k in cur.iternext(values=False):
-                if k[: len(fp)] != fp:
-                    break
-                row = parse_kids_row(k)
-                if row.child in self.records:
-                    seen += 1
-                else:
-                    added.append((row.parent, row.child))
+        for parent, key in blocks.links(txn, self.fingerprint):
+            if key in self.records:
+                seen += 1
+            else:
+                added.append((parent, key))
         removed = []
         if seen < len(self.records):  # some left: which (a lookup each, no copy of the rows)
-            for key, rec in self.records.items():
-                if txn.get(kids_row(rec.parent, key), db=db) is None:
-                    removed.append(key)
+            removed = [
+                k for k, rec in self.records.items() if not blocks.linked(txn, rec.parent, k)
+            ]
         return added, removed
 
     def _prefix(self, key: bytes) -> bytes:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -163,6 +163,33 @@ class BlockStore:
             return self._unpack_meta(txn, key)
         except CorruptEntryError:
             return None
+
+    def changes(self) -> int:
+        """The store's last write transaction's id: equal between two reads, nothing changed."""
+        return int(self.store.env.info()["last_txnid"])
+
+    def links(self, txn, fingerprint: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """(parent, record key) of every learned record of the model `fingerprint`, read from
+        the `kids` rows' keys in `txn` (nothing decoded)."""
+        cur = txn.cursor(self._db(b"kids"))
+        if cur.set_range(fingerprint):
+            for k in cur.iternext(values=False):
+                if k[: len(fingerprint)] != fingerprint:
+                    break
+                row = parse_kids_row(k)
+                yield row.parent, row.child
+
+    def linked(self, txn, parent: bytes, key: bytes) -> bool:
+        """Whether the store still holds record `key` after `parent` (one lookup)."""
+        return txn.get(kids_row(parent, key), db=self._db(b"kids")) is not None
+
+    def meta_in(self, txn, key: bytes) -> BlockMeta | None:
+        """Record `key`'s meta in `txn`; None when it is gone or unreadable."""
+        return self._get_meta(txn, key)
+
+    def block_tokens(self, txn) -> int:
+        """The tokens a record holds in this store (its `block_tokens` when first written)."""
+        return self._stat_int(txn, BLOCK_TOKENS) or self.block
 
     def _kids(self, txn, parent: bytes) -> list[bytes]:
         """The record keys (fingerprint + H(end)) whose start is `parent` (fingerprint + H)."""

@@ -296,7 +296,8 @@ class _Load:
 
 
 def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
-         max_tokens: int = 4, control: bool = False) -> dict:  # fmt: skip
+         max_tokens: int = 4, control: bool = False,
+         learned_max_bytes: int | None = None) -> dict:  # fmt: skip
     """`warmup` then `requests_` requests through a real daemon and `kvstore serve` (learning on,
     the tiny llama, `clients` threads); serve's RssAnon after the warm-up, every
     `requests_ / samples` requests, and at the end. With `control`, the same load through a
@@ -308,6 +309,9 @@ def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
     try:
         model = make_tiny_model(root / "model", "llama").resolve()
         home = root / "home"
+        if learned_max_bytes is not None:
+            home.mkdir(parents=True)
+            (home / "settings.toml").write_text(f"learned_max_bytes = {learned_max_bytes}\n")
         env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error")  # fmt: skip
         with running_daemon(home, root / "daemon.log", env) as daemon:

@@ -4,6 +4,7 @@ a box sees, a stored KV entry of a chosen size; and the test server's keys (benc
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import mlx.core as mx
@@ -12,6 +13,21 @@ from bench.weed import ACCESS_KEY, ADMIN_KEY, ADMIN_SECRET, BUCKET, SECRET_KEY, 
 
 __all__ = ["ACCESS_KEY", "ADMIN_KEY", "ADMIN_SECRET", "BUCKET", "SECRET_KEY", "Weed"]
 __all__ += ["big_entry", "box", "queue_counts", "remote_of", "store_chain"]
+__all__ += ["FLEET_KEY", "chat", "keyed"]
+
+FLEET_KEY = secrets.token_hex(32)  # the fleet key the read-through and learning tests' boxes share
+
+
+def chat(n: int, seed: int = 3) -> list[int]:
+    """`n` token ids of a made-up chat (ids 1-200: every tiny model's vocabulary has them)."""
+    return [(7 * i + seed) % 200 + 1 for i in range(n)]
+
+
+def keyed(home: Path, key: str = FLEET_KEY) -> Path:
+    """`home` (a `box`) with a fleet key in its s3.toml."""
+    creds = home / "s3.toml"
+    creds.write_text(creds.read_text() + f'fleet_key = "{key}"\n')
+    return home
 
 
 def box(

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from fleet_boxes import box, queue_counts, remote_of, store_chain
+from fleet_boxes import FLEET_KEY, box, chat, keyed, queue_counts, remote_of, store_chain
 from helpers import Proc, assert_same_kv, mlx_lm_prefill, serving, wait_for
 from mlx_lm import load
 
@@ -27,17 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 FP = bytes(range(16))
 KEY = "tiny"
-FLEET_KEY = secrets.token_hex(32)
-
-
-def chat(n: int, seed: int = 3) -> list[int]:
-    return [(7 * i + seed) % 200 + 1 for i in range(n)]
-
-
-def keyed(home, key: str = FLEET_KEY):
-    creds = home / "s3.toml"
-    creds.write_text(creds.read_text() + f'fleet_key = "{key}"\n')
-    return home
 
 
 def sample(name: str, labels: dict | None = None) -> float:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 
 import mlx.core as mx
 import pytest
 import xxhash
-from fleet_boxes import BUCKET, box, remote_of, store_chain
+from fleet_boxes import BUCKET, box, chat, keyed, remote_of, store_chain
 from helpers import TWO_PINS, assert_same_kv, cli, manifest_for, mlx_lm_prefill
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
@@ -37,17 +36,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
 
 FP = bytes(range(16))
 KEY = "tiny"
-FLEET_KEY = secrets.token_hex(32)
-
-
-def chat(n: int, seed: int = 3) -> list[int]:
-    return [(7 * i + seed) % 200 + 1 for i in range(n)]
-
-
-def keyed(home):
-    creds = home / "s3.toml"
-    creds.write_text(creds.read_text() + f'fleet_key = "{FLEET_KEY}"\n')
-    return home
 
 
 def fleet_tokens() -> float:

@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import secrets
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -72,6 +74,7 @@ WARM_UP_TEXT = (
 )
 WARM_UP_CONNECT_S = 60.0  # seconds the warm-up waits for the server's socket
 WARM_UP_TIMEOUT_S = 300.0  # seconds one warm-up request may take (a long pin on a slow machine)
+STOP_GRACE_S = 30.0  # seconds a server told to stop may take (its drains: 2 x 10 s) before it exits
 SERVE_CALLS = 64  # recent calls serve's StatsRecorder keeps (its ledger and /metrics count all)
 IMAGE_PROMPTS = 16  # prompts with images whose cache key waits for their call's record
 
@@ -246,7 +249,22 @@ class _Hooks:
         import _thread
 
         self.fatal = why
+        threading.Thread(target=self._exit_if_stuck, args=(why,), name="kvstore-stop-watchdog",
+                         daemon=True).start()  # fmt: skip
         _thread.interrupt_main()
+
+    @staticmethod
+    def _exit_if_stuck(why: str) -> None:
+        """The failsafe of `stop_with`: a server that has not exited STOP_GRACE_S after it was
+        told to stop (its main thread stuck, or a thread mlx-lm joins) leaves with the same one
+        line and exit status, so a supervisor restarts it. Seen once: a CI run where four
+        servers that should have stopped (a model that cannot load, a dead generation thread)
+        still listened after 60 s; not reproduced in 20 runs of those tests alone or under load."""
+        time.sleep(STOP_GRACE_S)
+        sys.stderr.write(f"Error: kvstore serve: {why} (still running {STOP_GRACE_S:.0f} s after "
+                         "it was told to stop: exiting)\n")  # fmt: skip
+        sys.stderr.flush()
+        os._exit(1)
 
     def identity(self, model_path: Any, adapter: Any, args: Any) -> ModelIdentity:
         """The served model as its entries are keyed: the server's KV quantization options

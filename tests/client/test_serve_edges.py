@@ -369,6 +369,42 @@ def test_a_generation_thread_that_dies_ends_the_server_in_one_line(llama_path, k
     assert "generation thread died: RuntimeError: the test broke it" in lines[0], out
 
 
+_STUCK = (
+    """
+import os, threading
+from mlx_lm import server
+from kvstore.client.serve import hooks
+hooks.STOP_GRACE_S = 3.0
+server.ResponseGenerator.stop_and_join = lambda self: threading.Event().wait()  # never returns
+"""
+    + _DIES
+)
+
+
+def test_a_server_told_to_stop_that_cannot_exits_in_one_line(llama_path, kv_home, tmp_path):
+    """The failsafe: when whatever mlx-lm waits for on its way out never ends (here its
+    generation thread's join), the server still exits 1 with its one line, STOP_GRACE_S after
+    it was told to stop, instead of listening on, dead, with /health at 503."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    argv = [sys.executable, "-c", _STUCK, "serve", "--home", str(kv_home), "--model",
+            str(llama_path), "--port", str(port), "--no-learn"]  # fmt: skip
+    server = BenchServer(argv, port, log, env={**os.environ, "BREAK": str(tmp_path / "break")})
+    try:
+        server.wait_ready()
+        (tmp_path / "break").touch()
+        with pytest.raises((urllib.error.URLError, ConnectionError, TimeoutError)):
+            server.chat([{"role": "user", "content": "hello"}])
+        code = server.proc.wait(timeout=EXIT_TIMEOUT)  # before: still running at the timeout
+    finally:
+        server.stop()
+    out = log.read_text()
+    assert code == 1, out
+    lines = _error_lines(out)
+    assert len(lines) == 1, out
+    assert "generation thread died" in lines[0] and "told to stop: exiting" in lines[0], out
+
+
 _HELD = """
 import os, time
 from kvstore.client.serve import hooks

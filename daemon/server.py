@@ -195,12 +195,15 @@ class Daemon:
             rss_bytes() / 2**20,
         )
         self.metrics.start()
+        # The boot warm is of the manifests this start found: a warm request that arrives first
+        # adds its manifest and warms it itself (warming it here too would prefill it twice).
+        booted = list(self.manifests)
         acceptor = threading.Thread(target=self._accept_loop, name="kvstore-accept")
         acceptor.start()
         try:
             self.upkeep.start_remote(self.ledger)  # before the boot warm: it may fetch
-            if any(p.is_file() for p in self.manifests):  # a missing one is warmed on arrival
-                self.reload("boot", settings=False)
+            if any(p.is_file() for p in booted):  # a missing one is warmed on arrival
+                self.writer.submit("reconcile", lambda: self.upkeep.reconcile(booted, cause="boot"))
             with self._watcher_lock:
                 self._start_watcher()
             log.info("watcher mode: %s", self.watcher_mode())

@@ -37,6 +37,10 @@ def weed_binary() -> str:
     return found
 
 
+# what weed prints when a port it was given is bound by another process
+PORT_IN_USE = (b"address already in use", b"is not available")
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -67,8 +71,8 @@ class Weed:
         self.tls = tls
         self.data = root / "data"
         self.data.mkdir(parents=True, exist_ok=True)
-        self.ports = dict(zip(ROLES, free_port_pairs(len(ROLES))))
-        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.ports['s3']}"
+        self._pick_ports()
+        self.started = False
         self.config = root / "s3.json"
         admin = {
             "name": "admin",
@@ -83,6 +87,10 @@ class Weed:
         self.config.write_text(json.dumps({"identities": [admin, fleet]}))
         self.log = root / "weed.log"
         self.proc: subprocess.Popen | None = None
+
+    def _pick_ports(self) -> None:
+        self.ports = dict(zip(ROLES, free_port_pairs(len(ROLES))))
+        self.endpoint = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.ports['s3']}"
 
     def argv(self) -> list[str]:
         p = self.ports
@@ -112,17 +120,37 @@ class Weed:
         )  # fmt: skip
 
     def start(self) -> Weed:
+        """Start and wait for S3. The ports were free when picked, not bound: another process
+        can take one before weed binds it, so a first start that finds one in use picks again."""
+        for _ in range(3):
+            if self._start_once():
+                self.started = True
+                return self
+            self._pick_ports()
+        raise AssertionError(f"weed found its ports in use 3 times:\n{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def _start_once(self) -> bool:
+        """True once S3 answers; False when a first start lost a port to another process."""
+        logged = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as f:
             self.proc = subprocess.Popen(self.argv(), stdout=f, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT
         s3 = self.client()
         while True:
-            assert self.proc.poll() is None, f"weed exited:\n{self.log.read_text()[-3000:]}"
+            if self.proc.poll() is not None:
+                this_run = self.log.read_bytes()[logged:]
+                lost_a_port = any(m in this_run for m in PORT_IN_USE)
+                if not self.started and lost_a_port:
+                    return False
+                raise AssertionError(f"weed exited:\n{self._log_tail()}")
             try:
                 s3.head_bucket(Bucket=BUCKET)
-                return self
+                return True
             except Exception:
-                assert time.monotonic() < deadline, f"S3 not up:\n{self.log.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"S3 not up:\n{self._log_tail()}"
                 time.sleep(0.1)
 
     def kill(self, sig: int = signal.SIGKILL, *, grace: float = 5.0) -> None:

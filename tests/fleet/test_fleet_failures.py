@@ -4,6 +4,7 @@ wrong or missing credentials, an unreachable or silent endpoint, untrusted TLS, 
 from __future__ import annotations
 
 import signal
+import socket
 import struct
 import time
 from pathlib import Path
@@ -263,3 +264,19 @@ def test_a_daemon_keeps_its_queue_while_the_remote_is_down_and_resumes_after_res
         }
     finally:
         server.stop(signal.SIGKILL)
+
+
+def test_a_weed_whose_port_was_taken_before_it_bound_picks_again(tmp_path):
+    # Seen when two suites ran at once: bench.weed picks free ports, another process binds one
+    # before weed does, and weed exits ("port ... is not available"). The harness picks again.
+    server = Weed(tmp_path / "weed")
+    taken = server.ports["s3"]
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", taken))
+        blocker.listen()
+        server.start()
+        try:
+            assert server.ports["s3"] != taken
+            assert server.client().head_bucket(Bucket=BUCKET)
+        finally:
+            server.stop(signal.SIGKILL)

@@ -259,7 +259,7 @@ class _Hooks:
         told to stop (its main thread stuck, or a thread mlx-lm joins) leaves with the same one
         line and exit status, so a supervisor restarts it. Seen once: a CI run where four
         servers that should have stopped (a model that cannot load, a dead generation thread)
-        still listened after 60 s; not reproduced in 20 runs of those tests alone or under load."""
+        still listened after 60 s; not reproduced since, alone or under load."""
         time.sleep(STOP_GRACE_S)
         sys.stderr.write(f"Error: kvstore serve: {why} (still running {STOP_GRACE_S:.0f} s after "
                          "it was told to stop: exiting)\n")  # fmt: skip

@@ -348,10 +348,12 @@ main()
 """
 
 
-def test_a_generation_thread_that_dies_ends_the_server_in_one_line(llama_path, kv_home, tmp_path):
+def _break_generation(code: str, llama_path, kv_home, tmp_path) -> tuple[int, str]:
+    """Serve through `code`, break its generation thread once it is ready, send a chat; the
+    exit code and the log. Before the fixes each names: alive, /health 503 forever."""
     port = free_port()
     log = tmp_path / "serve.log"
-    argv = [sys.executable, "-c", _DIES, "serve", "--home", str(kv_home), "--model",
+    argv = [sys.executable, "-c", code, "serve", "--home", str(kv_home), "--model",
             str(llama_path), "--port", str(port), "--no-learn"]  # fmt: skip
     server = BenchServer(argv, port, log, env={**os.environ, "BREAK": str(tmp_path / "break")})
     try:
@@ -359,10 +361,14 @@ def test_a_generation_thread_that_dies_ends_the_server_in_one_line(llama_path, k
         (tmp_path / "break").touch()
         with pytest.raises((urllib.error.URLError, ConnectionError, TimeoutError)):
             server.chat([{"role": "user", "content": "hello"}])
-        code = server.proc.wait(timeout=EXIT_TIMEOUT)  # before: alive, /health 503 forever
+        code_ = server.proc.wait(timeout=EXIT_TIMEOUT)
     finally:
         server.stop()
-    out = log.read_text()
+    return code_, log.read_text()
+
+
+def test_a_generation_thread_that_dies_ends_the_server_in_one_line(llama_path, kv_home, tmp_path):
+    code, out = _break_generation(_DIES, llama_path, kv_home, tmp_path)
     assert code == 1, out
     lines = _error_lines(out)
     assert len(lines) == 1, out
@@ -385,20 +391,7 @@ def test_a_server_told_to_stop_that_cannot_exits_in_one_line(llama_path, kv_home
     """The failsafe: when whatever mlx-lm waits for on its way out never ends (here its
     generation thread's join), the server still exits 1 with its one line, STOP_GRACE_S after
     it was told to stop, instead of listening on, dead, with /health at 503."""
-    port = free_port()
-    log = tmp_path / "serve.log"
-    argv = [sys.executable, "-c", _STUCK, "serve", "--home", str(kv_home), "--model",
-            str(llama_path), "--port", str(port), "--no-learn"]  # fmt: skip
-    server = BenchServer(argv, port, log, env={**os.environ, "BREAK": str(tmp_path / "break")})
-    try:
-        server.wait_ready()
-        (tmp_path / "break").touch()
-        with pytest.raises((urllib.error.URLError, ConnectionError, TimeoutError)):
-            server.chat([{"role": "user", "content": "hello"}])
-        code = server.proc.wait(timeout=EXIT_TIMEOUT)  # before: still running at the timeout
-    finally:
-        server.stop()
-    out = log.read_text()
+    code, out = _break_generation(_STUCK, llama_path, kv_home, tmp_path)
     assert code == 1, out
     lines = _error_lines(out)
     assert len(lines) == 1, out

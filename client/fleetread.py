@@ -203,15 +203,15 @@ class FleetReads:
         if v.ok:
             return True
         metrics.FLEET_REFUSED.labels(reason="mismatch").inc()
-        boxes = sorted({f.provenance.box for f in fetched})
+        first: dict[str, VerifiedRecord] = {}  # one verdict per uploader: its first record
+        for f in fetched:
+            first.setdefault(f.provenance.box, f)
+        boxes = sorted(first)
         if "mismatch" not in self._said:
             self._said.add("mismatch")
             log.error("kvstore: refused %d learned records [%d, %d) from the fleet: their KV is "
                       "not what this box's model computes (%s); uploader %s quarantined",
                       len(fetched), start, len(ids), v.what, ", ".join(boxes))  # fmt: skip
-        first: dict[str, VerifiedRecord] = {}  # one verdict per uploader: its first record
-        for f in fetched:
-            first.setdefault(f.provenance.box, f)
         req = request_of([Checked(f.meta.key, False, v.what, box, f.meta.label)
                           for box, f in first.items()])  # fmt: skip
         self.writer.submit(Job("fleet check verdict", lambda client: client.send(req)))

@@ -485,6 +485,9 @@ def targets(res: dict) -> list[dict]:
     blocks = (res.get("serve_memory") or {}).get("kvstore_python_allocated_blocks") or []
     if None not in blocks and len(blocks) > 1:  # what grew with learning on: the learned index
         note += f"; Python's allocated blocks {blocks[0]} -> {blocks[-1]}"
+    threads = res.get("serve_threads") or []
+    if None not in threads and len(set(threads)) > 1:  # one left behind per request would show
+        note += f"; threads {threads[0]} -> {threads[-1]} (max {max(threads)})"
     ok = None if per is None else per < res["target_bytes_per_request"]
     if ok is False and control and control.get("swing_bytes") is not None:
         ok = res["growth_bytes"] <= control["swing_bytes"]  # within the control's noise

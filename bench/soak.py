@@ -24,8 +24,15 @@ Found and bounded so far (docs/soak.md): StatsRecorder.calls (one CallStats with
 spans per request, forever); the cold tier's index of learned chains (tuples of ints: ~36 bytes
 a learned token); both periodic re-reads of every learned record (read incrementally now:
 kvstore.client.learn.LearnedChains); glibc's dynamic mmap threshold, which let KV buffers
-fragment serve's heap (`kvstore serve` fixes it at 128 KiB). What is left grows as much in the
-plain `mlx_lm.server` of the control row (see the notes there).
+fragment serve's heap (`kvstore serve` fixes it at 128 KiB). What is left with learning on is
+Python's heap growing with the cold tier's index of learned records (the learned budget bounds
+it); with `--no-learn` serve grows within the plain `mlx_lm.server`'s swing (docs/soak.md).
+
+Each sample also reads the server's memory gauges from its /metrics (serve's own; the control is
+mlx_lm.server with only that route added, `python -m bench.soak --plain-server ARGS`): mlx's
+active and cached buffers, Python's allocated blocks, glibc malloc's bytes in use and free, and
+the process's threads, so a row says which part of RssAnon moved. `soak(..., serve_env={...},
+serve_args=(...))` sets a glibc tunable or a serve option on serve's process only.
 """
 
 from __future__ import annotations
@@ -83,13 +90,23 @@ def requests(seed: int) -> Iterator[list[dict]]:
 def rss_anon(pid: int) -> int | None:
     """Anonymous resident bytes of `pid` (RssAnon of /proc/PID/status); None where there is no
     /proc (macOS: `footprint PID` / `vmmap --summary PID` would say it, not read here)."""
+    kb = _status(pid, "RssAnon")
+    return kb * 1024 if kb is not None else None
+
+
+def threads_of(pid: int) -> int | None:
+    """Threads of `pid` now (Threads of /proc/PID/status); None where there is no /proc."""
+    return _status(pid, "Threads")
+
+
+def _status(pid: int, field: str) -> int | None:
     try:
         text = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
     return None
 
 
@@ -297,11 +314,14 @@ class _Load:
 
 def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
          max_tokens: int = 4, control: bool = False,
-         learned_max_bytes: int | None = None) -> dict:  # fmt: skip
+         learned_max_bytes: int | None = None, serve_env: dict | None = None,
+         serve_args: tuple[str, ...] = ()) -> dict:  # fmt: skip
     """`warmup` then `requests_` requests through a real daemon and `kvstore serve` (learning on,
     the tiny llama, `clients` threads); serve's RssAnon after the warm-up, every
     `requests_ / samples` requests, and at the end. With `control`, the same load through a
-    plain `mlx_lm.server` of the same model afterwards (`control`: its figures, as noise)."""
+    plain `mlx_lm.server` of the same model afterwards (`control`: its figures, as noise).
+    `serve_env` (e.g. a glibc tunable such as MALLOC_ARENA_MAX) and `serve_args` (e.g.
+    `--no-learn`) go to serve's process only, never the daemon's or the control's."""
     from bench.learned import _kv, free_port, running_daemon
     from kvstore.tiny import make_tiny_model
 
@@ -316,14 +336,17 @@ def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
                    TRANSFORMERS_VERBOSITY="error")  # fmt: skip
         with running_daemon(home, root / "daemon.log", env) as daemon:
             port = free_port()
-            argv = _kv("serve", "--home", str(home), "--model", str(model), "--port", str(port))
-            run = _loaded(argv, port, root / "serve.log", env, requests_, warmup, clients,
+            argv = _kv("serve", "--home", str(home), "--model", str(model), "--port", str(port),
+                       *serve_args)  # fmt: skip
+            senv = dict(env, **(serve_env or {}))
+            run = _loaded(argv, port, root / "serve.log", senv, requests_, warmup, clients,
                           samples, max_tokens, daemon.pid)  # fmt: skip
         res = _figures(*run, requests_, warmup, clients)
+        res["serve_env"], res["serve_args"] = dict(serve_env or {}), list(serve_args)
         if control:
             port = free_port()
-            argv = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port",
-                    str(port)]  # fmt: skip
+            argv = [sys.executable, "-m", "bench.soak", "--plain-server", "--model", str(model),
+                    "--port", str(port)]  # fmt: skip
             run = _loaded(argv, port, root / "plain.log", env, requests_, warmup, clients,
                           samples, max_tokens)  # fmt: skip
             res["control"] = _figures(*run, requests_, warmup, clients)
@@ -336,8 +359,8 @@ def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
 def _loaded(argv, port, log, env, requests_, warmup, clients, samples, max_tokens,
             daemon_pid=None) -> tuple:  # fmt: skip
     """Start the server of `argv`, send the warm-up and then `requests_` requests in `samples`
-    parts; (load, serve's RssAnon after each, the daemon's before and after, seconds, warm-up
-    seconds)."""
+    parts; (load, serve's RssAnon, threads and memory gauges after each, the daemon's before
+    and after, seconds, warm-up seconds)."""
     from bench.learned import Server
 
     server = Server(argv, port, log, env)
@@ -347,19 +370,52 @@ def _loaded(argv, port, log, env, requests_, warmup, clients, samples, max_token
         t0 = time.perf_counter()
         load.send(warmup)
         rss = [rss_anon(server.proc.pid)]
+        threads = [threads_of(server.proc.pid)]
+        gauges = [memory_gauges(server)]
         daemon_rss = [rss_anon(daemon_pid)] if daemon_pid else []
         t1 = time.perf_counter()
         for k in range(samples):
             load.send(requests_ * (k + 1) // samples - requests_ * k // samples)
             rss.append(rss_anon(server.proc.pid))
+            threads.append(threads_of(server.proc.pid))
+            gauges.append(memory_gauges(server))
         if daemon_pid:
             daemon_rss.append(rss_anon(daemon_pid))
-        return load, rss, daemon_rss, time.perf_counter() - t1, t1 - t0
+        return load, rss, threads, gauges, daemon_rss, time.perf_counter() - t1, t1 - t0
     finally:
         server.stop()
 
 
-def _figures(load, rss, daemon_rss, seconds, warm_s, n, warmup, clients) -> dict:
+MEMORY_GAUGES = ("kvstore_mlx_active_bytes", "kvstore_mlx_cache_bytes",
+                 "kvstore_python_allocated_blocks", "kvstore_malloc_in_use_bytes",
+                 "kvstore_malloc_free_bytes")  # fmt: skip
+
+
+def memory_gauges(server) -> dict | None:
+    """Serve's memory by where it is, from its /metrics (kvstore.client.serve.gauges); None for
+    a server without them (the plain mlx_lm.server)."""
+    try:
+        status, body = server._get("/metrics")
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    got = {}
+    for line in body.decode(errors="replace").splitlines():
+        name, _, value = line.partition(" ")
+        if name in MEMORY_GAUGES:
+            got[name] = int(float(value))
+    return got or None
+
+
+def _by_gauge(samples: list) -> dict | None:
+    """{gauge: its value at each sample} (None where serve gave none)."""
+    if not any(samples):
+        return None
+    return {g: [s.get(g) if s else None for s in samples] for g in MEMORY_GAUGES}
+
+
+def _figures(load, rss, threads, gauges, daemon_rss, seconds, warm_s, n, warmup, clients) -> dict:
     known = None not in rss
     growth = rss[-1] - rss[0] if known else None
     return {
@@ -375,14 +431,25 @@ def _figures(load, rss, daemon_rss, seconds, warm_s, n, warmup, clients) -> dict
         else None,
         "memory": "RssAnon of /proc/PID/status" if known else None,
         "serve_rss_anon": rss,  # after the warm-up, then after each of `samples` parts
+        "serve_threads": threads,  # at the same points
+        "serve_memory": _by_gauge(gauges),  # serve's /metrics at the same points (kvstore's)
         "daemon_rss_anon": daemon_rss,
         "growth_bytes": growth,
         "bytes_per_request": round(growth / n, 1) if growth is not None else None,
         # least squares over the samples: an end that swings (mlx's buffer cache) weighs less
         "slope_bytes_per_request": _slope(rss, n) if known else None,
         "swing_bytes": max(rss) - min(rss) if known else None,
+        # the same less mlx's buffer cache (freed buffers mlx keeps: it swings by up to 20 MiB)
+        "slope_less_mlx_cache_bytes_per_request": _slope_less_cache(rss, gauges, n),
         "target_bytes_per_request": TARGET_BYTES_PER_REQUEST,
     }
+
+
+def _slope_less_cache(rss: list, gauges: list, n: int) -> float | None:
+    cache = [g.get("kvstore_mlx_cache_bytes") if g else None for g in gauges]
+    if None in rss or None in cache:
+        return None
+    return _slope([r - c for r, c in zip(rss, cache, strict=True)], n)
 
 
 def _slope(rss: list[int], n: int) -> float:
@@ -415,6 +482,12 @@ def targets(res: dict) -> list[dict]:
             f"{res['bytes_per_request']} B a request end to end); daemon "
             f"{_mib(res['daemon_rss_anon'])}"
             if per is not None else "no /proc here (macOS): not measured")  # fmt: skip
+    blocks = (res.get("serve_memory") or {}).get("kvstore_python_allocated_blocks") or []
+    if None not in blocks and len(blocks) > 1:  # what grew with learning on: the learned index
+        note += f"; Python's allocated blocks {blocks[0]} -> {blocks[-1]}"
+    threads = res.get("serve_threads") or []
+    if None not in threads and len(set(threads)) > 1:  # one left behind per request would show
+        note += f"; threads {threads[0]} -> {threads[-1]} (max {max(threads)})"
     ok = None if per is None else per < res["target_bytes_per_request"]
     if ok is False and control and control.get("swing_bytes") is not None:
         ok = res["growth_bytes"] <= control["swing_bytes"]  # within the control's noise
@@ -450,7 +523,40 @@ def _print(res: dict) -> None:
               f"{row['unit']} ({row['note']})")  # fmt: skip
 
 
+def plain_server(argv: list[str]) -> None:
+    """The control: a plain `mlx_lm.server` (`argv`: its options), with only GET /metrics added,
+    answering the memory gauges serve answers (kvstore.client.serve.gauges: mlx's active and
+    cached buffers, Python's blocks, malloc's in use and free), so that both rows say which part
+    of RssAnon moved."""
+    import functools
+
+    from mlx_lm import server
+
+    from kvstore.client.serve.gauges import process_memory
+    from kvstore.metrics import exposition
+
+    class Handler(server.APIHandler):
+        def do_GET(self):
+            if self.path != "/metrics":
+                return super().do_GET()
+            process_memory()
+            body, content_type = exposition()
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    http = server._run_http_server  # as kvstore serve gives its handler (kvstore.mlxlm)
+    server._run_http_server = functools.partial(http, handler_class=Handler)
+    sys.argv = ["mlx_lm.server", *argv]
+    server.main()
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--plain-server"]:
+        plain_server(argv[1:])
+        return
     if "--in-process" in argv:
         n = int(argv[argv.index("--in-process") + 1])
         print(json.dumps(in_process(n), indent=1))

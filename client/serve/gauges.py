@@ -1,9 +1,10 @@
 """`kvstore serve`'s learned gauges (`kvstore_learned_records`, `kvstore_learned_bytes`,
 `kvstore_learned_budget_bytes`, `kvstore_learn_written_today_bytes`), read from the store the
-daemon writes. Cheap: the record count is the records DB's own entry count and the bytes are the
-block tables' counters (both O(1)); the learned whole-cache entries (snapshots) are summed again
-only when the number of entries changed; and at most once every REFRESH_S seconds, however often
-/metrics is scraped. Whether learning is paused is the daemon's to say: left alone here."""
+daemon writes, and serve's memory by where it is (`process_memory`). Cheap: the record count is
+the records DB's own entry count and the bytes are the block tables' counters (both O(1)); the
+learned whole-cache entries (snapshots) are summed again only when the number of entries
+changed; and at most once every REFRESH_S seconds, however often /metrics is scraped. Whether
+learning is paused is the daemon's to say: left alone here."""
 
 from __future__ import annotations
 
@@ -13,12 +14,61 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Gauge
+
 from kvstore import metrics
 from kvstore.degrade import serve_hook
 
 log = logging.getLogger("kvstore.serve")
 
 REFRESH_S = 5.0  # seconds a reading of the store's learned figures is reused
+
+# serve's own process only (this module is serve's): a daemon has no such figures to give
+MLX_ACTIVE = Gauge("kvstore_mlx_active_bytes", "mlx's buffers in use (mx.get_active_memory)",
+                   registry=metrics.REGISTRY)  # fmt: skip
+MLX_CACHE = Gauge("kvstore_mlx_cache_bytes", "mlx's freed buffers it keeps for reuse "
+                  "(mx.get_cache_memory)", registry=metrics.REGISTRY)  # fmt: skip
+PYTHON_BLOCKS = Gauge("kvstore_python_allocated_blocks", "Python's allocated memory blocks "
+                      "(sys.getallocatedblocks)", registry=metrics.REGISTRY)  # fmt: skip
+MALLOC_IN_USE = Gauge("kvstore_malloc_in_use_bytes", "glibc malloc's bytes in use, heap and "
+                      "mapped, over all arenas (mallinfo2 uordblks + hblkhd)",
+                      registry=metrics.REGISTRY)  # fmt: skip
+MALLOC_FREE = Gauge("kvstore_malloc_free_bytes", "glibc malloc's free bytes held in its heaps "
+                    "(mallinfo2 fordblks)", registry=metrics.REGISTRY)  # fmt: skip
+
+
+def process_memory() -> None:
+    """Set serve's memory gauges: mlx's active and cached buffers, Python's allocated blocks,
+    and (glibc only) what malloc holds in use and free, so that a soak's reading of RssAnon says
+    which part grew (bench.soak). Each is a counter the allocator keeps: no walk of the heap
+    beyond mallinfo2's of its free lists."""
+    import sys
+
+    mx = sys.modules.get("mlx.core")  # serve has loaded it; never imported here for a scrape
+    if mx is not None:
+        MLX_ACTIVE.set(mx.get_active_memory())
+        MLX_CACHE.set(mx.get_cache_memory())
+    PYTHON_BLOCKS.set(sys.getallocatedblocks())
+    info = _mallinfo2()
+    if info is not None:
+        MALLOC_IN_USE.set(info.uordblks + info.hblkhd)
+        MALLOC_FREE.set(info.fordblks)
+
+
+def _mallinfo2() -> Any:
+    """glibc's mallinfo2() (2.33+), summed over its arenas; None elsewhere."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    try:
+        f = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype, f.argtypes = Info, []
+    return f()
 
 
 class LearnedGauges:
@@ -33,7 +83,9 @@ class LearnedGauges:
         self.reads = 0  # readings of the store (tests: scrapes within REFRESH_S reuse one)
 
     def refresh(self, *, force: bool = False) -> None:
-        """Set the gauges from the store, unless they were read less than refresh_s ago."""
+        """Set the gauges from the store, unless they were read less than refresh_s ago; the
+        memory gauges every time."""
+        process_memory()
         with self._lock:
             now = time.monotonic()
             if not force and now - self._at < self.refresh_s:

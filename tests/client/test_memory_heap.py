@@ -56,3 +56,41 @@ def test_elsewhere_it_sets_nothing_and_says_so(monkeypatch):
 
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
     assert cli.fixed_mmap_threshold() is False
+
+
+def test_serves_memory_gauges_say_where_its_memory_is():
+    """/metrics' memory gauges (what bench.soak reads at each sample to tell which part of
+    RssAnon moved): mlx's active buffers follow an array kept alive, malloc's in-use bytes
+    (glibc) a buffer held."""
+    import mlx.core as mx
+
+    from kvstore.client.serve import gauges
+    from kvstore.metrics import exposition
+
+    def read() -> dict[str, float]:
+        gauges.process_memory()
+        text = exposition()[0].decode()
+        return {
+            name: float(value)
+            for name, _, value in (line.partition(" ") for line in text.splitlines())
+            if name.startswith(("kvstore_mlx_", "kvstore_python_", "kvstore_malloc_"))
+        }
+
+    before = read()
+    kept = mx.zeros((1 << 20,), dtype=mx.float32)
+    mx.eval(kept)
+    after = read()
+    assert after["kvstore_mlx_active_bytes"] >= before["kvstore_mlx_active_bytes"] + (4 << 20)
+    assert after["kvstore_python_allocated_blocks"] > 0
+    if _glibc_with_mallinfo2():
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        p = libc.malloc(8 << 20)
+        held = read()
+        libc.free(p)
+        assert held["kvstore_malloc_in_use_bytes"] >= after["kvstore_malloc_in_use_bytes"] + (
+            8 << 20
+        )
+        assert "kvstore_malloc_free_bytes" in held
+    del kept

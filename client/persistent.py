@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import atexit
 import copy
+import itertools
 import logging
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,6 +138,30 @@ NO_FETCH = FetchRecord()
 OnInsert = Callable[[Any, Sequence[int], list, str], bool]
 
 
+class RecentPrefixes:
+    """A set of token prefixes that keeps the most recently added `cap`: what a process restored
+    or offered is remembered for its hits, request after request, never without bound."""
+
+    def __init__(self, cap: int = STORE_PREFIXES):
+        self._prefixes: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self._cap = cap
+        self._lock = threading.Lock()
+
+    def add(self, tokens: tuple[int, ...]) -> None:
+        with self._lock:
+            self._prefixes[tokens] = None
+            self._prefixes.move_to_end(tokens)
+            while len(self._prefixes) > self._cap:
+                self._prefixes.popitem(last=False)
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        with self._lock:
+            return iter(list(self._prefixes))
+
+    def __len__(self) -> int:
+        return len(self._prefixes)
+
+
 class StoreTier:
     """What a prompt cache asks of the store on the request path: restore a miss the store
     serves better (the learner's cold tier), count where a request's tokens came from, learn
@@ -163,8 +188,9 @@ class StoreTier:
         self.quiet = quiet
         self.model: Any = None  # the model key hits are recorded for
         self.fingerprint: bytes | None = None  # its entries' fingerprint
-        self.stored: set[tuple[int, ...]] = set()  # token ids the store holds an entry of
-        self.offered: set[tuple[int, ...]] = set()  # sent towards the store from here
+        self.stored: set[tuple[int, ...]] = set()  # hydrated: token ids the store holds an entry of
+        self.restored = RecentPrefixes()  # read back from the store on a miss (learned records)
+        self.offered = RecentPrefixes()  # sent towards the store from here
         self._hits: list[tuple[int, ...]] = []  # stored prefixes that served a fetch, unsent
         self._hits_sent = time.monotonic()
         self._said_unstorable = False
@@ -175,7 +201,7 @@ class StoreTier:
     def serving(self, model: Any, fingerprint: bytes | None) -> None:
         """Hits are now recorded for `model`, whose entries are filed under `fingerprint`."""
         self.model, self.fingerprint = model, fingerprint
-        self.stored, self.offered = set(), set()
+        self.stored, self.restored, self.offered = set(), RecentPrefixes(), RecentPrefixes()
 
     def is_quiet(self, tokens: Sequence[int]) -> bool:
         return self.quiet is not None and self.quiet(tokens)
@@ -193,11 +219,15 @@ class StoreTier:
                      "(their image tokens have no stored form)")  # fmt: skip
         return False
 
-    def note_stored(self, model: Any, tokens: Sequence[int]) -> None:
-        """The KV of `tokens` in memory was read from the store: counted as `store` when it
-        serves, and its uses are hits."""
+    def note_stored(self, model: Any, tokens: Sequence[int], *, restored: bool = False) -> None:
+        """The KV of `tokens` in memory was read from the store (hydrated; or `restored` on a
+        request's miss, which happens request after request: the most recent STORE_PREFIXES
+        are kept): counted as `store` when it serves, and its uses are hits."""
         self.provenance.note_store(model, tokens)
-        self.stored.add(tuple(tokens))
+        if restored:
+            self.restored.add(tuple(tokens))
+        else:
+            self.stored.add(tuple(tokens))
 
     def restore(self, model: Any, tokens: Sequence[int], served: int, *, quiet: bool) -> Any:
         """The learner's restore (a `kvstore.client.learn.Restored`), or None."""
@@ -276,7 +306,7 @@ class StoreTier:
         budget evicts in), sent every HIT_BATCH_S seconds. A prefix counts whether its stored
         entry or an in-memory transcript extending it served."""
         best = max(
-            (t for t in self.stored | self.offered
+            (t for t in itertools.chain(self.stored, self.restored, self.offered)
              if len(t) <= served and tuple(tokens[: len(t)]) == t),
             key=len,
             default=None,
@@ -356,7 +386,7 @@ class PinnedPromptCache(LRUPromptCache):
         if hit is not None:
             if not quiet:  # in memory now: the next hit is memory's
                 self._insert(model, list(tokens[: hit.n]), hit.cache, cache_type="system")
-                self.tier.note_stored(model, tokens[: hit.n])
+                self.tier.note_stored(model, tokens[: hit.n], restored=True)
             cache, rest, restored = copy.deepcopy(hit.cache), list(tokens[hit.n :]), hit.n
             fleet = hit.fleet
         if quiet:

@@ -17,6 +17,7 @@ from kvstore.client.learn import Restored
 from kvstore.client.persistent import (
     FETCH_RECORDS,
     FETCH_RECORDS_EACH,
+    STORE_PREFIXES,
     FetchRecord,
     PinnedPromptCache,
     StoreTier,
@@ -95,3 +96,27 @@ def test_the_library_call_reads_the_fleet_from_its_fetch(llama):
     again = rec.calls[-1]
     assert again.cached_tokens >= 256 and again.fleet_tokens == 0
     assert fleet_sample() - before == 256
+
+
+def test_what_a_process_restored_is_remembered_for_its_hits_within_a_bound(llama):
+    """Every request the store serves on a miss (a learned restore) is remembered so that its
+    later uses count as hits; before, a set of every restored prefix grew request after request
+    (issue 34 item 6, found by the soak's tracemalloc) and every request scanned all of it."""
+    model, _ = llama
+    kv = mlx_lm_prefill(model, list(range(1, 17)))
+    cache = PinnedPromptCache(4)
+    cache.tier.serving(KEY, b"\0" * 16)
+
+    def restore(model_, tokens, n, quiet):
+        return Restored(cache=kv, n=16, nbytes=0, what="1 record") if n < 16 else None
+
+    cache.tier.restore = restore
+    for i in range(STORE_PREFIXES + 50):
+        cache.fetch_nearest_cache(KEY, [1000 + i] + list(range(2, 20)))
+    tier = cache.tier
+    remembered = len(tier.stored) + len(getattr(tier, "restored", ()))
+    assert remembered == STORE_PREFIXES  # before: STORE_PREFIXES + 50, and growing
+    tier._hits.clear()
+    last = [1000 + STORE_PREFIXES + 49] + list(range(2, 20))
+    cache.fetch_nearest_cache(KEY, last)  # in memory now: a use of the restored prefix
+    assert tier._hits == [tuple(last[:16])]

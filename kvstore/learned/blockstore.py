@@ -14,9 +14,10 @@ blob header is validated by `kvstore.learned.records.inspect`, imported when a r
 from __future__ import annotations
 
 import heapq
+import itertools
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,6 +35,7 @@ from kvstore.store.keys import (
     FINGERPRINT_BYTES,
     digest_of,
     fingerprint_of,
+    kids_links,
     kids_row,
     pack_key,
     parse_kids_row,
@@ -168,20 +170,17 @@ class BlockStore:
         """The store's last write transaction's id: equal between two reads, nothing changed."""
         return int(self.store.env.info()["last_txnid"])
 
-    def links(self, txn, fingerprint: bytes) -> Iterator[tuple[bytes, bytes]]:
-        """(parent, record key) of every learned record of the model `fingerprint`, read from
-        the `kids` rows' keys in `txn` (nothing decoded)."""
+    def links(self, txn, fingerprint: bytes) -> dict[bytes, bytes]:
+        """{record key: its parent} of every learned record of the model `fingerprint`, read
+        from the `kids` rows' keys in `txn` (nothing decoded). A reader of the store's changes
+        walks them all (kvstore.client.learn.LearnedChains): 13,000 records cost 26-55 ms a
+        walk as a generator of `parse_kids_row`s, 12-18 ms as this dict (issue 34 item 6)."""
         cur = txn.cursor(self._db(b"kids"))
-        if cur.set_range(fingerprint):
-            for k in cur.iternext(values=False):
-                if k[: len(fingerprint)] != fingerprint:
-                    break
-                row = parse_kids_row(k)
-                yield row.parent, row.child
-
-    def linked(self, txn, parent: bytes, key: bytes) -> bool:
-        """Whether the store still holds record `key` after `parent` (one lookup)."""
-        return txn.get(kids_row(parent, key), db=self._db(b"kids")) is not None
+        if not cur.set_range(fingerprint):
+            return {}
+        rows = map(bytes, cur.iternext(values=False))
+        mine = itertools.takewhile(lambda k: k.startswith(fingerprint), rows)
+        return kids_links(mine)
 
     def meta_in(self, txn, key: bytes) -> BlockMeta | None:
         """Record `key`'s meta in `txn`; None when it is gone or unreadable."""

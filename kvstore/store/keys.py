@@ -12,6 +12,7 @@ What `kvstore ls` shows of a key is `short_hex`: hex digits 32..44, the first 12
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 FINGERPRINT_BYTES = 16
@@ -59,6 +60,12 @@ def kids_row(parent: bytes, child: bytes) -> bytes:
 def parse_kids_row(row: bytes) -> KidsRow:
     row = bytes(row)
     return KidsRow(row[:KEY_BYTES], row[:FINGERPRINT_BYTES] + row[KEY_BYTES:])
+
+
+def kids_links(rows: Iterable[bytes]) -> dict[bytes, bytes]:
+    """{child: parent} of `kids` rows, as `parse_kids_row` reads each (a slice and a dict slot a
+    row, no record: a reader walks every row of a model on each change of the store)."""
+    return {k[:FINGERPRINT_BYTES] + k[KEY_BYTES:]: k[:KEY_BYTES] for k in rows}
 
 
 def short_hex(key: bytes | str) -> str:

@@ -1,7 +1,9 @@
 """Serve's two periodic reads of the store's learned records are incremental (issue 34 item 6):
 the cold tier's index of learned chains and the reasons' learned prefixes decode only the
 records learned since their last read, never the whole learned set again, and say what a full
-read (BlockStore.learned_prefixes) says."""
+read (BlockStore.learned_prefixes) says. Finding which records came and went still walks the
+model's `kids` rows, so the request path does that only now and then where it costs; a timer
+does it for it."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from kvstore import tokens as tk
-from kvstore.client.learn import LearnedChains, leaf_chains
+from kvstore.client.learn import ColdTier, LearnedChains, LearnTarget, leaf_chains
 from kvstore.learned.blockstore import BlockStore
 from kvstore.learned.chain import cuts
 from kvstore.learned.records import slice_record
@@ -105,3 +107,29 @@ def test_the_reasons_reader_gives_the_same_lists_until_something_is_learned(tmp_
         assert sorted(keys2) == sorted(read_learned(home, FP)[0]) and len(keys2) == 2
         assert keys[0] in keys2  # the prefix given before is given again, not rebuilt
         assert next(k for k in keys2 if k == keys[0]) is keys[0]
+
+
+def test_the_request_path_reads_a_costly_index_again_only_now_and_then(tmp_path):
+    """A learning serve changes the store every request; reading the cold tier's index again
+    walked every learned record of the model on the generation thread each time (13,000
+    records: 26-110 ms a request, the soak's throughput fell from 31 to 5 requests a second).
+    Where a read costs, the request path keeps the index it has; the timer reads it."""
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store, block=BLOCK)
+        _put(blocks, list(range(1, 700)))
+        cold = ColdTier(tmp_path)
+        assert cold.blocks() is not None
+        target = LearnTarget(fingerprint=FP, model="m", model_obj=None, extra={}, sliceable=True)
+        try:
+            first = cold.index(target)
+            assert [tk.unpack(c) for c in first.chains] == [list(range(1, 700))]
+            _put(blocks, list(range(1, 300)) + [7] * 100)  # the store changed
+            first.cost = 1.0  # reading it cost a second (a store of many records)
+            assert cold.index(target) is first  # the request path: the index it has
+            timed = cold.index(target, timer=True)  # the timer (HIT_BATCH_S) reads it
+            assert timed is not first and len(timed.chains) == 2
+            _put(blocks, list(range(1, 300)) + [8] * 100)
+            timed.cost = 0.0  # cheap to read: the request path reads it at once
+            assert len(cold.index(target).chains) == 3
+        finally:
+            cold.close()

@@ -6,9 +6,9 @@ target is flat within noise. On macOS there is no /proc: the figure would be the
 private dirty memory (`footprint` or `vmmap --summary PID`, "Physical footprint"), which this
 module does not read: it reports None there.
 
-    python -m bench.soak                      # quick: 1,200 requests after 300 of warm-up, then
+    python -m bench.soak                      # quick: 2,000 requests after 1,000 of warm-up, then
                                               # the same through a plain mlx_lm.server (control)
-    python -m bench.soak --full               # 10,000 after 1,000
+    python -m bench.soak --full               # 16,000 after 1,000 (~20 min here on a quiet box)
     python -m bench.soak --no-control         # without the plain mlx_lm.server's row
     python -m bench.soak --in-process 600     # where it grows: tracemalloc over serve's hooks
     python -m bench.run --quick --only soak   # (about 4 minutes on a shared 2-core box)
@@ -64,6 +64,14 @@ WORDS = (
 MAX_TURNS = 6
 REPLY = "Noted: {n} items."  # the assistant turns a chat carries (fixed: every turn extends)
 TARGET_BYTES_PER_REQUEST = 512  # flat within noise: less than this per request after warm-up
+# The regime measured: the store full, as a long-running serve's is. What serve keeps of the store
+# (the cold tier's index of learned records, 4-8 bytes a learned token) is bounded by the learned
+# budget in tokens: budget / KV bytes a token. 2 GiB (the default) holds ~16,000 tokens of
+# Llama-3.1-8B (128 KiB of KV a token); 64 MiB holds ~47,000 of the tiny llama's (~1.4 KiB), so
+# the soak's index is at least as large as a user's 8B model's, and full within the warm-up.
+# With the default budget the tiny llama would need ~1.5 M learned tokens to fill it: a soak
+# never gets there and its index grows all through (docs/soak.md measures that too).
+SOAK_LEARNED_BYTES = 64 * 2**20
 
 
 def chats(seed: int) -> Iterator[list[list[dict]]]:
@@ -343,6 +351,7 @@ def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
                           samples, max_tokens, daemon.pid)  # fmt: skip
         res = _figures(*run, requests_, warmup, clients)
         res["serve_env"], res["serve_args"] = dict(serve_env or {}), list(serve_args)
+        res["learned_max_bytes"] = learned_max_bytes
         if control:
             port = free_port()
             argv = [sys.executable, "-m", "bench.soak", "--plain-server", "--model", str(model),
@@ -359,8 +368,8 @@ def soak(requests_: int, warmup: int, clients: int = 4, samples: int = 6,
 def _loaded(argv, port, log, env, requests_, warmup, clients, samples, max_tokens,
             daemon_pid=None) -> tuple:  # fmt: skip
     """Start the server of `argv`, send the warm-up and then `requests_` requests in `samples`
-    parts; (load, serve's RssAnon, threads and memory gauges after each, the daemon's before
-    and after, seconds, warm-up seconds)."""
+    parts; (load, serve's RssAnon, threads and memory gauges after each, the daemon's RssAnon at
+    the same points, seconds, warm-up seconds)."""
     from bench.learned import Server
 
     server = Server(argv, port, log, env)
@@ -379,8 +388,8 @@ def _loaded(argv, port, log, env, requests_, warmup, clients, samples, max_token
             rss.append(rss_anon(server.proc.pid))
             threads.append(threads_of(server.proc.pid))
             gauges.append(memory_gauges(server))
-        if daemon_pid:
-            daemon_rss.append(rss_anon(daemon_pid))
+            if daemon_pid:
+                daemon_rss.append(rss_anon(daemon_pid))
         return load, rss, threads, gauges, daemon_rss, time.perf_counter() - t1, t1 - t0
     finally:
         server.stop()
@@ -438,6 +447,8 @@ def _figures(load, rss, threads, gauges, daemon_rss, seconds, warm_s, n, warmup,
         "bytes_per_request": round(growth / n, 1) if growth is not None else None,
         # least squares over the samples: an end that swings (mlx's buffer cache) weighs less
         "slope_bytes_per_request": _slope(rss, n) if known else None,
+        # the same over the second half of the run: a heap still filling slopes in the first
+        "late_slope_bytes_per_request": _late_slope(rss, n) if known else None,
         "swing_bytes": max(rss) - min(rss) if known else None,
         # the same less mlx's buffer cache (freed buffers mlx keeps: it swings by up to 20 MiB)
         "slope_less_mlx_cache_bytes_per_request": _slope_less_cache(rss, gauges, n),
@@ -452,6 +463,14 @@ def _slope_less_cache(rss: list, gauges: list, n: int) -> float | None:
     return _slope([r - c for r, c in zip(rss, cache, strict=True)], n)
 
 
+def _late_slope(rss: list[int], n: int) -> float | None:
+    """`_slope` over the second half of the samples (None under 5 samples)."""
+    if len(rss) < 5:
+        return None
+    half = len(rss) // 2
+    return _slope(rss[half:], n * (len(rss) - 1 - half) // (len(rss) - 1))
+
+
 def _slope(rss: list[int], n: int) -> float:
     """Bytes a request of the line fitted through the samples (taken every n/(len-1) requests)."""
     xs = [n * i / (len(rss) - 1) for i in range(len(rss))]
@@ -462,10 +481,12 @@ def _slope(rss: list[int], n: int) -> float:
 
 def run(quick: bool = True, *, requests_: int | None = None, warmup: int | None = None,
         clients: int = 4, control: bool = True) -> dict:  # fmt: skip
-    """bench.run's entry: 1,200 requests after 300 (quick), 10,000 after 1,000 (full); with
-    `control`, the plain mlx_lm.server's row too (what "flat within noise" is measured by)."""
-    res = soak(requests_ or (1200 if quick else 10000), warmup or (300 if quick else 1000),
-               clients, control=control)  # fmt: skip
+    """bench.run's entry: 2,000 requests after 1,000 (quick), 16,000 after 1,000 (full), the
+    store full (`SOAK_LEARNED_BYTES`); with `control`, the plain mlx_lm.server's row too (what
+    "flat within noise" is measured by)."""
+    res = soak(requests_ or (2000 if quick else 16000), warmup or 1000, clients,
+               samples=6 if quick else 16, control=control,
+               learned_max_bytes=SOAK_LEARNED_BYTES)  # fmt: skip
     _print(res)
     return res
 
@@ -479,8 +500,9 @@ def targets(res: dict) -> list[dict]:
     control = res.get("control")
     note = (f"serve RssAnon {_mib(rss)} over {res['requests']} requests after "
             f"{res['warmup']} ({res['clients']} clients, {res['errors']} errors, "
-            f"{res['bytes_per_request']} B a request end to end); daemon "
-            f"{_mib(res['daemon_rss_anon'])}"
+            f"{res['bytes_per_request']} B a request end to end, "
+            f"{res.get('late_slope_bytes_per_request')} fitted over the second half); daemon "
+            f"{_ends(res['daemon_rss_anon'])}"
             if per is not None else "no /proc here (macOS): not measured")  # fmt: skip
     blocks = (res.get("serve_memory") or {}).get("kvstore_python_allocated_blocks") or []
     if None not in blocks and len(blocks) > 1:  # what grew with learning on: the learned index
@@ -491,11 +513,12 @@ def targets(res: dict) -> list[dict]:
     ok = None if per is None else per < res["target_bytes_per_request"]
     if ok is False and control and control.get("swing_bytes") is not None:
         ok = res["growth_bytes"] <= control["swing_bytes"]  # within the control's noise
-        note += f"; plain mlx_lm.server swung {control['swing_bytes'] / 2**20:.1f} MiB"
+        note += (f"; plain mlx_lm.server grew {control['growth_bytes'] / 2**20:.1f} MiB, "
+                 f"swung {control['swing_bytes'] / 2**20:.1f}")  # fmt: skip
     rows = [{
         "target": f"kvstore serve's anonymous memory flat under load (< "
                   f"{res['target_bytes_per_request']} B a request after warm-up, or within the "
-                  f"plain server's swing), {res['model']}, learning on",
+                  f"plain server's swing), {res['model']}, learning on, {_budget(res)}",
         "measured": per,
         "unit": "B/request",
         "ok": ok,
@@ -507,9 +530,24 @@ def targets(res: dict) -> list[dict]:
             "measured": control["slope_bytes_per_request"],
             "unit": "B/request",
             "ok": None,
-            "note": f"RssAnon {_mib(control['serve_rss_anon'])}",
+            "note": f"RssAnon {_mib(control['serve_rss_anon'])}, "
+                    f"{control.get('late_slope_bytes_per_request')} B a request fitted over the "
+                    f"second half",
         })  # fmt: skip
     return rows
+
+
+def _budget(res: dict) -> str:
+    got = res.get("learned_max_bytes")
+    return "the default learned budget" if got is None else f"learned budget {got / 2**20:g} MiB"
+
+
+def _ends(values: list) -> str:
+    """First -> last (max) in MiB, for a long series."""
+    got = [v for v in values if v is not None]
+    if len(got) < 3:
+        return _mib(got)
+    return f"{got[0] / 2**20:.1f} -> {got[-1] / 2**20:.1f} MiB (max {max(got) / 2**20:.1f})"
 
 
 def _mib(values: list) -> str:

@@ -14,7 +14,6 @@ blob header is validated by `kvstore.learned.records.inspect`, imported when a r
 from __future__ import annotations
 
 import heapq
-import itertools
 import struct
 import time
 from collections.abc import Sequence
@@ -178,9 +177,7 @@ class BlockStore:
         cur = txn.cursor(self._db(b"kids"))
         if not cur.set_range(fingerprint):
             return {}
-        rows = map(bytes, cur.iternext(values=False))
-        mine = itertools.takewhile(lambda k: k.startswith(fingerprint), rows)
-        return kids_links(mine)
+        return kids_links(map(bytes, cur.iternext(values=False)), fingerprint)
 
     def meta_in(self, txn, key: bytes) -> BlockMeta | None:
         """Record `key`'s meta in `txn`; None when it is gone or unreadable."""

@@ -62,10 +62,16 @@ def parse_kids_row(row: bytes) -> KidsRow:
     return KidsRow(row[:KEY_BYTES], row[:FINGERPRINT_BYTES] + row[KEY_BYTES:])
 
 
-def kids_links(rows: Iterable[bytes]) -> dict[bytes, bytes]:
-    """{child: parent} of `kids` rows, as `parse_kids_row` reads each (a slice and a dict slot a
-    row, no record: a reader walks every row of a model on each change of the store)."""
-    return {k[:FINGERPRINT_BYTES] + k[KEY_BYTES:]: k[:KEY_BYTES] for k in rows}
+def kids_links(rows: Iterable[bytes], fingerprint: bytes) -> dict[bytes, bytes]:
+    """{child: parent} of the `kids` rows of model `fingerprint`, read in key order from `rows`
+    until the first row of another model, as `parse_kids_row` reads each (a slice and a dict
+    slot a row, no record: a reader walks every row of a model on each change of the store)."""
+    links: dict[bytes, bytes] = {}
+    for k in rows:
+        if not k.startswith(fingerprint):
+            break
+        links[k[:FINGERPRINT_BYTES] + k[KEY_BYTES:]] = k[:KEY_BYTES]
+    return links
 
 
 def short_hex(key: bytes | str) -> str:

@@ -571,19 +571,14 @@ def plain_server(argv: list[str]) -> None:
     from mlx_lm import server
 
     from kvstore.client.serve.gauges import process_memory
-    from kvstore.metrics import exposition
+    from kvstore.metrics import reply_metrics
 
     class Handler(server.APIHandler):
         def do_GET(self):
             if self.path != "/metrics":
                 return super().do_GET()
             process_memory()
-            body, content_type = exposition()
-            self.send_response(200)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            reply_metrics(self)
 
     http = server._run_http_server  # as kvstore serve gives its handler (kvstore.mlxlm)
     server._run_http_server = functools.partial(http, handler_class=Handler)

@@ -117,3 +117,14 @@ def exposition() -> tuple[bytes, str]:
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+
+
+def reply_metrics(handler) -> None:
+    """Answer a `GET /metrics` on an `http.server` handler with the registry (what serve's handler
+    and the soak's plain `mlx_lm.server` both answer)."""
+    body, content_type = exposition()
+    handler.send_response(200)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)

@@ -657,15 +657,10 @@ def _handler(server: Any, hooks: _Hooks) -> type:
 
         def do_GET(self):
             if self.path == "/metrics":
-                from kvstore.metrics import exposition
+                from kvstore.metrics import reply_metrics
 
                 hooks.gauges.refresh()  # at most every few seconds, never a scan per scrape
-                body, content_type = exposition()
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                reply_metrics(self)
                 return
             if not hooks.ready and (self.path == "/health" or self.path.startswith("/v1/models")):
                 self._starting()  # what clients and load balancers poll: ready means ready

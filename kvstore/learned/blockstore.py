@@ -172,8 +172,9 @@ class BlockStore:
     def links(self, txn, fingerprint: bytes) -> dict[bytes, bytes]:
         """{record key: its parent} of every learned record of the model `fingerprint`, read
         from the `kids` rows' keys in `txn` (nothing decoded). A reader of the store's changes
-        walks them all (kvstore.client.learn.LearnedChains): 13,000 records cost 26-55 ms a
-        walk as a generator of `parse_kids_row`s, 12-18 ms as this dict (issue 34 item 6)."""
+        walks them all (kvstore.client.learn.LearnedChains): 13,000 records cost 24-50 ms a
+        walk as a generator of `parse_kids_row`s, 9-13 ms as this dict (`python -m
+        bench.index_walk`; issue 34 item 6)."""
         cur = txn.cursor(self._db(b"kids"))
         if not cur.set_range(fingerprint):
             return {}

@@ -124,12 +124,43 @@ def store_dir_problem(path: Path) -> str | None:
     return None
 
 
+# Names a kvstore home holds (store/, the socket, the daemon's lock and log, the home's files):
+# a directory holding one of them is a home already; one holding other files only is not.
+HOME_MARKERS = frozenset({
+    STORE_DIR, SOCKET_NAME, LOCK_NAME, MANIFEST_NAME, FILEHASH_NAME, "settings.toml",
+    "ledger.msgpack", "evicted.msgpack", "manifests.json", "runtime.json", "daemon.log",
+})  # fmt: skip
+
+
+def foreign_dir_problem(home: Path) -> str | None:
+    """Why an existing `home` is another program's directory (it holds files and none of a
+    kvstore home's), or None. kvstore never takes such a directory over."""
+    try:
+        names = [p.name for p in home.iterdir()]
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"kvstore home {home}: cannot list it: {e.strerror}"
+    if not names or HOME_MARKERS.intersection(names):
+        return None
+    return (
+        f"kvstore home {home}: holds other files ({len(names)}) and no kvstore home; give "
+        "--home a new or empty directory (kvstore never changes a directory it did not create)"
+    )
+
+
 def ensure_home(home: Path) -> Path:
-    """Create the home (0700) if missing and tighten it if it is looser. A home that cannot be
-    made or tightened (a path under a file, no permission, an immutable directory) raises
-    KVStoreError naming it."""
+    """Create the home (0700) if missing. An existing directory is used as it is: kvstore never
+    changes the mode of a directory it did not create (`--home /tmp` or `--home .` must not lock
+    other users out); one that holds other files and no kvstore home is refused, and the files
+    kvstore creates in a home are 0600 whatever the directory's mode. A home that cannot be made
+    or used (a path under a file, no permission) raises KVStoreError naming it."""
     if problem := home_problem(home):
         raise KVStoreError(problem)
+    if home.is_dir():
+        if problem := foreign_dir_problem(home):
+            raise KVStoreError(problem)
+        return home
     try:
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
@@ -137,14 +168,6 @@ def ensure_home(home: Path) -> Path:
             f"kvstore home {home}: cannot create it: {e.strerror}; check the permissions of "
             "its parent, or give --home a directory you can write"
         ) from e
-    if home.stat().st_mode & 0o077:
-        try:
-            os.chmod(home, 0o700)
-        except OSError as e:  # not its owner, an immutable or read-only directory
-            raise KVStoreError(
-                f"kvstore home {home}: cannot make it private (mode 0700): {e.strerror}; check "
-                "its owner, permissions and flags (e.g. chattr -i, chflags nouchg)"
-            ) from e
     return home
 
 

@@ -1,9 +1,11 @@
-"""A `--home` that cannot be one (a path under a file, an immutable directory) is one line and a
-non-zero exit on every command, and commands that only read or remove never create a home."""
+"""A `--home` that cannot be one (a path under a file, an immutable directory, another's
+directory) is one line and a non-zero exit on every command, commands that only read or remove
+never create a home, and an existing directory's mode is never changed."""
 
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -80,17 +82,52 @@ def _writes(tmp_path: Path, llama_path: Path) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("command", ["warm", "evict", "import"])
-def test_a_home_that_cannot_be_made_private_is_one_line(tmp_path, llama_path, command):
-    home = tmp_path / "h"
-    home.mkdir(mode=0o755)
-    os.chmod(home, 0o755)  # looser than 0700: ensure_home tightens it
-    refused = PermissionError(1, "Operation not permitted", str(home))
-    with mock.patch("kvstore.home.settings.os.chmod", side_effect=refused):
-        result = cli(*_writes(tmp_path, llama_path)[command], "--home", home)
+def test_a_directory_of_other_files_is_refused_and_left_as_it_was(tmp_path, llama_path, command):
+    """`--home d` where d is shared (1777) and holds another's file: d was chmod'ed 0700, locking
+    everyone else out of it. kvstore never changes a directory it did not create."""
+    home = tmp_path / "d"
+    home.mkdir()
+    os.chmod(home, 0o1777)
+    (home / "other").write_text("someone else's")
+    result = cli(*_writes(tmp_path, llama_path)[command], "--home", home)
     assert result.exit_code == 1, result.output
     line = _one_line(result)
-    assert f"kvstore home {home}: cannot make it private" in line
-    assert "Operation not permitted" in line
+    assert f"kvstore home {home}: holds other files (1) and no kvstore home" in line, line
+    assert stat.S_IMODE(home.stat().st_mode) == 0o1777
+    assert sorted(p.name for p in home.iterdir()) == ["other"]
+
+
+def test_the_daemon_refuses_a_directory_of_other_files_and_leaves_its_mode(tmp_path):
+    home = tmp_path / "d"
+    home.mkdir()
+    os.chmod(home, 0o1777)
+    (home / "other").write_text("someone else's")
+    p = subprocess.run(
+        [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == exits.CONFIG, p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1 and "holds other files (1) and no kvstore home" in errors[0], p.stderr
+    assert stat.S_IMODE(home.stat().st_mode) == 0o1777
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o1777])
+def test_an_existing_empty_home_is_used_with_its_mode_kept(tmp_path, llama_path, mode):
+    """An empty directory (or a kvstore home) given as --home is used as it is: warmed into, its
+    mode unchanged; a home kvstore creates is 0700."""
+    home = tmp_path / "h"
+    home.mkdir()
+    os.chmod(home, mode)
+    result = cli(*_writes(tmp_path, llama_path)["warm"], "--home", home)
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(home.stat().st_mode) == mode
+    assert (home / "store" / "data.mdb").is_file()
+    result = cli("ls", "--home", home)  # a home now: used again
+    assert result.exit_code == 0 and "classify" in result.output, result.output
+    made = tmp_path / "new" / "home"
+    assert cli(*_writes(tmp_path, llama_path)["warm"], "--home", made).exit_code == 0
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
 
 
 def _immutable(path: Path) -> bool:

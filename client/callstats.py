@@ -20,6 +20,7 @@ from typing import Any
 from kvstore import metrics, mlxlm
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
+from kvstore.tokens import TokenIds
 from kvstore.wire.messages import RecordRequest
 
 log = logging.getLogger("kvstore.client")
@@ -211,7 +212,7 @@ def stream_generate(
     prompt_cache: Any,
     model: Any,
     tokenizer: Any,
-    prompt: str | Sequence[int],
+    prompt: str | TokenIds,
     *,
     label: str = "default",
     model_key: Any = None,
@@ -296,7 +297,7 @@ def _vocab_of(prompt_cache: Any, model: Any) -> int | None:
 
 
 def _prompt_ids(
-    model: Any, tokenizer: Any, prompt: str | Sequence[int], vocab: int | None = None
+    model: Any, tokenizer: Any, prompt: str | TokenIds, vocab: int | None = None
 ) -> list[int]:
     """The prompt's token ids: a string encoded as mlx_lm.stream_generate encodes it, the app's
     own ids checked against the model's vocabulary (`vocab`, when known already)."""
@@ -304,15 +305,18 @@ def _prompt_ids(
         bos = getattr(tokenizer, "bos_token", None)  # as mlx_lm.stream_generate encodes it
         special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=special))
-    ids = list(prompt)
-    if vocab is not None and all(type(t) is int and 0 <= t < vocab for t in ids):
-        return ids
-    # the app's own ids: one past the embedding would crash the process in mlx
+    if (
+        isinstance(prompt, (list, tuple))
+        and vocab is not None
+        and all(type(t) is int and 0 <= t < vocab for t in prompt)
+    ):
+        return list(prompt)
+    # the app's own ids (an array too): one past the embedding would crash the process in mlx
     from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
     if vocab is None:
         vocab = model_vocab_size(model)
-    return list(check_token_ids(ids, vocab, what="prompt"))
+    return list(check_token_ids(prompt, vocab, what="prompt"))
 
 
 def _cache_for(
@@ -340,7 +344,7 @@ def generate(
     prompt_cache: Any,
     model: Any,
     tokenizer: Any,
-    prompt: str | Sequence[int],
+    prompt: str | TokenIds,
     *,
     label: str = "default",
     model_key: Any = None,

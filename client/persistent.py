@@ -762,13 +762,14 @@ class PersistentPromptCache(PinnedPromptCache):
         name: str,
         *,
         messages: Sequence[Mapping[str, Any]] | None = None,
-        tokens: Sequence[int] | None = None,
+        tokens: token_ids.TokenIds | None = None,
         tools: Iterable[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> Pin:
         """Register a stage prefix that the LRU never evicts: chat `messages` (rendered with the
         stable-boundary rule, optionally with `tools` and the template arguments the app's
-        requests use: `chat_template_kwargs`, default the cache's) or exact `tokens`.
+        requests use: `chat_template_kwargs`, default the cache's) or exact `tokens` (any
+        sequence of ints, a numpy integer array or an mx.array; a bool is not a token id).
 
         Its KV comes from memory or the store when present; otherwise the loaded model prefills
         it here, once, and the daemon is asked to persist it (off the request path).
@@ -784,14 +785,14 @@ class PersistentPromptCache(PinnedPromptCache):
                 self.chat_template_kwargs if chat_template_kwargs is None else chat_template_kwargs
             )
             rendered = self._render(name, messages, tools, dict(kwargs))
-            ids, warning = rendered.tokens, rendered.warning
-            extra = pin_extra(rendered, dict(kwargs))
+            given: Any = rendered.tokens
+            warning, extra = rendered.warning, pin_extra(rendered, dict(kwargs))
         else:
-            ids = tuple(tokens or ())  # given: messages is None
+            given = tokens  # any sequence of ints, a numpy or an mx array
         from kvstore.warm.prefill import check_token_ids, model_vocab_size
 
         # an id past the embedding would crash the process in mlx, not raise
-        ids = check_token_ids(ids, model_vocab_size(self.model), what=f"pin {name!r}")
+        ids = check_token_ids(given, model_vocab_size(self.model), what=f"pin {name!r}")
         if not ids:
             raise ValueError(f"pin {name!r}: no tokens to pin")
         key = (self.model_key, ids)

@@ -13,7 +13,11 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import numpy as np
 
 SIZE = 4  # bytes a token id (uint32)
 ORDER = "little"  # byte order of a packed token id: the store's layout, never changed
@@ -21,6 +25,10 @@ ORDER = "little"  # byte order of a packed token id: the store's layout, never c
 _CODE = next(c for c in ("I", "L") if array.array(c).itemsize == SIZE)  # C unsigned of 4 bytes
 _SWAP = sys.byteorder != ORDER
 _MAX = 2**32 - 1  # the largest id a packed token holds
+
+# Token ids as apps hold them (what `tokens=` and a prompt of ids take): any sequence of ints, a
+# numpy integer array or an mx.array, one row (kvstore.warm.prefill.check_token_ids reads them).
+TokenIds = Union[Sequence[int], "np.ndarray", "mx.array"]
 
 
 def pack(tokens: Sequence[int]) -> bytes:

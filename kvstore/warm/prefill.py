@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
@@ -15,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvstore.errors import PrefillStopped
 from kvstore.identity.model import ModelIdentity
 from kvstore.identity.modelconfig import config_vocab_size  # noqa: F401  (kvstore.warm.transfer)
+from kvstore.tokens import TokenIds
 
 PREFILL_STEP = 2048  # tokens per forward pass, as mlx_lm.generate's prefill_step_size
 
@@ -45,13 +47,23 @@ def model_vocab_size(model) -> int | None:
 
 
 def check_token_ids(
-    tokens: Iterable, vocab: int | None, *, what: str = "tokens"
+    tokens: Iterable | TokenIds, vocab: int | None, *, what: str = "tokens"
 ) -> tuple[int, ...]:
-    """The ids as ints, or ValueError naming the first one outside 0 .. vocab-1: mlx indexes the
-    embedding unchecked, so such an id would crash the process (SIGSEGV), not raise."""
+    """The ids as ints, from any sequence of ints, a numpy integer array or an `mx.array` (one
+    row), or ValueError in one line naming the first that is not an integer token id (a bool is
+    not one), or that is outside 0 .. vocab-1: mlx indexes the embedding unchecked, so such an id
+    would crash the process (SIGSEGV), not raise."""
+    array: Any = tokens
+    if hasattr(array, "tolist") and hasattr(array, "ndim"):  # a numpy or mlx array
+        if array.ndim != 1:
+            shape = tuple(array.shape)
+            raise ValueError(f"{what}: token ids must be one row, got an array of shape {shape}")
+        tokens = array.tolist()
     out = []
     for i, t in enumerate(tokens):
         try:
+            if isinstance(t, bool):
+                raise TypeError
             t = operator.index(t)
         except TypeError:
             raise ValueError(f"{what}: token {i} is {t!r}, not an integer token id") from None

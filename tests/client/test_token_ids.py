@@ -13,11 +13,13 @@ import sys
 import textwrap
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import cli, manifest_for
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache, save_prompt_cache
 
+from kvstore.client import PersistentPromptCache, generate
 from kvstore.client.hydrate import hydrate
 from kvstore.codec import codec
 from kvstore.home.settings import FILEHASH_NAME
@@ -146,3 +148,51 @@ def test_warm_fails_a_pin_whose_text_tokenizes_past_the_vocabulary(llama_path, k
     (pin,) = report.pins
     assert pin.status == "failed"
     assert "token id" in pin.error and "the vocabulary has 8 ids" in pin.error
+
+
+HELD = {  # token ids as apps hold them
+    "list": [1, 2, 3],
+    "tuple": (1, 2, 3),
+    "range": range(1, 4),
+    "numpy ints": [np.int64(1), np.int32(2), np.uint16(3)],
+    "numpy array": np.array([1, 2, 3]),
+    "numpy uint32 array": np.array([1, 2, 3], dtype=np.uint32),
+    "mx.array": mx.array([1, 2, 3]),
+    "mx.array uint32": mx.array([1, 2, 3], dtype=mx.uint32),
+}
+REFUSED = {  # (ids, what the one line says)
+    "bools": ([True, False], "token 0 is True, not an integer token id"),
+    "a bool among ids": ([1, False], "token 1 is False, not an integer token id"),
+    "numpy bools": (np.array([True, False]), "token 0 is True, not an integer"),
+    "mx bools": (mx.array([True, False]), "token 0 is True, not an integer"),
+    "floats": (np.array([1.0, 2.0]), "token 0 is 1.0, not an integer"),
+    "a batch": (mx.array([[1, 2, 3]]), r"token ids must be one row, got .* shape \(1, 3\)"),
+}
+
+
+def test_pin_and_generate_take_token_ids_as_apps_hold_them(llama_path):
+    """`pin(tokens=)` and a prompt of ids take any sequence of ints, a numpy integer array and
+    an mx.array: the same pin, the same prompt."""
+    model, tok = load(str(llama_path))
+    with PersistentPromptCache.open(model, tok, llama_path, verbose=False) as cache:
+        for held, ids in HELD.items():
+            pin = cache.pin(f"p-{held.replace(' ', '-').replace('.', '-')}", tokens=ids)
+            assert pin.tokens == (1, 2, 3) and type(pin.tokens[0]) is int, held
+        texts = {held: generate(cache, model, tok, ids, max_tokens=2) for held, ids in HELD.items()}
+        assert len(set(texts.values())) == 1, texts
+        assert [c.prompt_tokens for c in cache.stats.calls] == [3] * len(HELD)
+
+
+@pytest.mark.parametrize("held", sorted(REFUSED))
+def test_pin_and_generate_refuse_ids_that_are_not_token_ids_in_one_line(held, llama_path):
+    """Bools are not token ids (`[True, False]` was pinned as ids 1, 0), nor floats, nor a
+    batch of rows: one line naming what was wrong, nothing pinned, no call recorded."""
+    ids, said = REFUSED[held]
+    model, tok = load(str(llama_path))
+    with PersistentPromptCache.open(model, tok, llama_path, verbose=False) as cache:
+        with pytest.raises(ValueError, match=f"^pin 'p': {said}") as e:
+            cache.pin("p", tokens=ids)
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match=f"^prompt: {said}"):
+            generate(cache, model, tok, ids, max_tokens=1)
+        assert cache.pins == {} and cache.stats.calls == []

@@ -144,10 +144,7 @@ class StatsRecorder:
             fleet_tokens=fleet_tokens,
         )
         self._keep(call)
-        line = call.line()
-        log.info("%s", line)
-        if self._should_print():
-            print(line, file=sys.stderr)
+        say(call.line(), self.verbose)
         if self._writer is not None:
             rec = asdict(call)
             rec["reasons"] = list(rec["reasons"])
@@ -202,10 +199,15 @@ class StatsRecorder:
             )
         )
 
-    def _should_print(self) -> bool:
-        if self.verbose is not None:
-            return self.verbose
-        return not (log.isEnabledFor(logging.INFO) and log.hasHandlers())
+
+def say(line: str, verbose: bool | None = None) -> None:
+    """`line` logged on "kvstore.client" at INFO, and printed to stderr if `verbose`; None (the
+    default): unless INFO records of "kvstore.client" already reach a handler."""
+    log.info("%s", line)
+    if verbose is None:
+        verbose = not (log.isEnabledFor(logging.INFO) and log.hasHandlers())
+    if verbose:
+        print(line, file=sys.stderr)
 
 
 def stream_generate(

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 
 from kvstore import metrics, mlxlm
 from kvstore import tokens as token_ids
-from kvstore.client.callstats import StatsRecorder
+from kvstore.client.callstats import StatsRecorder, say
 from kvstore.client.fleetcheck import unchecked
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
 from kvstore.client.learn import Learner, LearnTarget
@@ -779,12 +779,13 @@ class PersistentPromptCache(PinnedPromptCache):
             raise ValueError(f"pin name: {problem}")
         if (messages is None) == (tokens is None):
             raise ValueError("pin: give exactly one of messages= or tokens=")
+        limit = self._max_pin_tokens()
         warning, extra = None, {}
         if messages is not None:
             kwargs = (
                 self.chat_template_kwargs if chat_template_kwargs is None else chat_template_kwargs
             )
-            rendered = self._render(name, messages, tools, dict(kwargs))
+            rendered = self._render(name, messages, tools, dict(kwargs), limit)
             given: Any = rendered.tokens
             warning, extra = rendered.warning, pin_extra(rendered, dict(kwargs))
         else:
@@ -801,9 +802,16 @@ class PersistentPromptCache(PinnedPromptCache):
         source, cache = self._find(ids)
         if cache is None:
             from kvstore.warm.prefill import prefill
+            from kvstore.warm.warm import PrefillBounds, PrefillProgress, over_limit
 
+            if why := over_limit(self.model_path, name, len(ids), limit, self._context()):
+                raise ValueError(why)
             source = "prefill"
-            cache = prefill(self.model, ids, identity=self.identity)
+            verbose = self.options.verbose
+            progress = PrefillProgress(
+                lambda line: say(f"kvstore: {line}", verbose), name, PrefillBounds.progress_every
+            )
+            cache = prefill(self.model, ids, identity=self.identity, on_chunk=progress)
         queued, persist_s = False, 0.0
         if source != "store" and ids not in self.tier.stored:
             t1 = time.perf_counter()
@@ -821,12 +829,30 @@ class PersistentPromptCache(PinnedPromptCache):
         )
         return pin
 
+    def _max_pin_tokens(self) -> int:
+        """The home's max_pin_tokens setting, read at each pin as `kvstore warm` reads it."""
+        from kvstore.home.settings import DEFAULT, load_settings
+        from kvstore.warm.warm import max_pin_tokens
+
+        if self.home is None:
+            return DEFAULT.max_pin_tokens
+        return max_pin_tokens(load_settings(self.home))
+
+    def _context(self) -> tuple[int, str] | None:
+        """The longest prefix the loaded model takes, and where that is said (or None)."""
+        from kvstore.warm.warm import model_context
+
+        args = getattr(self.model, "args", None)
+        config = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+        return model_context(config, self.tokenizer)
+
     def _render(
         self,
         name: str,
         messages: Sequence[Mapping[str, Any]],
         tools: Iterable | None,
         template_kwargs: dict,
+        max_tokens: int,
     ) -> RenderedPin:
         from kvstore.pins.manifest import PrefixSpec, check_template_kwargs
         from kvstore.pins.render import render_prefix
@@ -840,7 +866,7 @@ class PersistentPromptCache(PinnedPromptCache):
             tools_data=tuple(dict(t) for t in tools) if tools else None,
             chat_template_kwargs=check_template_kwargs(template_kwargs or None),
         )
-        return render_prefix(self.tokenizer, spec)
+        return render_prefix(self.tokenizer, spec, max_tokens=max_tokens)
 
     def _find(self, ids: tuple[int, ...]) -> tuple[str, list | None]:
         """The KV of exactly these tokens from memory (no copy: the pin takes the entry over) or

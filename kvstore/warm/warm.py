@@ -230,15 +230,18 @@ class PrefillProgress:
         )
 
 
-def over_limit(plan: ModelPlan, pp: PlannedPin, max_pin_tokens: int) -> str | None:
-    """Why this pin is too long to prefill (one line naming it, its length and the limit), or
-    None: the model's context, and the max_pin_tokens setting, bound it."""
-    n = len(pp.pin.tokens)
+def over_limit(
+    model: str, name: str, ntokens: int, max_pin_tokens: int, context: tuple[int, str] | None
+) -> str | None:
+    """Why pin `name` of `model`, `ntokens` long, is too long to prefill (one line naming it, its
+    length and the limit), or None: the max_pin_tokens setting, and the model's `context`
+    (`model_context`), bound it. The one length check of every way a pin is made: a warm, the
+    daemon's, and `PersistentPromptCache.pin`."""
     limits = [(max_pin_tokens, "max_pin_tokens (settings.toml)")]
-    if plan.context is not None:
-        limits.append(plan.context)
+    if context is not None:
+        limits.append(context)
     limit, what = min(limits)
-    if n <= limit:
+    if ntokens <= limit:
         return None
     fix = (
         "raise max_pin_tokens in settings.toml"
@@ -246,7 +249,7 @@ def over_limit(plan: ModelPlan, pp: PlannedPin, max_pin_tokens: int) -> str | No
         else "use a model with a longer context"
     )
     return (
-        f"model {plan.spec.path!r}: pin {pp.pin.name!r} is {n:,} tokens, over {what} of "
+        f"model {model!r}: pin {name!r} is {ntokens:,} tokens, over {what} of "
         f"{limit:,} tokens; not prefilled: shorten the pin or {fix}"
     )
 
@@ -464,7 +467,9 @@ def _missing_pins(plan: ModelPlan, report: WarmReport, bounds: PrefillBounds) ->
             log.warning("%s", pp.pin.warning)
         if pp.present:
             report.pins.append(_result(pp, PinStatus.PRESENT, warning=pp.pin.warning))
-        elif why := over_limit(plan, pp, bounds.max_pin_tokens):
+        elif why := over_limit(
+            plan.spec.path, pp.pin.name, len(pp.pin.tokens), bounds.max_pin_tokens, plan.context
+        ):
             _fail(report, pp, why)  # before any fetch, load or prefill
         else:
             missing.append(pp)

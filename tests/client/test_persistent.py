@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from mlx_lm import load
 
 from kvstore.client import PersistentPromptCache, generate
 from kvstore.client.writebehind import Job, WriteBehind
+from kvstore.errors import KVStoreError
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.prefill import prefill
@@ -317,3 +319,56 @@ def test_docs_example_runs(llama_path, kv_home, capsys):
         assert s.cached_tokens >= len(cache.pins[name].tokens), name
     assert "kvstore: synthesize:" in capsys.readouterr().err
     assert not cache._writer.thread.is_alive()
+
+
+def test_a_pin_over_max_pin_tokens_is_refused_at_once_as_warm_refuses_it(
+    llama, llama_path, kv_home, monkeypatch
+):
+    """One limit for every way a pin is made: `pin()` refuses what `kvstore warm` refuses, with
+    its line, before any prefill, for messages and for exact tokens alike."""
+    kv_home.mkdir(mode=0o700)
+    (kv_home / "settings.toml").write_text("max_pin_tokens = 100\n")
+    prefills = count_prefills(monkeypatch)
+    model, tokenizer = llama
+    limit = "over max_pin_tokens (settings.toml) of 100 tokens; not prefilled"
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
+        with pytest.raises(ValueError) as e:
+            cache.pin("classify", messages=ROUTER)
+        assert str(e.value) == (
+            f"model {str(llama_path)!r}: pin 'classify' is 148 tokens, {limit}: shorten the pin "
+            "or raise max_pin_tokens in settings.toml"
+        )
+        with pytest.raises(ValueError, match=re.escape(f"pin 'ids' is 101 tokens, {limit}")):
+            cache.pin("ids", tokens=list(range(1, 102)))
+        with pytest.raises(KVStoreError, match="max_pin_tokens=100 tokens"):  # never tokenized
+            cache.pin("huge", messages=[{"role": "system", "content": "word " * 2000}])
+        assert prefills == [] and cache.pins == {}
+        assert cache.pin("ids", tokens=list(range(1, 101))).source == "prefill"
+    with Store(kv_home) as store:  # warm's own line for the same pin
+        manifest = load_manifest(manifest_for(kv_home.parent, llama_path, TWO_PINS))
+        report = warm(manifest, store, home=kv_home)
+    assert str(e.value) in [p.error for p in report.pins]
+
+
+def test_a_long_pin_says_its_progress(llama, llama_path, monkeypatch, capsys):
+    """A pin whose prefill runs long says how far it is, as `kvstore warm` does: every 2 s,
+    here 16 tokens a chunk on a clock that moves 3 s a reading."""
+    import kvstore.warm.prefill
+    import kvstore.warm.warm
+
+    t = [0.0]
+
+    def clock():
+        t[0] += 3.0
+        return t[0]
+
+    monkeypatch.setattr(kvstore.warm.prefill, "PREFILL_STEP", 16)
+    monkeypatch.setattr(kvstore.warm.warm, "progress_clock", clock)
+    model, tokenizer = llama
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=True) as cache:
+        cache.pin("long", tokens=list(range(1, 49)))
+    progress = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kvstore: pin ")]
+    assert progress == [
+        "kvstore: pin long: 16 of 48 tokens (33%), 5 tokens/s",
+        "kvstore: pin long: 32 of 48 tokens (67%), 5 tokens/s",
+    ]

@@ -120,11 +120,13 @@ class StatsRecorder:
         pins: Mapping[tuple[int, ...], str] | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
         fleet_tokens: int = 0,
+        verbose: bool | None = None,
     ) -> CallStats:
         """One call: its line, its ledger record, /metrics' reasons. `prompt`: the ids the
         prompt cache keys it by (what its prefilled tokens are attributed by; with images,
         mlx_lm.server's key, one negative id per image); `fleet_tokens`: of the cached ones,
-        read through from the fleet on this call (its fetch's record)."""
+        read through from the fleet on this call (its fetch's record); `verbose`: this call's
+        own, else the recorder's."""
         reasons: tuple[SpanRecord, ...] = ()
         if prompt is not None:
             reasons = tuple(self.attribute(prompt, cached_tokens, pins or {}, decode))
@@ -144,7 +146,7 @@ class StatsRecorder:
             fleet_tokens=fleet_tokens,
         )
         self._keep(call)
-        say(call.line(), self.verbose)
+        say(call.line(), self.verbose if verbose is None else verbose)
         if self._writer is not None:
             rec = asdict(call)
             rec["reasons"] = list(rec["reasons"])
@@ -219,13 +221,19 @@ def stream_generate(
     label: str = "default",
     model_key: Any = None,
     stats: StatsRecorder | None = None,
+    verbose: bool | None = None,
     **kwargs: Any,
 ) -> Iterator[Any]:
     """mlx_lm.stream_generate through an LRUPromptCache, recording the call's prefill stats.
 
     `prompt_cache` is a PersistentPromptCache (its model_key and stats are used), an mlx-lm
-    LRUPromptCache (pass `model_key`, and `stats` to record), or None. Yields mlx-lm's
-    GenerationResponse objects; the transcript is inserted back into the cache at the end.
+    LRUPromptCache (pass `model_key`, and `stats` to record), or None. `prompt`: text, or token
+    ids (a sequence of ints, a numpy or an mx array). `verbose`: True prints this call's stats
+    line to stderr, False only logs it, None leaves it to `stats` (StatsRecorder's `verbose`).
+    The other keyword arguments are mlx_lm.stream_generate's. Yields mlx-lm's
+    GenerationResponse objects; the transcript is inserted back into the cache at the end. A
+    call that fails before its first response (a keyword mlx-lm does not take) is neither
+    recorded nor inserted.
     """
     import mlx_lm
 
@@ -240,22 +248,26 @@ def stream_generate(
             kwargs.setdefault(name, getattr(identity, name))
 
     cache, rest = _cache_for(prompt_cache, model_key, model, tokens)
+    both = cache  # what mlx-lm runs on: with a draft model, its cache follows the model's
+    if kwargs.get("draft_model") is not None:
+        both = cache + _draft_cache(kwargs["draft_model"], tokens[: len(tokens) - len(rest)])
     # what the fetch prefilled itself (a learned split) is prefill, not cache
     split, split_s, fleet = _fetch_record(prompt_cache, tokens)
     generated: list[int] = []
     prefill_s = decode_s = 0.0
     t0 = time.perf_counter()
     try:
-        for resp in mlx_lm.stream_generate(model, tokenizer, rest, prompt_cache=cache, **kwargs):
+        for resp in mlx_lm.stream_generate(model, tokenizer, rest, prompt_cache=both, **kwargs):
             if not generated:
                 prefill_s = resp.prompt_tokens / resp.prompt_tps if resp.prompt_tps else 0.0
                 prefill_s += split_s
             generated.append(resp.token)
             yield resp
     finally:
-        # Also when the caller stops early: the call still cost what it cost.
+        # Also when the caller stops early: the call still cost what it cost. One that failed
+        # before answering (mlx-lm refused its arguments) generated nothing: no call.
         decode_s = max(0.0, time.perf_counter() - t0 - prefill_s)
-        if stats is not None:
+        if stats is not None and generated:
             stats.record(
                 label=label,
                 prompt_tokens=len(tokens),
@@ -267,8 +279,9 @@ def stream_generate(
                 pins=_pins_of(prompt_cache, model_key),
                 decode=getattr(tokenizer, "decode", None),
                 fleet_tokens=fleet,
+                verbose=verbose,
             )
-        if prompt_cache is not None:
+        if prompt_cache is not None and generated:
             # mlx-lm runs one token ahead: key the entry by what the cache really holds.
             transcript = mlxlm.generated_transcript(cache, tokens + generated)
             if transcript is not None:
@@ -342,6 +355,18 @@ def _cache_for(
     return cache, rest
 
 
+def _draft_cache(draft_model: Any, prefix: list[int]) -> list:
+    """A draft model's cache holding `prefix`, the tokens the model's own cache holds:
+    speculative decoding runs both on the same tokens, and the store keeps the model's only."""
+    if not prefix:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(draft_model)
+    from kvstore.warm.prefill import prefill
+
+    return prefill(draft_model, prefix)
+
+
 def generate(
     prompt_cache: Any,
     model: Any,
@@ -351,19 +376,36 @@ def generate(
     label: str = "default",
     model_key: Any = None,
     stats: StatsRecorder | None = None,
+    verbose: bool | None = None,
     **kwargs: Any,
 ) -> str:
-    """`stream_generate`, returning the whole text (as mlx_lm.generate)."""
-    return "".join(
-        r.text
-        for r in stream_generate(
-            prompt_cache,
-            model,
-            tokenizer,
-            prompt,
-            label=label,
-            model_key=model_key,
-            stats=stats,
-            **kwargs,
-        )
+    """`stream_generate`, returning the whole text, as mlx_lm.generate: `verbose=True` also
+    prints the text as it is generated and the timings (mlx_lm.generate's), False prints
+    neither nor the stats line."""
+    responses = stream_generate(
+        prompt_cache,
+        model,
+        tokenizer,
+        prompt,
+        label=label,
+        model_key=model_key,
+        stats=stats,
+        verbose=verbose,
+        **kwargs,
     )
+    if not verbose:
+        return "".join(r.text for r in responses)
+    print("=" * 10)
+    text, last = "", None
+    for last in responses:
+        print(last.text, end="", flush=True)
+        text += last.text
+    print()
+    print("=" * 10)
+    if not text or last is None:
+        print("No text generated for this prompt")
+        return text
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {last.peak_memory:.3f} GB")
+    return text

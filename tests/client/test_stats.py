@@ -4,10 +4,13 @@ is logged and shown by default, and a flush puts the records in the daemon's led
 from __future__ import annotations
 
 import logging
+import re
 
+import mlx_lm
 import pytest
 from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, manifest_for
 from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.sample_utils import make_sampler
 
 from kvstore.client import PersistentPromptCache, StatsRecorder, generate, stream_generate
 from kvstore.pins.manifest import load_manifest
@@ -138,3 +141,68 @@ def test_daemon_ledger_after_flush(tmp_path, llama, llama_path):
         generated = sum(c.generated_tokens for c in calls if c.label == label)
         assert row.get("generated_tokens", generated) == generated  # optional in the ledger
     assert rows["classify"]["cached_tokens"] > 0
+
+
+def numbers_out(text: str) -> str:
+    return re.sub(r"\d+(\.\d+)?", "N", text)
+
+
+def test_generate_takes_verbose_as_mlx_lm_generate_does(llama, llama_path, capsys):
+    """`verbose=False` (as docs/apps.md shows) silences the call's line and still records it;
+    `verbose=True` prints what mlx_lm.generate(verbose=True) prints, then the line."""
+    model, tokenizer = llama
+    prompt = chat(tokenizer, CLASSIFY, "hello")
+    stats = StatsRecorder("m", send=False)  # default: the line is printed
+    lru = LRUPromptCache()
+    args = (model, tokenizer, prompt)
+    plain = mlx_lm.generate(*args, max_tokens=2, verbose=False)
+    assert generate(lru, *args, model_key="m", stats=stats, max_tokens=2, verbose=False) == plain
+    assert capsys.readouterr() == ("", "")
+    for _ in stream_generate(lru, *args, model_key="m", stats=stats, max_tokens=2, verbose=False):
+        pass
+    assert capsys.readouterr() == ("", "") and len(stats.calls) == 2
+
+    mlx_lm.generate(*args, max_tokens=2, verbose=True)
+    theirs = capsys.readouterr().out
+    ours = generate(LRUPromptCache(), *args, model_key="m", stats=stats, max_tokens=2, verbose=True)
+    out, err = capsys.readouterr()
+    assert ours == plain and numbers_out(out) == numbers_out(theirs), (out, theirs)
+    assert err == stats.calls[-1].line() + "\n"
+
+
+def test_generate_takes_mlx_lm_generation_arguments(llama, llama_path):
+    """What mlx_lm.stream_generate takes works through the wrapper: a sampler, logits
+    processors, prefill step and progress callback, and speculative decoding with a draft
+    model, on a cold call and on one the cache serves; greedy, the same tokens as mlx-lm's."""
+    model, tokenizer = llama
+    prompt = chat(tokenizer, CLASSIFY, "hello")
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=4)]
+    seen: list[tuple[int, int]] = []
+    options = {
+        "sampler": make_sampler(0.0),
+        "logits_processors": [],
+        "prefill_step_size": 8,
+        "prompt_progress_callback": lambda done, total: seen.append((done, total)),
+    }
+    stats = StatsRecorder("m", send=False, verbose=False)
+    lru = LRUPromptCache()
+    for kw in (options, {"draft_model": model, "num_draft_tokens": 2}):
+        for _ in range(2):  # cold, then served by the cache
+            got = stream_generate(lru, model, tokenizer, prompt, model_key="m", stats=stats,
+                                  max_tokens=4, **kw)  # fmt: skip
+            assert [r.token for r in got] == want, kw
+    assert seen and stats.calls[-1].cached_tokens == len(prompt) - 1
+    assert_entries_match_their_keys(lru)
+
+
+@pytest.mark.parametrize("call", ["generate", "stream_generate"])
+def test_a_call_mlx_lm_refuses_is_not_recorded(call, llama, llama_path):
+    """A keyword mlx-lm does not take raises its TypeError naming it, and the call that never
+    generated is neither recorded nor inserted."""
+    model, tokenizer = llama
+    stats = StatsRecorder("m", send=False, verbose=False)
+    lru = LRUPromptCache()
+    run = {"generate": generate, "stream_generate": lambda *a, **k: list(stream_generate(*a, **k))}
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        run[call](lru, model, tokenizer, "hello", model_key="m", stats=stats, no_such_option=1)
+    assert stats.calls == [] and stats.summary() == {} and len(lru) == 0

@@ -298,29 +298,6 @@ def test_full_queue_drops_with_a_counted_warning(kv_home, caplog):
     assert writer.sent == 2 and not writer.thread.is_alive()
 
 
-def test_docs_example_runs(llama_path, kv_home, capsys):
-    """The PersistentPromptCache example of docs/apps.md as written, the tiny model for MODEL."""
-    from pathlib import Path
-
-    root = next(p for p in Path(__file__).parents if (p / "pyproject.toml").is_file())
-    text = (root / "docs" / "apps.md").read_text()
-    section = text.split("## `PersistentPromptCache`", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    line = 'MODEL = "/models/Qwen3.5-9B-8bit"'
-    assert line in code
-    ns: dict = {}
-    exec(compile(code.replace(line, f"MODEL = {str(llama_path)!r}"), "docs/apps.md", "exec"), ns)
-    cache = ns["cache"]
-    assert set(cache.pins) == {"classify", "reason", "examine", "synthesize"}
-    assert all(p.warning is None for p in cache.pins.values())
-    summary = cache.stats.summary()
-    assert list(summary) == ["classify", "reason", "examine", "synthesize"]
-    for name, s in summary.items():  # every stage was served its pin, and only its rest prefilled
-        assert s.cached_tokens >= len(cache.pins[name].tokens), name
-    assert "kvstore: synthesize:" in capsys.readouterr().err
-    assert not cache._writer.thread.is_alive()
-
-
 def test_a_pin_over_max_pin_tokens_is_refused_at_once_as_warm_refuses_it(
     llama, llama_path, kv_home, monkeypatch
 ):

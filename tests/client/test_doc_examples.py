@@ -1,6 +1,6 @@
-"""docs/apps.md's python blocks run as written, in order, as one session (a reader following the
-page), on the tiny llama: the only change is the model path they name. Every keyword the page
-shows is taken, and every name a block uses is defined on the page."""
+"""The python blocks of docs/apps.md and the README run as written, in order, as one session (a
+reader following the page), on the tiny llama: the only change is the model path they name.
+Every keyword the pages show is taken, and every name a block uses is defined on the page."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def test_the_signatures_apps_md_gives_are_the_functions_keywords():
         (sig,) = re.findall(rf"`{name}\((.*?)\)`", text, re.S)
         shown = set(re.findall(r"(\w+)=", sig))
         assert shown and shown <= accepted, (name, shown - accepted)
+
+
+def test_every_python_block_of_the_readme_runs(llama_path, kv_home, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the tiny-model block writes its models here
+    blocks = python_blocks(ROOT / "README.md")
+    assert len(blocks) == 2
+    ns: dict = {}
+    for i, code in enumerate(blocks, 1):
+        code = code.replace(DOC_MODEL, str(llama_path))
+        exec(compile(code, f"README.md, python block {i}", "exec"), ns)
+    assert ns["cache"].stats.calls[0].label == "classify"
+    assert "kvstore: classify:" in capsys.readouterr().err
+    for name in ("tiny-llama", "tiny-hybrid", "tiny-gemma"):
+        assert (tmp_path / name / "config.json").is_file()

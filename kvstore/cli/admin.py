@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import click
 
 from kvstore.cli.options import (
+    MIN_KEY_DIGITS,
     existing_home,
     home_option,
     human_size,
@@ -193,14 +194,17 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
 )
 @click.option("--all", "everything", is_flag=True, help="Every entry.")
 @click.option("--to-size", default=None, help="Evict LRU unpinned entries until the store fits.")
+@click.option(
+    "--yes", is_flag=True, help=f"Accept a KEY prefix shorter than {MIN_KEY_DIGITS} hex digits."
+)
 @wait_option
 @home_option
 @user_errors
-def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: Path) -> None:
+def evict(keys, label, model, unpinned, stale, everything, to_size, yes, wait, home: Path) -> None:
     """Remove entries. Filters combine (AND); at least one is required.
 
     \b
-    kvstore evict 3fa2c1          # one key (a unique hex prefix)
+    kvstore evict 3fa2c1          # one key (a unique hex prefix of 6 digits or more)
     kvstore evict --label classify
     kvstore evict --unpinned --to-size 2G
     """
@@ -217,7 +221,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, wait, home: 
     # The daemon is the writer when one runs: it selects and deletes in one job.
     with Route(home, wait=wait) as route, open_store(home, write=route.local) as store:
         req = EvictRequest(
-            keys=list(resolve_keys(store, keys)) if keys else [],
+            keys=list(resolve_keys(store, keys, short_ok=yes)) if keys else [],
             label=label,
             model=model,
             unpinned=unpinned,

@@ -431,7 +431,9 @@ class _Hooks:
         dated = {tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date}
         fingerprint = prefetched.report.fingerprint
         self.tier.serving(key, bytes.fromhex(fingerprint) if fingerprint else None)
-        report = insert(self.cache, key, prefetched, model=provider.model)
+        report = insert(
+            self.cache, key, prefetched, model=provider.model, size_option="--prompt-cache-size"
+        )
         self.labels = labels
         with self._stats_lock:
             if self.stats is not None:

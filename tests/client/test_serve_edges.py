@@ -451,3 +451,39 @@ def _said(port: int) -> bool:
         return _status(port, "/health")[0] == 503
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
+
+
+def _start_log(home: Path, model: Path, log: Path, *extra: str) -> str:
+    """What `kvstore serve` logs by the time it is ready, then stopped."""
+    server = Serve(home, model, log, *extra)
+    try:
+        server.wait_ready()
+    finally:
+        server.stop()
+    return log.read_text()
+
+
+def test_start_warnings_name_serves_option_and_the_identity_part_that_differs(
+    llama_path, kv_home, tmp_path
+):
+    # issue 43 item 8: "raise max_size" named no option of serve; a --kv-bits 8 start said
+    # "weights, config, adapter or KV quantization differ"
+    from kvstore.store.store import Store
+
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    with Store(kv_home) as store:  # unpinned: they go into the LRU, which holds one
+        store.set_pinned([m.key for m in store.metas()], False)
+    out = _start_log(kv_home, llama_path, tmp_path / "a.log", "--prompt-cache-size", "1")
+    assert "1 of 2 hydrated entries did not stay" in out, out
+    assert "(--prompt-cache-size 1," in out and "raise --prompt-cache-size to keep" in out, out
+    assert "max_size" not in out, out
+    if (
+        "--kv-bits"
+        not in subprocess.run(
+            [sys.executable, "-m", "mlx_lm.server", "--help"], capture_output=True, text=True
+        ).stdout
+    ):
+        return  # mlx-lm 0.31's server takes no --kv-bits
+    out = _start_log(kv_home, llama_path, tmp_path / "b.log", "--kv-bits", "8")
+    assert "2 stored entries" in out and "(what differs: KV quantization)" in out, out
+    assert "weights" not in out, out

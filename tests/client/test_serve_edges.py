@@ -133,6 +133,59 @@ def test_requests_served_from_a_pin_count_as_its_hits_and_in_the_ledger(
             assert server.stop() == 0, server.tail()
 
 
+RAW = (
+    "Ticket triage. Read the ticket below and answer with one word: billing, shipping, returns, "
+    "account or other. Billing covers invoices and refunds; shipping covers parcels and tracking."
+)
+
+
+def _complete(server, prompt: str) -> dict:
+    body = json.dumps(dict(prompt=prompt, max_tokens=1, temperature=0.0)).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_a_request_equal_to_or_a_prefix_of_a_text_pin_is_labelled_with_it(
+    llama_path, kv_home, tmp_path
+):
+    # issue 43 item 8: only requests longer than the pin were `serve:rawtext`; mlx-lm prefills
+    # a whole prompt's last token, so one equal to the pin (or a prefix of it) read as unserved
+    from mlx_lm.utils import load_tokenizer
+
+    from kvstore.pins.manifest import load_manifest
+    from kvstore.store.store import Store
+    from kvstore.warm.warm import warm
+
+    manifest = manifest_for(
+        tmp_path, llama_path, f'[[model.prefix]]\nname = "rawtext"\ntext = "{RAW}"'
+    )
+    with Store(kv_home) as store:
+        assert warm(load_manifest(manifest), store, home=kv_home).warmed == 1
+    tok = load_tokenizer(llama_path)
+    whole = tok.encode(RAW)
+    head = next(RAW[:i] for i in range(len(RAW) // 2, len(RAW)) if RAW[i] == " "
+                and whole[: len(tok.encode(RAW[:i]))] == tok.encode(RAW[:i]))  # fmt: skip
+    prompts = {"equal": RAW, "prefix": head, "longer": RAW + " Ticket: my parcel is late."}
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        server = Serve(kv_home, llama_path, tmp_path / "serve.log")
+        try:
+            server.wait_ready()
+            for what, prompt in prompts.items():
+                reply = _complete(server, prompt)
+                n = reply["usage"]["prompt_tokens"]
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= min(
+                    n - 1, len(whole)
+                ), (what, reply["usage"])
+            wait_for(lambda: sum(r["calls"] for r in _ledger(kv_home)) == 3, 30.0, server.tail,
+                     proc=server.proc)  # fmt: skip
+            rows = _ledger(kv_home)
+        finally:
+            assert server.stop() == 0, server.tail()
+    assert [(r["label"], r["calls"]) for r in rows] == [("serve:rawtext", 3)], rows
+
+
 # -- /metrics' learned gauges ------------------------------------------------------------------
 
 FP = bytes(range(16))

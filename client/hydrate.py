@@ -57,15 +57,15 @@ def _has_adapter(model: Any) -> bool:
     return any(type(m).__name__ in names for m in model.modules())
 
 
-def _other_versions(store: Store, model_path: str | Path) -> str | None:
-    """Nothing stored for this fingerprint: were entries made for another version of it?"""
-    wanted = {str(model_path), str(Path(model_path).expanduser().resolve())}
-    stale = [m for m in store.metas(errors=[]) if m.model in wanted]
-    if not stale:
+def _other_versions(model_path: str | Path, other: list[tuple[tuple[int, ...], str]]) -> str | None:
+    """Nothing stored for this fingerprint: the warning for this path's entries made for another
+    version of it (`other`, from _what_differs), naming the identity parts that differ."""
+    if not other:
         return None
+    differ = ", ".join(dict.fromkeys(what for _, what in other))
     return (
-        f"kvstore: {counted(len(stale), 'stored entry')} for {model_path}, made with another "
-        "version of it (weights, config, adapter or KV quantization differ): not used; "
+        f"kvstore: {counted(len(other), 'stored entry')} for {model_path}, made with another "
+        f"version of it (what differs: {differ}): not used; "
         "`kvstore warm` (or the daemon) re-warms what a manifest pins"
     )
 
@@ -203,8 +203,8 @@ def prefetch(
                         report.skipped.append(f"{meta.key.hex()}: gone or not this prefix")
                 hold_pending(pre, home, identity)  # inserted only once checked with the model
                 if not metas and not errors:
-                    report.warning = _other_versions(store, model_path)
                     report.other_model = _what_differs(store, model_path, fp.parts, identity)
+                    report.warning = _other_versions(model_path, report.other_model)
         except KVStoreError as e:
             report.warning = f"kvstore: not hydrating {model_path}: {e}; prefilling as usual"
     if failed.error is not None:  # the cache must never take the app down
@@ -241,10 +241,19 @@ def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
         check_token_ids(ids.tolist(), vocab, what="stored token ids")
 
 
-def insert(prompt_cache, model_key: Any, pre: Prefetched, *, model: Any = None) -> HydrateReport:
+def insert(
+    prompt_cache,
+    model_key: Any,
+    pre: Prefetched,
+    *,
+    model: Any = None,
+    size_option: str = "max_size",
+) -> HydrateReport:
     """File prefetched entries into `prompt_cache`; log the report's one warning, if any. Entries
     fetched from the fleet and not yet checked are checked with the loaded `model` first (without
-    it they are skipped: kvstore.client.fleetcheck)."""
+    it they are skipped: kvstore.client.fleetcheck). `size_option` is what the warning for entries
+    the LRU could not keep tells the user to raise: the LRUPromptCache's `max_size`, or the
+    command-line option that sets it (serve's `--prompt-cache-size`)."""
     t0 = time.perf_counter()
     report, model_path = pre.report, pre.model_path
     if not hasattr(prompt_cache, "insert_cache"):  # a wrong argument: a warning, as documented
@@ -276,10 +285,12 @@ def insert(prompt_cache, model_key: Any, pre: Prefetched, *, model: Any = None) 
             f"(run `kvstore verify`): {report.skipped[0]}"
         )
     if report.warning is None and report.dropped:
+        size = getattr(prompt_cache, "max_size", "?")
+        given = f"{size_option} {size}" if size_option.startswith("-") else f"{size_option}={size}"
         report.warning = (
             f"kvstore: {report.dropped} of {report.entries} hydrated entries did not stay in the "
-            f"LRUPromptCache (max_size={getattr(prompt_cache, 'max_size', '?')}, or a longer "
-            "trimmable entry covers them); raise max_size to keep them all"
+            f"LRUPromptCache ({given}, or a longer trimmable entry covers them); "
+            f"raise {size_option} to keep them all"
         )
     if report.warning:
         log.warning("%s", report.warning)

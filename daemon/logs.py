@@ -40,7 +40,7 @@ def cap_crash_log(path: Path, *, cap: int = CRASH_LOG_BYTES) -> bool:
         if not path.is_file() or path.stat().st_size <= cap:
             return False
         os.replace(path, path.with_name(path.name + ".1"))
-        fresh = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fresh = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     except OSError:
         return False
     for stream in (sys.stdout, sys.stderr):

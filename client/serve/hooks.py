@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,19 @@ WARM_UP_TIMEOUT_S = 300.0  # seconds one warm-up request may take (a long pin on
 STOP_GRACE_S = 30.0  # seconds a server told to stop may take (its drains: 2 x 10 s) before it exits
 SERVE_CALLS = 64  # recent calls serve's StatsRecorder keeps (its ledger and /metrics count all)
 IMAGE_PROMPTS = 16  # prompts with images whose cache key waits for their call's record
+
+
+def pin_served(pins: Iterable[tuple[int, ...]], prompt: list[int], cached: int) -> tuple | None:
+    """The pin a request was served from: the longest one it starts with and the cache served,
+    or one it equals or is a prefix of when the cache served all of the prompt but its last
+    token (which mlx-lm always prefills, to have logits to sample from)."""
+
+    def served(t: tuple[int, ...]) -> bool:
+        n = min(len(t), len(prompt))
+        return tuple(prompt[:n]) == t[:n] and cached >= (n - 1 if n == len(prompt) else n)
+
+    return max((t for t in pins if served(t)), key=lambda t: (min(len(t), len(prompt)), -len(t)),
+               default=None)  # fmt: skip
 
 
 class ServeError(KVStoreError):
@@ -179,11 +192,7 @@ class _Hooks:
             ctx.prompt_cache_count = cached
         if self.stats is None or not prompt:
             return
-        label = max(
-            (t for t in self.labels if len(t) <= cached and tuple(prompt[: len(t)]) == t),
-            key=len,
-            default=None,
-        )
+        label = pin_served(self.labels, prompt, cached)
         with self._stats_lock:
             self.stats.record(
                 label=f"serve:{self.labels[label]}" if label is not None else "serve",
@@ -431,7 +440,9 @@ class _Hooks:
         dated = {tuple(m.token_ids()): m.valid_date for m, _ in prefetched.entries if m.valid_date}
         fingerprint = prefetched.report.fingerprint
         self.tier.serving(key, bytes.fromhex(fingerprint) if fingerprint else None)
-        report = insert(self.cache, key, prefetched, model=provider.model)
+        report = insert(
+            self.cache, key, prefetched, model=provider.model, size_option="--prompt-cache-size"
+        )
         self.labels = labels
         with self._stats_lock:
             if self.stats is not None:

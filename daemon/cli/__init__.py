@@ -3,6 +3,7 @@ imports this package. Heavy imports wait until the command runs."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def daemon_cmd(
     from kvstore.daemon.boot import run
     from kvstore.daemon.logs import setup_logging
 
+    os.umask(0o077)  # its own process: what it creates (a rolled-over log too) is owner-only
     setup_logging(log_level, log_file)
     rc = run(home, manifest=manifest, metrics_port=metrics_port)
     if rc == 0 and canary.restart.is_set():  # mlx or mlx-lm was upgraded under it

@@ -147,18 +147,33 @@ def open_store(home: Path, *, write: bool = False):
     return Store(home, readonly=not write)
 
 
+MIN_KEY_DIGITS = 6  # hex digits a key prefix needs to name what is removed (git refuses short ids)
+
+
 def resolve_keys(
-    store, texts: tuple[str, ...], *, keys: list[bytes] | None = None, what: str = "entry"
+    store,
+    texts: tuple[str, ...],
+    *,
+    keys: list[bytes] | None = None,
+    what: str = "entry",
+    short_ok: bool = True,
 ) -> list[bytes]:
     """Full keys, unique prefixes of them, or unique prefixes of the prefix-hash half (what `ls`
     shows: the first half of every key of one model is the same fingerprint). Among the store's
-    entries, or among `keys` (learned records: `what` names them in errors)."""
+    entries, or among `keys` (learned records: `what` names them in errors). Unless `short_ok`
+    (a command that removes: `--yes` given), a prefix shorter than MIN_KEY_DIGITS is refused:
+    `evict 0` must not delete whichever entry happens to start with 0."""
     all_keys = [k.hex() for k in (store.keys() if keys is None else keys)]
     out = []
     for t in texts:
         t = t.lower()
         if not re.fullmatch(r"[0-9a-f]+", t):
             raise click.ClickException(f"key {t!r} is not hex")
+        if not short_ok and len(t) < MIN_KEY_DIGITS:
+            raise click.ClickException(
+                f"key {t!r} is {counted(len(t), 'hex digit')}: give at least {MIN_KEY_DIGITS} "
+                "(`kvstore ls` shows the keys), or pass --yes to evict what it matches"
+            )
         hits = [k for k in all_keys if k.startswith(t) or digest_hex(k).startswith(t)]
         if len(hits) != 1:
             found = f"no {what}" if not hits else counted(len(hits), what)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
+from kvstore.home.settings import write_private
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -174,7 +175,7 @@ def box_id(home: Path) -> str:
     made = f"box-{secrets.token_hex(6)}"
     tmp = path.with_name(f".box_id.{os.getpid()}")
     try:
-        tmp.write_text(made + "\n")
+        write_private(tmp, f"{made}\n".encode())
         os.link(tmp, path)  # atomic and exclusive: two first uses agree on the first one linked
     except FileExistsError:
         return path.read_text().strip()

@@ -171,17 +171,27 @@ def ensure_home(home: Path) -> Path:
     return home
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """Create `path` (owner-only, 0600 whatever the umask: a home given as an existing directory
+    may let others in) holding `data`, fsynced. A file already there is replaced by a new one, so
+    a stale one's mode never carries over. Raises OSError."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with open(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` so that a crash or power cut leaves the old file or the new,
-    and a return means the new one is on disk: temp file fsynced, renamed over, and the
-    directory fsynced (the rename is an entry in it, lost with it otherwise). Raises OSError."""
+    """Replace `path` with `data` (0600, write_private) so that a crash or power cut leaves the
+    old file or the new, and a return means the new one is on disk: temp file fsynced, renamed
+    over, and the directory fsynced (the rename is an entry in it, lost with it otherwise).
+    Raises OSError."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     with ExitStack() as undo:  # the temp file removed again if anything stops the write
         undo.callback(tmp.unlink, missing_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_private(tmp, data)
         os.replace(tmp, path)
         undo.pop_all()
     fd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -8,7 +8,6 @@ last tokens as big-endian uint32 (in memory a Tombstone's tail is packed as kvst
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ import msgpack
 
 from kvstore import tokens as tk
 from kvstore.degrade import UNREADABLE
+from kvstore.home.settings import write_atomically
 from kvstore.reasons import Tombstone, tail_of, tombstone_digest
 
 log = logging.getLogger("kvstore")
@@ -66,10 +66,8 @@ def note_prefixes(home: Path, rows: Iterable[tuple[str, Sequence[int], str]], by
         return 0
     kept = (_read(home) + new)[-MAX_TOMBSTONES:]
     path = home / TOMBSTONES_NAME
-    tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_bytes(msgpack.packb(kept, use_bin_type=True))
-        os.replace(tmp, path)
+        write_atomically(path, msgpack.packb(kept, use_bin_type=True))
     except OSError as e:  # a tombstone is a diagnostic: never fail the eviction for it
         log.warning("tombstones %s: not written (%s)", path, e)
         return 0

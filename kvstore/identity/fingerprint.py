@@ -27,6 +27,7 @@ import xxhash
 from kvstore.codec import CODEC_VERSION
 from kvstore.degrade import UNREADABLE, foreign
 from kvstore.errors import ModelError
+from kvstore.home.settings import write_atomically
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
 from kvstore.identity.model import ModelIdentity, ResolvedModel
 from kvstore.identity.modelconfig import (
@@ -138,13 +139,11 @@ class FileHashCache:
     def save(self) -> None:
         if not (self._dirty and self.path and self.path.parent.is_dir()):
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:
-            tmp.write_bytes(msgpack.packb(self._data, use_bin_type=True))
-            os.replace(tmp, self.path)
+            write_atomically(self.path, msgpack.packb(self._data, use_bin_type=True))
             self._dirty = False
         except OSError:  # read-only home: the cache is an optimization only
-            tmp.unlink(missing_ok=True)
+            pass
 
 
 def hash_file(path: Path) -> bytes:

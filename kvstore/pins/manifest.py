@@ -107,6 +107,8 @@ def load_manifest(path: str | Path) -> Manifest:
     """Read and validate a manifest; every problem raises ManifestError naming where it is."""
     path = Path(path).expanduser().resolve()  # one name per file: symlinks too
     where = _Where(path)
+    if path.exists() and not path.is_file():
+        raise where.error(None, "not a regular file; pass --manifest a TOML file")
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -404,8 +406,10 @@ def _file_path(value: Any, field: str, where: _Where, base: Path) -> Path | None
     path = (base / Path(value).expanduser()).resolve()
     if path.is_dir():
         raise where.error(field, f"{path} is a directory; name a file in it")
-    if not path.is_file():
+    if not path.exists():
         raise where.error(field, f"file not found: {path}; create it or fix the path")
+    if not path.is_file():  # a device, FIFO or socket: reading it would never end, or block
+        raise where.error(field, f"{path} is not a regular file; name a text file")
     return path
 
 

@@ -181,6 +181,7 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
         sync=True,
         metasync=True,
         max_readers=max_readers,
+        mode=0o600,  # data.mdb and lock.mdb owner-only, whatever the umask (callers make the dir)
     )
     ENVS[key] = HeldEnv(env, 1, readonly, Gate())
     return env

@@ -58,11 +58,23 @@ def test_evict_filters(warmed, kv_home):
     cli("evict", "--label", "classify", code=0)
     assert [e["label"] for e in ls_json()] == ["synthesize"]
     key = ls_json()[0]["key"]
-    result = cli("evict", "ffff")
+    result = cli("evict", "ffffff")
     assert result.exit_code != 0 and "matches no entry" in result.output
     cli("evict", key[:12], code=0)
     assert ls_json() == []
     assert len(entries) == 2
+
+
+def test_evict_refuses_a_key_prefix_shorter_than_6_digits_unless_yes(warmed, kv_home):
+    # issue 43 item 8: `kvstore evict 0` deleted whichever entry's key started with 0
+    a, b = (e["key"][32:] for e in ls_json())  # the digest halves `ls` shows
+    short = next(a[:n] for n in range(1, 6) if not b.startswith(a[:n]))  # matches only `a`
+    result = cli("evict", short)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert f"key {short!r} is " in result.output and "at least 6" in result.output
+    assert "--yes" in result.output and len(ls_json()) == 2  # nothing removed
+    assert "evicted 1 entry," in cli("evict", short, "--yes", code=0).output
+    assert [e["key"][32:] for e in ls_json()] == [b]
 
 
 def test_evict_unpinned_to_size_and_all(warmed, kv_home):

@@ -35,13 +35,15 @@ def test_a_stopped_daemon_is_named_and_nothing_is_written_beside_it(llama_path, 
                 r = cli(*argv, "--home", home)
                 assert r.exit_code == 1 and said in r.output, (argv, r.output)
                 assert _labels(home) == ["classify"], argv  # nothing evicted, nothing warmed
+            # a read: the stats from the store, the daemon named, exit 0 (issue 43 item 8: it
+            # ended "Error: ... nothing was written" with exit 1)
             r = cli("stats", "--home", home)
-            assert r.exit_code == 1 and said in r.output, r.output
-            assert "not running" not in r.output
+            assert r.exit_code == 0 and "not running" not in r.output, r.output
             assert f"pid {d.pid}: holds this store but does not answer" in r.output
+            assert "Error" not in r.output and "nothing was written" not in r.output
             r = cli("stats", "--json", "--home", home)
-            assert r.exit_code == 1, r.output
-            data = json.loads(r.output[: r.output.rindex("}") + 1])
+            assert r.exit_code == 0, r.output
+            data = json.loads(r.output)
             assert data["daemon"] == {"pid": d.pid, "answers": False} and data["entries"] == 1
 
             # --wait: the command waits for the daemon, and the daemon does the write

@@ -194,6 +194,24 @@ def test_entries_of_another_model_version_are_named_in_one_warning(llama_path, k
     report = hydrate(LRUPromptCache(), "m", model, home=kv_home)
     assert report.entries == 0
     assert "2 stored entries" in report.warning and "another version" in report.warning
+    assert "(what differs: effective config)" in report.warning
+
+
+def test_entries_the_lru_cannot_hold_are_named_with_its_max_size(llama_path, kv_home, tmp_path):
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    report = hydrate(LRUPromptCache(max_size=1), "m", llama_path, home=kv_home)
+    assert report.entries == 2 and report.dropped == 1
+    assert "(max_size=1, or a longer" in report.warning
+    assert "raise max_size to keep them all" in report.warning
+
+
+def test_a_kv_bits_start_names_kv_quantization_as_what_differs(llama_path, kv_home, tmp_path):
+    # issue 43 item 8: it said "weights, config, adapter or KV quantization differ"
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    report = hydrate(LRUPromptCache(), "m", llama_path, home=kv_home, kv_bits=8)
+    assert report.entries == 0 and "another version" in report.warning
+    assert "(what differs: KV quantization)" in report.warning
+    assert "weights" not in report.warning and "adapter" not in report.warning
 
 
 def test_kv_bits_of_the_wrong_type_is_named_not_taken_for_another_version(

@@ -133,6 +133,59 @@ def test_requests_served_from_a_pin_count_as_its_hits_and_in_the_ledger(
             assert server.stop() == 0, server.tail()
 
 
+RAW = (
+    "Ticket triage. Read the ticket below and answer with one word: billing, shipping, returns, "
+    "account or other. Billing covers invoices and refunds; shipping covers parcels and tracking."
+)
+
+
+def _complete(server, prompt: str) -> dict:
+    body = json.dumps(dict(prompt=prompt, max_tokens=1, temperature=0.0)).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_a_request_equal_to_or_a_prefix_of_a_text_pin_is_labelled_with_it(
+    llama_path, kv_home, tmp_path
+):
+    # issue 43 item 8: only requests longer than the pin were `serve:rawtext`; mlx-lm prefills
+    # a whole prompt's last token, so one equal to the pin (or a prefix of it) read as unserved
+    from mlx_lm.utils import load_tokenizer
+
+    from kvstore.pins.manifest import load_manifest
+    from kvstore.store.store import Store
+    from kvstore.warm.warm import warm
+
+    manifest = manifest_for(
+        tmp_path, llama_path, f'[[model.prefix]]\nname = "rawtext"\ntext = "{RAW}"'
+    )
+    with Store(kv_home) as store:
+        assert warm(load_manifest(manifest), store, home=kv_home).warmed == 1
+    tok = load_tokenizer(llama_path)
+    whole = tok.encode(RAW)
+    head = next(RAW[:i] for i in range(len(RAW) // 2, len(RAW)) if RAW[i] == " "
+                and whole[: len(tok.encode(RAW[:i]))] == tok.encode(RAW[:i]))  # fmt: skip
+    prompts = {"equal": RAW, "prefix": head, "longer": RAW + " Ticket: my parcel is late."}
+    with serving(Proc(kv_home, log=tmp_path / "daemon.log"), warm=False):
+        server = Serve(kv_home, llama_path, tmp_path / "serve.log")
+        try:
+            server.wait_ready()
+            for what, prompt in prompts.items():
+                reply = _complete(server, prompt)
+                n = reply["usage"]["prompt_tokens"]
+                assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= min(
+                    n - 1, len(whole)
+                ), (what, reply["usage"])
+            wait_for(lambda: sum(r["calls"] for r in _ledger(kv_home)) == 3, 30.0, server.tail,
+                     proc=server.proc)  # fmt: skip
+            rows = _ledger(kv_home)
+        finally:
+            assert server.stop() == 0, server.tail()
+    assert [(r["label"], r["calls"]) for r in rows] == [("serve:rawtext", 3)], rows
+
+
 # -- /metrics' learned gauges ------------------------------------------------------------------
 
 FP = bytes(range(16))
@@ -451,3 +504,39 @@ def _said(port: int) -> bool:
         return _status(port, "/health")[0] == 503
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
+
+
+def _start_log(home: Path, model: Path, log: Path, *extra: str) -> str:
+    """What `kvstore serve` logs by the time it is ready, then stopped."""
+    server = Serve(home, model, log, *extra)
+    try:
+        server.wait_ready()
+    finally:
+        server.stop()
+    return log.read_text()
+
+
+def test_start_warnings_name_serves_option_and_the_identity_part_that_differs(
+    llama_path, kv_home, tmp_path
+):
+    # issue 43 item 8: "raise max_size" named no option of serve; a --kv-bits 8 start said
+    # "weights, config, adapter or KV quantization differ"
+    from kvstore.store.store import Store
+
+    warm_two_pins(tmp_path, kv_home, llama_path)
+    with Store(kv_home) as store:  # unpinned: they go into the LRU, which holds one
+        store.set_pinned([m.key for m in store.metas()], False)
+    out = _start_log(kv_home, llama_path, tmp_path / "a.log", "--prompt-cache-size", "1")
+    assert "1 of 2 hydrated entries did not stay" in out, out
+    assert "(--prompt-cache-size 1," in out and "raise --prompt-cache-size to keep" in out, out
+    assert "max_size" not in out, out
+    if (
+        "--kv-bits"
+        not in subprocess.run(
+            [sys.executable, "-m", "mlx_lm.server", "--help"], capture_output=True, text=True
+        ).stdout
+    ):
+        return  # mlx-lm 0.31's server takes no --kv-bits
+    out = _start_log(kv_home, llama_path, tmp_path / "b.log", "--kv-bits", "8")
+    assert "2 stored entries" in out and "(what differs: KV quantization)" in out, out
+    assert "weights" not in out, out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,33 @@ def test_a_directory_where_a_file_belongs_is_named_a_directory(tmp_path: Path, k
     message = str(info.value)
     assert f"field '{key}'" in message and f"{tmp_path / 'prompts'} is a directory" in message
     assert "not found" not in message
+
+
+@pytest.mark.parametrize("key", ["file", "tools"])
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_device_or_fifo_where_a_file_belongs_is_not_a_regular_file(
+    tmp_path: Path, key: str, special: str
+) -> None:
+    # issue 43 item 8: these said "file not found ... create it"
+    if special == "fifo":
+        os.mkfifo(tmp_path / "fifo")  # opening it to read would block for ever
+    target = special if special.startswith("/") else str(tmp_path / special)
+    body = model_with(f'name = "p"\n{SYS}\n{key} = "{target}"')
+    result = cli("warm", "--manifest", write(tmp_path, body))
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert f"field '{key}'" in line and f"{target} is not a regular file" in line
+    assert "not found" not in line
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_manifest_that_is_a_device_or_fifo_is_not_a_regular_file(
+    tmp_path: Path, special: str
+) -> None:
+    if special == "fifo":
+        os.mkfifo(tmp_path / "fifo")
+    target = special if special.startswith("/") else str(tmp_path / special)
+    result = cli("warm", "--manifest", target)
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert target in line and "not a regular file" in line

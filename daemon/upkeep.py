@@ -9,6 +9,7 @@ budgets are kvstore.ops.budget's.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import sys
 import threading
@@ -147,9 +148,11 @@ class Upkeep:
         """Start the fleet tier's upload worker and read-through, when settings have [remote].
         Any problem is one log line and the daemon runs local-only."""
         from kvstore.fleet.tier import daemon_tier  # boto3 and the tier: only with [remote]
+        from kvstore.ops.fleet import record_verdicts
 
+        record = functools.partial(record_verdicts, self.store, self.home)
         try:
-            tier = daemon_tier(self.settings, self.home, self.store, ledger)
+            tier = daemon_tier(self.settings, self.home, self.store, ledger, record_checks=record)
         except KVStoreError as e:
             log.error("remote: %s; running local-only", e)
             return

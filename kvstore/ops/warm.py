@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,11 @@ def warm(
     if fetch is not HERE:
         return run(fetch)
     from kvstore.fleet.tier import warm_tier
+    from kvstore.ops.fleet import record_verdicts
 
-    with warm_tier(home, store, warn=warn) as tier:
+    with warm_tier(
+        home, store, warn=warn, record_checks=partial(record_verdicts, store, home)
+    ) as tier:
         return run(tier)
 
 

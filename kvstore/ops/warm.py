@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
@@ -28,8 +29,8 @@ def warm(
     store: Store,
     *,
     home: Path,
-    progress: Callable[[str], None],
-    warn: Callable[[str], None],
+    progress: Callable[[str], None] | None = None,
+    warn: Callable[[str], None] = logging.getLogger("kvstore").warning,
     fetch: Any = HERE,
     budget: Budget | None = None,
     purge: bool = True,

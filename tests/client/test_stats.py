@@ -10,9 +10,9 @@ from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, manifest_for
 from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore.client import PersistentPromptCache, StatsRecorder, generate, stream_generate
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 def chat(tokenizer, system: str, user: str) -> list[int]:

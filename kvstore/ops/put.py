@@ -95,7 +95,8 @@ def put(
     if meta.pinned and not is_snapshot(meta):  # the pin serves its prefix: stored once
         data = meta.tokens
         dropped = budget.blocks.drop_covered(meta.fingerprint, data, slack=MIN_LCP)
-        gone = [EvictedRecord(r, tk.cut(data, 0, r.start) + r.tokens) for r in dropped]
+        # each tombstone names at most the pin's tokens (those past it, a few, are not the pin's)
+        gone = [EvictedRecord(r, tk.cut(data, 0, r.end)) for r in dropped]
         evict(budget.home, under_pin(meta.label), records=gone)
     budget.enforce()
     return meta

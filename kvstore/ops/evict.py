@@ -1,8 +1,8 @@
 """The one eviction: whatever removes entries or learned records (`kvstore evict`, the byte
 budgets, the snapshot cap, a pin that covers learned records, the upgrade canary, a refused fleet
-check) removes them here, and each one
-leaves the same three traces: a tombstone (so a later miss on it reads `evicted`, not `cold`),
-the `kvstore_evictions` metric by reason, and one log line that says why.
+check) removes them here, and each one leaves the same three traces: a tombstone (so a later miss
+on it reads `evicted`, not `cold`), the `kvstore_evictions` metric by reason, and one log line
+that says why.
 
 The log line is the eviction's record, written where it happens (in the daemon, its log; the
 CLI's own path has no handler at INFO, so nothing reaches its output).

@@ -69,10 +69,10 @@ def user_turn(i: int) -> str:
 
 def _setup(root: Path) -> tuple[Path, Path]:
     from kvstore.home.settings import ensure_home
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
-    from kvstore.warm.warm import warm
 
     model, home = root / "tiny-llama", root / "home"
     make_tiny_model(model, "llama")

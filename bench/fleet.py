@@ -40,8 +40,8 @@ def _box(home: Path, manifest, *, remote: bool) -> dict:
     from kvstore.fleet.remote_settings import remote_settings
     from kvstore.home.ledger import Ledger
     from kvstore.home.settings import load_settings
+    from kvstore.ops.warm import warm
     from kvstore.store.store import Store
-    from kvstore.warm.warm import warm
 
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     with Store(home) as store:

@@ -126,11 +126,11 @@ def start_cost() -> dict:
     from pathlib import Path
 
     from kvstore.client import load
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.entry import CHECK_PENDING, FLEET_CHECK
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
-    from kvstore.warm.warm import warm
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -97,10 +97,10 @@ def worked_example() -> str:
     from kvstore.cli.main import main
     from kvstore.client import PersistentPromptCache, generate
     from kvstore.home.ledger import Ledger, validate
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
-    from kvstore.warm.warm import warm
 
     def system(day: str) -> str:
         return f"You are the support router of Acme. Today is {day}. Classify the request and " \

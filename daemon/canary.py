@@ -7,8 +7,8 @@ started, the daemon stops and re-executes itself (same pid, what launchd and sys
 new code. At boot the versions it runs are compared with those its home last ran with
 (HOME/runtime.json); when they differ, one short pin per model is re-prefilled and compared with
 its stored entry (kvstore.warm.canary), and a model whose KV moved beyond float noise has its
-entries
-dropped, so the boot warm that follows re-warms its pins with the new code.
+entries evicted (kvstore.ops.evict), so the boot warm that follows re-warms its pins with the new
+code.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kvstore.errors import KVStoreError, counted
 from kvstore.identity import codehash
+from kvstore.ops.evict import evict, upgrade_canary
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.keys import fingerprint_of
 from kvstore.store.store import Store
@@ -62,14 +63,12 @@ def check_at_boot(store: Store, home: Path, manifest_paths: list[Path]) -> list:
                             canary.describe(result))  # fmt: skip
                     continue
                 fingerprint = fingerprint_of(bytes.fromhex(result.key))
-                stale = [m.key for m in store.metas(fingerprint, errors=[])]
-                store.delete(stale)
-                log.warning(
-                    "upgrade canary: %s; dropped the model's %s so they are re-warmed "
-                    "with mlx %s / mlx-lm %s",
-                    canary.describe(result), counted(len(stale), "entry"),
-                    running["mlx"], running["mlx_lm"],
-                )  # fmt: skip
+                stale = store.metas(fingerprint, errors=[])
+                versions = f"mlx {running['mlx']} / mlx-lm {running['mlx_lm']}"
+                evict(home, upgrade_canary(versions), store=store, entries=stale)
+                log.warning("upgrade canary: %s; dropped the model's %s so they are re-warmed "
+                            "with %s", canary.describe(result), counted(len(stale), "entry"),
+                            versions)  # fmt: skip
     canary.save_versions(home, running)
     return results
 

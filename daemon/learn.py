@@ -37,9 +37,9 @@ log = logging.getLogger("kvstore.daemon")
 class Learning:
     """Learned prefixes: the daemon's part that answers learn, put_blocks and touch_blocks.
 
-    `write(name, fn)` runs `fn` on the writer thread and waits; `budget` and `drop_learned_under`
-    are the upkeep's; `uploader()` is the fleet tier's upload queue, or None. With an uploader,
-    a prefix recurs across the fleet (`_fleet_end`): its seen-markers are looked up and written.
+    `write(name, fn)` runs `fn` on the writer thread and waits; `budget` is the upkeep's;
+    `uploader()` is the fleet tier's upload queue, or None. With an uploader, a prefix recurs
+    across the fleet (`_fleet_end`): its seen-markers are looked up and written.
     """
 
     def __init__(
@@ -51,12 +51,11 @@ class Learning:
         write: Callable[[str, Callable[[], Any]], Any],
         *,
         budget: Budget,
-        drop_learned_under: Callable[[EntryMeta], Any],
         uploader: Callable[[], Any],
     ):
         self.store, self.blocks, self.ledger, self.settings = store, blocks, ledger, settings
         self.write = write
-        self.budget, self.drop_learned_under = budget, drop_learned_under
+        self.budget = budget
         self.uploader = uploader
         self._learn_lock = threading.Lock()  # connection threads share the policy
         self._bytes_per_token: dict[bytes, float] = {}  # per fingerprint, from put_blocks
@@ -200,7 +199,6 @@ class Learning:
         go)."""
         if not is_snapshot(meta):
             metrics.WRITTEN_BYTES.labels(kind="pin").inc(meta.nbytes)
-            self.drop_learned_under(meta)
             return
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(meta.nbytes)
         self.blocks.count_written(meta.nbytes)

@@ -89,7 +89,6 @@ class Daemon:
             settings,
             lambda name, fn: self.writer.submit(name, fn, reported=True).result(),
             budget=self.upkeep.budget,
-            drop_learned_under=self.upkeep.drop_learned_under,
             uploader=lambda: self.upkeep.uploader,
         )
         self.commands = Commands(

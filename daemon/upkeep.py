@@ -9,6 +9,7 @@ budgets are kvstore.ops.budget's.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import sys
 import threading
@@ -17,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvstore import metrics
 from kvstore.daemon import lifecycle
 from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
@@ -31,8 +31,7 @@ from kvstore.identity.fingerprint import (
     WEIGHT_GLOBS,
     resolve_model_path,
 )
-from kvstore.learned.blockstore import BlockStore, is_snapshot
-from kvstore.learned.policy import MIN_LCP
+from kvstore.learned.blockstore import BlockStore
 from kvstore.ops import warm as warm_ops
 from kvstore.ops.budget import Budget
 from kvstore.pins.clock import local_now
@@ -149,9 +148,11 @@ class Upkeep:
         """Start the fleet tier's upload worker and read-through, when settings have [remote].
         Any problem is one log line and the daemon runs local-only."""
         from kvstore.fleet.tier import daemon_tier  # boto3 and the tier: only with [remote]
+        from kvstore.ops.fleet import record_verdicts
 
+        record = functools.partial(record_verdicts, self.store, self.home)
         try:
-            tier = daemon_tier(self.settings, self.home, self.store, ledger)
+            tier = daemon_tier(self.settings, self.home, self.store, ledger, record_checks=record)
         except KVStoreError as e:
             log.error("remote: %s; running local-only", e)
             return
@@ -176,21 +177,6 @@ class Upkeep:
             raise WarmCancelled("the daemon is stopping; the warm stopped between pins")
         if not msg.startswith("purged pin"):  # kvstore.warm.warm logs purges itself
             log.info("warm: %s", msg)
-
-    def drop_learned_under(self, meta: Any) -> int:
-        """A pin (entry `meta`) holds a prefix learned records hold too: drop those records (the
-        pin serves them), so it is stored once. Returns the records dropped."""
-        if not meta.pinned or is_snapshot(meta):
-            return 0
-        dropped = self.blocks.drop_covered(meta.fingerprint, meta.tokens, slack=MIN_LCP)
-        if dropped:
-            metrics.EVICTIONS.labels(reason="pinned").inc(len(dropped))
-            log.info(
-                "dropped %d learned records (%d bytes) of tokens 0-%d of %s: pin %r holds them",
-                len(dropped), sum(m.nbytes for m in dropped), max(m.end for m in dropped),
-                meta.model, meta.label,
-            )  # fmt: skip
-        return len(dropped)
 
     def warm(
         self,
@@ -225,11 +211,6 @@ class Upkeep:
             if report.models_loaded:
                 trim_heap()  # kvstore.warm.warm released the model; hand its freed pages back too
         self._log_pins(report)
-        for p in report.pins:  # a pin stores its prefix: learned records of it are dropped
-            if p.status in STORED and p.key:
-                meta = self.store.get_meta(bytes.fromhex(p.key))
-                if meta is not None:
-                    self.drop_learned_under(meta)
         self._after_warm(report, manifest, cause, short, rss)
         return warm_ops.report_to_wire(report, manifest)
 

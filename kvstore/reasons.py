@@ -61,7 +61,7 @@ class Span:
 
     reason: Reason
     tokens: int
-    by: str | None = None  # evicted: "kvstore evict", "byte budget", "learned budget"
+    by: str | None = None  # evicted: "kvstore evict", "byte budget", ... (kvstore.ops.evict)
     ts: float | None = None  # evicted: when
     entry: str | None = None  # the stored prefix it names (a pin's label, a learned chain, ...)
     position: int | None = None  # diverged, other_date: the first prompt token that differs
@@ -93,7 +93,7 @@ class Tombstone:
 
     length: int
     digest: str
-    by: str  # "byte budget", "learned budget", "kvstore evict"
+    by: str  # "byte budget", "kvstore evict", ... (kvstore.ops.evict)
     ts: float
     entry: str = ""
     tail: bytes = b""  # its last TAIL_TOKENS tokens, packed: most misses end at them

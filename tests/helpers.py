@@ -25,11 +25,19 @@ from mlx_lm.models.cache import make_prompt_cache
 from bench.learned import Server as BenchServer
 from bench.learned import free_port
 from kvstore.cli.main import main
+from kvstore.ops.put import LocalWriter
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
+from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
-from kvstore.warm.warm import warm
+from kvstore.warm.transfer import import_file
 from kvstore.wire.daemon_client import DaemonClient, connect
+
+
+def import_here(store: Store, file: Path, **kw) -> EntryMeta:
+    """`kvstore import` with no daemon: the entry stored by the put operation on `store`."""
+    return import_file(LocalWriter(store, kw["home"]), file, reader=store, **kw)
 
 
 def manifest_for(
@@ -246,6 +254,7 @@ def mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
 # a daemon that stops before it makes its store (it prints this, holding its lock)
 _STUCK_BEFORE_ITS_STORE = """
 import sys, time
+from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 def stuck(self, *args, **kwargs):
     print("opening the store", flush=True)

@@ -1,6 +1,7 @@
 """Rules of the code that hold themselves (House): no function over 80 lines, no module that imports
-its own package while that package imports it back, and the import contracts (run by `make
-imports`). A rule in prose alone slipped within two sessions; these fail `make test` instead."""
+its own package while that package imports it back, one way into the store and one way out, and
+the import contracts (run by `make imports`). A rule in prose alone slipped within two sessions;
+these fail `make test` instead."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("kvstore", "client", "daemon")
 MAX_FUNCTION_LINES = 80  # a function longer than this is split by responsibility
+# A Store's put only in the put operation, its delete only in the one eviction (and the warm's
+# purge of a stale pin, whose entry leaves no tombstone).
+STORE_DOORS = {
+    "put": {"kvstore/ops/put.py"},
+    "delete": {"kvstore/ops/evict.py", "kvstore/warm/warm.py"},
+}
 
 
 def _package_of(path: Path) -> str:
@@ -44,6 +51,23 @@ def _long_functions(path: Path) -> list[str]:
 def test_no_function_is_longer_than_80_lines():
     long = [f for path in _files() for f in _long_functions(path)]
     assert not long, "split these by responsibility:\n" + "\n".join(long)
+
+
+def _store_doors(path: Path) -> list[str]:
+    """`store.put` and `store.delete` (a Store's writes, by the name every caller gives it)
+    outside the one module of each."""
+    rel, found = path.relative_to(ROOT).as_posix(), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and rel not in STORE_DOORS.get(node.attr, {rel}):
+            base = node.value
+            if (base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")) == "store":
+                found.append(f"{rel}:{node.lineno} store.{node.attr}")
+    return found
+
+
+def test_entries_enter_and_leave_the_store_by_one_door_each():
+    doors = [d for path in _files() for d in _store_doors(path)]
+    assert not doors, "go through kvstore.ops.put or kvstore.ops.evict:\n" + "\n".join(doors)
 
 
 def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
@@ -95,7 +119,7 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("bad", ["long", "circle"])
+@pytest.mark.parametrize("bad", ["long", "circle", "door"])
 def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
     """The checks above fail on the thing they forbid (a rule that cannot fail checks nothing)."""
     if bad == "long":
@@ -104,6 +128,11 @@ def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
         f.write_text(f"def f():\n{body}\n")
         monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
         assert _long_functions(f)
+    elif bad == "door":
+        f = tmp_path / "m.py"
+        f.write_text("def f(self, store):\n    store.put(b'k', b'v')\n    self.store.delete([])\n")
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert _store_doors(f) == ["m.py:2 store.put", "m.py:3 store.delete"]
     else:
         graph = {
             "kvstore.client": {"kvstore.client.load"},

@@ -133,7 +133,7 @@ def import_cmd(
     # Whether the KV is stored already is read from the store itself (read-only beside a daemon).
     with client or open_store(home, write=True) as store:
         local = None if isinstance(store, DaemonClient) else store
-        reader = open_store(home) if local is None else None
+        reader = open_store(home) if local is None else local
         try:
             meta = import_file(
                 DaemonWriter(store) if local is None else LocalWriter(local, home),
@@ -147,13 +147,13 @@ def import_cmd(
                 pin=pin,
                 trust=trust,
                 home=home,
-                reader=reader if reader is not None else local,
+                reader=reader,
             )
         except AlreadyStored as e:
             click.echo(str(e))
             return
         finally:
-            if reader is not None:
+            if local is None:
                 reader.close()
     how = "trusted: not checked" if meta.trusted else f"checked: {meta.import_check} match"
     click.echo(

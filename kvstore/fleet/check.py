@@ -39,8 +39,8 @@ daemon's warms, `kvstore warm`) runs before any model is loaded, so it stores wh
 marked `fleet_check: pending`; the warm checks those with the model when it loads it anyway (other
 pins to prefill), and otherwise the first process that holds the model (kvstore.client: load,
 PersistentPromptCache, serve) checks each pending entry before it inserts it, at start, off the
-request path, and records the verdict in the store (`record_verdicts`, through the daemon's
-`fleet_checked` when one runs: kvstore.ops.fleet). A pending entry is never inserted unchecked.
+request path, and records the verdict in the store (kvstore.ops.fleet, through the daemon's
+`fleet_checked` when one runs). A pending entry is never inserted unchecked.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore.codec import codec
@@ -58,7 +57,6 @@ from kvstore.store.entry import CHECK_PASSED, CHECK_PENDING, FLEET_CHECK
 if TYPE_CHECKING:
     from kvstore.identity.model import ModelIdentity
     from kvstore.store.entry import EntryMeta
-    from kvstore.store.store import Store
     from kvstore.warm.plan import ModelPlan
     from kvstore.wire.messages import FleetCheckedRequest
 
@@ -408,49 +406,6 @@ class Checked:
     what: str
     uploader: str | None = None
     label: str = ""
-
-
-def record_verdicts(store: Store, home: Path, verdicts: list[Checked]) -> tuple[int, int]:
-    """Record checks of pending entries: a passed one is marked so (never checked again); a refused
-    one is deleted, its uploader quarantined (kvstore.fleet.queue), and every other entry that
-    box uploaded and is still pending here is deleted with it (a look, then `kvstore remote
-    release`, lets them be fetched again). Returns (passed, deleted)."""
-    from dataclasses import replace
-
-    passed = [v.key for v in verdicts if v.ok]
-    bad = [v for v in verdicts if not v.ok]
-
-    def mark(meta: EntryMeta) -> EntryMeta | None:
-        if not pending(meta):
-            return None
-        return replace(meta, extra={**meta.extra, CHECK_FIELD: PASSED})
-
-    n = store.edit_meta({k: mark for k in passed}) if passed else 0
-    if not bad:
-        return n, 0
-    boxes = {v.uploader for v in bad if v.uploader}
-    gone = {v.key for v in bad}
-    gone |= {m.key for m in store.metas(errors=[])
-             if pending(m) and m.extra.get("uploader") in boxes}  # fmt: skip
-    deleted = store.delete(list(gone))
-    from kvstore.fleet.queue import UploadQueue
-
-    queue = UploadQueue(home)
-    try:
-        for v in bad:
-            if v.uploader:
-                queue.quarantine(v.uploader, f"{v.label}: {v.what} against this box's model")
-            queue.count_refusal(MISMATCH)
-    finally:
-        queue.close()
-    for v in bad:
-        log.error(
-            "remote: refused fetched entry %s %r: its KV is not what this box's model computes "
-            "(%s); every object of uploader %s is quarantined (`kvstore remote release %s` after "
-            "a look)", v.key.hex(), v.label, v.what, v.uploader or "unknown",
-            v.uploader or "BOX",
-        )  # fmt: skip
-    return n, deleted
 
 
 def request_of(verdicts: list[Checked]) -> FleetCheckedRequest:

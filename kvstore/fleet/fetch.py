@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from kvstore.fleet.remote_settings import RemoteSettings
     from kvstore.home.ledger import Ledger
     from kvstore.store.entry import EntryMeta
-    from kvstore.store.store import Store
     from kvstore.warm.plan import ModelPlan, PlannedPin
     from kvstore.warm.warm import WarmReport
 
@@ -106,11 +105,11 @@ class WarmFetcher:
         *,
         ledger: Ledger | None = None,
         always: bool = False,
-        store: Store | None = None,
+        record_checks: Callable[[list[Checked]], object] | None = None,
     ):
         self.remote, self.queue, self.ledger = remote, queue, ledger
         self.always = always  # `remote pull`: fetch whatever the cost
-        self.store = store  # where the warm stores what it fetched: check_loaded's verdicts
+        self.record_checks = record_checks  # check_loaded's verdicts, recorded (kvstore.ops.fleet)
         self._down: str | None = None  # an outage seen in this warm: prefill the rest
         if why := unauthenticated(remote.settings):
             log.warning("remote: %s", why)
@@ -176,9 +175,9 @@ class WarmFetcher:
         self, model: Any, plan: ModelPlan, fetched: list[tuple[PlannedPin, Any, str | None]]
     ) -> list[Checked]:
         """The warm loaded `plan`'s model anyway: check with it what this warm fetched (stored
-        pending), and record the verdicts (kvstore.fleet.check.record_verdicts)."""
+        pending), and record the verdicts (`record_checks`)."""
         from kvstore.codec import codec
-        from kvstore.fleet.check import Checked, check_cache, record_verdicts
+        from kvstore.fleet.check import Checked, check_cache
 
         out = []
         for pp, blob, uploader in fetched:
@@ -187,8 +186,8 @@ class WarmFetcher:
             out.append(Checked(pp.key, v.ok, v.what, uploader, pp.pin.name))
             log.info("remote: pin %r of %s: checked against this box's model in %.3fs: %s",
                      pp.pin.name, plan.spec.path, v.seconds, v.what)  # fmt: skip
-        if self.store is not None:
-            record_verdicts(self.store, self.queue.path.parent, out)
+        if self.record_checks is not None:
+            self.record_checks(out)
         return out
 
     def quarantined(self, box: str) -> str | None:

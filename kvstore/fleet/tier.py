@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import KVStoreError
 from kvstore.fleet.fetch import WarmFetcher
@@ -19,6 +19,12 @@ from kvstore.fleet.remote_settings import RemoteSettings, remote_settings
 from kvstore.home.ledger import Ledger
 from kvstore.home.settings import load_settings
 from kvstore.store.store import Store
+
+if TYPE_CHECKING:
+    from kvstore.fleet.check import Checked
+
+
+RecordChecks = Callable[[list["Checked"]], object]  # a warm's fleet verdicts, recorded
 
 
 @dataclass
@@ -37,16 +43,23 @@ def open_remote(settings: dict[str, Any], home: Path) -> tuple[RemoteSettings, R
 
 
 def daemon_tier(
-    settings: dict[str, Any], home: Path, store: Store, ledger: Ledger
+    settings: dict[str, Any],
+    home: Path,
+    store: Store,
+    ledger: Ledger,
+    *,
+    record_checks: RecordChecks,
 ) -> DaemonTier | None:
     """The daemon's tier: an upload worker draining what `store` commits, and the read-through
-    fetcher its warms use."""
+    fetcher its warms use (`record_checks` records what they check: kvstore.ops.fleet)."""
     found = open_remote(settings, home)
     if found is None:
         return None
     rs, remote = found
     fetcher = (
-        WarmFetcher(remote, UploadQueue(home), ledger=ledger, store=store) if rs.download else None
+        WarmFetcher(remote, UploadQueue(home), ledger=ledger, record_checks=record_checks)
+        if rs.download
+        else None
     )
     with ExitStack() as undo:  # the fetcher's queue closed again if the uploader cannot start
         if fetcher is not None:
@@ -58,10 +71,11 @@ def daemon_tier(
 
 @contextmanager
 def warm_tier(
-    home: Path, store: Store, *, warn: Callable[[str], None]
+    home: Path, store: Store, *, warn: Callable[[str], None], record_checks: RecordChecks
 ) -> Iterator[WarmFetcher | None]:
     """For a warm without a daemon: commits queued for upload, and the read-through fetcher (None
-    when there is no [remote] table, or when it is unusable: then `warn` says why)."""
+    when there is no [remote] table, or when it is unusable: then `warn` says why;
+    `record_checks` as daemon_tier's)."""
     try:
         found = open_remote(load_settings(home), home)
     except KVStoreError as e:
@@ -75,7 +89,9 @@ def warm_tier(
     hooked = enqueue_on_commit(store, home) if rs.upload else None
     try:
         yield (
-            WarmFetcher(remote, queue, ledger=Ledger(home), store=store) if rs.download else None
+            WarmFetcher(remote, queue, ledger=Ledger(home), record_checks=record_checks)
+            if rs.download
+            else None
         )
     finally:
         if hooked is not None:

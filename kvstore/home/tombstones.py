@@ -1,7 +1,7 @@
 """Tombstones of recent evictions: which prefix (its length and a hash of its tokens), of which
-model, by what (`byte budget`, `learned budget`, `kvstore evict`) and when, so that a later miss
-on it is `evicted` (kvstore.reasons) rather than `cold`. The daemon writes (it evicts); clients
-read. A small file in the home, rewritten whole (the last MAX_TOMBSTONES). Its rows keep the
+model, by what (`byte budget`, `kvstore evict`, ...: kvstore.ops.evict's `Why`) and when, so
+that a later miss on it is `evicted` (kvstore.reasons) rather than `cold`. The one eviction writes;
+clients read. A small file in the home, rewritten whole (the last MAX_TOMBSTONES). Its rows keep the
 layout they were first written with: `digest` as kvstore.reasons.tombstone_digest, `tail` the
 last tokens as big-endian uint32 (in memory a Tombstone's tail is packed as kvstore.tokens)."""
 

@@ -1,7 +1,8 @@
 """The one eviction: whatever removes entries or learned records (`kvstore evict`, the byte
-budgets, the snapshot cap, a pin that covers learned records) removes them here, and each one
-leaves the same three traces: a tombstone (so a later miss on it reads `evicted`, not `cold`),
-the `kvstore_evictions` metric by reason, and one log line that says why.
+budgets, the snapshot cap, a pin that covers learned records, the upgrade canary, a refused fleet
+check) removes them here, and each one leaves the same three traces: a tombstone (so a later miss
+on it reads `evicted`, not `cold`), the `kvstore_evictions` metric by reason, and one log line
+that says why.
 
 The log line is the eviction's record, written where it happens (in the daemon, its log; the
 CLI's own path has no handler at INFO, so nothing reaches its output).
@@ -24,7 +25,9 @@ from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
 
-BY_SNAPSHOT_CAP = "snapshot cap"  # a tombstone's `by` (kvstore.home.tombstones has the others)
+# a tombstone's `by` (kvstore.home.tombstones has the others)
+BY_SNAPSHOT_CAP, BY_PIN, BY_CANARY = "snapshot cap", "pin", "upgrade canary"
+BY_FLEET = "fleet check"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,18 @@ def over_budget(setting: str, budget: int) -> Why:
 def snapshot_cap(cap: int) -> Why:
     return Why(BY_SNAPSHOT_CAP, "snapshot_cap", f"more than max_snapshots_per_prefix={cap} on "
                "its chain")  # fmt: skip
+
+
+def under_pin(label: str) -> Why:
+    return Why(BY_PIN, "pinned", f"pin {label!r} holds its tokens")
+
+
+def upgrade_canary(versions: str) -> Why:
+    return Why(BY_CANARY, "canary", f"its model's KV is not what {versions} computes")
+
+
+def fleet_refused() -> Why:
+    return Why(BY_FLEET, "fleet_check", "its uploader's KV was refused by this box's model")
 
 
 @dataclass(frozen=True)

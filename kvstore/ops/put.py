@@ -1,7 +1,8 @@
 """`put` (one entry) and `put_blocks` (learned records): the one write of each, from any command
 or process (the daemon's handlers, a warm, `import`, `remote pull`). Each checks what it writes,
-stores it and holds the byte budgets (kvstore.ops.budget, which evicts through kvstore.ops.evict).
-A client hands its put to the daemon with `send` (`request` builds what it sends)."""
+stores it, evicts the learned records a pin makes redundant and holds the byte budgets
+(kvstore.ops.budget); both evict through kvstore.ops.evict. A client hands its put to the daemon
+with `send` (`request` builds what it sends)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from typing import Any
 from kvstore import tokens as tk
 from kvstore.errors import CodecError
 from kvstore.identity.fingerprint import with_model_location
-from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.blockstore import BlockStore, is_snapshot
 from kvstore.learned.chain import chain_hashes, position_hash
+from kvstore.learned.policy import MIN_LCP
 from kvstore.ops.budget import Budget
+from kvstore.ops.evict import EvictedRecord, evict, under_pin
 from kvstore.store.entry import KEY_BYTES, EntryMeta, PutFields, blob_checksum, tokens_match_key
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
@@ -79,7 +82,8 @@ def put(
     """Store one entry: its fields checked (unless `fields` are the request's, already checked
     by `check_request`), its KV decoded and compared with its tokens (`decode`: a blob from
     another process; False for one this process just encoded from a cache), then `after(meta)`
-    (the daemon's accounting of what it stores) and the budgets held. The model was located by
+    (the daemon's accounting of what it stores) and the budgets held. A pin evicts the learned
+    records of its own prefix (kvstore.ops.evict), daemon or not. The model was located by
     whoever built the request (`request`)."""
     if fields is None:
         fields = PutFields.from_map(req.fields)
@@ -88,6 +92,12 @@ def put(
     meta = store.put(req.key, blob, **fields.as_kwargs())
     if after is not None:
         after(meta)
+    if meta.pinned and not is_snapshot(meta):  # the pin serves its prefix: stored once
+        data = meta.tokens
+        dropped = budget.blocks.drop_covered(meta.fingerprint, data, slack=MIN_LCP)
+        # each tombstone names at most the pin's tokens (those past it, a few, are not the pin's)
+        gone = [EvictedRecord(r, tk.cut(data, 0, r.end)) for r in dropped]
+        evict(budget.home, under_pin(meta.label), records=gone)
     budget.enforce()
     return meta
 

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,8 @@ def warm(
     store: Store,
     *,
     home: Path,
-    progress: Callable[[str], None],
-    warn: Callable[[str], None],
+    progress: Callable[[str], None] | None = None,
+    warn: Callable[[str], None] = logging.getLogger("kvstore").warning,
     fetch: Any = HERE,
     budget: Budget | None = None,
     purge: bool = True,
@@ -59,8 +61,11 @@ def warm(
     if fetch is not HERE:
         return run(fetch)
     from kvstore.fleet.tier import warm_tier
+    from kvstore.ops.fleet import record_verdicts
 
-    with warm_tier(home, store, warn=warn) as tier:
+    with warm_tier(
+        home, store, warn=warn, record_checks=partial(record_verdicts, store, home)
+    ) as tier:
         return run(tier)
 
 

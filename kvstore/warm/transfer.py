@@ -220,13 +220,14 @@ def _prompt_tokens(model_dir: Path, prompt: str) -> list[int]:
 
 
 class EntryWriter(Protocol):
-    """Where an import puts the entry: a Store, or the daemon (kvstore.ops.put.DaemonWriter)."""
+    """Where an import puts the entry: the put operation on a store here or through the daemon
+    (kvstore.ops.put.LocalWriter, DaemonWriter)."""
 
     def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta: ...
 
 
 def import_file(
-    store: EntryWriter,
+    writer: EntryWriter,
     file: Path,
     *,
     model: str,
@@ -238,7 +239,7 @@ def import_file(
     pin: bool = False,
     trust: bool = False,
     home: Path,
-    reader: Store | None = None,
+    reader: Store,
 ) -> EntryMeta:
     """Validate a prompt-cache file against the model (layers, heads, head dims, dtype, KV
     quantization, its own `model` metadata) and the tokens, then check that its KV is what this
@@ -247,8 +248,8 @@ def import_file(
     entry is stored marked `trusted` (unchecked), as `ls` and `verify` show.
 
     Without `tokens_file` or `prompt`, the token ids are the ones `kvstore export` wrote in the
-    file's metadata. KV the store already holds (read from `reader`, default `store`) is not
-    imported again: AlreadyStored names the entry, which keeps its label, owners and pin state."""
+    file's metadata. KV the store already holds (read from `reader`) is not imported
+    again: AlreadyStored names the entry, which keeps its label, owners and pin state."""
     blob = Path(file).read_bytes()
     try:
         cache, metadata = codec.decode(blob, name=str(file), either_layout=True)
@@ -273,7 +274,7 @@ def import_file(
     )
     _check_layout(cache, tokens, file, model, fp.layout)
     key = entry_key(fp.digest, tokens)
-    keep = _stored(reader if reader is not None else store, key, tokens, file)
+    keep = _stored(reader, key, tokens, file)
     checked = None
     if not trust:
         checked = _check_kv(cache, tokens, file, identity, model_dir, fp)
@@ -297,7 +298,7 @@ def import_file(
         # its blob went bad: the import replaces it, in the entry's own name
         extra={k: keep.extra[k] for k in _KEPT if k in keep.extra} if keep is not None else None,
     )
-    return store.put(key, blob, **fields.as_kwargs())
+    return writer.put(key, blob, **fields.as_kwargs())
 
 
 def _import_tokens(
@@ -384,14 +385,11 @@ class AlreadyStored(KVStoreError):
         self.meta = meta
 
 
-def _stored(reader: Any, key: bytes, tokens: list[int], file: Path) -> EntryMeta | None:
-    """Raise AlreadyStored when `reader` (a Store) holds a sound entry for `key` and `tokens`;
-    return the entry when its blob went bad (the import replaces it), else None."""
-    get = getattr(reader, "get_meta", None)
-    if get is None:
-        return None
+def _stored(reader: Store, key: bytes, tokens: list[int], file: Path) -> EntryMeta | None:
+    """Raise AlreadyStored when `reader` holds a sound entry for `key` and `tokens`; return the
+    entry when its blob went bad (the import replaces it), else None."""
     try:
-        meta = get(key)
+        meta = reader.get_meta(key)
     except CorruptEntryError:
         return None
     if meta is None or meta.tokens != pack_tokens(tokens):

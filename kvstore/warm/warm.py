@@ -579,8 +579,8 @@ def warm(
     store: Store,
     *,
     home: Path,
+    put: Callable[[bytes, bytes, PutFields], object],
     progress: Callable[[str], None] | None = None,
-    put: Callable[[bytes, bytes, PutFields], object] | None = None,
     purge: bool = True,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
@@ -589,8 +589,7 @@ def warm(
 ) -> WarmReport:
     """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
     own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
-    `put` is kvstore.ops.put's (kvstore.ops.warm passes it: checks, budget); without it (tests)
-    the store is written directly.
+    Each pin is stored by `put`: the put operation, as kvstore.ops.warm passes it.
     Pins render as requests on the local day of `now` do (default: the real clock). `may_load`
     (the daemon's memory check) may defer a model's load: its missing pins are reported
     "deferred". `bounds` (default: max_pin_tokens from the home's settings) bound each pin's
@@ -600,7 +599,6 @@ def warm(
         bounds = PrefillBounds(max_pin_tokens=max_pin_tokens(load_settings(home)))
     report = WarmReport()
     say = progress or (lambda msg: None)
-    put = put or (lambda key, blob, fields: store.put(key, blob, **fields.as_kwargs()))
     delete, edit = store.delete, store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:

@@ -9,9 +9,9 @@ import mlx.core as mx
 from helpers import TWO_PINS, cli, manifest_for
 
 from kvstore.codec import codec
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 def _setup(tmp_path, home, model_path):

@@ -21,10 +21,10 @@ from helpers import (
 
 from kvstore.cli.main import main
 from kvstore.client import PersistentPromptCache, generate
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
-from kvstore.warm.warm import warm
 
 
 def chat(tokenizer, sys: str, user: str) -> list[int]:

@@ -107,9 +107,9 @@ def test_a_request_sharing_only_the_template_header_with_a_pin_is_cold(
     header with a pin: `cold` (and the last token, which every request prefills, `suffix`)."""
     from helpers import ROUTER, manifest_for
 
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
-    from kvstore.warm.warm import warm
 
     with Store(kv_home) as store:
         warm(load_manifest(manifest_for(tmp_path, llama_path, ROUTER)), store, home=kv_home)

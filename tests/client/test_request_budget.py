@@ -19,9 +19,9 @@ from helpers import CLASSIFY, TWO_PINS, manifest_for
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 SERVE_MODULES = 8  # kvstore modules one served request enters, at most
 LIBRARY_MODULES = 5  # kvstore modules one library `generate` enters, at most

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Server, manifest_for, wait_for
 
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 START_TIMEOUT = 90.0  # seconds for a server to import mlx-lm, load the tiny model and answer
 REQUEST_TIMEOUT = 60.0

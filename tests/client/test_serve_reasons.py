@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from helpers import NEW, OLD, ROUTER, Server, manifest_for, system, wait_for
 
 from kvstore.cli.main import main
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,9 @@ from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.sample_utils import make_sampler
 
 from kvstore.client import PersistentPromptCache, StatsRecorder, generate, stream_generate
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 def chat(tokenizer, system: str, user: str) -> list[int]:

@@ -11,6 +11,7 @@ import json
 import mlx.core as mx
 import pytest
 import xxhash
+from helpers import import_here
 from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
@@ -21,7 +22,7 @@ from kvstore.codec.codec import decode, encode
 from kvstore.codec.safetensors import parse_layout
 from kvstore.errors import CodecError, KVStoreError
 from kvstore.store.store import Store
-from kvstore.warm.transfer import import_file, write_file
+from kvstore.warm.transfer import write_file
 
 # xxh3-64 of `encode(fixed_cache(), USER)`: the stored form, the same under mlx-lm 0.31 and 0.32.
 STORED_FORM_XXH3 = 11108898834280365702
@@ -171,7 +172,7 @@ def test_import_takes_either_layout_and_stores_one_form(layout, llama_path, kv_h
         file.write_bytes(encode(cache, user))
     (tmp_path / "t.json").write_text(json.dumps(tokens))
     with Store(kv_home) as store:
-        meta = import_file(
+        meta = import_here(
             store, file, model=str(llama_path), tokens_file=tmp_path / "t.json", home=kv_home
         )
         assert store.read_blob(meta.key) == encode(cache, user)
@@ -189,7 +190,7 @@ def test_a_bad_0_31_meta_state_is_refused_in_one_line(llama_path, kv_home, tmp_p
     mx.save_safetensors(str(file), arrays, metadata)
     (tmp_path / "t.json").write_text("[1, 2]")
     with Store(kv_home) as store, pytest.raises(KVStoreError) as err:
-        import_file(
+        import_here(
             store, file, model=str(llama_path), tokens_file=tmp_path / "t.json", home=kv_home
         )
     assert "not a valid prompt-cache file" in str(err.value) and "'eleven'" in str(err.value)

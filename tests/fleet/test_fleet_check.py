@@ -19,6 +19,7 @@ from test_fleet_trust import box_id, keyed, objects_of, tampered, warm_and_push
 
 from kvstore.fleet import check as fleet_check
 from kvstore.fleet.objects import blob_end, seal
+from kvstore.home import tombstones
 from kvstore.store.store import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]
@@ -136,6 +137,9 @@ def test_a_warm_that_loads_the_model_checks_what_it_fetched_and_prefills_a_forge
     assert got["synthesize"]["fleet_check"] == "passed" and got["synthesize"]["uploader"]
     assert "uploader" not in got["classify"] and "uploader" not in got["examine"]
     assert list(status(b)["quarantined"]) == [box_id(a)]
+    assert [(t.entry, t.by) for t in tombstones.load(b, str(llama_path))] == [
+        ("classify", "fleet check")
+    ]
     with mock.patch.object(fleet_check, "check_cache", wraps=fleet_check.check_cache) as counted:
         _, cache = load(llama_path, b)
     assert counted.call_count == 0 and len(cache.report.labels) == 3  # nothing left to check
@@ -275,6 +279,8 @@ def test_a_pull_that_refuses_a_forgery_drops_that_boxs_pending_entries(s3, llama
     assert rows(b) == {}  # its entry fetched earlier and not yet checked is dropped with it
     st = status(b)
     assert list(st["quarantined"]) == [box_id(a)] and st["refused"] == {"mismatch": 1}
+    (gone,) = tombstones.load(b, str(llama_path))  # evicted as every eviction is
+    assert (gone.entry, gone.by) == ("synthesize", "fleet check")
 
 
 def test_kvstore_serve_checks_pending_entries_before_it_answers(s3, llama_path, tmp_path):

@@ -29,9 +29,9 @@ from kvstore.fleet.objects import Remote, blob_end, object_name, verify_object
 from kvstore.fleet.queue import Uploader, UploadQueue, upload_one
 from kvstore.fleet.remote_settings import RemoteSettings, remote_settings
 from kvstore.home.settings import load_settings
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]

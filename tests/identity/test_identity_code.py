@@ -115,9 +115,9 @@ def test_entries_carry_the_mlx_versions_as_provenance(llama_path, kv_home, tmp_p
     import mlx_lm
     from helpers import TWO_PINS, manifest_for
 
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
-    from kvstore.warm.warm import warm
 
     with Store(kv_home) as store:
         warm(load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS)), store, home=kv_home)

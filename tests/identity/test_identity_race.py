@@ -15,9 +15,9 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import client
 from kvstore.client.hydrate import hydrate
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 REAL_LOAD = mlx_lm.load
 

@@ -10,9 +10,9 @@ import pytest
 from helpers import CLASSIFY, SYNTHESIZE
 
 from kvstore.errors import ManifestError
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 def two_tables(model, *, second_name="synthesize", second_extra="") -> str:

@@ -11,10 +11,10 @@ import mlx_lm
 from template_families import SYSTEM_PROMPT, TOOLS, clock_at, request_tokens
 
 from kvstore.client import PersistentPromptCache, generate
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm import warm as warm_module
-from kvstore.warm.warm import warm
 
 DAY1, DAY2 = dt.date(2026, 11, 30), dt.date(2026, 12, 1)
 

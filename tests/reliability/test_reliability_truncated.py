@@ -22,10 +22,10 @@ import pytest
 from helpers import TWO_PINS, Proc, manifest_for, wait_for
 
 from kvstore.daemon import exits
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.lmdbenv import read_meta_page
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 DAMAGED = "the store file is damaged"
 HINT = "restore it from a backup, or move it aside"

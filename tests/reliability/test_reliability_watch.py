@@ -168,9 +168,9 @@ def _scenarios(tmp: Path, llama_path: Path) -> dict[str, Path]:
     """Homes in each bad state (and a healthy one whose daemon is down)."""
     from helpers import TWO_PINS, manifest_for
 
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
-    from kvstore.warm.warm import warm
 
     homes = {}
     healthy = tmp / "healthy"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from helpers import TWO_PINS, manifest_for
 
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 @pytest.fixture

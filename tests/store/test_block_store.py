@@ -9,10 +9,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from kvstore.codec import codec
 from kvstore.errors import StoreError
+from kvstore.home import tombstones
 from kvstore.learned.blockstore import BlockStore, learned_summary, today
 from kvstore.learned.chain import cuts
 from kvstore.learned.records import slice_record
+from kvstore.ops.put import LocalWriter
+from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
 
 FP = bytes(range(16))
@@ -118,6 +122,22 @@ def test_evict_learned_records_returns_what_it_evicted(tmp_path):
         assert freed == sum(m.nbytes for m in before.values()) and blocks.records() == []
         assert [m.end for m in gone] == [600, 512, 256]  # leaf first
         assert {m.key for m in gone} == set(before) and not hasattr(blocks, "evicted")
+
+
+def test_a_pin_put_without_a_daemon_evicts_the_learned_records_it_holds(tmp_path):
+    """The put operation, daemon or not: a pin's prefix is stored once, and the learned records
+    it replaces leave a tombstone each, as every eviction does."""
+    a = list(range(1, 601))
+    pin = a[:590]  # the learned prefix runs 10 tokens past the pin
+    with Store(tmp_path) as store:
+        blocks = BlockStore(store)
+        blocks.put_records(FP, a, records(kv(600), 0, 600), label="x", extra={"model": "m"})
+        blob = codec.encode(kv(590))
+        put = LocalWriter(store, tmp_path).put
+        put(entry_key(FP, pin), blob, tokens=pack_tokens(pin), label="system", pinned=True)
+        assert blocks.records() == [] and blocks.learned_bytes() == 0
+    gone = tombstones.load(tmp_path, "m")
+    assert sorted(t.length for t in gone) == [256, 512, 590] and {t.by for t in gone} == {"pin"}
 
 
 def _flip(store, blocks, key: bytes, db: bytes, at: int = -5) -> None:

@@ -12,10 +12,10 @@ from mlx_lm.models.cache import LRUPromptCache
 from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.errors import StoreError
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 def _put(store, fp: bytes, tokens: list[int], size: int = 64, **kw):

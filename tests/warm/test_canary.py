@@ -8,6 +8,7 @@ differs from what the code installed here computes, as it would after such an up
 from __future__ import annotations
 
 import json
+import logging
 
 import mlx.core as mx
 from helpers import TWO_PINS, Proc, assert_same_kv, cli, manifest_for, serving, wait_for
@@ -15,13 +16,14 @@ from mlx_lm import load
 
 from kvstore.codec import codec
 from kvstore.daemon.canary import check_at_boot
+from kvstore.home import tombstones
 from kvstore.identity.codehash import installed_versions, runtime_versions
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.canary import RUNTIME_NAME, stored_versions
 from kvstore.warm.kvdiff import kv_difference
 from kvstore.warm.prefill import prefill
-from kvstore.warm.warm import warm
 
 TOKENS = list(range(3, 40))
 
@@ -95,9 +97,16 @@ def test_the_daemon_checks_at_boot_after_an_upgrade_and_drops_what_differs(
         # an upgrade that changed it: the model's entries go, the boot warm re-warms them
         file_other_kv(store, llama_path, "classify")
         (kv_home / RUNTIME_NAME).write_text(json.dumps({"mlx": "0.1.0", "mlx_lm": "0.1.0"}))
+        models = {m.model for m in store.metas()}
+        caplog.set_level(logging.INFO, "kvstore.daemon")
         (result,) = check_at_boot(store, kv_home, [manifest])
         assert not result.ok and result.difference > 0.5
         assert store.metas() == []
+        # evicted as every eviction is: a later miss on them reads `evicted`, not `cold`
+        gone = tombstones.load(kv_home, models)
+        assert sorted(t.entry for t in gone) == ["classify", "synthesize"]
+        assert {t.by for t in gone} == {"upgrade canary"}
+        assert "evicted " in caplog.text and "its model's KV is not what mlx" in caplog.text
         assert "re-warmed with mlx" in caplog.text and "DIFFERS" in caplog.text
         assert warm(load_manifest(manifest), store, home=kv_home).warmed == 2
 

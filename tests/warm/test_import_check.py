@@ -10,7 +10,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from helpers import assert_same_kv, cli
+from helpers import assert_same_kv, cli, import_here
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
@@ -20,7 +20,7 @@ from kvstore.tiny import make_tiny_model
 from kvstore.warm import importfit
 from kvstore.warm.importfit import ImportMismatch
 from kvstore.warm.prefill import prefill
-from kvstore.warm.transfer import _prompt_tokens, import_file
+from kvstore.warm.transfer import _prompt_tokens
 
 PROMPT = (
     "You are a test assistant. This prompt is cached by mlx_lm cache_prompt for import testing."
@@ -65,7 +65,7 @@ def test_another_models_kv_is_refused(models, b0_file, kv_home):
     with Store(kv_home) as store:
         with pytest.raises(ImportMismatch, match=r"layer \d+ \(KVCache\), from position 0: .*"
                            r"over tolerance .*max abs diff"):  # fmt: skip
-            import_file(store, b0_file, model=str(a), prompt=PROMPT, home=kv_home)
+            import_here(store, b0_file, model=str(a), prompt=PROMPT, home=kv_home)
         assert store.metas() == []
 
 
@@ -76,7 +76,7 @@ def test_other_tokens_of_the_same_count_are_refused(models, b_file, kv_home):
     first = next(i for i, (x, y) in enumerate(zip(mine, other)) if x != y)
     with Store(kv_home) as store:
         with pytest.raises(ImportMismatch, match=rf"from position {first}: "):
-            import_file(store, b_file, model=str(b), prompt=OTHER, home=kv_home)
+            import_here(store, b_file, model=str(b), prompt=OTHER, home=kv_home)
         assert store.metas() == []
 
 
@@ -84,7 +84,7 @@ def test_the_right_file_is_stored_and_hydrates_as_a_fresh_prefill(models, b_file
     _, b = models
     tokens = _prompt_tokens(b, PROMPT)
     with Store(kv_home) as store:
-        meta = import_file(store, b_file, model=str(b), prompt=PROMPT, home=kv_home)
+        meta = import_here(store, b_file, model=str(b), prompt=PROMPT, home=kv_home)
         _, stored = store.load(meta.key, meta.tokens)
     assert meta.extra["checked"] is True and not meta.extra.get("trusted")
     assert meta.extra["check"] == f"all {len(tokens)} positions"
@@ -104,11 +104,11 @@ def test_a_long_cache_is_checked_on_windows_to_its_end(models, kv_home, tmp_path
     wrong.write_text(json.dumps(tokens[:-1] + [tokens[-1] + 1]))
     with Store(kv_home) as store:
         with pytest.raises(ImportMismatch, match="from position 119: "):
-            import_file(store, file, model=str(b), tokens_file=wrong, home=kv_home)
+            import_here(store, file, model=str(b), tokens_file=wrong, home=kv_home)
         assert store.metas() == []
         right = tmp_path / "right.json"
         right.write_text(json.dumps(tokens))
-        meta = import_file(store, file, model=str(b), tokens_file=right, home=kv_home)
+        meta = import_here(store, file, model=str(b), tokens_file=right, home=kv_home)
     assert meta.extra["check"].startswith("80 of 120 positions (the first 16 and 8 windows)")
 
 

@@ -10,6 +10,7 @@ import json
 
 import mlx.core as mx
 import pytest
+from helpers import import_here
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, make_prompt_cache, save_prompt_cache
 
@@ -17,7 +18,6 @@ from kvstore.codec import cache_api
 from kvstore.codec.cache_state import ALLOWED_CLASSES
 from kvstore.store.store import Store
 from kvstore.warm.importfit import ImportMismatch
-from kvstore.warm.transfer import import_file
 
 TOKENS = list(range(3, 23))
 
@@ -49,7 +49,7 @@ def live(c):
 
 def refused(store, file, tokens, model, kv_home, match):
     with pytest.raises(ImportMismatch, match=match):
-        import_file(store, file, model=str(model), tokens_file=tokens, home=kv_home)
+        import_here(store, file, model=str(model), tokens_file=tokens, home=kv_home)
     assert store.metas() == []  # never a stored entry
 
 
@@ -106,7 +106,7 @@ def test_fitting_files_plain_and_quantized_are_stored(llama_cache, llama_path, k
     ):
         file, tokens = write(tmp_path, cache, model=llama_path)
         with Store(kv_home) as store:
-            meta = import_file(store, file, model=str(llama_path), tokens_file=tokens, home=kv_home)
+            meta = import_here(store, file, model=str(llama_path), tokens_file=tokens, home=kv_home)
             assert meta.ntokens == len(TOKENS)
     with Store(kv_home) as store:
         assert len(store.metas()) == 2  # one plain, one under the kv_bits=8 fingerprint

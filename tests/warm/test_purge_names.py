@@ -6,9 +6,9 @@ import logging
 
 from helpers import cli, manifest_for
 
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
 
 
 def _pins(*texts: str) -> str:

@@ -6,12 +6,11 @@ import json
 
 import mlx.core as mx
 import pytest
-from helpers import assert_same_kv
+from helpers import assert_same_kv, import_here
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from kvstore.store.store import Store
-from kvstore.warm.transfer import import_file
 
 
 @pytest.mark.parametrize("arch", ["hybrid", "sliding"])
@@ -26,7 +25,7 @@ def test_import_takes_hybrid_and_sliding_caches(arch, hybrid_path, sliding_path,
     save_prompt_cache(str(file), cache, {"model": str(path), "tokenizer_config": "{}"})
     (tmp_path / "tokens.json").write_text(json.dumps(tokens))
     with Store(kv_home) as store:
-        meta = import_file(store, file, model=str(path), tokens_file=tmp_path / "tokens.json",
+        meta = import_here(store, file, model=str(path), tokens_file=tmp_path / "tokens.json",
                            home=kv_home)  # fmt: skip
         _, stored = store.load(meta.key, meta.tokens)
     assert meta.ntokens == 90

@@ -5,9 +5,10 @@ from __future__ import annotations
 from helpers import TWO_PINS, manifest_for
 
 from kvstore.errors import StoreError
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.warm import warm
+from kvstore.warm.warm import warm as warm_engine
 
 
 def test_a_present_pin_with_a_bad_blob_is_warmed_again(llama_path, kv_home, tmp_path):
@@ -38,7 +39,7 @@ def test_a_failing_put_fails_its_pin_and_the_warm_goes_on(llama_path, kv_home, t
         store.put(key, blob, **fields)
 
     with Store(kv_home) as store:
-        report = warm(manifest, store, home=kv_home, put=put)
+        report = warm_engine(manifest, store, home=kv_home, put=put)
         assert calls == ["classify", "synthesize"]
         status = {p.name: p.status for p in report.pins}
         assert status == {"classify": "failed", "synthesize": "warmed"}

@@ -15,10 +15,10 @@ import pytest
 from helpers import CLASSIFY, cli, manifest_for
 
 import kvstore.warm.prefill as prefill_mod
+from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm import memory
-from kvstore.warm.warm import warm
 
 PINS = f"""
 [[model.prefix]]

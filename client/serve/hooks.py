@@ -49,7 +49,7 @@ from typing import Any
 from kvstore import mlxlm
 from kvstore.client.callstats import StatsRecorder
 from kvstore.client.hydrate import Prefetched, insert, prefetch
-from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
+from kvstore.client.learn import LEARN_QUEUE, Learner
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import HIT_BATCH_S, PinnedPromptCache, StoreTier
 from kvstore.client.reasons import after_hydrate
@@ -64,6 +64,7 @@ from kvstore.identity.model import (
     DEFAULT_QUANTIZED_KV_START,
     ModelIdentity,
 )
+from kvstore.learned.coldtier import LearnTarget
 
 log = logging.getLogger("kvstore.serve")
 

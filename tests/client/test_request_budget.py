@@ -193,10 +193,11 @@ def test_a_restore_from_the_store_never_calls_back_up_the_stack(llama, kv_home):
     called back while it is up the stack (the restore used to insert through the cache)."""
     from helpers import mlx_lm_prefill
 
-    from kvstore.client.learn import Learner, LearnTarget
+    from kvstore.client.learn import Learner
     from kvstore.client.persistent import PinnedPromptCache
     from kvstore.learned.blockstore import BlockStore
     from kvstore.learned.chain import cuts
+    from kvstore.learned.coldtier import LearnTarget
     from kvstore.learned.records import slice_record
 
     model, _ = llama

@@ -25,16 +25,36 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.options import home_option, parse_json_object
 from kvstore.client.analyze import analyze, format_table, load_capture
 from kvstore.client.parity import ATOL, MAX_TOKENS, REFERENCES, _table, load_prompts, run_parity
 from kvstore.errors import KVStoreError
+from kvstore.home.settings import given_home
+from kvstore.identity.modelconfig import overrides_from_json
 
 log = logging.getLogger("kvstore.serve")
 
 LEARN_DRAIN_S = 10.0  # seconds a stopping server waits for queued learn jobs (learn_drain_s)
 
 __all__ = ["serve", "serve_cmd"]
+
+
+def _home(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path:
+    """The home resolved, refused in one line when it cannot be one (kvstore's own `--home`)."""
+    try:
+        return given_home(value)
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
+
+
+# the client's commands take --home as every kvstore command does (kvstore.cli.options)
+home_option = click.option(
+    "--home",
+    type=click.Path(),  # checked by _home: a file is one line, not a usage error
+    metavar="DIRECTORY",
+    envvar="KVSTORE_HOME",
+    callback=_home,
+    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
 
 
 def serve(
@@ -215,7 +235,10 @@ def serve_cmd(
     """
     from kvstore.home.settings import resolve_home
 
-    overrides = parse_json_object(model_config, "--model-config")
+    try:
+        overrides = overrides_from_json(model_config)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model-config") from None
     try:
         serve(
             model,

@@ -258,9 +258,7 @@ class _Hooks:
     def _exit_if_stuck(why: str) -> None:
         """The failsafe of `stop_with`: a server that has not exited STOP_GRACE_S after it was
         told to stop (its main thread stuck, or a thread mlx-lm joins) leaves with the same one
-        line and exit status, so a supervisor restarts it. Seen once: a CI run where four
-        servers that should have stopped (a model that cannot load, a dead generation thread)
-        still listened after 60 s; not reproduced since, alone or under load."""
+        line and exit status, so a supervisor restarts it."""
         time.sleep(STOP_GRACE_S)
         sys.stderr.write(f"Error: kvstore serve: {why} (still running {STOP_GRACE_S:.0f} s after "
                          "it was told to stop: exiting)\n")  # fmt: skip

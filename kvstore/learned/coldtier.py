@@ -41,8 +41,8 @@ class StoreIndex:
     ids from position 0 to each chain's end, kvstore.tokens; sorted, none a prefix of another)
     and the token ids of its entries. Valid while the store's last committed transaction is
     `change`: a request memory served is then answered from here, without reading the store.
-    Packed, a learned token costs 4 bytes here (as tuples of ints it cost ~36: serve grew with
-    every chain the daemon learned, issue 34 item 6), and a request looks it up by bisection."""
+    It lives as long as the process and holds every learned chain, so a token costs 4 bytes here
+    (packed, not a tuple of ints), and a request looks it up by bisection."""
 
     change: int
     chains: list[bytes]
@@ -181,10 +181,10 @@ class ColdTier:
         incrementally (LearnedChains), its entries again. On the request path (not `timer`) an
         index is read again only once INDEX_COST_SHARE of the time since it was read covers
         what reading it cost: a learning serve changes the store every request, and reading
-        which records came and went walks every record of the model (15 ms at 13,000 records,
-        issue 34 item 6): the timer reads it every HIT_BATCH_S, the request path then at most
-        1 part in INDEX_COST_SHARE of its time. A stale index only costs a restore: the records
-        it names are read from the store, and a newer record waits for the next read."""
+        which records came and went walks every record of the model: the timer reads it every
+        HIT_BATCH_S, the request path then at most 1 part in INDEX_COST_SHARE of its time. A
+        stale index only costs a restore: the records it names are read from the store, and a
+        newer record waits for the next read."""
         change = int(self._store.env.info()["last_txnid"])
         index = self._index.get(target.fingerprint)
         if (

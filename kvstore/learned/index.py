@@ -42,9 +42,8 @@ class LearnedChains:
     """One model's learned records as the store holds them, read incrementally: `update` walks
     the model's `kids` rows (keys only, nothing decoded), decodes the metas of the records that
     appeared since it last ran and forgets those that left. A change to the store costs what
-    changed, not a read of every learned record: serve read them all on each change, twice (the
-    cold tier's index and the reasons' learned prefixes), transient peaks that grew with the
-    store and fragmented the heap (issue 34 item 6, docs/soak.md).
+    changed, not a read of every learned record, and one view serves both of a process's readers
+    (the cold tier's index and the reasons' learned prefixes: `learned_chains`).
 
     Kept: each record's own tokens (4 bytes a token: the learned budget bounds them) and the
     chains (`chains`: the packed token ids from position 0 to each record nothing extends,

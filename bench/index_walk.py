@@ -51,8 +51,8 @@ def _walk(view, blocks) -> float:
 
 
 def run(records: int, repeats: int = 5) -> dict:
-    from kvstore.client.learn import LearnedChains
     from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.index import LearnedChains
     from kvstore.store.store import Store
 
     with tempfile.TemporaryDirectory() as tmp, Store(Path(tmp)) as store:

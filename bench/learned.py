@@ -487,10 +487,11 @@ def restore(root: Path, prefix: int, reps: int) -> dict:
     from mlx_lm.server import LRUPromptCache
     from mlx_lm.utils import load
 
-    from kvstore.client.learn import Learner, LearnTarget
+    from kvstore.client.learn import Learner
     from kvstore.client.persistent import PinnedPromptCache
     from kvstore.learned.blockstore import BlockStore
     from kvstore.learned.chain import cuts
+    from kvstore.learned.coldtier import LearnTarget
     from kvstore.learned.records import slice_record
     from kvstore.store.store import Store
     from kvstore.tiny import make_tiny_model
@@ -607,8 +608,9 @@ def report(root: Path, ntokens: int, reps: int) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    from kvstore.client.learn import Learner, LearnTarget
+    from kvstore.client.learn import Learner
     from kvstore.learned.chain import chain_hashes
+    from kvstore.learned.coldtier import LearnTarget
     from kvstore.store.entry import pack_tokens
     from kvstore.tiny import make_tiny_model
 

@@ -23,7 +23,7 @@ with a growing RssAnon: memory outside Python's heap; tracemalloc's own traces c
 Found and bounded so far (docs/soak.md): StatsRecorder.calls (one CallStats with its reason
 spans per request, forever); the cold tier's index of learned chains (tuples of ints: ~36 bytes
 a learned token); both periodic re-reads of every learned record (read incrementally now:
-kvstore.client.learn.LearnedChains); glibc's dynamic mmap threshold, which let KV buffers
+kvstore.learned.index.LearnedChains); glibc's dynamic mmap threshold, which let KV buffers
 fragment serve's heap (`kvstore serve` fixes it at 128 KiB). What is left with learning on is
 Python's heap growing with the cold tier's index of learned records (the learned budget bounds
 it); with `--no-learn` serve grows within the plain `mlx_lm.server`'s swing (docs/soak.md).

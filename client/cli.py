@@ -25,16 +25,36 @@ from pathlib import Path
 
 import click
 
-from kvstore.cli.options import home_option, parse_json_object
 from kvstore.client.analyze import analyze, format_table, load_capture
 from kvstore.client.parity import ATOL, MAX_TOKENS, REFERENCES, _table, load_prompts, run_parity
 from kvstore.errors import KVStoreError
+from kvstore.home.settings import given_home
+from kvstore.identity.modelconfig import overrides_from_json
 
 log = logging.getLogger("kvstore.serve")
 
 LEARN_DRAIN_S = 10.0  # seconds a stopping server waits for queued learn jobs (learn_drain_s)
 
 __all__ = ["serve", "serve_cmd"]
+
+
+def _home(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path:
+    """The home resolved, refused in one line when it cannot be one (kvstore's own `--home`)."""
+    try:
+        return given_home(value)
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
+
+
+# the client's commands take --home as every kvstore command does (kvstore.cli.options)
+home_option = click.option(
+    "--home",
+    type=click.Path(),  # checked by _home: a file is one line, not a usage error
+    metavar="DIRECTORY",
+    envvar="KVSTORE_HOME",
+    callback=_home,
+    help="kvstore home (default: $KVSTORE_HOME or the per-user data directory).",
+)
 
 
 def serve(
@@ -83,17 +103,17 @@ def serve(
 
 
 def _freeze_imports() -> None:
-    """Move every object alive now (what mlx-lm, transformers and kvstore imported: about 80,000
-    here) to the collector's permanent generation, so that no later collection walks them again.
+    """Move every object alive now (what mlx-lm, transformers and kvstore imported) to the
+    collector's permanent generation, so that no later collection walks them again.
 
     mlx-lm's model load starts with a full `gc.collect()` (ModelProvider._load, to free the
-    last model), which walked them all: 36-60 ms of every start on this machine, before the
-    first request could be answered; and each later full collection, which Python triggers
-    during requests, walked them again. Frozen objects are still freed by reference counting;
-    only a reference cycle already garbage at this point stays, and what is made later (the
-    model, the caches, each request's objects) is collected as before. `gc.freeze` (Python 3.7+)
-    exists to keep long-lived start-up state out of collections; done here, in the process
-    `kvstore serve` owns, never by the library in an app's process."""
+    last model), which would walk them all before the first request could be answered; and each
+    later full collection, which Python triggers during requests, would walk them again. Frozen
+    objects are still freed by reference counting; only a reference cycle already garbage at
+    this point stays, and what is made later (the model, the caches, each request's objects) is
+    collected as before. `gc.freeze` (Python 3.7+) exists to keep long-lived start-up state out
+    of collections; done here, in the process `kvstore serve` owns, never by the library in an
+    app's process."""
     gc.freeze()
 
 
@@ -106,10 +126,10 @@ def fixed_mmap_threshold() -> bool:
     arrays of KV, the learned records' blobs) is a mapping of its own, returned to the system
     when freed. By default glibc raises the threshold to the size of each such buffer freed
     (up to 32 MiB): later buffers of that size then come from the heap, and KV buffers of every
-    size, many freed after their request on the write-behind's thread, fragmented it: serve's
-    anonymous memory grew by kilobytes a request while what Python and mlx held stayed flat
-    (issue 34 item 6, docs/soak.md). Whether it was set: only glibc has it (Linux; not macOS,
-    where mlx's buffers are Metal's). In the process `kvstore serve` owns, never the library's."""
+    size, many freed after their request on the write-behind's thread, would fragment it: a
+    long-running serve's memory would grow while what Python and mlx hold stays flat. Whether it
+    was set: only glibc has it (Linux; not macOS, where mlx's buffers are Metal's). In the
+    process `kvstore serve` owns, never the library's."""
     import ctypes
 
     try:
@@ -215,7 +235,10 @@ def serve_cmd(
     """
     from kvstore.home.settings import resolve_home
 
-    overrides = parse_json_object(model_config, "--model-config")
+    try:
+        overrides = overrides_from_json(model_config)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--model-config") from None
     try:
         serve(
             model,

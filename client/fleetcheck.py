@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.degrade import library_call
 from kvstore.errors import KVStoreError, counted
-from kvstore.store.entry import CHECK_PENDING, FLEET_CHECK, EntryMeta
+from kvstore.store.entry import EntryMeta, unchecked
 
 if TYPE_CHECKING:  # `pre` is a kvstore.client.hydrate.Prefetched (which imports this module)
     from kvstore.fleet.check import Checked
@@ -35,12 +35,6 @@ class Pending:
     home: Path
     identity: ModelIdentity
     entries: list[tuple[EntryMeta, list]] = field(default_factory=list)
-
-
-def unchecked(meta: EntryMeta) -> bool:
-    """An entry fetched from the fleet and not yet checked: a restore on a request's path (a
-    miss the store could serve, a pin already stored) skips it; the next start checks it."""
-    return meta.extra.get(FLEET_CHECK) == CHECK_PENDING
 
 
 def hold_pending(pre: Any, home: Path, identity: ModelIdentity) -> None:

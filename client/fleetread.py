@@ -118,8 +118,8 @@ class FleetReads:
     ) -> dict[str, Any] | None:
         """The KV of the longest prefix of `tokens` the fleet holds past `served` (memory) and
         `local` (the store's restore), checked and assembled, as the fields of the learner's
-        Restored (`target`, `local`, `cold`: kvstore.client.learn's LearnTarget, Restored and
-        ColdTier, which imports this module); None: the request prefills."""
+        Restored (`target`, `local`, `cold`: kvstore.learned.coldtier's LearnTarget, Restored and
+        ColdTier); None: the request prefills."""
         if target.kv_bits is not None or not target.is_sliceable() or self._open() is None:
             return None
         assert self.reader is not None

@@ -35,15 +35,16 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache
 from kvstore import metrics, mlxlm
 from kvstore import tokens as token_ids
 from kvstore.client.callstats import StatsRecorder, say
-from kvstore.client.fleetcheck import unchecked
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
-from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.learn import Learner
 from kvstore.client.reasons import after_hydrate
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import IdentityKeywords, ModelIdentity
+from kvstore.learned.coldtier import LearnTarget
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra
+from kvstore.store.entry import unchecked
 from kvstore.wire.messages import TouchRequest
 
 if TYPE_CHECKING:
@@ -230,7 +231,7 @@ class StoreTier:
             self.stored.add(tuple(tokens))
 
     def restore(self, model: Any, tokens: Sequence[int], served: int, *, quiet: bool) -> Any:
-        """The learner's restore (a `kvstore.client.learn.Restored`), or None."""
+        """The learner's restore (a `kvstore.learned.coldtier.Restored`), or None."""
         if self.learner is None:
             return None
         return self.learner.restore(model, tokens, served, used=not quiet)

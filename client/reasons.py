@@ -23,9 +23,9 @@ log = logging.getLogger("kvstore.client")
 def learned_reader(home: Path, fingerprint: bytes) -> Callable[[], tuple[list[bytes], dict]]:
     """`read_learned` of this home and model, as `Attributor.learned_from` calls it (on a thread
     of its own): a store it cannot read leaves what it knew, logged at DEBUG. Each read decodes
-    only the records learned since the last (kvstore.client.learn.LearnedChains, shared with
+    only the records learned since the last (kvstore.learned.index.LearnedChains, shared with
     the cold tier), and gives the same lists again while nothing changed."""
-    from kvstore.client.learn import learned_chains
+    from kvstore.learned.index import learned_chains
 
     view = learned_chains(Path(home), fingerprint)
     last: list = [-1, None]  # the view's version and what was given of it
@@ -48,9 +48,9 @@ def read_learned(
     (none when there is no store yet). With a `view` (LearnedChains), what changed since its
     last update is read, and `last` ([version, given]) gives the same lists again while the
     view did not change."""
-    from kvstore.client.learn import LearnedChains
     from kvstore.errors import KVStoreError
     from kvstore.learned.blockstore import BlockStore
+    from kvstore.learned.index import LearnedChains
     from kvstore.store.store import Store
 
     try:

@@ -234,8 +234,8 @@ def peak_rss_bytes() -> int:
 
 def trim_heap() -> None:
     """Give freed heap back to the OS after a model is released. mlx frees its buffers, but
-    glibc keeps the pages (measured: ~110 MiB retained after warming a tiny demo model);
-    malloc_trim returns them. macOS's equivalent is malloc_zone_pressure_relief."""
+    glibc keeps the pages in the process; malloc_trim returns them. macOS's equivalent is
+    malloc_zone_pressure_relief."""
     try:
         if sys.platform.startswith("linux"):
             ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)

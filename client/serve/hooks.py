@@ -49,7 +49,7 @@ from typing import Any
 from kvstore import mlxlm
 from kvstore.client.callstats import StatsRecorder
 from kvstore.client.hydrate import Prefetched, insert, prefetch
-from kvstore.client.learn import LEARN_QUEUE, Learner, LearnTarget
+from kvstore.client.learn import LEARN_QUEUE, Learner
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import HIT_BATCH_S, PinnedPromptCache, StoreTier
 from kvstore.client.reasons import after_hydrate
@@ -64,6 +64,7 @@ from kvstore.identity.model import (
     DEFAULT_QUANTIZED_KV_START,
     ModelIdentity,
 )
+from kvstore.learned.coldtier import LearnTarget
 
 log = logging.getLogger("kvstore.serve")
 
@@ -266,9 +267,7 @@ class _Hooks:
     def _exit_if_stuck(why: str) -> None:
         """The failsafe of `stop_with`: a server that has not exited STOP_GRACE_S after it was
         told to stop (its main thread stuck, or a thread mlx-lm joins) leaves with the same one
-        line and exit status, so a supervisor restarts it. Seen once: a CI run where four
-        servers that should have stopped (a model that cannot load, a dead generation thread)
-        still listened after 60 s; not reproduced since, alone or under load."""
+        line and exit status, so a supervisor restarts it."""
         time.sleep(STOP_GRACE_S)
         sys.stderr.write(f"Error: kvstore serve: {why} (still running {STOP_GRACE_S:.0f} s after "
                          "it was told to stop: exiting)\n")  # fmt: skip

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.learn import LearnTarget, fingerprint_parts
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.errors import KVStoreError
+from kvstore.learned.coldtier import LearnTarget, fingerprint_parts
 
 log = logging.getLogger("kvstore.serve")
 

@@ -495,10 +495,6 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
     )
 
 
-def _progress_bar():
-    return lambda i, total: click.echo(f"\rverified {i}/{total}", err=True, nl=i == total)
-
-
 def _deep(home: Path, manifests: tuple[Path, ...], *, repair: bool) -> int:
     """The upgrade canary on demand; returns how many models differ."""
     from kvstore.home.settings import MANIFEST_NAME

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import re
 import sys
 from pathlib import Path
@@ -16,13 +15,8 @@ from pathlib import Path
 import click
 
 from kvstore.errors import KVStoreError, counted
-from kvstore.home.settings import (
-    STORE_DIR,
-    ensure_home,
-    home_problem,
-    resolve_home,
-    store_dir_problem,
-)
+from kvstore.home.settings import ensure_home, given_home
+from kvstore.identity.modelconfig import overrides_from_json
 from kvstore.store.keys import digest_hex
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
@@ -37,15 +31,10 @@ def parse_size(text: str) -> int:
 
 def parse_json_object(text: str | None, option: str) -> dict | None:
     """A JSON object given on the command line (e.g. --model-config), or None."""
-    if text is None:
-        return None
     try:
-        value = json.loads(text)
+        return overrides_from_json(text)
     except ValueError as e:
-        raise click.BadParameter(f"not JSON: {e}", param_hint=option) from None
-    if not isinstance(value, dict):
-        raise click.BadParameter("must be a JSON object", param_hint=option)
-    return value
+        raise click.BadParameter(str(e), param_hint=option) from None
 
 
 def human_size(n: float) -> str:
@@ -60,14 +49,10 @@ def _home(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Pa
     """The home resolved, refused in one line when it cannot be one (a file, a path under a
     file, unreachable). The daemon says so itself: one log line and its configuration exit
     status (daemon/exits.py), which a supervisor acts on."""
-    if value is not None and not str(value):  # `--home ""`: not the current directory
-        raise click.ClickException("--home is empty; give a directory (or leave it out)")
-    home = resolve_home(value)
-    if ctx.command.name != "daemon" and (
-        problem := home_problem(home) or store_dir_problem(home / STORE_DIR)
-    ):
-        raise click.ClickException(problem)
-    return home
+    try:
+        return given_home(value, check=ctx.command.name != "daemon")
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
 
 
 home_option = click.option(

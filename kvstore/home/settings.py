@@ -124,6 +124,19 @@ def store_dir_problem(path: Path) -> str | None:
     return None
 
 
+def given_home(value: str | Path | None, *, check: bool = True) -> Path:
+    """The home a command was given (--home, else $KVSTORE_HOME, else the per-user default),
+    resolved. With `check`, a KVStoreError in one line when it cannot be one: an empty path, a
+    file, a path under a file, unreachable (the daemon says so itself: its log line and exit
+    status)."""
+    if value is not None and not str(value):  # `--home ""`: not the current directory
+        raise KVStoreError("--home is empty; give a directory (or leave it out)")
+    home = resolve_home(value)
+    if check and (problem := home_problem(home) or store_dir_problem(home / STORE_DIR)):
+        raise KVStoreError(problem)
+    return home
+
+
 # Names a kvstore home holds (store/, the socket, the daemon's lock and log, the home's files):
 # a directory holding one of them is a home already; one holding other files only is not.
 HOME_MARKERS = frozenset({

@@ -61,6 +61,20 @@ def check_overrides(model_config: Any, *, where: str = "model_config") -> dict |
     return dict(model_config)
 
 
+def overrides_from_json(text: str | None) -> dict | None:
+    """A model_config given as JSON text (a command's --model-config), or None; ValueError saying
+    what is wrong when it is not a JSON object."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
+
+
 def effective_config(model_dir: Path, model_config: dict | None = None) -> dict:
     """config.json as mlx_lm.load reads it, with `model_config` merged in the same way."""
     from mlx_lm.utils import load_config

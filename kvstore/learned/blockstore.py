@@ -172,9 +172,8 @@ class BlockStore:
     def links(self, txn, fingerprint: bytes) -> dict[bytes, bytes]:
         """{record key: its parent} of every learned record of the model `fingerprint`, read
         from the `kids` rows' keys in `txn` (nothing decoded). A reader of the store's changes
-        walks them all (kvstore.client.learn.LearnedChains): 13,000 records cost 24-50 ms a
-        walk as a generator of `parse_kids_row`s, 9-13 ms as this dict (`python -m
-        bench.index_walk`; issue 34 item 6)."""
+        walks them all on each change (kvstore.learned.index.LearnedChains), so they come as one
+        dict built in one pass (`python -m bench.index_walk` times the walk)."""
         cur = txn.cursor(self._db(b"kids"))
         if not cur.set_range(fingerprint):
             return {}

@@ -1,10 +1,10 @@
 """The on-disk store of KV prefix caches: one LMDB environment per home.
 
-It owns what an entry is and how it is keyed (`entry`: 32-byte keys, the checksummed meta record),
-the `Store` that reads and writes entries in LMDB transactions (`store`), the process-wide LMDB
-environments and their reader/writer gate (`lmdbenv`, shared with the fleet queue), which entries
-an eviction removes (`eviction`), who keeps an entry (`ownership`), and the prefill ledger
-(`ledger`). Importing it loads no mlx: only decoding or storing a cache imports the codec.
+It owns how an entry is keyed (`keys`: 32-byte keys, fingerprint first), what an entry is
+(`entry`: the checksummed meta record), the `Store` that reads and writes entries in LMDB
+transactions (`store`), and the process-wide LMDB environments and their reader/writer gate
+(`lmdbenv`, shared with the fleet queue). Importing it loads no mlx: only decoding or storing a
+cache imports the codec.
 """
 
 from typing import TYPE_CHECKING

@@ -255,6 +255,12 @@ class EntryMeta:
         }
 
 
+def unchecked(meta: EntryMeta) -> bool:
+    """An entry fetched from the fleet and not yet checked: a restore on a request's path (a
+    miss the store could serve, a pin already stored) skips it; the next start checks it."""
+    return meta.extra.get(FLEET_CHECK) == CHECK_PENDING
+
+
 def seal(body: bytes) -> bytes:
     """A schema-2 record: the msgpack body of the meta and its checksum."""
     return msgpack.packb(

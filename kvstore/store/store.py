@@ -462,22 +462,6 @@ class Store:
 
         return self._write(fn)
 
-    def set_pinned(self, keys: Iterable[bytes], pinned: bool) -> int:
-        keys = list(keys)
-
-        def fn(txn):
-            n = 0
-            for k in keys:
-                raw = txn.get(k, db=self._meta)
-                if raw is not None:
-                    meta = EntryMeta.unpack(k, raw)
-                    meta.pinned = pinned
-                    txn.put(k, meta.pack(), db=self._meta)
-                    n += 1
-            return n
-
-        return self._write(fn)
-
     # -- check and stats -----------------------------------------------------------------
     def check(
         self,

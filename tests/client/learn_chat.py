@@ -10,8 +10,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import metrics
-from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.learn import Learner
 from kvstore.client.persistent import PinnedPromptCache
+from kvstore.learned.coldtier import LearnTarget
 
 FP = bytes(range(16))
 KEY = "tiny"

@@ -13,7 +13,6 @@ from helpers import mlx_lm_prefill
 from kvstore import metrics
 from kvstore.client import fleetread
 from kvstore.client.callstats import StatsRecorder, generate
-from kvstore.client.learn import Restored
 from kvstore.client.persistent import (
     FETCH_RECORDS,
     FETCH_RECORDS_EACH,
@@ -22,6 +21,7 @@ from kvstore.client.persistent import (
     PinnedPromptCache,
     StoreTier,
 )
+from kvstore.learned.coldtier import Restored
 
 KEY = "m"
 

@@ -16,11 +16,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from kvstore.client import modelthread
-from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.learn import Learner
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.codec import codec
 from kvstore.learned.blockstore import BlockStore, load_entry
 from kvstore.learned.chain import cuts
+from kvstore.learned.coldtier import LearnTarget
 from kvstore.learned.records import slice_record
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store

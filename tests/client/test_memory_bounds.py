@@ -102,7 +102,8 @@ def test_the_store_index_keeps_learned_chains_packed_and_answers_as_the_tuples_d
     import random
 
     from kvstore import tokens as tk
-    from kvstore.client.learn import RESTORE_MIN_GAIN, StoreIndex, leaf_chains
+    from kvstore.learned.coldtier import RESTORE_MIN_GAIN, StoreIndex
+    from kvstore.learned.index import leaf_chains
 
     rng = random.Random(0)
     systems = [[rng.randrange(300) for _ in range(rng.randint(40, 90))] for _ in range(3)]

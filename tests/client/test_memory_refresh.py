@@ -13,9 +13,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from kvstore import tokens as tk
-from kvstore.client.learn import ColdTier, LearnedChains, LearnTarget, leaf_chains
 from kvstore.learned.blockstore import BlockStore
 from kvstore.learned.chain import cuts
+from kvstore.learned.coldtier import ColdTier, LearnTarget
+from kvstore.learned.index import LearnedChains, leaf_chains
 from kvstore.learned.records import slice_record
 from kvstore.store.store import Store
 

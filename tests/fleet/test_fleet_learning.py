@@ -117,8 +117,9 @@ def test_a_dead_bucket_costs_one_lookup_then_learning_is_local(tmp_path, caplog,
 
 def cache_on(home, tiny):
     """A library cache on box `home` whose misses read through from the fleet."""
-    from kvstore.client.learn import Learner, LearnTarget
+    from kvstore.client.learn import Learner
     from kvstore.client.persistent import PinnedPromptCache
+    from kvstore.learned.coldtier import LearnTarget
 
     model, path = tiny
     lru = PinnedPromptCache(max_size=4)

@@ -17,10 +17,11 @@ from helpers import Proc, assert_same_kv, mlx_lm_prefill, serving, wait_for
 from mlx_lm import load
 
 from kvstore import metrics
-from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.learn import Learner
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.fleet.learned import push_records
 from kvstore.learned.blockstore import BlockStore
+from kvstore.learned.coldtier import LearnTarget
 from kvstore.store.store import Store
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore import metrics
 from kvstore import tokens as tk
-from kvstore.client.learn import Learner, LearnTarget
+from kvstore.client.learn import Learner
 from kvstore.client.persistent import PinnedPromptCache
 from kvstore.codec import codec
 from kvstore.fleet.learned import push_records
@@ -29,6 +29,7 @@ from kvstore.fleet.objects import record_header, seal, verify_record
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.learned.blockstore import BlockStore
 from kvstore.learned.chain import cuts
+from kvstore.learned.coldtier import LearnTarget
 from kvstore.learned.records import kv_layers, slice_record
 from kvstore.store.store import Store
 

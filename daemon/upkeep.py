@@ -369,7 +369,3 @@ class Upkeep:
             interval = float(self.settings.get("version_check_interval", 30.0))
             self._versions = VersionWatch(interval, self.stopping, restart_into_new_code)
             self._versions.start()
-
-    def enforce_budget(self) -> list[str]:
-        """Hold the byte budgets (kvstore.ops.budget); the hex keys evicted."""
-        return self.budget.enforce()

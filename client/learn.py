@@ -50,6 +50,7 @@ from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_en
 from kvstore.codec import cache_api
 from kvstore.degrade import serve_hook
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import model_name
 from kvstore.wire.messages import LearnRequest, PutBlocksRequest, Record, TouchBlocksRequest
 
 log = logging.getLogger("kvstore.client")
@@ -86,6 +87,9 @@ class LearnTarget:
     template_hash: bytes | None = None  # computed on the worker when first needed
     sliceable: bool | None = None  # the layout can be cut into block records
     identity: Any = None  # the served model's ModelIdentity (serve persists system prefixes)
+
+    def __post_init__(self) -> None:
+        self.model = model_name(self.model)  # learned records are stored under the one name
 
     def template(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache

@@ -82,3 +82,12 @@ def test_entries_and_ledger_records_of_a_relative_path_read_under_the_folder(
     assert "evicted 2 entries" in cli("evict", "--model", relative, code=0).output
     with Store(kv_home) as store:
         assert store.metas() == []
+
+
+def test_learned_records_of_a_relative_path_are_stored_under_its_folder(llama_path, monkeypatch):
+    """What a learn request and its records carry (kvstore serve's and the library's target)."""
+    from kvstore.client.learn import LearnTarget
+
+    monkeypatch.chdir(llama_path.parent)
+    target = LearnTarget(b"\0" * 16, f"./{llama_path.name}", model_obj=None, extra={})
+    assert target.model == str(llama_path.resolve())

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvstore import metrics, mlxlm
 from kvstore.client.writebehind import Job, WriteBehind
+from kvstore.identity.model import model_name
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.tokens import TokenIds
 from kvstore.wire.messages import RecordRequest
@@ -96,7 +97,7 @@ class StatsRecorder:
         verbose: bool | None = None,
         keep_calls: int = KEEP_CALLS,
     ):
-        self.model = str(model)
+        self.model = model_name(model)  # what the ledger records: the model's one name
         self.verbose = verbose
         self.calls: list[CallStats] = []  # the most recent `keep_calls`
         self.keep_calls = max(0, keep_calls)

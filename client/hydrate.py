@@ -21,7 +21,7 @@ from kvstore.degrade import library_call
 from kvstore.errors import KVStoreError, counted
 from kvstore.home.settings import FILEHASH_NAME, resolve_home
 from kvstore.identity.fingerprint import FileHashCache, Fingerprint, model_fingerprint
-from kvstore.identity.model import IdentityKeywords, ModelIdentity
+from kvstore.identity.model import IdentityKeywords, ModelIdentity, entry_model_name, model_name
 from kvstore.learned.blockstore import load_entry
 from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
@@ -78,11 +78,11 @@ def _what_differs(
     older one) what its identity state, codec and mlx-lm version say (kvstore.reasons)."""
     from kvstore.reasons import identity_diff
 
-    wanted = {str(model_path), str(Path(model_path).expanduser().resolve())}
+    name = model_name(model_path)
     running = _provenance(identity.state if identity is not None else {}, None, None)
     out = []
     for m in store.metas(errors=[]):
-        if m.model in wanted:
+        if entry_model_name(m.model, m.model_dir) == name:
             extra = m.extra or {}
             stored = extra.get("fingerprint_parts")
             if isinstance(stored, dict):

@@ -15,6 +15,7 @@ from kvstore import staticfirst
 from kvstore.degrade import UNREADABLE
 from kvstore.errors import counted
 from kvstore.home.ledger import LEDGER_NAME
+from kvstore.identity.model import model_name
 from kvstore.reasons import Reason
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -53,13 +54,17 @@ def explain(
     model: str | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
+    """The ledger's requests per (model, stage), `model` (a path read from the current directory,
+    or a hub id) matching the records of that model's one name (`model_name`) and older ones that
+    recorded the path as the app gave it."""
     cutoff = (now or time.time()) - since if since is not None else None
+    models = None if model is None else {model, model_name(model)}
     stages: dict[tuple[str, str], dict[str, Any]] = {}
     divs: dict[tuple[str, str], dict[tuple, dict[str, Any]]] = {}
     for rec in records(home):
         try:
             m, lab = rec["model"], rec["label"]
-            if (model is not None and m != model) or (label is not None and lab != label):
+            if (models is not None and m not in models) or (label is not None and lab != label):
                 continue
             if cutoff is not None and rec.get("ts", 0) < cutoff:
                 continue

@@ -51,6 +51,9 @@ REASONS = tuple(r.value for r in Reason)
 CONTEXT_CHARS = 40  # decoded text on each side of a divergence
 MAX_TEXT = 160  # characters of a span's text a ledger record keeps
 MAX_SPANS = 64  # spans a ledger record keeps (more: its reasons are dropped)
+# Content tokens (past the template's header) a request must share with a stored or seen prefix
+# for that prefix to be why its tokens were prefilled; fewer is an opening word or two ("You ")
+SHARED_TOKENS = 4
 SpanRecord = dict[str, Any]  # a Span as `Span.record()` gives it (and a ledger record keeps it)
 
 
@@ -192,6 +195,11 @@ class _Walk:
         template renders before its first message's content."""
         return at <= self.content_start
 
+    def shares_content(self, at: int) -> bool:
+        """An agreement of `at` tokens holds a meaningful part of the request's content: at least
+        SHARED_TOKENS tokens past the template's header (an opening word or two is not)."""
+        return at - self.content_start >= SHARED_TOKENS
+
     def at_turn(self, at: int) -> bool:
         """Token `at` is where a message of the request starts: inside or at the end of a
         template header the request holds around it (a new turn, not a change inside one)."""
@@ -242,8 +250,9 @@ def _evicted(w: _Walk) -> None:
 def _diverged(w: _Walk) -> None:
     """What a stored prefix of this model would have served, had the request not differed: of
     those the request leaves before their end, the one reaching furthest. Not a prefix it
-    shares only the template's header with (its own content is not stored: `cold`), nor a
-    learned chain it leaves where a message starts (a new turn: not learned yet)."""
+    shares no meaningful part of the content with (`_Walk.shares_content`: only the template's
+    header, or an opening word; its own content is not stored: `cold`), nor a learned chain it
+    leaves where a message starts (a new turn: not learned yet)."""
     k = w.known
     candidates: list[tuple[Sequence[int] | bytes, str, int]] = (
         [(key, name, tk.count(key)) for key, name in k.pin_keys]
@@ -263,8 +272,8 @@ def _diverged(w: _Walk) -> None:
     best: tuple[int, int, str, Sequence[int] | bytes, int] | None = None
     for tokens, name, length in candidates:
         at = w.agree(tokens)
-        if at >= length or w.only_header(at):
-            continue  # all of it agrees (served, or not for a reason below), or none of it
+        if at >= length or not w.shares_content(at):
+            continue  # all of it agrees (served, or not for a reason below), or hardly any
         end = min(length, w.n)
         if at >= w.pos and end > w.pos and (best is None or end > best[0]):
             best = (end, at, name, tokens, length)
@@ -295,7 +304,7 @@ def _stored(k: Known) -> bool:
 
 def _model_changed(w: _Walk) -> None:
     for tokens, what in w.known.other_model:
-        if not w.only_header(at := w.agree(tokens)):
+        if w.shares_content(at := w.agree(tokens)):
             w.take(at, Reason.MODEL_CHANGED, differs=what)
     if w.known.model_changed:
         w.take(w.n, Reason.MODEL_CHANGED, differs=w.known.model_changed)
@@ -318,15 +327,16 @@ def _seen(w: _Walk) -> None:
     seen = w.known.seen
     i = bisect.bisect_left(seen, w.key)
     at = max((tk.common_prefix(w.key, s) for s in seen[max(0, i - 1) : i + 1]), default=0)
-    if w.only_header(at):
-        return  # another request of this template: nothing of this one's content seen
+    if not w.shares_content(at):
+        return  # another request of this template: nothing meaningful of this one's content seen
     w.take(at, Reason.WRITE_BUDGET if w.known.write_budget else Reason.NOT_LEARNED_YET)
 
 
 def _rest(w: _Walk) -> None:
     """`cold` while nothing of the request's content was stored or seen (what was served, if
-    anything, is the template's header), else the request's own content: `suffix`."""
-    cold = not w.spans and w.only_header(w.served)
+    anything, is the template's header or an opening word), else the request's own content:
+    `suffix`."""
+    cold = not w.spans and not w.shares_content(w.served)
     w.take(w.n, Reason.COLD if cold else Reason.SUFFIX)
 
 

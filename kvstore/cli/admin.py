@@ -40,6 +40,25 @@ def _age(ts: float) -> str:
     return f"{s:.0f}s ago"
 
 
+def _named(model: str | None) -> str | None:
+    """A --model filter as the model's one name (kvstore.identity.model.model_name): read here,
+    in the user's current directory, before it reaches the store or the daemon."""
+    from kvstore.identity.model import model_name
+
+    return None if model is None else model_name(model)
+
+
+def _named_record(r):
+    """A learned record with its model's name as extra's `model` (as `ls` names entries')."""
+    from dataclasses import replace
+
+    from kvstore.identity.model import entry_model_name
+
+    extra = r.extra
+    name = entry_model_name(str(extra.get("model", "")), extra.get("model_dir"))
+    return r if name == extra.get("model") else replace(r, extra={**extra, "model": name})
+
+
 class _Decoder(Protocol):  # what _previews uses of an mlx-lm tokenizer
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -66,7 +85,11 @@ def _previews(metas) -> dict[bytes, str]:
 
 @click.command(name="ls")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per entry, as a list.")
-@click.option("--model", default=None, help="Only entries of this model path.")
+@click.option(
+    "--model",
+    default=None,
+    help="Only entries of this model: a path (from here) or a hub id.",
+)
 @click.option("--label", default=None, help="Only entries with this label.")
 @click.option(
     "--learned",
@@ -93,7 +116,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
         from kvstore.wire.messages import LsRequest
 
         with open_store(home) as store:
-            metas = entries.ls(store, LsRequest(model=model, label=label), errors)
+            metas = entries.ls(store, LsRequest(model=_named(model), label=label), errors)
     if as_json:
         click.echo(json.dumps([m.to_json() for m in metas], indent=1))
     else:
@@ -106,7 +129,7 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
             click.echo(
                 f"{short_hex(m.key):14} {m.label[:16]:16} {m.ntokens:6d} "
                 f"{human_size(m.nbytes):>10} {'yes' if m.pinned else 'no ':3} {m.hits:4d} "
-                f'{_age(m.last_used):>10}  {Path(m.model).name}: "{previews[m.key]}"'
+                f'{_age(m.last_used):>10}  {m.model}: "{previews[m.key]}"'
                 # a clock-bound pin (its template prints the date) holds for one local day
                 + (f"  valid {m.valid_date}" if m.valid_date else "")
                 # imported with --trust: never compared with a re-prefill
@@ -131,10 +154,12 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
         with open_store(home) as store:
             blocks = BlockStore(store)
             records, extended = blocks.records(), blocks.extended()
+    records = [_named_record(r) for r in records]
+    name = _named(model)
     records = [
         r
         for r in records
-        if (model is None or r.extra.get("model") == model) and (label is None or r.label == label)
+        if (name is None or r.extra["model"] == name) and (label is None or r.label == label)
     ]
     if as_json:
         click.echo(
@@ -175,7 +200,7 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
         click.echo(
             f"{short_hex(r.key):14} {r.label[:16]:16} {r.start:6d} {r.end:6d} "
             f"{human_size(r.nbytes):>10} {r.hits:4d} {_age(r.last_used):>10}  "
-            f"{Path(r.extra.get('model', '?')).name}" + ("" if r.key in extended else "  end")
+            f"{r.extra['model'] or '?'}" + ("" if r.key in extended else "  end")
         )
     click.echo(
         f"{counted(len(records), 'learned record')}, {human_size(sum(r.nbytes for r in records))}"
@@ -185,7 +210,9 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
 @click.command()
 @click.argument("keys", nargs=-1)
 @click.option("--label", default=None, help="Entries with this label.")
-@click.option("--model", default=None, help="Entries of this model path (as stored).")
+@click.option(
+    "--model", default=None, help="Entries of this model: a path (from here) or a hub id."
+)
 @click.option("--unpinned", is_flag=True, help="Only unpinned entries.")
 @click.option(
     "--stale",
@@ -223,7 +250,7 @@ def evict(keys, label, model, unpinned, stale, everything, to_size, yes, wait, h
         req = EvictRequest(
             keys=list(resolve_keys(store, keys, short_ok=yes)) if keys else [],
             label=label,
-            model=model,
+            model=_named(model),
             unpinned=unpinned,
             stale=stale,
             all=everything,

@@ -13,7 +13,7 @@ from kvstore.cli.options import home_option, user_errors
 @click.command(name="explain")
 @click.option("--since", default=None, help="Only requests this recent: 30m, 1h, 1d, 1w.")
 @click.option("--label", default=None, help="Only this stage (the ledger's label).")
-@click.option("--model", default=None, help="Only this model path.")
+@click.option("--model", default=None, help="Only this model: a path (from here) or a hub id.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object: stages, divergences.")
 @home_option
 @user_errors

@@ -202,7 +202,11 @@ def ls_cmd(as_json: bool, model: str | None, manifest: Path | None, home: Path) 
 
 
 @remote_group.command(name="push")
-@click.option("--model", default=None, help="Only entries of this model path (as stored).")
+@click.option(
+    "--model",
+    default=None,
+    help="Only entries of this model: a path (relative: from here), a hub id.",
+)
 @click.option(
     "--reseal",
     is_flag=True,
@@ -217,6 +221,7 @@ def push_cmd(model: str | None, reseal: bool, home: Path) -> None:
     (each box runs it; then the fleet_key_previous line can go)."""
     from kvstore.fleet.learned import push_records
     from kvstore.fleet.queue import UploadQueue, upload_one
+    from kvstore.identity.model import entry_model_name, model_name
 
     remote = _remote(home)
     if not (home / "store" / "data.mdb").is_file():
@@ -235,10 +240,15 @@ def push_cmd(model: str | None, reseal: bool, home: Path) -> None:
                    f"{n['refused']} refused")  # fmt: skip
         return
     counts = {"uploaded": 0, "exists": 0, "gone": 0}
+    name = None if model is None else model_name(model)  # as `ls --model` reads it
     with open_store(home) as store:
         queue = UploadQueue(home)
         try:
-            keys = [m.key for m in store.metas(errors=[]) if model is None or m.model == model]
+            keys = [
+                m.key
+                for m in store.metas(errors=[])
+                if name is None or entry_model_name(m.model, m.model_dir) == name
+            ]
             queue.forget(keys)  # re-checked against the remote, not trusted from memory
             queue.add(keys)
             for key in keys:
@@ -248,9 +258,7 @@ def push_cmd(model: str | None, reseal: bool, home: Path) -> None:
         finally:
             queue.close()
         try:
-            learned = push_records(
-                remote, store, model=model, say=lambda t: click.echo(t, err=True)
-            )
+            learned = push_records(remote, store, model=name, say=lambda t: click.echo(t, err=True))
         except RemoteError as e:
             raise click.ClickException(f"{e} (learned records: push again)") from None
     gone = f", {counts['gone']} gone or corrupt locally" if counts["gone"] else ""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore import tokens as tk
 from kvstore.errors import KVStoreError, RemoteError
 from kvstore.fleet.objects import Remote, verify_record
+from kvstore.identity.model import entry_model_name
 from kvstore.learned.blockstore import BlockStore
 from kvstore.store.keys import fingerprint_of
 
@@ -27,13 +28,14 @@ _THAT_BOX = ("model", "model_dir", "adapter_dir")
 def push_records(
     remote: Remote, store: Store, *, model: str | None = None, say: Callable[[str], None]
 ) -> dict[str, int]:
-    """Upload every readable local record (of `model`, as its records name it) the remote
+    """Upload every readable local record (of `model`: a name, `model_name`) the remote
     lacks. Counts: uploaded, exists, gone (missing, corrupt or cut off from its chain here)."""
     blocks = BlockStore(store)
     block = blocks.cut_at()
     counts = {"uploaded": 0, "exists": 0, "gone": 0}
     for meta in blocks.records():
-        if model is None or meta.extra.get("model") == model:
+        stored = entry_model_name(str(meta.extra.get("model", "")), meta.extra.get("model_dir"))
+        if model is None or stored == model:
             counts[upload_record(remote, blocks, meta.key, block, say)] += 1
     return counts
 

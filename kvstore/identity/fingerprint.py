@@ -29,7 +29,7 @@ from kvstore.degrade import UNREADABLE, foreign
 from kvstore.errors import ModelError
 from kvstore.home.settings import write_atomically
 from kvstore.identity.codehash import kv_code_digest, kv_code_files
-from kvstore.identity.model import ModelIdentity, ResolvedModel
+from kvstore.identity.model import ModelIdentity, ResolvedModel, model_name
 from kvstore.identity.modelconfig import (
     TEMPLATE_FILES as TEMPLATE_FILES,  # where the daemon's watcher imports it from
 )
@@ -404,12 +404,13 @@ def model_location(model: str, adapter: str | None = None) -> dict[str, str]:
 
 
 def with_model_location(fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` with `model_dir`/`adapter_dir` added to extra where not given (see
-    model_location)."""
+    """`fields` with the model named by `model_name` (a relative path as its absolute folder)
+    and `model_dir`/`adapter_dir` added to extra where not given (see model_location)."""
     extra = fields.get("extra") or {}
-    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
-        return fields  # a bad extra: put's type check names it
-    model, adapter = fields.get("model"), extra.get("adapter")
+    model, adapter = fields.get("model"), extra.get("adapter") if isinstance(extra, dict) else None
     if not isinstance(model, str) or not (adapter is None or isinstance(adapter, str)):
         return fields  # put's type check names the field
+    fields = {**fields, "model": model_name(model)} if model else fields
+    if not isinstance(extra, dict) or isinstance(extra.get("model_dir"), str):
+        return fields  # a bad extra: put's type check names it
     return {**fields, "extra": {**model_location(model, adapter), **extra}}

@@ -7,6 +7,12 @@ one from its keyword arguments, and an entry's meta stores it: the path is the m
 the rest is `state` in its `extra` (keys unchanged since schema 1, so old stores read as before).
 `model_fingerprint` hashes what it names; `same_model()` is the key two of them compare by.
 
+A model's name is one string everywhere (`model_name`): a local directory as its resolved
+absolute folder, a hub id as given. Entries, learned records and the ledger are stored under it,
+an entry's identity is read under it (`entry_model_name`: older entries stored the path as an app
+gave it, `./tiny-llama`), and `--model` filters are read as it, so a filter matches what `ls`
+shows whichever way the model was named.
+
 Chat-template arguments are not part of it: they change which tokens a pin renders to (and so
 the entry's key), never the KV a model computes for given tokens. They stay with the prefix
 (`PrefixSpec`) and the entry (`EntryMeta.chat_template_kwargs`).
@@ -21,6 +27,7 @@ No mlx here: the manifest, the CLI and the entry meta use this without loading a
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -87,8 +94,9 @@ class ModelIdentity:
     @classmethod
     def of_entry(cls, meta: Any) -> ModelIdentity:
         """The model a stored entry was made with (path, adapter, KV quantization, overrides):
-        its `extra` holds the identity state, its `model` the path."""
-        return cls.from_state(meta.extra, meta.model)
+        its `extra` holds the identity state, its `model` and `model_dir` the name
+        (`entry_model_name`)."""
+        return cls.from_state(meta.extra, entry_model_name(meta.model, meta.model_dir))
 
     @classmethod
     def from_state(cls, state: dict[str, Any], path: str) -> ModelIdentity:
@@ -160,6 +168,35 @@ class ResolvedModel:
             if adir.is_dir():
                 out["adapter_dir"] = str(adir.resolve())
         return out
+
+
+def model_name(model: str | Path) -> str:
+    """The one name of a model: a local directory (a relative path read from this process's
+    current directory, `~` expanded) as its resolved absolute folder, symlinks followed; anything
+    else (a hub id, a directory not here) as given."""
+    p = Path(model).expanduser()
+    try:
+        return str(p.resolve()) if p.is_dir() else str(model)
+    except OSError:  # a path the OS refuses (too long, a loop): not a directory here
+        return str(model)
+
+
+def entry_model_name(model: str, model_dir: Any) -> str:
+    """The name (`model_name`) of the model an entry or learned record was stored for: its
+    `model` when that is an absolute path or a hub id; a path stored as an app gave it
+    (`./tiny-llama`, by versions before names were resolved) is named by the absolute folder its
+    put recorded (`model_dir`), where one was recorded."""
+    if Path(model).is_absolute() or not (
+        isinstance(model_dir, str) and Path(model_dir).is_absolute()
+    ):
+        return model
+    hub_id = _HUB_ID.fullmatch(model) and not model.startswith((".", "~"))
+    if hub_id and "snapshots" in Path(model_dir).parts:
+        return model  # the folder is this machine's hub-cache snapshot of the id
+    return model_dir
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # what resolve_model_path looks up in the hub cache
 
 
 def overrides_key(model_config: dict | None) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvstore import tokens as tk
 from kvstore.errors import KVStoreError
+from kvstore.identity.model import model_name
 from kvstore.learned.index import learned_chains
 from kvstore.store.entry import unchecked
 
@@ -82,6 +83,9 @@ class LearnTarget:
     template_hash: bytes | None = None  # computed on the worker when first needed
     sliceable: bool | None = None  # the layout can be cut into block records
     identity: Any = None  # the served model's ModelIdentity (serve persists system prefixes)
+
+    def __post_init__(self) -> None:
+        self.model = model_name(self.model)  # learned records are stored under the one name
 
     def template(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache

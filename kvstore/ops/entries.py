@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvstore.home.registry import canonical
+from kvstore.identity.model import entry_model_name
 from kvstore.ops.evict import evict as evict_entries
 from kvstore.ops.evict import requested
 from kvstore.store.entry import EntryMeta
@@ -15,13 +16,14 @@ from kvstore.wire.messages import EvictReply, EvictRequest, LsRequest, Owned, Un
 
 
 def ls(store: Store, req: LsRequest, errors: list | None = None) -> list[EntryMeta]:
-    """The stored entries, by the request's model and label (None: any)."""
-    return [
-        m
-        for m in store.metas(errors=[] if errors is None else errors)
-        if (req.model is None or m.model == req.model)
-        and (req.label is None or m.label == req.label)
-    ]
+    """The stored entries, each with its model's name as `model` (`entry_model_name`), by the
+    request's model (a name: `model_name` of what the user gave) and label (None: any)."""
+    out = []
+    for m in store.metas(errors=[] if errors is None else errors):
+        name = entry_model_name(m.model, m.model_dir)
+        if (req.model is None or name == req.model) and (req.label is None or m.label == req.label):
+            out.append(m if name == m.model else replace(m, model=name))
+    return out
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
-from kvstore.identity.model import ModelIdentity
+from kvstore.identity.model import ModelIdentity, entry_model_name
 from kvstore.store.entry import EntryMeta
 
 
@@ -121,7 +121,8 @@ def select_for_eviction(
     home: Path,
     unknown: list[tuple[EntryMeta, str]] | None = None,
 ) -> list[EntryMeta]:
-    """Entries matching every filter given; `to_size` then picks the LRU unpinned ones.
+    """Entries matching every filter given; `to_size` then picks the LRU unpinned ones. `model`
+    is a model's name (`model_name`), compared with each entry's (`entry_model_name`).
 
     `stale` picks only entries whose model is known to have changed or gone; those it cannot
     judge in this process are kept, and appended to `unknown` with the reason if given."""
@@ -132,7 +133,7 @@ def select_for_eviction(
     if label is not None:
         chosen = [m for m in chosen if m.label == label]
     if model is not None:
-        chosen = [m for m in chosen if m.model == model]
+        chosen = [m for m in chosen if entry_model_name(m.model, m.model_dir) == model]
     if unpinned:
         chosen = [m for m in chosen if not m.pinned]
     if stale:

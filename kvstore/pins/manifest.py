@@ -20,6 +20,7 @@ from kvstore.identity.model import (
     DEFAULT_QUANTIZED_KV_START,
     ModelIdentity,
     kv_quantization_problem,
+    model_name,
 )
 
 if sys.version_info >= (3, 11):
@@ -245,8 +246,10 @@ def _load_model(table: dict, index: int, where: _Where, base: Path) -> ModelSpec
             )
         seen.add(spec.name)
         specs.append(spec)
+    local = _resolve_local(path, base)
     identity = ModelIdentity(
-        path=_resolve_local(path, base),
+        # a directory by its one name (symlinks followed), as an app's pins are stored under it
+        path=model_name(local) if Path(local).is_absolute() else local,
         adapter=_resolve_local(adapter, base) if adapter is not None else None,
         kv_bits=kv_bits,
         kv_group_size=group,

@@ -104,7 +104,7 @@ class EntryMeta:
     ntokens: int
     label: str
     pinned: bool
-    model: str  # model path as given
+    model: str  # the model's name (kvstore.identity.model.model_name; older: the path as given)
     fingerprint: bytes
     template_hash: bytes
     created: float
@@ -293,7 +293,7 @@ class PutFields(Mapping[str, Any]):
     tokens: bytes  # packed uint32 token ids of the prefix
     label: str = ""
     pinned: bool = False
-    model: str = ""  # model path as given
+    model: str = ""  # the model's name (the put names it: kvstore.ops.put.request)
     template_hash: bytes | None = None
     classes: list[str] = field(default_factory=list)  # the cache class of each layer
     extra: dict[str, Any] = field(default_factory=dict)  # identity, where it came from, ...

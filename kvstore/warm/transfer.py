@@ -18,7 +18,7 @@ from kvstore.identity.fingerprint import (
     resolve_model_path,
     template_hash,
 )
-from kvstore.identity.model import DEFAULT_KV_GROUP_SIZE, ModelIdentity
+from kvstore.identity.model import DEFAULT_KV_GROUP_SIZE, ModelIdentity, entry_model_name
 from kvstore.learned.blockstore import load_entry
 from kvstore.store.entry import EntryMeta, entry_fields, entry_key, pack_tokens
 from kvstore.store.store import Store
@@ -63,16 +63,11 @@ def write_file(
 
 
 def exported_model_path(meta: EntryMeta) -> str:
-    """The model path an export names: a hub id as stored (mlx-lm resolves it anywhere), a local
-    path as the absolute directory it resolved to when stored (`model_dir`): `mlx_lm.generate
-    --model PATH --prompt-cache-file` compares the two, and a relative one holds only in the
-    folder the entry was made from."""
-    recorded = meta.model_dir
-    if isinstance(recorded, str) and Path(recorded).is_absolute():
-        if "snapshots" in Path(recorded).parts and not _looks_local(meta.model):
-            return meta.model  # a hub id: its snapshot folder is this machine's hub cache
-        return recorded
-    return _absolute_if_local(meta.model)
+    """The model path an export names: its name (`entry_model_name`: a hub id as stored, mlx-lm
+    resolves it anywhere; a local path as the absolute directory it resolved to when stored):
+    `mlx_lm.generate --model PATH --prompt-cache-file` compares the two, and a relative one holds
+    only in the folder the entry was made from."""
+    return _absolute_if_local(entry_model_name(meta.model, meta.model_dir))
 
 
 def _looks_local(model: str) -> bool:

@@ -176,7 +176,7 @@ class LsRequest(Request[LsReply]):
     op = "ls"
     reply = LsReply
 
-    model: str | None = None
+    model: str | None = None  # a model's name (kvstore.identity.model.model_name, the sender's)
     label: str | None = None
 
     @classmethod
@@ -299,7 +299,7 @@ class EvictRequest(Request[EvictReply]):
 
     keys: list[bytes] = field(default_factory=list)
     label: str | None = None
-    model: str | None = None
+    model: str | None = None  # a model's name, as LsRequest's
     unpinned: bool = False
     stale: bool = False
     all: bool = False

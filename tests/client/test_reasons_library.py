@@ -302,3 +302,34 @@ def test_a_prefix_learned_before_the_weights_changed_is_model_changed_naming_the
             call = _learning(model, tokenizer, cache, "Is the blue shirt in stock?")
     (m,) = [s for s in call.reasons if s["reason"] == "model_changed"]
     assert m["differs"] == "weights" and m["tokens"] > 100, call.reasons
+
+
+ROUTER_DESK = (
+    "You are the router of a support desk. Classify each request into billing, outage or "
+    "account, and answer with JSON only."
+)
+HAIKU = "You write haiku about the weather in the mountains."
+
+
+def test_a_pin_sharing_one_opening_word_is_cold_not_diverged(llama, llama_path, kv_home, tmp_path):
+    """Issue 43 item 9: both system prompts start with "You ": that one word is no shared part of
+    the pin's content, so nothing is `diverged` from it; a real change inside it still is."""
+    model, tokenizer = llama
+    prefixes = f"""
+[[model.prefix]]
+name = "router"
+messages = [{{ role = "system", content = "{ROUTER_DESK}" }}]
+"""
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest_for(tmp_path, llama_path, prefixes)), store, home=kv_home)
+    with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=False) as cache:
+        generate(cache, model, tokenizer, chat(tokenizer, HAIKU, "Snow today?"), max_tokens=2)
+        changed = ROUTER_DESK.replace("billing, outage", "refunds, outage")
+        generate(cache, model, tokenizer, chat(tokenizer, changed, "Refund?"), max_tokens=2)
+        haiku, router = cache.stats.calls
+    # memory served the header and "You" (the pin's first tokens): still nothing of its content
+    assert haiku.prefilled_by_reason() == {"cold": haiku.prefilled_tokens - 1, "suffix": 1}, (
+        haiku.line()
+    )
+    (d,) = [s for s in router.reasons if s["reason"] == "diverged"]
+    assert d["entry"] == "router" and "billing" in d["stored_text"]

@@ -72,6 +72,15 @@ def test_relative_model_path_resolves_only_when_it_exists(tmp_path: Path) -> Non
     assert hub.path == "org/hub-model" and hub.prefixes == ()
 
 
+def test_a_model_path_through_a_symlink_is_named_by_its_folder(tmp_path: Path) -> None:
+    # issue 43 item 7: the name an app's pins get for the same folder (model_name)
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "current").symlink_to(tmp_path / "models" / "tiny")
+    body = f'[[model]]\npath = "{tmp_path / "current"}"\n\n[[model]]\npath = "current"\n'
+    (model,) = load_manifest(write(tmp_path, body)).models  # one model: the two tables merge
+    assert model.path == str((tmp_path / "models" / "tiny").resolve())
+
+
 def test_file_alone_becomes_the_system_message(tmp_path: Path) -> None:
     (tmp_path / "prompts").mkdir()
     (tmp_path / "prompts" / "x.md").write_text("System from file.")

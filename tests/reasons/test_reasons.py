@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kvstore.cli.main import main
 from kvstore.home.ledger import LEDGER_NAME, Ledger, validate
-from kvstore.reasons import Known, Tombstone, attribute, by_reason, identity_diff
+from kvstore.reasons import SHARED_TOKENS, Known, Tombstone, attribute, by_reason, identity_diff
 from kvstore.tokens import pack
 
 SYS = list(range(1000, 1400))
@@ -286,3 +286,20 @@ def test_a_stopped_daemon_over_a_readable_store_tells_what_it_read():
     spans = attribute(SYS, 0, known)
     assert [(s["reason"], s["tokens"]) for s in spans] == [("model_changed", 300), ("suffix", 100)]
     assert attribute(SYS, 0, Known(unavailable=True))[0] == {"reason": "unavailable", "tokens": 399}
+
+
+def test_a_pin_sharing_an_opening_word_of_its_content_is_cold_not_diverged():
+    # issue 43 item 9: "You " is no shared part of the pin's content; SHARED_TOKENS of it are
+    opening = msg(SYSTEM, SYS[:1] + list(range(2000, 2030))) + msg(USER, [5, 6, 7])
+    spans = attribute(opening, 0, Known(pins={tuple(PIN): "router"}, **HEADS))
+    assert spans == [{"reason": "cold", "tokens": len(opening) - 1},
+                     {"reason": "suffix", "tokens": 1}], spans  # fmt: skip
+    # served the header and that word from memory: still cold
+    assert [s["reason"] for s in attribute(opening, 4, Known(pins={tuple(PIN): "router"},
+            **HEADS))] == ["cold", "suffix"]  # fmt: skip
+    # and a recent prompt that shares only it is not `not_learned_yet` either
+    assert [s["reason"] for s in attribute(opening, 0, Known(seen=[pack(PIN)], **HEADS))] == [
+        "cold", "suffix"]  # fmt: skip
+    shared = msg(SYSTEM, SYS[:SHARED_TOKENS] + list(range(2000, 2030))) + msg(USER, [5, 6, 7])
+    d = attribute(shared, 0, Known(pins={tuple(PIN): "router"}, **HEADS))[0]
+    assert (d["reason"], d["position"]) == ("diverged", 3 + SHARED_TOKENS)

@@ -71,6 +71,7 @@ def note_prefixes(home: Path, rows: Iterable[tuple[str, Sequence[int], str]], by
         tmp.write_bytes(msgpack.packb(kept, use_bin_type=True))
         os.replace(tmp, path)
     except OSError as e:  # a tombstone is a diagnostic: never fail the eviction for it
+        tmp.unlink(missing_ok=True)  # a full disk leaves it empty or cut short
         log.warning("tombstones %s: not written (%s)", path, e)
         return 0
     return len(new)

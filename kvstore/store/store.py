@@ -14,6 +14,7 @@ that encode or decode, so listing, stats and eviction never load mlx.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import time
@@ -28,6 +29,7 @@ import lmdb
 from kvstore import tokens as tk
 from kvstore.codec import CODEC_VERSION
 from kvstore.errors import (
+    DISK_FULL_ERRNOS,
     ChecksumError,
     CodecError,
     CorruptEntryError,
@@ -56,6 +58,10 @@ from kvstore.store.lmdbenv import (
     open_env,
     space_hint,
 )
+
+# A write failing with one of these may succeed once the pages the last commit freed are usable.
+SPACE_ERRNOS = frozenset({*DISK_FULL_ERRNOS, errno.EIO})  # LMDB says EIO for a short write
+AGED_KEY = b"kvstore:aged"  # in LMDB's main table: a stamp whose commit ages freed pages
 
 
 class Store:
@@ -205,6 +211,7 @@ class Store:
 
     def _write_locked(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         adopted = 0
+        aged = False
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -229,6 +236,9 @@ class Store:
             except DAMAGE as e:  # before the next: a damaged file is not a full disk
                 raise self._damaged(e) from None
             except lmdb.Error as e:  # ENOSPC and EIO come from put or commit: keep the errno
+                if not aged and lmdb_errno(e) in SPACE_ERRNOS and self._age_freed_pages():
+                    aged = True  # retried once: the pages an evict just freed may serve it
+                    continue
                 raise StoreError(
                     f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=lmdb_errno(e)
                 ) from None
@@ -236,6 +246,19 @@ class Store:
                 raise StoreError(
                     f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=e.errno
                 ) from None
+
+    def _age_freed_pages(self) -> bool:
+        """After a write failed for space: one small commit, so that the pages the last commit
+        freed (an evict) serve the retry. LMDB gives a write only the pages freed before the
+        last commit (mdb_find_oldest starts from the writer's txnid - 1), so the first write
+        after an evict would grow the file instead, on a disk that is full. False when this
+        commit fails too (no room even for it)."""
+        try:
+            with self.env.begin(write=True) as txn:  # the main table, beside the tables' names
+                txn.put(AGED_KEY, int(time.time() * 1e6).to_bytes(8, "big"))
+        except lmdb.Error:
+            return False
+        return True
 
     def read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
         """`fn(txn)` in a short read transaction, its result returned (`reading`, as a call)."""

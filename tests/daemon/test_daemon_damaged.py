@@ -109,3 +109,24 @@ def test_a_start_after_a_death_on_a_truncated_file_removes_its_socket(tmp_path, 
     assert rc == exits.EXITS["store_damaged"].code, log
     assert DAMAGED in log and "Traceback" not in log, log
     assert not socket_path(home).exists(), log
+
+
+def test_under_launchd_a_damaged_store_parks_the_daemon_without_its_socket(
+    tmp_path, llama_path, monkeypatch
+):
+    """launchd restarts every non-zero exit: there the daemon says the line, removes its socket
+    and waits for SIGTERM (daemon/exits.py), then exits 78."""
+    monkeypatch.setenv(exits.SUPERVISOR_ENV, "launchd")
+    home, _ = _home_with_entries(tmp_path, llama_path)
+    d = Proc(home, log=tmp_path / "d.log")
+    try:
+        d.wait_ready()
+        _zero_meta(home / "store" / "data.mdb")
+        with pytest.raises(DaemonError, match=DAMAGED):
+            d.request("stats")
+        d.wait_log("waits here until stopped")
+        assert d.p.poll() is None and not socket_path(home).exists(), d.text()
+    finally:
+        rc, _ = d.stop()
+    assert rc == exits.EXITS["store_damaged"].code, d.text()
+    assert "Traceback" not in d.text(), d.text()

@@ -92,14 +92,14 @@ class HeldEnv:
 ENVS: dict[str, HeldEnv] = {}  # resolved path -> the environment held for it
 
 
-def held(path: Path) -> HeldEnv:
+def held_env(path: Path) -> HeldEnv:
     """The environment held open for `path` (open_env first)."""
     return ENVS[str(path.resolve())]
 
 
 def gate_of(path: Path) -> Gate:
     """The resize gate of the environment held open for `path` (open_env first)."""
-    return held(path).gate
+    return held_env(path).gate
 
 
 # An environment must not be used across fork(): a child starts with none.

@@ -53,7 +53,7 @@ from kvstore.store.lmdbenv import (
     close_env,
     damaged,
     damaged_hint,
-    held,
+    held_env,
     lmdb_errno,
     open_env,
     space_hint,
@@ -87,7 +87,8 @@ class Store:
         self.max_map_size = max_map_size
         self._pid = os.getpid()
         self.damage: StoreDamaged | None = None  # set once this store found its file damaged
-        self.on_damage: list[Callable[[StoreDamaged], None]] = []  # called once, then
+        # called once, on the thread that found the damage (the daemon stops on it)
+        self.on_damage: list[Callable[[StoreDamaged], None]] = []
         self._damage_lock = threading.Lock()
         if problem := store_dir_problem(self.path):
             raise StoreError(problem)
@@ -108,7 +109,7 @@ class Store:
             self.env = open_env(
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
-            self._held = held(self.path)
+            self._held = held_env(self.path)
             self._gate = self._held.gate
             self._meta, self._blob = self._open_dbs(create=not readonly)
         except DAMAGE as e:
@@ -144,9 +145,9 @@ class Store:
             self._set_mapsize(0)
 
     def _set_mapsize(self, size: int) -> None:
-        """LMDB's set_mapsize (0: the size the file's header says). A failure leaves the
-        environment closed: StoreDamaged where the header is no longer a valid one (garbage
-        that reads as a huge map), StoreError otherwise."""
+        """LMDB's set_mapsize (0: the size the file's header says). A failure is StoreDamaged
+        where the header is no longer a valid one (garbage that reads as a huge map), else a
+        StoreError; py-lmdb has dropped the environment's table handles either way."""
         try:
             self.env.set_mapsize(size)
         except lmdb.Error as e:

@@ -63,19 +63,24 @@ def _home_with_entries(tmp_path: Path, llama_path: Path) -> tuple[Path, Path]:
         (_random_bytes, "warm"),
         (_overwrite_pages, "repair"),
         (_truncate, "stats"),
+        (_overwrite_pages, "reconcile"),
     ],
-    ids=["zeroed-meta-pages", "random-bytes", "overwritten-pages", "truncated"],
+    ids=["zeroed-meta-pages", "random-bytes", "overwritten-pages", "truncated", "reconcile"],
 )
 def test_damage_under_a_running_daemon_is_one_line_and_exit_78(tmp_path, llama_path, damage, first):
+    """`reconcile`: a warm of every manifest the daemon watches (`kvstore warm` with none)."""
     home, manifest = _home_with_entries(tmp_path, llama_path)
-    d = Proc(home, log=tmp_path / "d.log")
+    started = ("--manifest", str(manifest)) if first == "reconcile" else ()
+    d = Proc(home, *started, log=tmp_path / "d.log")
     try:
         d.wait_ready()
+        if started:
+            d.wait_warm()
         assert d.request("stats")["entries"] == 2
         damage(home / "store" / "data.mdb")
         args = {"manifest": str(manifest)} if first == "warm" else {}
         try:
-            said = str(d.request(first, **args))
+            said = str(d.request("warm" if first == "reconcile" else first, **args))
         except DaemonError as e:
             said = str(e)
         assert DAMAGED in said and HINT in said, said

@@ -255,14 +255,17 @@ def close_env(path: Path) -> None:
 
 def space_hint(path: Path) -> str:
     """LMDB reports a short write (disk full, a file size limit) as a bare EIO: name the
-    likely causes, with the figures to check them."""
+    likely causes, with the figures to check them, and what makes room."""
     try:
         free = shutil.disk_usage(path).free
         soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     except (OSError, ValueError):
         return ""
     limit = "" if soft == resource.RLIM_INFINITY else f", file size limit {soft} bytes"
-    return f" (disk full or a file size limit? {free // 2**20} MiB free there{limit})"
+    return (
+        f" (disk full or a file size limit? {free // 2**20} MiB free there{limit}; free space "
+        "there, or `kvstore evict` entries: the next write reuses their pages)"
+    )
 
 
 def lmdb_errno(e: Exception) -> int | None:

@@ -33,11 +33,12 @@ def test_the_space_an_evict_frees_serves_the_next_write_of_that_size(tmp_path, k
         home = mnt / "home"
         with Store(home) as store:
             stored = 0
-            with pytest.raises(StoreError, match="write failed"):  # the disk fills up
+            with pytest.raises(StoreError, match="write failed") as full:  # the disk fills up
                 for i in range(10):
                     _put(store, i)
                     stored += 1
             assert stored >= 2
+            assert "or `kvstore evict` entries: the next write reuses" in str(full.value)
         result = cli("evict", "--label", "big1", "--home", home, code=0)
         assert "1" in result.output, result.output
         with Store(home) as store:

@@ -3,7 +3,9 @@
 The request path only enqueues a job holding references to already-evaluated arrays; encoding
 and the socket happen on the worker. The queue is bounded: when it is full the job is dropped
 with a counted warning rather than blocking generation. With no daemon, jobs are dropped after
-one warning and the app goes on as if kvstore were not there.
+one warning and the app goes on as if kvstore were not there. A job the daemon refuses is one
+warning per condition: the same refusal again (a full disk refusing every stats batch, numbers
+aside) is logged at debug until a job goes through.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +48,7 @@ class WriteBehind:
         self._cond = threading.Condition()
         self._pending = 0  # submitted and not finished: what flush() waits on
         self._no_daemon_warned = False
+        self._refusals: set[str] = set()  # conditions warned of since the last job went through
         self._closed = False
         self._client: Any = None
         # A daemon thread, so an app that never calls close() still exits; atexit flushes it.
@@ -146,13 +150,22 @@ class WriteBehind:
                 )
             return
         # persisting is best effort: never take the app down
-        with library_call(f"kvstore: could not send {job.what} to the daemon") as failed:
+        what = f"kvstore: could not send {job.what} to the daemon"
+        with library_call(what, level=logging.DEBUG) as failed:
             job.run(client)
             self.sent += 1
-        if failed.error is not None:
-            self.failed += 1
-            self._client = None
-            client.close()
+        if failed.error is None:
+            self._refusals.clear()
+            return
+        self.failed += 1
+        self._client = None
+        client.close()
+        e = failed.error
+        condition = re.sub(r"\d+", "#", f"{type(e).__name__}: {e}")  # a batch's count aside
+        if condition not in self._refusals:
+            self._refusals.add(condition)
+            log.warning("%s: %s: %s (said once until a write goes through)",
+                        what, type(e).__name__, e)  # fmt: skip
 
     def _connection(self) -> Any:
         # Reconnect per job while none answers: cheap (no socket file, or a refused connect), and

@@ -27,12 +27,13 @@ from kvstore.daemon.lifecycle import (
     acquire_lock,
     bind_socket,
     park_if_supervised,
+    remove_stale_socket,
     stopped,
     supervisor,
 )
 from kvstore.daemon.server import Daemon
 from kvstore.degrade import daemon_handler
-from kvstore.errors import KVStoreError, transient
+from kvstore.errors import KVStoreError, StoreDamaged, transient
 from kvstore.home.registry import canonical, registered
 from kvstore.home.settings import MANIFEST_NAME, Settings, ensure_home, load_settings
 from kvstore.store.store import Store
@@ -53,12 +54,15 @@ def run(home: Path, *, manifest: Path | None = None, metrics_port: int | None = 
         return booted
     daemon, lock_fd = booted
     daemon.metrics.port = metrics_port  # served from serve(); off when None
+    code = exits.INTERNAL
     try:
         with daemon_handler("internal failure", logger=log):
-            return daemon.serve()
-        return exits.INTERNAL
+            code = daemon.serve()
     finally:
         os.close(lock_fd)
+    if code == exits.STORE_DAMAGED:  # as a start on that file would: not restarted
+        return park_if_supervised(code, str(daemon.store.damage))
+    return code
 
 
 def _start(home: Path, manifest: Path | None) -> Booted:
@@ -113,9 +117,13 @@ def _boot(home: Path, manifest: Path | None) -> Booted:
         manifests += registered_manifests(home, manifests)
         settings = load_settings(home)
         typed = Settings.of(settings)
-        store = Store(  # opening it runs reader_check
-            home, map_size=int(typed.map_size), max_map_size=int(typed.max_map_size)
-        )
+        try:
+            store = Store(  # opening it runs reader_check
+                home, map_size=int(typed.map_size), max_map_size=int(typed.max_map_size)
+            )
+        except StoreDamaged:  # a daemon that died of it (a SIGBUS) may have left its socket
+            remove_stale_socket(home)
+            raise
         undo.callback(store.close)
         listener, path = bind_socket(home, backlog=int(typed.max_connections))
         daemon = Daemon(

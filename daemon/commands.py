@@ -26,7 +26,7 @@ from kvstore.daemon.lifecycle import peak_rss_bytes, rss_bytes
 from kvstore.daemon.upkeep import Upkeep
 from kvstore.daemon.writer import Writer
 from kvstore.degrade import daemon_handler
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StoreDamaged
 from kvstore.home.ledger import Ledger, validate
 from kvstore.home.registry import canonical, register
 from kvstore.ops import entries, verify
@@ -298,7 +298,8 @@ class Commands:
             try:
                 return protocol.ok(self.handlers[cmd](kind.from_wire(args), conn).to_wire())
             except (KVStoreError, ValueError, TypeError) as e:
-                log.warning("%s: %s", cmd, e)
+                if not isinstance(e, StoreDamaged):  # the daemon said that once, and stops
+                    log.warning("%s: %s", cmd, e)
                 code = ErrorCode.REFUSED if isinstance(e, KVStoreError) else ErrorCode.BAD_ARGUMENT
                 return protocol.error(f"{cmd}: {e}", code)
         bug = failed.error

@@ -57,7 +57,8 @@ EXITS: dict[str, ExitRule] = {
     "store_damaged": ExitRule(
         78,  # EX_CONFIG, as "config": a restart finds the same file
         "the store file is damaged: shorter than its LMDB header says (a copy or restore cut "
-        "short) or no LMDB file; it is kept as it is, not replaced",
+        "short) or no LMDB file, at start or found by the first transaction that meets the "
+        "damage while serving (the socket is removed); it is kept as it is, not replaced",
         False,
         "restore data.mdb from a backup, or move it aside as the one log line says: the next "
         "start makes a fresh store and warms the manifests' pins; apps prefill as usual meanwhile",
@@ -84,6 +85,7 @@ LOCK_HELD = _status("lock_held")
 INTERNAL = _status("internal")
 TRANSIENT_IO = _status("transient_io")
 CONFIG = _status("config")
+STORE_DAMAGED = _status("store_damaged")
 
 # Supervisors that restart every non-zero exit, so `config` waits for SIGTERM instead of exiting.
 PARK_UNDER = frozenset({"launchd"})

@@ -124,6 +124,17 @@ def acquire_lock(home: Path) -> int:
     return fd
 
 
+def remove_stale_socket(home: Path) -> None:
+    """Remove the socket a daemon that died left behind (killed by a signal, say), so clients
+    see no daemon rather than one that refuses them. Only call with the lock held."""
+    try:
+        socket_path(home).unlink()
+    except (FileNotFoundError, KVStoreError):
+        pass
+    except OSError as e:
+        log.warning("%s: cannot remove the stale daemon socket: %s", home, e)
+
+
 def bind_socket(home: Path, *, backlog: int) -> tuple[socket.socket, Path]:
     """Listen on the home's socket (0600), taking over one a killed daemon left behind.
 

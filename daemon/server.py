@@ -33,7 +33,7 @@ from kvstore.daemon.metrics_port import MetricsPort
 from kvstore.daemon.upkeep import Upkeep, watched_files
 from kvstore.daemon.writer import Writer
 from kvstore.degrade import daemon_handler
-from kvstore.errors import KVStoreError, ProtocolError, counted
+from kvstore.errors import KVStoreError, ProtocolError, StoreDamaged, counted
 from kvstore.home.ledger import Ledger
 from kvstore.home.registry import canonical
 from kvstore.home.settings import STORE_DIR, load_settings
@@ -78,6 +78,7 @@ class Daemon:
         self.stopping = threading.Event()
         self.stop_reason = ""
         self.writer = Writer()
+        store.on_damage.append(self._store_damaged)
         self.upkeep = Upkeep(store, home, settings, self.stopping)
         # Clock-bound pins (a template that prints the date) are re-warmed across midnight.
         self.daywatch = DayWatch(self.upkeep, lambda: list(self.manifests), self.writer.submit)
@@ -115,6 +116,12 @@ class Daemon:
             self.stop_reason = reason
             self.stopping.set()
         self._wake()
+
+    def _store_damaged(self, e: StoreDamaged) -> None:
+        """The first transaction that met a damaged store file: say it in one line and stop,
+        exiting as a start on that file would (exits.STORE_DAMAGED), socket removed."""
+        log.error("%s; stopping (exit %d)", e, exits.STORE_DAMAGED)
+        self.request_stop("store_damaged")
 
     def reload(self, cause: str, *, settings: bool = True) -> Future:
         """Queue a reconcile of every manifest; one already queued and not started absorbs this."""
@@ -213,6 +220,8 @@ class Daemon:
             acceptor.join()
             self.metrics.stop()
             self._shutdown()
+        if self.stop_reason == "store_damaged":
+            return exits.STORE_DAMAGED
         return exits.INTERNAL if self.stop_reason == "error" else exits.OK
 
     def _install_signals(self) -> None:

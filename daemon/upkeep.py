@@ -22,7 +22,7 @@ from kvstore.daemon import lifecycle
 from kvstore.daemon.canary import VersionWatch, check_at_boot, restart_into_new_code
 from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, trim_heap
 from kvstore.degrade import daemon_handler
-from kvstore.errors import KVStoreError, PrefillStopped, counted
+from kvstore.errors import KVStoreError, PrefillStopped, StoreDamaged, counted
 from kvstore.home.registry import canonical
 from kvstore.home.settings import DEFAULTS
 from kvstore.identity.fingerprint import (
@@ -350,12 +350,17 @@ class Upkeep:
                 continue
             # one manifest's failure must not starve the others
             what = f"reconcile: warming {path} failed; continuing with the next"
+            damage = None
             with daemon_handler(what, logger=log):
                 try:
                     reports.append(self.warm(manifest, cause=cause, now=now, purge=purge))
                 except WarmCancelled:
                     log.info("warm of %s cancelled: the daemon is stopping", path)
                     break
+                except StoreDamaged as e:  # no manifest can be warmed: the caller is told
+                    damage = e
+            if damage is not None:
+                raise damage
         return reports
 
     def boot_canary(self, manifest_paths: list[Path]) -> None:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvstore.degrade import settle
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StoreDamaged
 
 log = logging.getLogger("kvstore.daemon")
 
@@ -61,7 +61,8 @@ class Writer:
             try:
                 settle(fut, fn)  # the job's failure is its caller's; the writer lives on
                 if not reported and (e := fut.exception()) is not None:
-                    log.error("writer: job %s failed", name, exc_info=e)
+                    if not isinstance(e, StoreDamaged):  # the daemon says that once, and stops
+                        log.error("writer: job %s failed", name, exc_info=e)
             finally:
                 self.current = None
         with self._lock:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import msgpack
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, StoreDamaged
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -96,7 +96,8 @@ class Degrade:
             self.what if isinstance(self.what, str) else self.what(),
             type(error).__name__,
             error,
-            exc_info=error if self.trace else None,
+            # a damaged store file is a condition its line explains, never a bug to trace
+            exc_info=error if self.trace and not isinstance(error, StoreDamaged) else None,
         )
         return True
 
@@ -117,7 +118,8 @@ def serve_hook(
 
 def daemon_handler(what: What, *, logger: logging.Logger = log) -> Degrade:
     """One request, tick or warm of the daemon: it costs that one, never the daemon. Logged at
-    error with the traceback: nothing narrower caught it, so it is a bug to fix."""
+    error with the traceback: nothing narrower caught it, so it is a bug to fix (a damaged store
+    file, StoreDamaged, is logged without one: the daemon stops on it)."""
     return Degrade(what, logging.ERROR, True, logger)
 
 

@@ -85,6 +85,11 @@ class StoreError(KVStoreError):
         self.errno = errno
 
 
+class StoreDamaged(StoreError):
+    """The store file is damaged (truncated, overwritten, pages that are no LMDB pages): no
+    retry or restart mends it; the message names the file and says to restore or move it aside."""
+
+
 class ModelError(KVStoreError):
     """A model path cannot be resolved, fingerprinted or loaded."""
 

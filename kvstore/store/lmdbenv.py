@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import lmdb
 
-from kvstore.errors import StoreError
+from kvstore.errors import StoreDamaged, StoreError
 
 
 class Gate:
@@ -69,6 +69,22 @@ class HeldEnv:
     refs: int  # Stores (and queues) of this path that have not closed it yet
     readonly: bool
     gate: Gate
+    data_fd: int  # data.mdb, the file LMDB mapped (not whatever has its name later)
+    need: int  # bytes the file is known to hold: its header's pages at open, or after a write
+
+    def short(self) -> str | None:
+        """Why the mapped file can no longer be read (None: it can): shorter than the pages
+        this process knows it holds. LMDB never shrinks its file, so only a truncation under
+        the map makes it shorter, and a read past its end would be a SIGBUS. One fstat."""
+        size = os.fstat(self.data_fd).st_size
+        if size >= self.need:
+            return None
+        return f"truncated under this process: {size} bytes where it held {self.need}"
+
+    def grown(self) -> None:
+        """After a commit of this process: the file holds the pages its newest meta counts."""
+        info = self.env.info()
+        self.need = max(self.need, (info["last_pgno"] + 1) * self.env.stat()["psize"])
 
 
 # LMDB allows one open environment per file per process: Stores of one path share it (and its
@@ -76,9 +92,14 @@ class HeldEnv:
 ENVS: dict[str, HeldEnv] = {}  # resolved path -> the environment held for it
 
 
+def held_env(path: Path) -> HeldEnv:
+    """The environment held open for `path` (open_env first)."""
+    return ENVS[str(path.resolve())]
+
+
 def gate_of(path: Path) -> Gate:
     """The resize gate of the environment held open for `path` (open_env first)."""
-    return ENVS[str(path.resolve())].gate
+    return held_env(path).gate
 
 
 # An environment must not be used across fork(): a child starts with none.
@@ -127,11 +148,34 @@ def damaged_hint(data: Path) -> str:
     )
 
 
-def check_file_length(path: Path) -> None:
+# What LMDB raises on a file whose pages are not what its own writes left: a page that is no
+# page, a tree that points nowhere, a header of another format. A read transaction that met one
+# is flagged, and its next call says MDB_BAD_TXN; a table's record that changed says MDB_BAD_DBI
+# (kvstore never drops a table). Neither comes from a healthy file, so each means damage.
+DAMAGE: tuple[type[lmdb.Error], ...] = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.IncompatibleError,
+    lmdb.PanicError,
+    lmdb.BadTxnError,
+    lmdb.BadDbiError,
+)
+
+
+def damaged(data: Path, why: str) -> StoreDamaged:
+    """The one line that refuses a damaged store file, wherever it is found."""
+    return StoreDamaged(f"{data}: the store file is damaged ({why}); {damaged_hint(data)}")
+
+
+def check_file_length(path: Path, *, strict: bool = False) -> int:
     """Refuse a data.mdb shorter than the pages its newer meta page says it has: mapped, the
     first read past its end is a SIGBUS that kills the process (a copy or restore cut short, a
     sync tool, a disk full during a backup). Bytes that are no LMDB file are left to LMDB's open,
-    which refuses them with MDB_INVALID. Plain reads of two meta pages: a few hundred bytes."""
+    which refuses them with MDB_INVALID, unless `strict` (a file that was open and valid before).
+    Returns the length the header needs (0: nothing to check). Plain reads of two meta pages: a
+    few hundred bytes."""
     data = path / "data.mdb"
     try:
         with open(data, "rb") as f:
@@ -141,25 +185,30 @@ def check_file_length(path: Path) -> None:
             # that counts the new pages, so a commit in between never looks like a short file
             size = os.fstat(f.fileno()).st_size
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return  # nothing to map yet, or no file: LMDB's open says so
+        if strict:
+            raise damaged(data, "the file is gone from its directory") from None
+        return 0  # nothing to map yet, or no file: LMDB's open says so
     except OSError as e:
         raise StoreError(
             f"{data}: cannot read the store file: {e.strerror or e}", errno=e.errno
         ) from None
+    if strict and (first is None or second is None):
+        raise damaged(data, "its header holds no valid LMDB meta pages")
     if first is None or size == 0:  # empty: a new file LMDB initialises (read-only: refuses)
-        return
+        return 0
     if second is None:
         if size >= 2 * first.page_size:
-            return  # the second page is no meta page: LMDB refuses the file as invalid
+            return 0  # the second page is no meta page: LMDB refuses the file as invalid
         meta = first._replace(last_pg=max(first.last_pg, 1))
     else:
         meta = max(first, second, key=lambda m: m.txnid)  # the one LMDB opens
     need = (meta.last_pg + 1) * meta.page_size
     if size < need:
-        raise StoreError(
+        raise StoreDamaged(
             f"{data}: the store file is damaged (truncated): {size} bytes where its LMDB header "
             f"says {need} ({meta.last_pg + 1} pages of {meta.page_size}); {damaged_hint(data)}"
         )
+    return need
 
 
 def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> lmdb.Environment:
@@ -170,7 +219,7 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
             raise StoreError(f"{path}: already open read-only in this process; close it first")
         held.refs += 1
         return held.env
-    check_file_length(path)  # before the map: a short file would be a SIGBUS, not an error
+    need = check_file_length(path)  # before the map: a short file would be a SIGBUS, not an error
     env = lmdb.open(
         key,
         map_size=map_size,
@@ -183,7 +232,13 @@ def open_env(path: Path, *, readonly: bool, map_size: int, max_readers: int) -> 
         max_readers=max_readers,
         mode=0o600,  # data.mdb and lock.mdb owner-only, whatever the umask (callers make the dir)
     )
-    ENVS[key] = HeldEnv(env, 1, readonly, Gate())
+    try:
+        fd = os.open(path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        env.close()
+        data = path / "data.mdb"
+        raise StoreError(f"{data}: cannot open: {e.strerror or e}", errno=e.errno) from None
+    ENVS[key] = HeldEnv(env, 1, readonly, Gate(), fd, need)
     return env
 
 
@@ -196,18 +251,22 @@ def close_env(path: Path) -> None:
     if held.refs <= 0:
         del ENVS[key]
         held.env.close()
+        os.close(held.data_fd)
 
 
 def space_hint(path: Path) -> str:
     """LMDB reports a short write (disk full, a file size limit) as a bare EIO: name the
-    likely causes, with the figures to check them."""
+    likely causes, with the figures to check them, and what makes room."""
     try:
         free = shutil.disk_usage(path).free
         soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     except (OSError, ValueError):
         return ""
     limit = "" if soft == resource.RLIM_INFINITY else f", file size limit {soft} bytes"
-    return f" (disk full or a file size limit? {free // 2**20} MiB free there{limit})"
+    return (
+        f" (disk full or a file size limit? {free // 2**20} MiB free there{limit}; free space "
+        "there, or `kvstore evict` entries: the next write reuses their pages)"
+    )
 
 
 def lmdb_errno(e: Exception) -> int | None:

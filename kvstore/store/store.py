@@ -14,7 +14,9 @@ that encode or decode, so listing, stats and eviction never load mlx.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +28,14 @@ import lmdb
 
 from kvstore import tokens as tk
 from kvstore.codec import CODEC_VERSION
-from kvstore.errors import ChecksumError, CodecError, CorruptEntryError, StoreError
+from kvstore.errors import (
+    DISK_FULL_ERRNOS,
+    ChecksumError,
+    CodecError,
+    CorruptEntryError,
+    StoreDamaged,
+    StoreError,
+)
 from kvstore.home.settings import DEFAULT, STORE_DIR, store_dir_problem
 from kvstore.store.entry import (
     _META_FIELDS,
@@ -39,18 +48,30 @@ from kvstore.store.entry import (
 )
 from kvstore.store.keys import fingerprint_of
 from kvstore.store.lmdbenv import (
+    DAMAGE,
+    check_file_length,
     close_env,
+    damaged,
     damaged_hint,
-    gate_of,
+    held_env,
     lmdb_errno,
     open_env,
     space_hint,
 )
 
+# A write failing with one of these may succeed once the pages the last commit freed are usable.
+SPACE_ERRNOS = frozenset({*DISK_FULL_ERRNOS, errno.EIO})  # LMDB says EIO for a short write
+AGED_KEY = b"kvstore:aged"  # in LMDB's main table: a stamp whose commit ages freed pages
+
 
 class Store:
     """One LMDB environment in `home/store`: reads, writes, check and stats, each in one
-    transaction of `_read` or `_write`. Not to be carried across fork()."""
+    transaction of `_read` or `_write`. Not to be carried across fork().
+
+    A file found damaged while open (LMDB meets pages that are no pages, a header of garbage, the
+    file truncated under the map) raises StoreDamaged, the one line a fresh open would say; from
+    then on every transaction raises it again without touching the map, and the `on_damage`
+    hooks are called once (the daemon stops on it)."""
 
     def __init__(
         self,
@@ -65,6 +86,10 @@ class Store:
         self.readonly = readonly
         self.max_map_size = max_map_size
         self._pid = os.getpid()
+        self.damage: StoreDamaged | None = None  # set once this store found its file damaged
+        # called once, on the thread that found the damage (the daemon stops on it)
+        self.on_damage: list[Callable[[StoreDamaged], None]] = []
+        self._damage_lock = threading.Lock()
         if problem := store_dir_problem(self.path):
             raise StoreError(problem)
         if readonly and not (self.path / "data.mdb").is_file():
@@ -84,10 +109,11 @@ class Store:
             self.env = open_env(
                 self.path, readonly=readonly, map_size=map_size, max_readers=max_readers
             )
-            self._gate = gate_of(self.path)
+            self._held = held_env(self.path)
+            self._gate = self._held.gate
             self._meta, self._blob = self._open_dbs(create=not readonly)
-        except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError) as e:
-            raise StoreError(  # bytes that are no LMDB store of this version: a damaged file
+        except DAMAGE as e:
+            raise StoreDamaged(  # bytes that are no LMDB store of this version: a damaged file
                 f"{self.path}: cannot open the LMDB store: {e}; "
                 f"{damaged_hint(self.path / 'data.mdb')}",
                 errno=lmdb_errno(e),
@@ -116,7 +142,45 @@ class Store:
         """Take the size another process grew the map to, with this process's readers held off
         (LMDB's set_mapsize needs no other transaction of this process open)."""
         with self._gate.exclusive():
-            self.env.set_mapsize(0)
+            self._set_mapsize(0)
+
+    def _set_mapsize(self, size: int) -> None:
+        """LMDB's set_mapsize (0: the size the file's header says). A failure is StoreDamaged
+        where the header is no longer a valid one (garbage that reads as a huge map), else a
+        StoreError; py-lmdb has dropped the environment's table handles either way."""
+        try:
+            self.env.set_mapsize(size)
+        except lmdb.Error as e:
+            try:
+                check_file_length(self.path, strict=True)
+            except StoreDamaged as bad:
+                raise self._damaged(bad) from None
+            raise StoreError(f"{self.path}: cannot map the store: {e}") from None
+
+    def _damaged(self, e: Exception | str) -> StoreDamaged:
+        """The StoreDamaged this store raises from now on, for what showed the damage: an LMDB
+        error (DAMAGE), the line a check made, or why the file is short."""
+        with self._damage_lock:
+            first = self.damage is None
+            if first:
+                if isinstance(e, StoreDamaged):
+                    self.damage = e
+                else:
+                    why = e if isinstance(e, str) else f"LMDB cannot read its pages: {e}"
+                    self.damage = damaged(self.path / "data.mdb", why)
+        assert self.damage is not None
+        if first:
+            for hook in self.on_damage:
+                hook(self.damage)
+        return self.damage
+
+    def _check_file(self) -> None:
+        """Before a transaction: the damage found before, or a file truncated under the map
+        (found here, by length, rather than as a SIGBUS on the first page past its end)."""
+        if self.damage is not None:
+            raise self.damage
+        if why := self._held.short():
+            raise self._damaged(why)
 
     def close(self) -> None:
         if self.env is not None:
@@ -141,10 +205,14 @@ class Store:
         if self.readonly:
             raise StoreError(f"{self.path}: opened read-only")
         with self._gate.exclusive():
-            return self._write_locked(fn)
+            self._check_file()
+            result = self._write_locked(fn)
+            self._held.grown()
+            return result
 
     def _write_locked(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         adopted = 0
+        aged = False
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -157,7 +225,7 @@ class Store:
                     raise StoreError(
                         f"{self.path}: the map keeps being resized under this writer"
                     ) from None
-                self.env.set_mapsize(0)
+                self._set_mapsize(0)
             except lmdb.MapFullError:
                 size = self.env.info()["map_size"]
                 if size * 2 > self.max_map_size:
@@ -165,8 +233,13 @@ class Store:
                         f"{self.path}: store map is full at {size} bytes and the cap "
                         f"max_map_size={self.max_map_size} is reached; evict entries or raise it"
                     ) from None
-                self.env.set_mapsize(size * 2)  # no transaction of this process is open
+                self._set_mapsize(size * 2)  # no transaction of this process is open
+            except DAMAGE as e:  # before the next: a damaged file is not a full disk
+                raise self._damaged(e) from None
             except lmdb.Error as e:  # ENOSPC and EIO come from put or commit: keep the errno
+                if not aged and lmdb_errno(e) in SPACE_ERRNOS and self._age_freed_pages():
+                    aged = True  # retried once: the pages an evict just freed may serve it
+                    continue
                 raise StoreError(
                     f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=lmdb_errno(e)
                 ) from None
@@ -174,6 +247,19 @@ class Store:
                 raise StoreError(
                     f"{self.path}: write failed: {e}{space_hint(self.path)}", errno=e.errno
                 ) from None
+
+    def _age_freed_pages(self) -> bool:
+        """After a write failed for space: one small commit, so that the pages the last commit
+        freed (an evict) serve the retry. LMDB gives a write only the pages freed before the
+        last commit (mdb_find_oldest starts from the writer's txnid - 1), so the first write
+        after an evict would grow the file instead, on a disk that is full. False when this
+        commit fails too (no room even for it)."""
+        try:
+            with self.env.begin(write=True) as txn:  # the main table, beside the tables' names
+                txn.put(AGED_KEY, int(time.time() * 1e6).to_bytes(8, "big"))
+        except lmdb.Error:
+            return False
+        return True
 
     def read(self, fn: Callable[[lmdb.Transaction], Any], *, buffers: bool = False) -> Any:
         """`fn(txn)` in a short read transaction, its result returned (`reading`, as a call)."""
@@ -191,9 +277,12 @@ class Store:
                 held = opening.enter_context(contextlib.ExitStack())
                 try:
                     held.enter_context(self._gate.txn())
+                    self._check_file()
                     txn = held.enter_context(self.env.begin(buffers=buffers))
                 except (lmdb.MapResizedError, lmdb.ReadersFullError) as e:
                     failed: Exception | None = e
+                except DAMAGE as e:
+                    raise self._damaged(e) from None
                 else:
                     failed = None
                     opening.pop_all()
@@ -209,7 +298,10 @@ class Store:
                     "daemon's periodic reader_check, or close some readers"
                 ) from None
             with held:
-                yield txn
+                try:
+                    yield txn
+                except DAMAGE as e:
+                    raise self._damaged(e) from None
             return
         raise StoreError(f"{self.path}: the map keeps being resized under this reader")
 
@@ -505,6 +597,7 @@ class Store:
     def stats(self) -> dict[str, Any]:
         errors: list = []
         metas = self.metas(errors=errors)
+        self._check_file()  # info and stat read the mapped header
         info, stat = self.env.info(), self.env.stat()
         return {
             "path": str(self.path),

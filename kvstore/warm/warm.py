@@ -24,6 +24,7 @@ from kvstore.errors import (
     CorruptEntryError,
     KVStoreError,
     ModelError,
+    StoreDamaged,
     counted,
     os_errno,
 )
@@ -506,6 +507,8 @@ def _prefill_pins(
             continue
         try:
             put(pp.key, blob, fields)
+        except StoreDamaged:  # no pin can be stored: the warm ends with that one line
+            raise
         except KVStoreError as e:  # the map cap: say so, go on; a full disk: stop
             msg = f"model {spec.path!r}: storing pin {pp.pin.name!r} failed: {e}"
             if _stop(report, pp, msg, e):
@@ -565,6 +568,8 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path, fetched: list)
     fields.extra.update(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
     try:
         put(pp.key, blob, fields)
+    except StoreDamaged:
+        raise
     except KVStoreError as e:
         _stop(report, pp, f"model {plan.spec.path!r}: storing fetched pin {pp.pin.name!r}: {e}", e)
         return True
@@ -606,6 +611,8 @@ def warm(
             plans[spec.identity.same_model()] = plan_model(
                 spec, store, home=home, now=now, max_tokens=bounds.max_pin_tokens
             )
+        except StoreDamaged:  # the store cannot say what is present: the warm ends here
+            raise
         except KVStoreError as e:
             for prefix in spec.prefixes:
                 report.pins.append(

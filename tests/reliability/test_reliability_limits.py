@@ -211,6 +211,26 @@ def test_disk_full_on_a_small_tmpfs(tmp_path, tmpfs):
     )
 
 
+def test_an_evict_after_a_full_disk_makes_room_for_the_next_put(tmp_path):
+    """Issue 43 item 4, through a real daemon on a 3 MiB tmpfs: after the disk fills, `evict
+    --label` of one entry lets the same entry be put again at the first try (before, every
+    retry said "disk full" until `evict --all`), and the evict leaves no temporary file."""
+    with mounted_tmpfs(tmp_path / "small", "3m") as mnt:
+        home = mnt / "home"
+        d = _daemon(tmp_path, home)
+        try:
+            acked, error = _fill(home, 600 * 1024)
+            assert "disk full" in error and len(acked) >= 2, error
+            assert d.request("evict", label="r1")["evicted"] == 1
+            key, blob, fields = battery.entry(1, 600 * 1024)
+            with DaemonClient(home) as c:
+                put_ops.send(c, key, blob, fields)  # the first try
+            _still_serving(d, acked)
+            assert not list(home.glob("*.tmp")), sorted(p.name for p in home.iterdir())
+        finally:
+            assert d.stop()[0] == 0, d.text()
+
+
 def test_every_prefix_hashed_to_one_key_gives_no_wrong_hit(tmp_path, llama_path):
     """Stored token ids are compared on every hit: a collision costs a miss, never wrong KV."""
     from mlx_lm.models.cache import LRUPromptCache

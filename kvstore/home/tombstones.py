@@ -69,7 +69,6 @@ def note_prefixes(home: Path, rows: Iterable[tuple[str, Sequence[int], str]], by
     try:
         write_atomically(path, msgpack.packb(kept, use_bin_type=True))
     except OSError as e:  # a tombstone is a diagnostic: never fail the eviction for it
-        tmp.unlink(missing_ok=True)  # a full disk leaves it empty or cut short
         log.warning("tombstones %s: not written (%s)", path, e)
         return 0
     return len(new)

@@ -479,12 +479,12 @@ class _Hooks:
             if self.learner is not None:
                 self.learner.add_target(key, target)
                 t0 = time.perf_counter()
-                if warmed := self.learner.warm(key):
-                    for tokens, kv in warmed:
+                if preloaded := self.learner.preload_chains(key):
+                    for tokens, kv in preloaded:
                         self.cache.insert_stored(key, tokens, kv)
                     dt = time.perf_counter() - t0
                     log.info("kvstore: %s read into memory in %.3f s",
-                             counted(len(warmed), "learned chain"), dt)  # fmt: skip
+                             counted(len(preloaded), "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
                 self.targets[key] = target
 

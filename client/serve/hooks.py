@@ -298,10 +298,10 @@ class _Hooks:
                 # the requests go through the server itself: a thread of their own (this is the
                 # generation thread, which serves them), /health at 503 until they are answered
                 self.warm_thread_started = True
-                threading.Thread(target=self.warm_requests, args=(provider,),
+                threading.Thread(target=self.send_warm_ups, args=(provider,),
                                  name="kvstore-warm-up", daemon=True).start()  # fmt: skip
 
-    def warm_requests(self, provider: Any) -> None:
+    def send_warm_ups(self, provider: Any) -> None:
         """One throwaway request per pin of the loaded model (one plain request when it has none),
         through the server's own request path: HTTP handler, chat template, fetch from the pin
         and the cold tier, prefill and first token at the shapes a request after that pin has.
@@ -319,7 +319,7 @@ class _Hooks:
                 for i in range(n):
                     if self.fatal is not None:
                         return
-                    self._warm_request(provider.cli_args, i)
+                    self._send_warm_up(provider.cli_args, i)
                     done += 1
                 log.info("kvstore: %s through the server in %.3f s",
                          counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
@@ -332,7 +332,7 @@ class _Hooks:
             self.ready = True
             log.info("kvstore: ready (%s)", provider.model_key[0])
 
-    def _warm_request(self, cli_args: Any, i: int) -> None:
+    def _send_warm_up(self, cli_args: Any, i: int) -> None:
         import http.client
 
         host = getattr(cli_args, "host", None) or "127.0.0.1"
@@ -369,7 +369,7 @@ class _Hooks:
             finally:
                 conn.close()
 
-    def warm_request_of(self, headers: Any) -> int | None:
+    def warm_up_index(self, headers: Any) -> int | None:
         """The warm-up request's index when these HTTP headers mark one of this server's."""
         mark = headers.get(WARM_UP_HEADER) if headers is not None else None
         if not mark or not self.warming:
@@ -393,7 +393,7 @@ class _Hooks:
     def mark_warm_up_context(self, ctx: Any) -> None:
         self._warm_up_contexts.add(id(ctx))
 
-    def warm_tokenize(self, out: tuple, i: int) -> tuple:
+    def warm_up_tokenize(self, out: tuple, i: int) -> tuple:
         """The warm-up request `i`'s prompt: pin i's tokens, then the rendered user turn."""
         prompt, segments, types, *rest = out
         pin = self.warm_tokens[i] if i < len(self.warm_tokens) else None
@@ -641,7 +641,7 @@ def _generator(server: Any, hooks: _Hooks) -> type:
             hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
             warm = hooks.take_warm_up(request)
             if warm is not None:
-                return hooks.warm_tokenize(out, warm)
+                return hooks.warm_up_tokenize(out, warm)
             if hooks.boundary is None:
                 return out
             with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
@@ -660,9 +660,9 @@ def _handler(server: Any, hooks: _Hooks) -> type:
 
         def handle_chat_completions(self):
             request = super().handle_chat_completions()
-            warm = hooks.warm_request_of(self.headers)
+            warm = hooks.warm_up_index(self.headers)
             if warm is not None:
-                hooks.mark_warm_up(request, warm)  # this server's own (hooks.warm_requests)
+                hooks.mark_warm_up(request, warm)  # this server's own (hooks.send_warm_ups)
             return request
 
         def do_GET(self):
@@ -681,7 +681,7 @@ def _handler(server: Any, hooks: _Hooks) -> type:
             # A request before the warm-up requests and fleet checks are done would run beside
             # them at several times a steady request's cost: told to come back instead. The
             # warm-up requests themselves carry this server's header.
-            if not hooks.ready and hooks.warm_request_of(self.headers) is None:
+            if not hooks.ready and hooks.warm_up_index(self.headers) is None:
                 length = int(self.headers.get("Content-Length") or 0)
                 self.rfile.read(min(length, 1 << 26))  # the body, so the connection stays sound
                 self._starting()

@@ -454,12 +454,12 @@ def test_a_server_told_to_stop_that_cannot_exits_in_one_line(llama_path, kv_home
 _HELD = """
 import os, time
 from kvstore.client.serve import hooks
-warm = hooks._Hooks.warm_requests
+warm = hooks._Hooks.send_warm_ups
 def held(self, provider):  # the warm-up waits for the test's word
     while not os.path.exists(os.environ["GO"]):
         time.sleep(0.02)
     return warm(self, provider)
-hooks._Hooks.warm_requests = held
+hooks._Hooks.send_warm_ups = held
 from kvstore.cli.main import main
 main()
 """

@@ -154,9 +154,9 @@ def test_a_request_equal_to_or_a_prefix_of_a_text_pin_is_labelled_with_it(
     # a whole prompt's last token, so one equal to the pin (or a prefix of it) read as unserved
     from mlx_lm.utils import load_tokenizer
 
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
-    from kvstore.warm.warm import warm
 
     manifest = manifest_for(
         tmp_path, llama_path, f'[[model.prefix]]\nname = "rawtext"\ntext = "{RAW}"'

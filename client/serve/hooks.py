@@ -292,8 +292,7 @@ class _Hooks:
             self._on_load(provider, prefetched)
         finally:
             # No in-process forward pass first: the warm-up requests run the first kernels at the
-            # shapes a request has, and a pass before them only added its own 50-100 ms to the
-            # start (the requests took as long with it as without it).
+            # shapes a request has, so a pass before them would only add its own time to the start.
             if not self.ready and not self.warm_thread_started:
                 # the requests go through the server itself: a thread of their own (this is the
                 # generation thread, which serves them), /health at 503 until they are answered

@@ -276,7 +276,7 @@ class Store:
         return self._read(fn, buffers=True)
 
     def blob_ok(self, meta: EntryMeta) -> bool:
-        """The stored blob has its meta's length and checksum (no decode: ~30 GB/s)."""
+        """The stored blob has its meta's length and checksum (no decode: a hash of the bytes)."""
 
         def fn(txn):
             blob = txn.get(meta.key, db=self._blob)

@@ -163,8 +163,8 @@ class _Hooks:
     def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
         """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
         request's prefill stats in the ledger when it ends (kvstore.client.callstats, as the
-        library's
-        calls are): its prompt, the tokens the cache served, prefill and decode seconds."""
+        library's calls are): its prompt, the tokens the cache served, prefill and decode
+        seconds."""
         t0 = time.perf_counter()
         first = None
         n = 0

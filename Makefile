@@ -63,7 +63,7 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format kvstore daemon client tests bench
 
-# the CLI reference, generated from each command's --help (tests/test_cli_reference.py checks it)
+# the CLI reference, generated from each command's --help (tests/cli/test_cli_reference.py checks it)
 docs: $(STAMP)
 	$(PY) -m kvstore.cli.reference > docs/cli.md
 

@@ -1,8 +1,9 @@
 """What a learning serve pays on the generation thread to read the cold tier's index again after
-the store changed (docs/soak.md, "Found on the way"): `LearnedChains.update` over a store of
-`--records` learned records of one model (default 13,000, what the default-budget soak reached),
-after a change where no record came or went (a touch, as every hit makes) and after one left (an
-eviction). The records are tiny (4 floats a token): the walk reads the `kids` rows, not the KV.
+the store changed (bench/results/reference/soak-notes.md, "Found on the way"):
+`LearnedChains.update` over a store of `--records` learned records of one model (default
+13,000, what the default-budget soak reached), after a change where no record came or went (a
+touch, as every hit makes) and after one left (an eviction). The records are tiny (4 floats a
+token): the walk reads the `kids` rows, not the KV.
 
     python -m bench.index_walk [--records N]
 

@@ -51,7 +51,7 @@ def check_pending(pre: Any, model: Any) -> list[Checked]:
     held: Pending | None = pre.pending
     pre.pending = None
     if held is None or not held.entries:
-        return []  # the usual start: kvstore.fleet.check (1-2 ms to import) is not needed
+        return []  # the usual start: kvstore.fleet.check is not imported
     from kvstore.fleet.check import Checked, check_cache
 
     if model is None:

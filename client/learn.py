@@ -53,9 +53,9 @@ LEARN_QUEUE = 16  # learn jobs waiting for the worker; more are dropped (never b
 TOUCH_BATCH_S = 5.0  # seconds between batches of restored records' keys sent (touch_blocks)
 # state layouts: a learned boundary stores only the state layers; the KV layers are records
 STATE_ONLY_SNAPSHOTS = True
-# kvstore serve's start: the most recently used learned chains put into memory (Learner.warm)
-WARM_CHAINS = 8
-WARM_CHAIN_BYTES = 256 * 2**20  # 256 MiB of their KV in all, at most
+# kvstore serve's start: the most recently used learned chains read into memory (preload_chains)
+PRELOAD_CHAINS = 8
+PRELOAD_CHAIN_BYTES = 256 * 2**20  # 256 MiB of their KV in all, at most
 
 
 class Learner:
@@ -87,8 +87,8 @@ class Learner:
         self.snapshots_sent = 0
         self.queued = 0  # learn jobs handed to the write-behind queue
         self._touched: dict[bytes, list[bytes]] = {}  # fingerprint -> restored records' keys
-        # chains `warm` read at start that no request used yet: (tokens, their records' keys)
-        self._warmed: dict[Any, list[tuple[tuple[int, ...], list[bytes]]]] = {}
+        # chains preloaded at start that no request used yet: (tokens, their records' keys)
+        self._preloaded: dict[Any, list[tuple[tuple[int, ...], list[bytes]]]] = {}
         self._touched_sent = time.monotonic()
         self._block = 256  # the store's block_tokens (read from it before records are cut)
 
@@ -134,7 +134,7 @@ class Learner:
         the next request memory serves then reads nothing of the store)."""
         self.cold.refresh(list(self.targets.values()))
 
-    def warm(self, model: Any) -> list[tuple[list[int], list]]:
+    def preload_chains(self, model: Any) -> list[tuple[list[int], list]]:
         """At a server's start: the model's most recently used learned chains read from the
         store, as (token ids, KV) for the caller's LRU (read from the store), so the first
         request after a restart that continues one is served from memory instead of waiting for
@@ -145,26 +145,26 @@ class Learner:
         out: list[tuple[list[int], list]] = []
         # an optimisation: never keep the server from starting
         with serve_hook("kvstore: learned chains not read into memory"):
-            for tokens in self.cold.recent_chains(target, WARM_CHAINS, WARM_CHAIN_BYTES):
+            for tokens in self.cold.recent_chains(target, PRELOAD_CHAINS, PRELOAD_CHAIN_BYTES):
                 # one token more than the chain, so that the store serves the whole chain (a
                 # restore leaves the prompt's last token to prefill)
                 hit = self.cold.restore(target, [*tokens, 0], 0)
                 if hit is not None and hit.n == len(tokens):
                     out.append((tokens, hit.cache))
-                    self._warmed.setdefault(model, []).append((tuple(tokens), hit.keys))
+                    self._preloaded.setdefault(model, []).append((tuple(tokens), hit.keys))
         return out
 
     def fetched(self, model: Any, tokens: Sequence[int]) -> None:
         """Remember the prompt of a request about to run: its insert_cache reports it."""
-        if self._warmed.get(model):
-            self._use_warmed(model, tokens)
+        if self._preloaded.get(model):
+            self._use_preloaded(model, tokens)
         if self.learn and model in self.targets:
             self._pending.append((model, list(tokens)))
 
-    def _use_warmed(self, model: Any, tokens: Sequence[int]) -> None:
-        """The first request that continues a chain `warm` read: its records are touched, as a
+    def _use_preloaded(self, model: Any, tokens: Sequence[int]) -> None:
+        """The first request that continues a preloaded chain: its records are touched, as a
         restore on that request's path would have touched them (the learned LRU keeps them)."""
-        chains, target = self._warmed[model], self.targets.get(model)
+        chains, target = self._preloaded[model], self.targets.get(model)
         for i, (chain, keys) in enumerate(chains):
             n = len(chain)
             if n <= len(tokens) and tokens[n - 1] == chain[-1] and tuple(tokens[:n]) == chain:

@@ -133,7 +133,7 @@ def load(
             adapter_path=None if given.adapter is None else str(given.adapter),
         )
     prefetched = reading.result(model, given.path)
-    largest, largest_tokens, pinned = _warm_entry(prefetched)
+    largest, largest_tokens, pinned = _warm_up_entry(prefetched)
     cache = PersistentPromptCache.open(
         model, tokenizer, reading.identity, home=home, options=options, prefetched=prefetched
     )
@@ -144,7 +144,7 @@ def load(
     return model, tokenizer, cache
 
 
-def _warm_entry(prefetched: Prefetched | None) -> tuple[list | None, list[int], bool]:
+def _warm_up_entry(prefetched: Prefetched | None) -> tuple[list | None, list[int], bool]:
     """The stored KV the warm-up's request extends a copy of, as the first request's does, its
     tokens, and whether it is a pin."""
     # the largest one up to WARM_ENTRY_BYTES (above, its grown copy costs load as much as the

@@ -1,9 +1,10 @@
 """`kvstore daemon`: the store's one writer, serving a unix socket in the foreground.
 
-Threads: the main thread accepts connections and handles signals; one thread per connection reads
-frames and answers them; the writer thread runs every store write in order; the watcher thread
-turns file changes into reconcile jobs. Shutdown stops accepting, lets the write in flight finish,
-closes LMDB and removes the socket; a warm stops between prefill chunks (README, "Shutdown").
+Threads: the main thread handles signals and runs the writer (daemon/writer.py: every store
+write, in order); an acceptor thread takes connections; one thread per connection reads frames
+and answers them; the watcher thread turns file changes into reconcile jobs. Shutdown stops
+accepting, lets the write in flight finish, closes LMDB and removes the socket; a warm stops
+between prefill chunks (docs/daemon.md, "Shutdown").
 """
 
 from __future__ import annotations

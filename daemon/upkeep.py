@@ -186,6 +186,9 @@ class Upkeep:
         now: dt.datetime | None = None,
         purge: bool = True,
     ) -> dict[str, Any]:
+        """The warm operation (kvstore.ops.warm) as the daemon runs it, on the writer thread:
+        stopped between pins when the daemon stops, a model's load deferred while memory is
+        short, each pin's source logged; returns the report as the wire carries it."""
         log.info("warm %s (%s)", manifest.path, cause)
         now = now or self.clock()
         if self.fetcher is not None:

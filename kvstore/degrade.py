@@ -1,6 +1,6 @@
 """kvstore's edges: the only places that catch whatever they are handed.
 
-The cache is never a hard dependency (DESIGN.md): daemon down, store missing or corrupt,
+The cache is never a hard dependency (docs/apps.md): daemon down, store missing or corrupt,
 fingerprint mismatch, and the app prefills as it would have without kvstore. Code inside raises
 narrow errors (KVStoreError, OSError, RemoteError, UNREADABLE below) and lets the rest go; a
 catch-all lives at an entry point only, as one of the four `degrade` kinds:

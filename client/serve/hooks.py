@@ -163,8 +163,8 @@ class _Hooks:
     def recorded(self, ctx: Any, responses: Iterator[Any]) -> Iterator[Any]:
         """`responses` (a request's tokens, as mlx_lm.server's handler reads them), recording the
         request's prefill stats in the ledger when it ends (kvstore.client.callstats, as the
-        library's
-        calls are): its prompt, the tokens the cache served, prefill and decode seconds."""
+        library's calls are): its prompt, the tokens the cache served, prefill and decode
+        seconds."""
         t0 = time.perf_counter()
         first = None
         n = 0
@@ -292,16 +292,15 @@ class _Hooks:
             self._on_load(provider, prefetched)
         finally:
             # No in-process forward pass first: the warm-up requests run the first kernels at the
-            # shapes a request has, and a pass before them only added its own 50-100 ms to the
-            # start (the requests took as long with it as without it).
+            # shapes a request has, so a pass before them would only add its own time to the start.
             if not self.ready and not self.warm_thread_started:
                 # the requests go through the server itself: a thread of their own (this is the
                 # generation thread, which serves them), /health at 503 until they are answered
                 self.warm_thread_started = True
-                threading.Thread(target=self.warm_requests, args=(provider,),
+                threading.Thread(target=self.send_warm_ups, args=(provider,),
                                  name="kvstore-warm-up", daemon=True).start()  # fmt: skip
 
-    def warm_requests(self, provider: Any) -> None:
+    def send_warm_ups(self, provider: Any) -> None:
         """One throwaway request per pin of the loaded model (one plain request when it has none),
         through the server's own request path: HTTP handler, chat template, fetch from the pin
         and the cold tier, prefill and first token at the shapes a request after that pin has.
@@ -319,7 +318,7 @@ class _Hooks:
                 for i in range(n):
                     if self.fatal is not None:
                         return
-                    self._warm_request(provider.cli_args, i)
+                    self._send_warm_up(provider.cli_args, i)
                     done += 1
                 log.info("kvstore: %s through the server in %.3f s",
                          counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
@@ -332,7 +331,7 @@ class _Hooks:
             self.ready = True
             log.info("kvstore: ready (%s)", provider.model_key[0])
 
-    def _warm_request(self, cli_args: Any, i: int) -> None:
+    def _send_warm_up(self, cli_args: Any, i: int) -> None:
         import http.client
 
         host = getattr(cli_args, "host", None) or "127.0.0.1"
@@ -369,7 +368,7 @@ class _Hooks:
             finally:
                 conn.close()
 
-    def warm_request_of(self, headers: Any) -> int | None:
+    def warm_up_index(self, headers: Any) -> int | None:
         """The warm-up request's index when these HTTP headers mark one of this server's."""
         mark = headers.get(WARM_UP_HEADER) if headers is not None else None
         if not mark or not self.warming:
@@ -393,7 +392,7 @@ class _Hooks:
     def mark_warm_up_context(self, ctx: Any) -> None:
         self._warm_up_contexts.add(id(ctx))
 
-    def warm_tokenize(self, out: tuple, i: int) -> tuple:
+    def warm_up_tokenize(self, out: tuple, i: int) -> tuple:
         """The warm-up request `i`'s prompt: pin i's tokens, then the rendered user turn."""
         prompt, segments, types, *rest = out
         pin = self.warm_tokens[i] if i < len(self.warm_tokens) else None
@@ -479,12 +478,12 @@ class _Hooks:
             if self.learner is not None:
                 self.learner.add_target(key, target)
                 t0 = time.perf_counter()
-                if warmed := self.learner.warm(key):
-                    for tokens, kv in warmed:
+                if preloaded := self.learner.preload_chains(key):
+                    for tokens, kv in preloaded:
                         self.cache.insert_stored(key, tokens, kv)
                     dt = time.perf_counter() - t0
                     log.info("kvstore: %s read into memory in %.3f s",
-                             counted(len(warmed), "learned chain"), dt)  # fmt: skip
+                             counted(len(preloaded), "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
                 self.targets[key] = target
 
@@ -641,7 +640,7 @@ def _generator(server: Any, hooks: _Hooks) -> type:
             hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
             warm = hooks.take_warm_up(request)
             if warm is not None:
-                return hooks.warm_tokenize(out, warm)
+                return hooks.warm_up_tokenize(out, warm)
             if hooks.boundary is None:
                 return out
             with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
@@ -660,9 +659,9 @@ def _handler(server: Any, hooks: _Hooks) -> type:
 
         def handle_chat_completions(self):
             request = super().handle_chat_completions()
-            warm = hooks.warm_request_of(self.headers)
+            warm = hooks.warm_up_index(self.headers)
             if warm is not None:
-                hooks.mark_warm_up(request, warm)  # this server's own (hooks.warm_requests)
+                hooks.mark_warm_up(request, warm)  # this server's own (hooks.send_warm_ups)
             return request
 
         def do_GET(self):
@@ -681,7 +680,7 @@ def _handler(server: Any, hooks: _Hooks) -> type:
             # A request before the warm-up requests and fleet checks are done would run beside
             # them at several times a steady request's cost: told to come back instead. The
             # warm-up requests themselves carry this server's header.
-            if not hooks.ready and hooks.warm_request_of(self.headers) is None:
+            if not hooks.ready and hooks.warm_up_index(self.headers) is None:
                 length = int(self.headers.get("Content-Length") or 0)
                 self.rfile.read(min(length, 1 << 26))  # the body, so the connection stays sound
                 self._starting()

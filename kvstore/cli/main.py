@@ -33,7 +33,7 @@ class _PluginGroup(click.Group):
 
     @staticmethod
     def _plugins() -> dict:
-        from importlib.metadata import entry_points  # ~25 ms: only when a plugin is looked up
+        from importlib.metadata import entry_points  # slow to import: only for a plugin
 
         return {ep.name: ep for ep in entry_points(group="kvstore.commands")}
 

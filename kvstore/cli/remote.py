@@ -503,7 +503,7 @@ class _Checked:
         from kvstore.fleet.check import SemanticCheck
 
         self.check, self.queue, self.me = SemanticCheck(plan), queue, me
-        self.record = record  # the verdict of a mismatch: kvstore.fleet.check.fleet_checked
+        self.record = record  # the verdict of a mismatch: kvstore.ops.fleet.fleet_checked
         self.count, self.seconds = 0, 0.0
         self.records, self.records_seconds = 0, 0.0
 

@@ -32,12 +32,11 @@ from kvstore.degrade import settle
 
 # From here on the one-buffer path (pages populated in one call, then copied and checked chunk by
 # chunk), when the copy lands in new pages: per-tensor copies into fresh pages fault each page
-# in from user space, which on this VM costs ~1.5x the populate.
+# in from user space, which costs more than populating them in one call.
 LARGE_BYTES = 8 << 20
 # Few, large units of work: each hand-over between threads needs the GIL, which an app thread
 # busy in Python (mlx_lm.load building the model while kvstore.client.load prefetches) holds for up
-# to
-# the 5 ms switch interval; 8 MiB chunks made a concurrent prefetch 3x slower than alone.
+# to the switch interval, so small chunks leave a concurrent prefetch waiting at every hand-over.
 CHUNK_BYTES = 64 << 20  # checksum: the GIL is released between chunks, for the copy's hand-overs
 PIECE_BYTES = 2 << 20  # copied, then hashed while still in the core's cache (L2 is 1-4 MiB)
 # mlx's own loader reads with 4 threads; KVSTORE_COPY_THREADS overrides (for measuring)

@@ -26,8 +26,8 @@ keeps the last ENDS_KEPT, so a chain pulled in any order costs about one prefill
 position of the record compared. Read-through never serves a state layout (it cannot be cut),
 so a hybrid's learned records come from the fleet by `remote pull` only, with its state-only
 snapshots (entries whose emptied KV layers are those records), which `check_cache` re-prefills
-whole and compares on the state layers they hold. Measured (tiny models, 2-core VM):
-docs/fleet.md, "The semantic check".
+whole and compares on the state layers they hold. What it costs: `python -m bench.fleet_trust
+--check-only`; the reference runs in bench/results/reference/fleet-notes.md, "What trust costs".
 
 Limits: a change to a few positions that no drawn step lands on or after (a stretch is caught
 when any step lands in it or after it); a read-through mismatch cannot name the record that

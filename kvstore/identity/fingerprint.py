@@ -242,8 +242,8 @@ def _architecture(
     name: str,
 ) -> tuple[tuple, bytes, bytes]:
     """(cache layout, model arguments' identity, mlx-lm code digest) of a config. Building the
-    architecture and hashing mlx-lm's source cost ~15 ms in a new process: what they give for
-    this config is remembered while the source files keep their identity."""
+    architecture and hashing mlx-lm's source are the costly part of a new process's fingerprint:
+    what they give for this config is remembered while the source files keep their identity."""
     from mlx_lm.models.cache import make_prompt_cache
 
     key = (

@@ -1,10 +1,11 @@
 """The on-disk store of KV prefix caches: one LMDB environment per home.
 
-It owns how an entry is keyed (`keys`: 32-byte keys, fingerprint first), what an entry is
-(`entry`: the checksummed meta record), the `Store` that reads and writes entries in LMDB
-transactions (`store`), and the process-wide LMDB environments and their reader/writer gate
-(`lmdbenv`, shared with the fleet queue). Importing it loads no mlx: only decoding or storing a
-cache imports the codec.
+It owns the byte layouts of keys and chain links (`keys`: 32-byte keys, fingerprint first), what
+an entry is and the fields a put gives it (`entry`: the checksummed meta record, `PutFields`), the
+`Store` that reads and writes entries in LMDB transactions (`store`), and the process-wide LMDB
+environments and their reader/writer gate (`lmdbenv`, shared with the fleet queue). The learned
+records' tables in the same environment are kvstore.learned's, written through the Store's public
+transactions. Importing it loads no mlx: only decoding or storing a cache imports the codec.
 """
 
 from typing import TYPE_CHECKING

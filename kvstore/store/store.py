@@ -4,8 +4,7 @@ One writer (the daemon, or the CLI when no daemon runs) and many readers. Every 
 `write`, the one place that grows the map; every read through `read`; both recover from
 MapResizedError (another process grew the map) by adopting its size. They are the public
 transaction API the store's other tables (kvstore.learned.blockstore) and readers use. Blob bytes
-read
-through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
+read through `buffers=True` are checksummed and decoded (copied into mlx memory) inside their
 transaction. The meta record and keys live in `kvstore.store.entry`, the process-wide environment
 and its gate in `kvstore.store.lmdbenv`. The codec (and so mlx) is imported only by the methods
 that encode or decode, so listing, stats and eviction never load mlx.
@@ -368,7 +367,7 @@ class Store:
         return self._read(fn, buffers=True)
 
     def blob_ok(self, meta: EntryMeta) -> bool:
-        """The stored blob has its meta's length and checksum (no decode: ~30 GB/s)."""
+        """The stored blob has its meta's length and checksum (no decode: a hash of the bytes)."""
 
         def fn(txn):
             blob = txn.get(meta.key, db=self._blob)

@@ -137,7 +137,7 @@ def serve_request(model, tokenizer, cache, key, hooks, prompt: list[int]) -> Req
     generation thread fetches, generates and inserts, the handler's response iterator records
     the call when it ends."""
     trace = RequestTrace()
-    trace.run("handler", lambda: hooks.warm_request_of({}))
+    trace.run("handler", lambda: hooks.warm_up_index({}))
     ctx = types.SimpleNamespace(prompt=prompt, prompt_cache_count=0)
     out: list[int] = []
 

@@ -154,9 +154,9 @@ def test_a_request_equal_to_or_a_prefix_of_a_text_pin_is_labelled_with_it(
     # a whole prompt's last token, so one equal to the pin (or a prefix of it) read as unserved
     from mlx_lm.utils import load_tokenizer
 
+    from kvstore.ops.warm import warm
     from kvstore.pins.manifest import load_manifest
     from kvstore.store.store import Store
-    from kvstore.warm.warm import warm
 
     manifest = manifest_for(
         tmp_path, llama_path, f'[[model.prefix]]\nname = "rawtext"\ntext = "{RAW}"'
@@ -454,12 +454,12 @@ def test_a_server_told_to_stop_that_cannot_exits_in_one_line(llama_path, kv_home
 _HELD = """
 import os, time
 from kvstore.client.serve import hooks
-warm = hooks._Hooks.warm_requests
+warm = hooks._Hooks.send_warm_ups
 def held(self, provider):  # the warm-up waits for the test's word
     while not os.path.exists(os.environ["GO"]):
         time.sleep(0.02)
     return warm(self, provider)
-hooks._Hooks.warm_requests = held
+hooks._Hooks.send_warm_ups = held
 from kvstore.cli.main import main
 main()
 """

@@ -259,7 +259,7 @@ def test_other_platforms_get_a_clear_error(monkeypatch):
         service.host_kind()
 
 
-# -- launchd through a fake launchctl (tests/fake_launchctl.py) --------------------------------
+# -- launchd through a fake launchctl (tests/daemon/fake_launchctl.py) -------------------------
 
 
 class FakeLaunchd:

@@ -1,10 +1,11 @@
 """Real chat templates battery: a tiny mlx-lm model per family, rendered as mlx_lm.server does.
 
-Each family names a template file under `tests/chat_templates/` (sources in SOURCES.md there), the
-control tokens that template emits and that the real tokenizer knows as single special tokens, its
-BOS/EOS, and whether the real tokenizer prepends BOS on `encode`. `make_family_model` writes a
-random-weight llama directory whose tokenizer has exactly those tokens and carries the template in
-tokenizer_config.json, so `mlx_lm.utils.load_tokenizer` renders as the real model's would.
+Each family names a template file under `tests/pins/chat_templates/` (sources in SOURCES.md
+there), the control tokens that template emits and that the real tokenizer knows as single special
+tokens, its BOS/EOS, and whether the real tokenizer prepends BOS on `encode`. `make_family_model`
+writes a random-weight llama directory whose tokenizer has exactly those tokens and carries the
+template in tokenizer_config.json, so `mlx_lm.utils.load_tokenizer` renders as the real model's
+would.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Family:
     """One model family's real chat template and the tokenizer facts that shape its token stream."""
 
     name: str
-    template: str  # file name under tests/chat_templates/
+    template: str  # file name under tests/pins/chat_templates/
     control_tokens: tuple[str, ...]  # single special tokens in the real tokenizer
     bos_token: str | None
     eos_token: str

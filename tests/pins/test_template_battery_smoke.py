@@ -2,7 +2,7 @@
 through mlx-lm's TokenizerWrapper with its control tokens as single ids, on a loadable tiny model.
 
 Coverage of pins against these renderings is asserted elsewhere; this file proves the ground they
-stand on (tests/template_families.py).
+stand on (tests/pins/template_families.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The battery of real chat templates: pins serve what real requests share, or say why not.
 
-For every family in tests/template_families.py (real templates, a tokenizer that knows each
+For every family in tests/pins/template_families.py (real templates, a tokenizer that knows each
 family's control tokens) and every pin kind (system prompt, system prompt + tools, few-shot): two
 real requests of the same day, rendered as mlx_lm.server renders them, must both start with the
 pin, and the pin must cover everything they share up to the end of the pinned content, or carry

@@ -1,7 +1,7 @@
 """`kvstore service`: run the daemon as a launchd LaunchAgent (macOS) or systemd user unit (Linux).
 
 `print --launchd|--systemd` renders either file on any OS; `install`, `uninstall` and `status`
-act on this OS's kind (daemon/launchd.py, daemon/systemd.py), `--dry-run` shows the steps.
+act on this OS's kind (daemon/cli/service/launchd.py, systemd.py), `--dry-run` shows the steps.
 """
 
 from __future__ import annotations

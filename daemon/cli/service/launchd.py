@@ -30,7 +30,7 @@ from kvstore.daemon.logs import CRASH_LOG_NAME
 LABEL = "dev.kvstore.daemon"  # one per user: reinstalling with another home replaces it
 THROTTLE_INTERVAL = 10  # s between launches of a crashing job (launchd.plist(5); also the default)
 # launchd sends SIGKILL this long after SIGTERM (launchd.plist(5), default 20). The daemon stops
-# within one prefill chunk plus the write in flight (README, "Shutdown"), far inside this.
+# within one prefill chunk plus the write in flight (docs/daemon.md, "Shutdown"), far inside this.
 EXIT_TIMEOUT = 20
 # `launchctl bootout` returns before the job has exited (brew services loops on it for that
 # reason); a bootstrap of the label meanwhile fails with 5. Wait past ExitTimeOut for it to go.

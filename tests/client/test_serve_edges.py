@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -525,7 +526,7 @@ def test_start_warnings_name_serves_option_and_the_identity_part_that_differs(
 
     warm_two_pins(tmp_path, kv_home, llama_path)
     with Store(kv_home) as store:  # unpinned: they go into the LRU, which holds one
-        store.set_pinned([m.key for m in store.metas()], False)
+        store.edit_meta({m.key: (lambda m: replace(m, pinned=False)) for m in store.metas()})
     out = _start_log(kv_home, llama_path, tmp_path / "a.log", "--prompt-cache-size", "1")
     assert "1 of 2 hydrated entries did not stay" in out, out
     assert "(--prompt-cache-size 1," in out and "raise --prompt-cache-size to keep" in out, out

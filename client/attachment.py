@@ -20,6 +20,7 @@ as it would have without kvstore.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -168,7 +169,7 @@ def _route(plain: Callable[..., Iterator[Any]], prompt: Any, model: Any, *args: 
                 attachment.cache, model, tokens, label=attachment.label,
                 decode=getattr(attachment.tokenizer, "decode", None),
             )  # fmt: skip
-        processors = mlxlm.whole_history(kw.get("logits_processors"), prompt[: call.served])
+        processors = mlxlm.whole_history(plain, kw.get("logits_processors"), prompt[: call.served])
         rest = prompt[call.served :]
     except Exception as e:  # a fault of the cache: this call as without kvstore
         attachment.warn_once("the prompt cache failed on a generation call", e)
@@ -198,8 +199,15 @@ def _served(attachment: Attachment, call: CachedCall, steps: Iterator[Any]) -> I
             generated.append(int(token))
             yield token, logprobs
     finally:
-        try:
-            with attachment.lock:
-                call.close(generated, prefill_s, time.perf_counter() - t0)
-        except Exception as e:  # the answer is out already; the cache only missed a transcript
-            attachment.warn_once("the prompt cache failed to keep a generation call", e)
+        if not sys.is_finalizing():  # (a generator left open until the interpreter exits: no)
+            _close(attachment, call, generated, prefill_s, time.perf_counter() - t0)
+
+
+def _close(
+    attachment: Attachment, call: CachedCall, generated: list[int], prefill_s: float, elapsed: float
+) -> None:
+    try:
+        with attachment.lock:
+            call.close(generated, prefill_s, elapsed)
+    except Exception as e:  # the answer is out already; the cache only missed a transcript
+        attachment.warn_once("the prompt cache failed to keep a generation call", e)

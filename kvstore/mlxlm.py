@@ -409,13 +409,16 @@ def binds(plain: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
     return True
 
 
-def whole_history(processors: Sequence[Any] | None, head: Any) -> list | None:
-    """`processors` (generate_step's `logits_processors`) seeing the token history of the whole
-    prompt when generate_step is given only its rest: it passes each processor the tokens of the
-    prompt it was given plus those generated, so `head` (an mx.array, the prompt's cached start,
-    sliced from the prompt so its dtype is the same) goes in front."""
-    if not processors or not head.size:
-        return list(processors) if processors else None
+def whole_history(plain: Callable[..., Any], processors: Sequence[Any] | None, head: Any) -> Any:
+    """`processors` (generate_step's `logits_processors`) given the token history they get when
+    `plain` (generate_step) runs the whole prompt, when it is given only the rest after `head`
+    (an mx.array, the prompt's cached start, sliced from it so the dtype is the same).
+
+    mlx-lm 0.32 passes a processor the whole prompt plus the tokens generated: `head` goes in
+    front. 0.31 passes only the prompt's last token plus those generated (its prefill does not
+    add the chunks it runs to the history), which the rest ends with too: unchanged."""
+    if not processors or not head.size or not _processors_see_prefill(plain):
+        return processors
     import mlx.core as mx
 
     def seeing_all(processor: Any) -> Callable[[Any, Any], Any]:
@@ -425,3 +428,13 @@ def whole_history(processors: Sequence[Any] | None, head: Any) -> list | None:
         return process
 
     return [seeing_all(p) for p in processors]
+
+
+@functools.lru_cache(maxsize=4)
+def _processors_see_prefill(plain: Callable[..., Any]) -> bool:
+    """Whether generate_step adds the prompt chunks it prefills to its processors' history
+    (mlx-lm 0.32: `tokens = mx.concat([tokens, processed])` in the prefill loop; 0.31: no)."""
+    try:
+        return "[tokens, processed]" in inspect.getsource(plain)
+    except (OSError, TypeError):
+        return True

@@ -7,11 +7,13 @@ process whose first step is served from the store. A framework not installed is 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from helpers import wait_learned
@@ -114,3 +116,43 @@ def test_langchain_as_released_fails_the_same_with_or_without_kvstore(llama_path
     assert said[:2] == said[2:]
     assert said[0][0] is TypeError and "formatter" in said[0][1]
     assert said[1][0] is ImportError and "mlx_lm" in said[1][1]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_index.llms.mlx") is None,
+    reason="llama-index-llms-mlx is not installed",
+)
+def test_llama_index_chat_goes_through_the_cache(llama_path, kv_home):
+    """llama-index-llms-mlx 0.6.0's `MLXLLM.chat` / `complete` generate with `mlx_lm.generate`
+    (bound at its import), then encode the answer with `return_tensors="pt"`, which needs torch:
+    without it the call raises after generating, with or without kvstore. What mlx-lm generated
+    inside it is compared (a recorder around the function it bound)."""
+    import mlx_lm
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.mlx import MLXLLM, base
+
+    model, tokenizer = mlx_lm.load(str(llama_path))
+    llm = MLXLLM(model=model, tokenizer=tokenizer, max_new_tokens=MAX)
+    said: list[str] = []
+    real = base.generate
+
+    def recorded(*args, **kwargs):
+        said.append(real(*args, **kwargs))
+        return said[-1]
+
+    def step(messages):
+        with mock.patch.object(base, "generate", recorded):
+            try:
+                llm.chat([ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+            except ImportError as e:  # no torch: after mlx-lm generated
+                assert "PyTorch" in str(e)
+        return said[-1]
+
+    plain1 = step(turns())
+    plain2 = step(turns(plain1))
+    with attach(model, tokenizer, llama_path, verbose=False) as att:
+        step1 = step(turns())
+        step2 = step(turns(step1))
+        calls = att.calls
+    assert (step1, step2) == (plain1, plain2)
+    assert calls[0].cached_tokens == 0 and calls[1].cached_tokens >= calls[0].prompt_tokens

@@ -381,7 +381,7 @@ def route_generate_step(route: StepRoute) -> Callable[[], None]:
     Outlines, llama-index) goes through `route`; modules that bound the name at import
     (`from mlx_lm.generate import generate_step`) keep mlx-lm's own. The undo puts `plain` back
     only if the global is still this route (code that replaced it since keeps its own)."""
-    gen = importlib.import_module(GENERATE)  # (`import mlx_lm.generate` gives the function)
+    gen: Any = importlib.import_module(GENERATE)  # (`import mlx_lm.generate`: the function)
     with _route_lock:
         plain = gen.generate_step
 

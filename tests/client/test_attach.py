@@ -6,7 +6,11 @@ themselves: tests/integrations."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import mlx.core as mx
@@ -20,7 +24,7 @@ from kvstore.client import attach
 from kvstore.client.persistent import PersistentPromptCache
 from tests.helpers import CLASSIFY, assert_same_kv, mlx_lm_prefill
 
-GEN = __import__("sys").modules["mlx_lm.generate"]
+GEN = sys.modules["mlx_lm.generate"]
 MAX = 12
 
 
@@ -155,3 +159,44 @@ def test_whole_history_puts_the_cached_head_in_front_where_mlx_lm_shows_the_prom
     whole = mlx_lm.__version__ >= "0.32"  # 0.31 shows processors the last prompt token only
     assert seen == [[5, 6, 7, 8, 9] if whole else [8, 9]]
     assert mlxlm.whole_history(GEN.generate_step, None, head) is None
+
+
+THREADS = r"""
+import json, os, sys, threading
+import mlx_lm
+from kvstore.client import attach
+
+path = sys.argv[1]
+model, tok = mlx_lm.load(path)
+system = {"role": "system", "content": "You are the router. " * 40}
+prompts = [tok.apply_chat_template([system, {"role": "user", "content": f"request {i}"}],
+                                   add_generation_prompt=True) for i in range(4)]
+want = [mlx_lm.generate(model, tok, p, max_tokens=12) for p in prompts]
+got = [None] * 4
+with attach(model, tok, path, verbose=False) as att:
+    mlx_lm.generate(model, tok, prompts[0], max_tokens=12)
+
+    def run(i):
+        got[i] = mlx_lm.generate(model, tok, prompts[i], max_tokens=12)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    cached = [c.cached_tokens for c in att.calls]
+print(json.dumps({"same": got == want, "cached": cached, "prompt": len(prompts[1])}), flush=True)
+os._exit(0)  # mlx-lm alone can abort at interpreter exit after generating on several threads
+"""
+
+
+def test_four_threads_generate_through_one_attached_model(llama_path, kv_home):
+    """Each call's state is its own (the cache's LRU and stats are locked between calls); in a
+    process of its own, since mlx may abort at exit after threads generated, with or without
+    kvstore."""
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADS, str(llama_path)], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "KVSTORE_HOME": str(kv_home)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["same"]  # every thread's answer is mlx-lm's
+    assert len(res["cached"]) == 5 and all(c > res["prompt"] // 2 for c in res["cached"][1:])

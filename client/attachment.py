@@ -175,7 +175,18 @@ def _route(plain: Callable[..., Iterator[Any]], prompt: Any, model: Any, *args: 
         attachment.warn_once("the prompt cache failed on a generation call", e)
         return plain(prompt, model, *args, **kw)
     kw = {**kw, "prompt_cache": call.cache, "logits_processors": processors}
+    if kw.get("prompt_progress_callback") is not None:  # progress over the whole prompt
+        kw["prompt_progress_callback"] = _progress(kw["prompt_progress_callback"], call.served)
     return _served(attachment, call, plain(rest, model, *args, **kw))
+
+
+def _progress(callback: Callable[[int, int], None], served: int) -> Callable[[int, int], None]:
+    """A prompt_progress_callback counting the tokens the cache served as processed."""
+
+    def progress(done: int, total: int) -> None:
+        callback(done + served, total + served)
+
+    return progress
 
 
 def _same_kv_quantization(identity: ModelIdentity, kw: dict[str, Any]) -> bool:

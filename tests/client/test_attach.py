@@ -200,3 +200,20 @@ def test_four_threads_generate_through_one_attached_model(llama_path, kv_home):
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["same"]  # every thread's answer is mlx-lm's
     assert len(res["cached"]) == 5 and all(c > res["prompt"] // 2 for c in res["cached"][1:])
+
+
+def test_progress_counts_the_whole_prompt(llama, llama_path):
+    model, tok = llama
+    prompt = turns(tok)
+    plain: list = []
+    mlx_lm.generate(
+        model, tok, prompt, max_tokens=2, prompt_progress_callback=lambda *a: plain.append(a)
+    )
+    seen: list = []
+    with attach(model, tok, llama_path, verbose=False):
+        mlx_lm.generate(model, tok, prompt, max_tokens=2)
+        mlx_lm.generate(
+            model, tok, prompt, max_tokens=2, prompt_progress_callback=lambda *a: seen.append(a)
+        )
+    assert plain[-1] == seen[-1] == (len(prompt), len(prompt))  # a progress bar still ends full
+    assert seen[0][0] >= len(prompt) - 1  # and starts where the cache left off

@@ -217,3 +217,18 @@ def test_progress_counts_the_whole_prompt(llama, llama_path):
         )
     assert plain[-1] == seen[-1] == (len(prompt), len(prompt))  # a progress bar still ends full
     assert seen[0][0] >= len(prompt) - 1  # and starts where the cache left off
+
+
+@pytest.mark.parametrize("where", ["/nonexistent/model", 42])
+def test_a_bad_model_path_is_one_warning_and_the_answers_of_mlx_lm(llama, where, caplog):
+    """Nothing hydrated or persisted; calls still answer as mlx-lm does (served from memory)."""
+    model, tok = llama
+    prompt = turns(tok)
+    want = mlx_lm.generate(model, tok, prompt, max_tokens=MAX)
+    with caplog.at_level(logging.WARNING, logger="kvstore.client"):
+        with attach(model, tok, where, verbose=False) as att:  # type: ignore[arg-type]
+            got = [mlx_lm.generate(model, tok, prompt, max_tokens=MAX) for _ in range(2)]
+    assert got == [want, want]
+    said = [r.getMessage() for r in caplog.records if "not hydrating" in r.getMessage()]
+    assert len(said) == 1 and str(where) in said[0]
+    assert att.cache.report.warning == said[0]

@@ -121,8 +121,10 @@ def attach(
 
     Each served call prefills only what its nearest cached prefix does not cover, gives the same
     tokens as mlx-lm alone (logits processors still see the whole prompt), inserts its transcript
-    for the next call, and records a CallStats under `label`. Returns the `Attachment` (a context
-    manager; `detach()` undoes it). Like `PersistentPromptCache.open`, never raises for a store
+    for the next call, and records a CallStats under `label`. Each call keeps its own state, so
+    several threads may generate with the model at once (the cache is locked between them only
+    to fetch and to insert). Returns the `Attachment` (a context manager; `detach()` undoes it
+    and lets go of the model). Like `PersistentPromptCache.open`, never raises for a store
     problem: one warning, and calls are served from memory only. Attaching a model already
     attached warns and returns its attachment."""
     with _REGISTRY:
@@ -149,7 +151,9 @@ def _unroute_if_idle() -> None:
         _undo = None
 
 
-def _route(plain: Callable[..., Iterator[Any]], prompt: Any, model: Any, *args: Any, **kw: Any):
+def _route(
+    plain: Callable[..., Iterator[Any]], prompt: Any, model: Any, *args: Any, **kw: Any
+) -> Iterator[Any]:
     """generate_step for every caller: an attached model's call without its own cache is
     served through the model's cache; anything else is `plain(...)` untouched."""
     attachment = _ATTACHED.get(id(model))

@@ -44,7 +44,7 @@ def agent_run(argv: list[str]) -> dict:
 
     from kvstore.client import attach
 
-    model_path, home, mode, task = argv
+    model_path, home, mode, task, steps = argv
 
     @tool
     def weather(city: str) -> str:
@@ -59,7 +59,7 @@ def agent_run(argv: list[str]) -> dict:
     att = None
     if mode == "attached":
         att = attach(engine.model, engine.tokenizer, model_path, home=home, verbose=False)
-    agent = ToolCallingAgent(tools=[weather], model=engine, max_steps=STEPS, verbosity_level=0)
+    agent = ToolCallingAgent(tools=[weather], model=engine, max_steps=int(steps), verbosity_level=0)
     t = time.perf_counter()
     agent.run(TASKS[int(task)])
     run_s = time.perf_counter() - t
@@ -99,7 +99,7 @@ def _wait_learned(home: Path) -> float:
     return float("nan")
 
 
-def run() -> dict:
+def run(steps: int = STEPS) -> dict:
     from kvstore.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="kvstore-agent-") as tmp:
@@ -108,12 +108,12 @@ def run() -> dict:
         home = root / "home"
         env = dict(os.environ, KVSTORE_HOME=str(home), HF_HUB_OFFLINE="1")
         with running_daemon(home, root / "daemon.log", env):
-            plain = in_fresh_process(agent_run, model, home, "plain", 0)
-            attached = in_fresh_process(agent_run, model, home, "attached", 0)
+            plain = in_fresh_process(agent_run, model, home, "plain", 0, steps)
+            attached = in_fresh_process(agent_run, model, home, "attached", 0, steps)
             learned_s = _wait_learned(home)
-            again = in_fresh_process(agent_run, model, home, "attached", 0)
-            new = in_fresh_process(agent_run, model, home, "attached", 1)
-            plain_new = in_fresh_process(agent_run, model, home, "plain", 1)
+            again = in_fresh_process(agent_run, model, home, "attached", 0, steps)
+            new = in_fresh_process(agent_run, model, home, "attached", 1, steps)
+            plain_new = in_fresh_process(agent_run, model, home, "plain", 1, steps)
     runs = {
         "plain": plain,
         "attached": attached,
@@ -130,10 +130,9 @@ def run() -> dict:
 def _table(res: dict) -> str:
     runs = res["runs"]
     plain = runs["plain"]
-    lines = [
-        "| run | prefilled tokens per call (5 steps, final answer) | agent run s |",
-        "|---|---|---|",
-    ]
+    steps = len(plain["prompt"]) - 1  # the last call is smolagents' final answer
+    lines = [f"| run | prefilled tokens per call ({steps} steps, final answer) | agent run s |"]
+    lines.append("|---|---|---|")
     for name, r in runs.items():
         base = runs["plain, the new task"] if "new task" in name else plain
         ratio = sum(base["prefilled"]) / max(1, sum(r["prefilled"]))

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -31,6 +32,19 @@ NAMES = [
 def fixed(name: str):
     """LangChain generates only with its upstream fix in effect (frameworks.py says why)."""
     return langchain_fix() if name == "langchain" else contextlib.nullcontext()
+
+
+def settled(daemon) -> dict:
+    """The daemon's learned stats once records arrived and stopped changing for a second."""
+    first = wait_learned(daemon)
+    last, since = first, time.monotonic()
+    deadline = since + 10.0
+    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = daemon.request("stats").get("learned") or {}
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
 
 
 def new_process(name: str, model: Path, home: Path, messages: list) -> dict:
@@ -60,7 +74,7 @@ def test_two_steps_then_a_restart_prefill_only_what_is_new(name, llama_path, dae
     assert cached2 >= prompt1  # the second step prefilled only what is new
     assert prompt2 - cached2 < prompt2 // 4
 
-    wait_learned(daemon)  # step 2 extended step 1's prompt: the daemon keeps it
+    settled(daemon)  # step 2 extended step 1's prompt: the daemon keeps it
     again = new_process(name, llama_path, daemon.home, turns())
     assert again["text"] == plain1
     [(prompt, cached)] = again["calls"]

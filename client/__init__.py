@@ -1,6 +1,6 @@
 """The thin kvstore client: hydrate stored prefix caches into mlx-lm's LRUPromptCache (or `load` a
-model with its cache hydrated alongside), pin stage prefixes at runtime, and record every call's
-prefill cost.
+model with its cache hydrated alongside), pin stage prefixes at runtime, record every call's
+prefill cost, and `attach` a model a framework loaded (smolagents, Outlines, ...) to its cache.
 
 `from kvstore.client import hydrate` stays light: the modules that pull in mlx_lm.server and friends
 (serve, parity, analyze) load on first use of one of their names.
@@ -18,6 +18,8 @@ from kvstore.lazy import lazy_exports
 
 # name -> module, imported on first access (module __getattr__, PEP 562)
 _LAZY = {
+    "Attachment": "kvstore.client.attachment",
+    "attach": "kvstore.client.attachment",
     "PersistentPromptCache": "kvstore.client.persistent",
     "Pin": "kvstore.client.persistent",
     "CallStats": "kvstore.client.callstats",
@@ -36,6 +38,10 @@ if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their re
     from kvstore.client.analyze import (
         StageReport,
         load_capture,
+    )
+    from kvstore.client.attachment import (
+        Attachment,
+        attach,
     )
     from kvstore.client.callstats import (
         CallStats,
@@ -61,6 +67,7 @@ if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their re
 # package attribute cannot be both the submodule and the function of the same name.
 
 __all__ = [  # static, so type checkers see every name (the lazy ones as TYPE_CHECKING imports)
+    "Attachment",
     "CallStats",
     "HydrateReport",
     "LabelSummary",
@@ -69,6 +76,7 @@ __all__ = [  # static, so type checkers see every name (the lazy ones as TYPE_CH
     "Pin",
     "StageReport",
     "StatsRecorder",
+    "attach",
     "generate",
     "hydrate",
     "load",

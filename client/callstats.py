@@ -213,6 +213,98 @@ def say(line: str, verbose: bool | None = None) -> None:
         print(line, file=sys.stderr)
 
 
+class CachedCall:
+    """One generation through a prompt cache, what `stream_generate` and `kvstore.client.attach`
+    share: `open` fetches the nearest cached prefix (`cache` to generate with, `rest` still to
+    prefill); `close` records the call's stats and inserts its transcript (mlx-lm's chaining).
+
+    State lives on the object, one per call: two threads (or two interleaved generators) each
+    have their own. `prompt_cache` is a PersistentPromptCache, an LRUPromptCache with
+    `model_key`, or None (a fresh cache, nothing inserted)."""
+
+    def __init__(
+        self,
+        prompt_cache: Any,
+        model_key: Any,
+        tokens: list[int],
+        cache: list,
+        rest: list[int],
+        *,
+        label: str,
+        stats: StatsRecorder | None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+    ):
+        self.prompt_cache, self.model_key, self.label = prompt_cache, model_key, label
+        self.tokens, self.cache, self.rest = tokens, cache, rest
+        self.stats, self.decode = stats, decode
+        # what the fetch prefilled itself (a learned split) is prefill, not cache
+        self.split, self.split_s, self.fleet = _fetch_record(prompt_cache, tokens)
+
+    @classmethod
+    def open(
+        cls,
+        prompt_cache: Any,
+        model: Any,
+        tokens: list[int],
+        *,
+        label: str = "default",
+        model_key: Any = None,
+        stats: StatsRecorder | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+    ) -> CachedCall:
+        """The call of `tokens` (the prompt's ids): the nearest prefix `prompt_cache` holds
+        fetched (its model_key and stats unless given)."""
+        if model_key is None:
+            model_key = getattr(prompt_cache, "model_key", None)
+        if stats is None:
+            stats = getattr(prompt_cache, "stats", None)
+        cache, rest = _cache_for(prompt_cache, model_key, model, tokens)
+        return cls(
+            prompt_cache, model_key, tokens, cache, rest, label=label, stats=stats, decode=decode
+        )
+
+    @property
+    def served(self) -> int:
+        """The prompt's tokens the fetch put in `cache` (generation starts after them)."""
+        return len(self.tokens) - len(self.rest)
+
+    def close(
+        self,
+        generated: Sequence[int],
+        prefill_s: float,
+        elapsed_s: float,
+        *,
+        verbose: bool | None = None,
+    ) -> None:
+        """The call is over (also when the caller stopped early: it cost what it cost): record
+        its stats (`prefill_s` mlx-lm's, `elapsed_s` from the first token in to the last out;
+        `verbose` as StatsRecorder.record's) and insert the transcript the cache holds. A call
+        that failed before answering (mlx-lm refused its arguments) generated nothing: no call,
+        nothing recorded or inserted."""
+        if not generated:
+            return
+        prefill_s += self.split_s
+        if self.stats is not None:
+            self.stats.record(
+                label=self.label,
+                prompt_tokens=len(self.tokens),
+                cached_tokens=self.served - self.split,
+                prefill_s=prefill_s,
+                decode_s=max(0.0, elapsed_s - prefill_s),
+                generated_tokens=len(generated),
+                prompt=self.tokens,
+                pins=_pins_of(self.prompt_cache, self.model_key),
+                decode=self.decode,
+                fleet_tokens=self.fleet,
+                verbose=verbose,
+            )
+        if self.prompt_cache is not None:
+            # mlx-lm runs one token ahead: key the entry by what the cache really holds.
+            transcript = mlxlm.generated_transcript(self.cache, self.tokens + list(generated))
+            if transcript is not None:
+                self.prompt_cache.insert_cache(self.model_key, transcript, self.cache)
+
+
 def stream_generate(
     prompt_cache: Any,
     model: Any,
@@ -239,54 +331,31 @@ def stream_generate(
     import mlx_lm
 
     tokens = _prompt_ids(model, tokenizer, prompt, _vocab_of(prompt_cache, model))
-    if model_key is None:
-        model_key = getattr(prompt_cache, "model_key", None)
-    if stats is None:
-        stats = getattr(prompt_cache, "stats", None)
     identity = getattr(prompt_cache, "identity", None)
     if identity is not None and identity.kv_bits is not None:  # as the stored pins are
         for name in ("kv_bits", "kv_group_size", "quantized_kv_start"):
             kwargs.setdefault(name, getattr(identity, name))
 
-    cache, rest = _cache_for(prompt_cache, model_key, model, tokens)
-    both = cache  # what mlx-lm runs on: with a draft model, its cache follows the model's
+    call = CachedCall.open(
+        prompt_cache, model, tokens, label=label, model_key=model_key, stats=stats,
+        decode=getattr(tokenizer, "decode", None),
+    )  # fmt: skip
+    both = call.cache  # what mlx-lm runs on: with a draft model, its cache follows the model's
     if kwargs.get("draft_model") is not None:
-        both = cache + _draft_cache(kwargs["draft_model"], tokens[: len(tokens) - len(rest)])
-    # what the fetch prefilled itself (a learned split) is prefill, not cache
-    split, split_s, fleet = _fetch_record(prompt_cache, tokens)
+        both = call.cache + _draft_cache(kwargs["draft_model"], tokens[: call.served])
     generated: list[int] = []
-    prefill_s = decode_s = 0.0
+    prefill_s = 0.0
     t0 = time.perf_counter()
     try:
-        for resp in mlx_lm.stream_generate(model, tokenizer, rest, prompt_cache=both, **kwargs):
+        for resp in mlx_lm.stream_generate(
+            model, tokenizer, call.rest, prompt_cache=both, **kwargs
+        ):
             if not generated:
                 prefill_s = resp.prompt_tokens / resp.prompt_tps if resp.prompt_tps else 0.0
-                prefill_s += split_s
             generated.append(resp.token)
             yield resp
     finally:
-        # Also when the caller stops early: the call still cost what it cost. One that failed
-        # before answering (mlx-lm refused its arguments) generated nothing: no call.
-        decode_s = max(0.0, time.perf_counter() - t0 - prefill_s)
-        if stats is not None and generated:
-            stats.record(
-                label=label,
-                prompt_tokens=len(tokens),
-                cached_tokens=len(tokens) - len(rest) - split,
-                prefill_s=prefill_s,
-                decode_s=decode_s,
-                generated_tokens=len(generated),
-                prompt=tokens,
-                pins=_pins_of(prompt_cache, model_key),
-                decode=getattr(tokenizer, "decode", None),
-                fleet_tokens=fleet,
-                verbose=verbose,
-            )
-        if prompt_cache is not None and generated:
-            # mlx-lm runs one token ahead: key the entry by what the cache really holds.
-            transcript = mlxlm.generated_transcript(cache, tokens + generated)
-            if transcript is not None:
-                prompt_cache.insert_cache(model_key, transcript, cache)
+        call.close(generated, prefill_s, time.perf_counter() - t0, verbose=verbose)
 
 
 def _fetch_record(prompt_cache: Any, tokens: list[int]) -> tuple[int, float, int]:

@@ -17,11 +17,13 @@ import contextlib
 import functools
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 CACHE = "mlx_lm.models.cache"
 SERVER = "mlx_lm.server"
+GENERATE = "mlx_lm.generate"
 
 
 class Internal(NamedTuple):
@@ -52,6 +54,9 @@ REQUIRED: tuple[Internal, ...] = (
     Internal(f"{CACHE}:_BaseCache", "from_state", "a cache object from a stored state"),
     Internal("mlx_lm.utils", "_get_classes", "the architecture of a config, without weights"),
     Internal("mlx_lm.tokenizer_utils:TokenizerWrapper", "_tokenizer", "offset mappings"),
+    Internal(
+        GENERATE, "generate_step", "attach routes calls that stream_generate makes through it"
+    ),
     Internal(SERVER, "process_message_content", "tool-call turns as the server reads them"),
     Internal(SERVER, "_run_http_server", "serve's handler (GET /metrics, /health)"),
     Internal(f"{SERVER}:ModelProvider", "_load", "serve hydrates as a model loads"),
@@ -357,3 +362,79 @@ def image_cache_key(tokenized: Sequence[Any]) -> list[int] | None:
     vision = tokenized[4] if len(tokenized) > 4 else None
     key = getattr(vision, "cache_key", None)
     return list(key) if isinstance(key, list) else None
+
+
+# -- mlx_lm.generate: the route `kvstore.client.attach` puts generation calls through ------------
+
+# route(plain, prompt, model, *args, **kwargs) -> the token generator generate_step would return
+StepRoute = Callable[..., Iterator[Any]]
+
+_route_lock = threading.Lock()
+
+
+def route_generate_step(route: StepRoute) -> Callable[[], None]:
+    """Make `mlx_lm.generate.generate_step` call `route(plain, prompt, model, *args, **kwargs)`,
+    `plain` being the generate_step it replaced; the undo is returned.
+
+    `mlx_lm.stream_generate` and `mlx_lm.generate` look generate_step up as a global of
+    mlx_lm.generate on every call, so every framework that ends in them (smolagents, LangChain,
+    Outlines, llama-index) goes through `route`; modules that bound the name at import
+    (`from mlx_lm.generate import generate_step`) keep mlx-lm's own. The undo puts `plain` back
+    only if the global is still this route (code that replaced it since keeps its own)."""
+    gen: Any = importlib.import_module(GENERATE)  # (`import mlx_lm.generate`: the function)
+    with _route_lock:
+        plain = gen.generate_step
+
+        @functools.wraps(plain)
+        def generate_step(prompt: Any, model: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            return route(plain, prompt, model, *args, **kwargs)
+
+        gen.generate_step = generate_step
+
+    def undo() -> None:
+        with _route_lock:
+            if gen.generate_step is generate_step:
+                gen.generate_step = plain
+
+    return undo
+
+
+def binds(plain: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Whether `plain` (generate_step) takes these arguments: a call it refuses is left to it, to
+    fail as it fails without kvstore."""
+    try:
+        inspect.signature(plain).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
+def whole_history(plain: Callable[..., Any], processors: Sequence[Any] | None, head: Any) -> Any:
+    """`processors` (generate_step's `logits_processors`) given the token history they get when
+    `plain` (generate_step) runs the whole prompt, when it is given only the rest after `head`
+    (an mx.array, the prompt's cached start, sliced from it so the dtype is the same).
+
+    mlx-lm 0.32 passes a processor the whole prompt plus the tokens generated: `head` goes in
+    front. 0.31 passes only the prompt's last token plus those generated (its prefill does not
+    add the chunks it runs to the history), which the rest ends with too: unchanged."""
+    if not processors or not head.size or not _processors_see_prefill(plain):
+        return processors
+    import mlx.core as mx
+
+    def seeing_all(processor: Any) -> Callable[[Any, Any], Any]:
+        def process(tokens: Any, logits: Any) -> Any:
+            return processor(mx.concatenate([head, tokens]), logits)
+
+        return process
+
+    return [seeing_all(p) for p in processors]
+
+
+@functools.lru_cache(maxsize=4)
+def _processors_see_prefill(plain: Callable[..., Any]) -> bool:
+    """Whether generate_step adds the prompt chunks it prefills to its processors' history
+    (mlx-lm 0.32: `tokens = mx.concat([tokens, processed])` in the prefill loop; 0.31: no)."""
+    try:
+        return "[tokens, processed]" in inspect.getsource(plain)
+    except (OSError, TypeError):
+        return True

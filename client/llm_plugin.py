@@ -35,6 +35,8 @@ from typing import Any
 
 import llm
 
+from kvstore.degrade import library_call
+
 try:
     import llm_mlx
 except ImportError:  # said once, at registration: nothing to wrap
@@ -111,8 +113,13 @@ class KVStoreMlxModel(_MlxModel):
     def _load(self) -> tuple[Any, Any]:
         if self._model is None:
             from kvstore.client import load
+            from kvstore.client.writebehind import spawn_daemon
+            from kvstore.home.settings import resolve_home
 
             try:
+                # started now, it comes up while the weights load; the write-behind waits for it
+                with library_call("kvstore: could not start the daemon"):
+                    spawn_daemon(resolve_home(None))
                 self._model, self._tokenizer, self._cache = load(
                     self.model_path, learn=True, persist_chains=True, start_daemon=True,
                     verbose=False, warm=False,

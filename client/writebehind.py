@@ -71,10 +71,9 @@ class WriteBehind:
         self.thread = threading.Thread(target=self._run, name="kvstore-write-behind", daemon=True)
         self.thread.start()
         atexit.register(self.close)
-        if start_daemon:
-            self.started_daemon = spawn_daemon(self.home)
-            if self.started_daemon is not None:
-                self._wait_until = time.monotonic() + DAEMON_START_WAIT
+        if start_daemon and (started := spawn_daemon(self.home)) is not None:
+            self.started_daemon = started[0]
+            self._wait_until = started[1] + DAEMON_START_WAIT
 
     def submit(self, job: Job) -> bool:
         """Enqueue without blocking; False (and a counted warning) when it had to be dropped."""
@@ -201,16 +200,26 @@ class WriteBehind:
         return self._client
 
 
-def spawn_daemon(home: Path) -> int | None:
+_started: dict[Path, tuple[int, float]] = {}  # home -> (pid, monotonic start) of this process's
+
+
+def spawn_daemon(home: Path) -> tuple[int, float] | None:
     """Start `kvstore daemon --home HOME` detached when no process holds the home's daemon lock,
-    as socket activation would; its pid, or None when one runs already or it could not start.
+    as socket activation would: its (pid, monotonic start time), or None when another process's
+    daemon holds the home or it could not start. Once per home and process: a second call returns
+    the first one's daemon, so a caller may start it early (before the weights load) and the
+    write-behind still waits for it.
 
     The child runs in its own session (a terminal's Ctrl-C does not stop it), logs to the home's
     daemon.log and outlives this process. Two processes racing here start two daemons; the
     second finds the lock held and exits at once (daemon/exits.py `lock_held`)."""
+    from kvstore.home.settings import home_problem
     from kvstore.wire.daemon_client import lock_holder
 
-    if lock_holder(home) is not None:
+    home = home.absolute()
+    if home in _started:
+        return _started[home]
+    if lock_holder(home) is not None or home_problem(home) is not None:
         return None
     argv = [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)]
     argv += ["--log-file", str(home / DAEMON_LOG)]
@@ -223,7 +232,8 @@ def spawn_daemon(home: Path) -> int | None:
         log.warning("kvstore: could not start `kvstore daemon` for %s: %s", home, e)
         return None
     _reap_later(child)
-    return child.pid
+    _started[home] = (child.pid, time.monotonic())
+    return _started[home]
 
 
 def _reap_later(child: subprocess.Popen) -> None:

@@ -2,13 +2,14 @@
 kvstore plugin (kvstore.client.llm_plugin), interleaved in one run.
 
 Each call is `llm -m tiny -s SYSTEM "question i" -o temperature 0 -o max_tokens 32` in a new
-process, as a user types it; the plain rounds set KVSTORE_LLM=0 (llm-mlx's model, untouched).
-Each side has its own llm user dir (its own logs) and the plugin its own empty kvstore home with
-no daemon running, so its first call starts the daemon. Per call: the prompt's tokens and how many were prefilled (from
-`llm logs --json`: input_tokens less token_details.cached_tokens), the wall time from exec to
-exit, the time to the first byte of the answer, and the exit wait (the last byte of the answer to
-the process's exit: what the plugin's write-behind flush adds there). A tiny model (kvstore.tiny,
-generated here) is the hard case: its prefill costs little, so what the plugin adds shows in full.
+process, as a user types it; the plain rounds set KVSTORE_LLM=0 (llm-mlx's model, untouched). Each
+side has its own llm user dir (its own logs) and the plugin its own empty kvstore home with no
+daemon running, so its first call starts the daemon. Per call: the prompt's tokens and how many
+were prefilled (from `llm logs --json`: input_tokens less token_details.cached_tokens), the wall
+time from exec to exit, the time to the first byte of the answer, and the exit wait (the last byte
+of the answer to the process's exit: what the plugin's write-behind flush adds there). A tiny
+model (kvstore.tiny, generated here) is the hard case: its prefill costs little, so what the
+plugin adds shows in full.
 
 The functions here are also what tests/client/test_llm_plugin.py drives `llm` with.
 

@@ -114,15 +114,19 @@ class KVStoreMlxModel(_MlxModel):
         if self._model is None:
             from kvstore.client import load
             from kvstore.client.writebehind import spawn_daemon
-            from kvstore.home.settings import resolve_home
+            from kvstore.home.settings import home_problem, resolve_home
 
+            home = resolve_home(None)
+            if (problem := home_problem(home)) is not None:
+                _warn_once(f"kvstore: not using the store: {problem}")
+                return super()._load()
             try:
                 # started now, it comes up while the weights load; the write-behind waits for it
                 with library_call("kvstore: could not start the daemon"):
-                    spawn_daemon(resolve_home(None))
+                    spawn_daemon(home)
                 self._model, self._tokenizer, self._cache = load(
-                    self.model_path, learn=True, persist_chains=True, start_daemon=True,
-                    verbose=False, warm=False,
+                    self.model_path, home=home, learn=True, persist_chains=True,
+                    start_daemon=True, verbose=False, warm=False,
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001  mlx-lm's own error, or kvstore's
                 self._model = self._cache = None

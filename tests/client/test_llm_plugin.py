@@ -130,6 +130,20 @@ def test_a_stopped_daemon_is_one_warning_the_same_answer_and_nothing_lost(plugin
     assert cached_tokens(logged(plugin, 1)[0]) > 0  # the store still serves
 
 
+def test_a_damaged_entry_is_one_warning_and_the_same_answer(plugin, plain, kv_home):
+    from helpers import corrupt_a_blob
+
+    ask(plugin, "-m", ALIAS, "-s", SYSTEM, "first")  # stores its transcript
+    stop_daemon(kv_home)  # nothing writes beside the flipped byte
+    corrupt_a_blob(kv_home, "chain")
+    alone = ask(plain, "-m", ALIAS, "-s", SYSTEM, "second").stdout
+    c = ask(plugin, "-m", ALIAS, "-s", SYSTEM, "second")
+    assert c.stdout == alone
+    lines = c.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore: skipped 1 unreadable entry"), lines
+    assert cached_tokens(logged(plugin, 1)[0]) == 0  # prefilled as without kvstore
+
+
 # -- registration, in this process -------------------------------------------------------------
 
 

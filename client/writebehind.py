@@ -200,7 +200,8 @@ class WriteBehind:
         return self._client
 
 
-_started: dict[Path, tuple[int, float]] = {}  # home -> (pid, monotonic start) of this process's
+# home -> (the daemon this process started, monotonic start time)
+_started: dict[Path, tuple[subprocess.Popen, float]] = {}
 
 
 def spawn_daemon(home: Path) -> tuple[int, float] | None:
@@ -212,13 +213,14 @@ def spawn_daemon(home: Path) -> tuple[int, float] | None:
 
     The child runs in its own session (a terminal's Ctrl-C does not stop it), logs to the home's
     daemon.log and outlives this process. Two processes racing here start two daemons; the
-    second finds the lock held and exits at once (daemon/exits.py `lock_held`)."""
+    second finds the lock held and exits at once (daemon/exits.py `lock_held`). One that has
+    exited since is started again."""
     from kvstore.home.settings import home_problem
     from kvstore.wire.daemon_client import lock_holder
 
     home = home.absolute()
-    if home in _started:
-        return _started[home]
+    if home in _started and _started[home][0].poll() is None:
+        return _started[home][0].pid, _started[home][1]
     if lock_holder(home) is not None or home_problem(home) is not None:
         return None
     argv = [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)]
@@ -231,15 +233,8 @@ def spawn_daemon(home: Path) -> tuple[int, float] | None:
     except OSError as e:
         log.warning("kvstore: could not start `kvstore daemon` for %s: %s", home, e)
         return None
-    _reap_later(child)
-    _started[home] = (child.pid, time.monotonic())
-    return _started[home]
-
-
-def _reap_later(child: subprocess.Popen) -> None:
-    """A daemon that exits while this process lives (the lock was taken first) is reaped, not
-    left a zombie; one that outlives it is the init process's to reap."""
-    threading.Thread(target=child.wait, name="kvstore-daemon-reaper", daemon=True).start()
+    _started[home] = (child, time.monotonic())
+    return child.pid, _started[home][1]
 
 
 def store_entry(

@@ -47,6 +47,7 @@ log = logging.getLogger("kvstore.client")
 TESTED = {"llm": "0.36", "llm-mlx": "0.4"}  # the versions this plugin is tested with: exactly
 OFF_ENV = "KVSTORE_LLM"  # "0" (or off, false, no): llm-mlx's models are left as they are
 LABEL = "llm"  # the label of each call's prefill stats (`kvstore stats`)
+KEEP_CHAINS = 8  # a model's newest stored call transcripts kept: what each call's start hydrates
 
 _said: set[str] = set()
 
@@ -167,12 +168,25 @@ class KVStoreMlxModel(_MlxModel):
         response.set_usage(
             input=len(ids), output=chunk.generation_tokens, details={"cached_tokens": cached}
         )
+        self._keep_newest_chains()
         response.response_json = {  # llm-mlx's fields
             "prompt_tps": chunk.prompt_tps,
             "generation_tps": chunk.generation_tps,
             "peak_memory": chunk.peak_memory,
             "finish_reason": chunk.finish_reason,
         }
+
+    def _keep_newest_chains(self) -> None:
+        """After this call's transcript (queued before it), evict the model's older stored
+        transcripts beyond KEEP_CHAINS through the daemon: each call hydrates them all at start."""
+        from kvstore.client.writebehind import Job
+
+        cache = self._cache
+        if cache is None or cache.writer is None or cache.fingerprint is None:
+            return
+        home, fingerprint = cache.home, cache.fingerprint
+        evict = Job("older transcripts", lambda c: evict_older_chains(c, home, fingerprint))
+        cache.writer.submit(evict)
 
     def _generate(self, model: Any, tokenizer: Any, ids: list[int], **kwargs: Any) -> Iterator:
         """kvstore's stream_generate through the cache; mlx-lm's alone when kvstore fails before
@@ -196,6 +210,21 @@ class KVStoreMlxModel(_MlxModel):
                 _warn_once(f"kvstore: generating without the store for {self.model_path}: {e}")
                 self._cache = None
         yield from mlx_lm.stream_generate(model, tokenizer, ids, **kwargs)
+
+
+def evict_older_chains(client: Any, home: Any, fingerprint: bytes) -> int:
+    """Evict the unpinned transcripts (`chain` entries) of the model with `fingerprint` but the
+    KEEP_CHAINS most recently used, through the daemon's `evict`; how many. On the write-behind
+    worker."""
+    from kvstore.store.store import Store
+    from kvstore.wire.messages import EvictRequest
+
+    with Store(home, readonly=True) as store:
+        chains = [m for m in store.metas(fingerprint, errors=[]) if m.label == "chain"]
+    old = sorted((m for m in chains if not m.pinned), key=lambda m: m.last_used)[:-KEEP_CHAINS]
+    if old:
+        client.send(EvictRequest(keys=[m.key for m in old]))
+    return len(old)
 
 
 def chat_messages(prompt: Any) -> list[dict[str, str]]:

@@ -747,6 +747,12 @@ class PersistentPromptCache(PinnedPromptCache):
         )
 
     @property
+    def writer(self) -> WriteBehind | None:
+        """The write-behind to the home's daemon (None without a usable home): the cache's own
+        writes go through it, and an integration's jobs may too (they run in order)."""
+        return self._writer
+
+    @property
     def pins(self) -> dict[str, Pin]:
         return {pin.name: pin for pin, _ in self._pins.values()}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -142,6 +143,30 @@ def test_a_damaged_entry_is_one_warning_and_the_same_answer(plugin, plain, kv_ho
     lines = c.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvstore: skipped 1 unreadable entry"), lines
     assert cached_tokens(logged(plugin, 1)[0]) == 0  # prefilled as without kvstore
+
+
+def test_only_the_newest_transcripts_of_a_model_are_kept(daemon, llama, llama_path, monkeypatch):
+    """Each call's transcript is stored and every call hydrates them all: older ones go."""
+    from kvstore.client import PersistentPromptCache, generate, llm_plugin
+    from kvstore.store.store import Store
+    from kvstore.wire.daemon_client import DaemonClient
+
+    model, tokenizer = llama
+    with PersistentPromptCache.open(
+        model, tokenizer, llama_path, home=daemon.home, verbose=False, persist_chains=True
+    ) as c:
+        for i in range(3):
+            generate(c, model, tokenizer, f"call {i} " * 8, max_tokens=2)
+            assert c.flush()
+            time.sleep(0.01)  # distinct last_used
+        fingerprint = c.fingerprint
+    monkeypatch.setattr(llm_plugin, "KEEP_CHAINS", 1)
+    with DaemonClient(daemon.home) as client:
+        assert llm_plugin.evict_older_chains(client, daemon.home, fingerprint) == 2
+        assert llm_plugin.evict_older_chains(client, daemon.home, fingerprint) == 0
+    with Store(daemon.home, readonly=True) as store:
+        (kept,) = store.metas(fingerprint)
+    assert tokenizer.decode(kept.token_ids()).startswith("call 2")
 
 
 # -- registration, in this process -------------------------------------------------------------

@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip uninstall -q -y kvstore 2>/dev/null || true  # the distribution's old name
-	$(PY) -m pip install -q -e '.[test,bench,fleet,integrations]'
+	$(PY) -m pip install -q -e '.[test,bench,fleet,integrations,llm]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -50,7 +50,7 @@ LOW_VENV := .venv-lowest
 $(LOW_VENV)/.installed: pyproject.toml
 	test -x $(LOW_VENV)/bin/python || $(PYTHON) -m venv $(LOW_VENV)
 	$(LOW_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOW_VENV)/bin/python -m pip install -q -e '.[test,fleet,integrations]' $(LOWEST)
+	$(LOW_VENV)/bin/python -m pip install -q -e '.[test,fleet,integrations,llm]' $(LOWEST)
 	touch $@
 
 test-lowest: $(LOW_VENV)/.installed

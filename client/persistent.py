@@ -525,6 +525,7 @@ class CacheOptions:
     max_bytes: int = 1 << 63  # bytes of LRU entries, pins apart
     persist_chains: bool = False  # send chained transcripts to the daemon too
     learn: bool = False  # report prompts; restore from the store on a memory miss
+    start_daemon: bool = False  # no daemon holds the home: start one (client/writebehind.py)
     stats: bool = True  # record each call's prefill stats
     verbose: bool | None = None  # print each call's line (None: unless logging shows it)
     chat_template_kwargs: Mapping[str, Any] | None = None  # what the app's requests render with
@@ -549,6 +550,7 @@ class CacheKeywords(IdentityKeywords, total=False):
     max_bytes: int
     persist_chains: bool
     learn: bool
+    start_daemon: bool
     stats: bool
     verbose: bool | None
     chat_template_kwargs: Mapping[str, Any] | None
@@ -665,7 +667,11 @@ class PersistentPromptCache(PinnedPromptCache):
         except KVStoreError as e:
             bad = f"kvstore: not hydrating or persisting: {e}"
         # no writer (nothing sent anywhere) without a usable home
-        writer = WriteBehind(resolved) if resolved is not None else None
+        writer = (
+            WriteBehind(resolved, start_daemon=options.start_daemon)
+            if resolved is not None
+            else None
+        )
         stats = None
         if options.stats:
             stats = StatsRecorder(
@@ -740,6 +746,12 @@ class PersistentPromptCache(PinnedPromptCache):
                 files_ok=self._files_hold_these_weights,
             ),
         )
+
+    @property
+    def writer(self) -> WriteBehind | None:
+        """The write-behind to the home's daemon (None without a usable home): the cache's own
+        writes go through it, and an integration's jobs may too (they run in order)."""
+        return self._writer
 
     @property
     def pins(self) -> dict[str, Pin]:

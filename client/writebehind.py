@@ -6,14 +6,22 @@ with a counted warning rather than blocking generation. With no daemon, jobs are
 one warning and the app goes on as if kvstore were not there. A job the daemon refuses is one
 warning per condition: the same refusal again (a full disk refusing every stats batch, numbers
 aside) is logged at debug until a job goes through.
+
+`start_daemon=True` is socket activation for one-shot processes (the `llm` plugin): when no
+process holds the home's daemon lock, `kvstore daemon` is started for the home, detached (its own
+session, its log in the home's daemon.log), and jobs wait up to DAEMON_START_WAIT seconds for it
+to answer instead of being dropped. The daemon stays running for later processes.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +36,9 @@ log = logging.getLogger("kvstore.client")
 
 QUEUE_SIZE = 16  # jobs waiting for the worker; more are dropped (never block a request)
 CLOSE_TIMEOUT = 10.0  # seconds close() waits for queued jobs before abandoning them
+DAEMON_START_WAIT = 10.0  # seconds jobs wait for a daemon this process started to answer
+NOT_ANSWERING_BACKOFF = 5.0  # seconds no job reconnects after a lock holder did not answer
+DAEMON_LOG = "daemon.log"  # in the home: the log of a daemon started by `start_daemon`
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,17 @@ class Job:
 class WriteBehind:
     """One worker thread and a bounded queue of jobs for the daemon of `home`."""
 
-    def __init__(self, home: str | Path | None = None, *, maxsize: int = QUEUE_SIZE):
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        *,
+        maxsize: int = QUEUE_SIZE,
+        start_daemon: bool = False,
+    ):
         self.home = resolve_home(home)
+        self.started_daemon: int | None = None  # the pid of the daemon `start_daemon` started
+        self._wait_until = 0.0  # jobs wait for a daemon to answer until then (monotonic)
+        self._retry_after = 0.0  # no reconnect before then: a lock holder did not answer
         self.sent = 0  # jobs the daemon accepted
         self.dropped = 0  # jobs dropped: queue full or no daemon
         self.failed = 0  # jobs the daemon refused or that broke midway
@@ -55,6 +75,9 @@ class WriteBehind:
         self.thread = threading.Thread(target=self._run, name="kvstore-write-behind", daemon=True)
         self.thread.start()
         atexit.register(self.close)
+        if start_daemon and (started := spawn_daemon(self.home)) is not None:
+            self.started_daemon = started[0]
+            self._wait_until = started[1] + DAEMON_START_WAIT
 
     def submit(self, job: Job) -> bool:
         """Enqueue without blocking; False (and a counted warning) when it had to be dropped."""
@@ -172,14 +195,59 @@ class WriteBehind:
         # a daemon started after the app is picked up without a restart.
         if self._client is None:
             from kvstore.errors import KVStoreError
-            from kvstore.wire.daemon_client import connect
+            from kvstore.wire.daemon_client import connect, lock_holder
 
+            if time.monotonic() < self._retry_after:
+                return None
             try:
                 self._client = connect(self.home)
+                while self._client is None and time.monotonic() < self._wait_until:
+                    time.sleep(0.05)  # the daemon this process started is still starting
+                    self._client = connect(self.home)
             except KVStoreError as e:  # a busy daemon (too many connections): this job is dropped
                 log.debug("kvstore: %s", e)
                 return None
+            if self._client is None and lock_holder(self.home) is not None:
+                # held but silent (stopped, hung): its ping timeout is not paid again per job
+                self._retry_after = time.monotonic() + NOT_ANSWERING_BACKOFF
         return self._client
+
+
+# home -> (the daemon this process started, monotonic start time)
+_started: dict[Path, tuple[subprocess.Popen, float]] = {}
+
+
+def spawn_daemon(home: Path) -> tuple[int, float] | None:
+    """Start `kvstore daemon --home HOME` detached when no process holds the home's daemon lock,
+    as socket activation would: its (pid, monotonic start time), or None when another process's
+    daemon holds the home or it could not start. Once per home and process: a second call returns
+    the first one's daemon, so a caller may start it early (before the weights load) and the
+    write-behind still waits for it.
+
+    The child runs in its own session (a terminal's Ctrl-C does not stop it), logs to the home's
+    daemon.log and outlives this process. Two processes racing here start two daemons; the
+    second finds the lock held and exits at once (daemon/exits.py `lock_held`). One that has
+    exited since is started again."""
+    from kvstore.home.settings import home_problem
+    from kvstore.wire.daemon_client import lock_holder
+
+    home = home.absolute()
+    if home in _started and _started[home][0].poll() is None:
+        return _started[home][0].pid, _started[home][1]
+    if lock_holder(home) is not None or home_problem(home) is not None:
+        return None
+    argv = [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)]
+    argv += ["--log-file", str(home / DAEMON_LOG)]
+    try:
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ),
+        )  # fmt: skip
+    except OSError as e:
+        log.warning("kvstore: could not start `kvstore daemon` for %s: %s", home, e)
+        return None
+    _started[home] = (child, time.monotonic())
+    return child.pid, _started[home][1]
 
 
 def store_entry(

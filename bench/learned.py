@@ -409,12 +409,12 @@ def _state_chat_bytes(home: Path, model: Path, final: list[int], daemon_log: str
     kept on it) against the final prompt's KV + max_snapshots_per_prefix states, and what all
     learning wrote (records + snapshots, the daemon's daily counter) against what it added: the
     new tokens' KV + one state per snapshot written (the daemon's log lines count them)."""
-    from kvstore.home.settings import DEFAULTS
+    from kvstore.home.settings import DEFAULT
     from kvstore.learned.blockstore import BlockStore, is_snapshot
     from kvstore.store.store import Store
 
     per_token, fixed = _kv_bytes_per_token(model)
-    cap = int(DEFAULTS["max_snapshots_per_prefix"])
+    cap = int(DEFAULT.max_snapshots_per_prefix)
     snaps_written = [(int(t), int(b)) for t, b in SNAPSHOT_LINE.findall(daemon_log)]
     store = Store(home, readonly=True)
     try:
@@ -456,11 +456,11 @@ def hybrid_shapes(prompts: tuple[int, ...] = SHAPE_PROMPTS, turn: int = TURN_TOK
     per day the default daily write budget (learn_write_bytes_per_day) then covers."""
     from bench.shapes import HYBRID_9B, make_cache
     from kvstore.codec import codec
-    from kvstore.home.settings import DEFAULTS
+    from kvstore.home.settings import DEFAULT
     from kvstore.learned.chain import cuts
     from kvstore.learned.records import kv_layers, slice_record, state_part
 
-    budget = int(DEFAULTS["learn_write_bytes_per_day"])
+    budget = int(DEFAULT.learn_write_bytes_per_day)
     out: dict = {"shape": HYBRID_9B.name, "turn_tokens": turn, "write_budget": budget, "rows": []}
     for n in prompts:
         cache = make_cache(HYBRID_9B, n)

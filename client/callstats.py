@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore import metrics, mlxlm
 from kvstore.client.writebehind import Job, WriteBehind
@@ -23,6 +23,13 @@ from kvstore.identity.model import model_name
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.tokens import TokenIds
 from kvstore.wire.messages import RecordRequest
+
+if TYPE_CHECKING:  # mlx-lm's own types, imported for the checker only (mlx_lm loads on a call)
+    import mlx.nn as nn
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizer
 
 log = logging.getLogger("kvstore.client")
 
@@ -306,9 +313,9 @@ class CachedCall:
 
 
 def stream_generate(
-    prompt_cache: Any,
-    model: Any,
-    tokenizer: Any,
+    prompt_cache: LRUPromptCache | None,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizer | TokenizerWrapper,
     prompt: str | TokenIds,
     *,
     label: str = "default",
@@ -316,7 +323,7 @@ def stream_generate(
     stats: StatsRecorder | None = None,
     verbose: bool | None = None,
     **kwargs: Any,
-) -> Iterator[Any]:
+) -> Iterator[GenerationResponse]:
     """mlx_lm.stream_generate through an LRUPromptCache, recording the call's prefill stats.
 
     `prompt_cache` is a PersistentPromptCache (its model_key and stats are used), an mlx-lm
@@ -438,9 +445,9 @@ def _draft_cache(draft_model: Any, prefix: list[int]) -> list:
 
 
 def generate(
-    prompt_cache: Any,
-    model: Any,
-    tokenizer: Any,
+    prompt_cache: LRUPromptCache | None,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizer | TokenizerWrapper,
     prompt: str | TokenIds,
     *,
     label: str = "default",

@@ -73,7 +73,7 @@ class FleetReads:
                             "request is served from the bucket must be authenticated; `kvstore "
                             "remote key new`)")  # fmt: skip
                 return None
-            if isinstance(block := settings.get("block_tokens"), int) and block > 0:
+            if isinstance(block := settings.block_tokens, int) and block > 0:
                 self.block = block
             self.reader = ReadThrough(Remote(rs), quarantined=self.quarantined)
         except KVStoreError as e:

@@ -27,6 +27,8 @@ from kvstore.store.entry import EntryMeta
 from kvstore.store.store import Store
 
 if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.models.cache import LRUPromptCache
     from typing_extensions import Unpack
 
 log = logging.getLogger("kvstore.client")
@@ -299,12 +301,12 @@ def insert(
 
 
 def hydrate(
-    prompt_cache,
+    prompt_cache: LRUPromptCache,
     model_key: Any,
     model_path: str | Path | ModelIdentity,
     *,
     home: str | Path | None = None,
-    model: Any = None,
+    model: nn.Module | None = None,
     prefetched: Prefetched | None = None,
     **identity: Unpack[IdentityKeywords],
 ) -> HydrateReport:

@@ -37,6 +37,8 @@ from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
 
 if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
     from typing_extensions import Unpack
 
     from kvstore.client.persistent import CacheKeywords, CacheOptions, PersistentPromptCache
@@ -99,7 +101,7 @@ def load(
     warm: bool = True,
     options: CacheOptions | None = None,
     **keywords: Unpack[CacheKeywords],
-) -> tuple[Any, Any, PersistentPromptCache]:
+) -> tuple[nn.Module, TokenizerWrapper, PersistentPromptCache]:
     """Return `(model, tokenizer, cache)`: what `mlx_lm.load` returns, and a
     `PersistentPromptCache` hydrated from the store while the weights loaded.
 

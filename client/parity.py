@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
+
+if TYPE_CHECKING:
+    from kvstore.pins.manifest import Manifest
 
 MAX_TOKENS = 16  # greedy steps per prompt
 # Default reference "split" repeats the store's arithmetic exactly (same prefill chunks), so an
@@ -188,7 +191,7 @@ def _model_for(prompt: ParityPrompt, models: list) -> int:
 
 
 def run_parity(
-    manifest: Any,
+    manifest: Manifest,
     prompts: list[ParityPrompt],
     *,
     home: Path,

@@ -48,6 +48,9 @@ from kvstore.store.entry import unchecked
 from kvstore.wire.messages import TouchRequest
 
 if TYPE_CHECKING:
+    import mlx.nn as nn
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizer
     from typing_extensions import Self, Unpack
 
     from kvstore.identity.fingerprint import Fingerprint
@@ -604,8 +607,8 @@ class PersistentPromptCache(PinnedPromptCache):
 
     def __init__(
         self,
-        model: Any,
-        tokenizer: Any,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizer | TokenizerWrapper,
         identity: ModelIdentity,
         home: Path | None = None,
         options: CacheOptions | None = None,
@@ -644,8 +647,8 @@ class PersistentPromptCache(PinnedPromptCache):
     @classmethod
     def open(
         cls,
-        model: Any,
-        tokenizer: Any,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizer | TokenizerWrapper,
         model_path: str | Path | ModelIdentity,
         *,
         home: str | Path | None = None,

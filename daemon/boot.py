@@ -35,7 +35,7 @@ from kvstore.daemon.server import Daemon
 from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, StoreDamaged, transient
 from kvstore.home.registry import canonical, registered
-from kvstore.home.settings import MANIFEST_NAME, Settings, ensure_home, load_settings
+from kvstore.home.settings import MANIFEST_NAME, ensure_home, load_settings
 from kvstore.store.store import Store
 
 log = logging.getLogger("kvstore.daemon")
@@ -116,16 +116,15 @@ def _boot(home: Path, manifest: Path | None) -> Booted:
         fixed = tuple(manifests)
         manifests += registered_manifests(home, manifests)
         settings = load_settings(home)
-        typed = Settings.of(settings)
         try:
             store = Store(  # opening it runs reader_check
-                home, map_size=int(typed.map_size), max_map_size=int(typed.max_map_size)
+                home, map_size=int(settings.map_size), max_map_size=int(settings.max_map_size)
             )
         except StoreDamaged:  # a daemon that died of it (a SIGBUS) may have left its socket
             remove_stale_socket(home)
             raise
         undo.callback(store.close)
-        listener, path = bind_socket(home, backlog=int(typed.max_connections))
+        listener, path = bind_socket(home, backlog=int(settings.max_connections))
         daemon = Daemon(
             home,
             store=store,

@@ -29,6 +29,7 @@ from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, StoreDamaged
 from kvstore.home.ledger import Ledger, validate
 from kvstore.home.registry import canonical, register
+from kvstore.home.settings import Settings
 from kvstore.ops import entries, verify
 from kvstore.ops import manifests as manifest_ops
 from kvstore.ops import put as put_ops
@@ -100,7 +101,7 @@ class Commands:
         upkeep: Upkeep,
         ledger: Ledger,
         learning: Learning,
-        settings: dict[str, Any],
+        settings: Settings,
         control: DaemonControl,
     ):
         self.store, self.writer, self.upkeep, self.ledger = store, writer, upkeep, ledger
@@ -172,7 +173,7 @@ class Commands:
         """An entry, inline or streamed as `{"data": bytes}` frames; verified before commit. A
         streamed put that fails midway leaves chunk frames unread: `dispatch` set the connection
         to close after the reply rather than parse them."""
-        fields = put_ops.check_request(req, max_bytes=int(self.settings["max_bytes"]))
+        fields = put_ops.check_request(req, max_bytes=int(self.settings.max_bytes))
         blob = req.blob
         if blob is None:  # grows to at most nbytes (itself at most max_bytes, checked above)
             blob = conn.receive_stream(req.nbytes)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Mapping
 from typing import Any
 
 from kvstore.errors import ProtocolError
+from kvstore.home.settings import Settings
 from kvstore.wire import protocol
 
 log = logging.getLogger("kvstore.daemon")
@@ -16,11 +18,12 @@ log = logging.getLogger("kvstore.daemon")
 class Connection:
     """One client socket and the timeouts that apply to it."""
 
-    def __init__(self, sock: socket.socket, settings: dict[str, Any]):
+    def __init__(self, sock: socket.socket, settings: Settings | Mapping[str, object]):
         self.sock = sock
-        self.max_bytes = int(settings["max_frame_bytes"])
-        self.header_timeout = float(settings["header_timeout"])
-        self.idle_timeout = float(settings["idle_timeout"])
+        limits = Settings.of(settings)  # a mapping as Settings.of takes one
+        self.max_bytes = int(limits.max_frame_bytes)
+        self.header_timeout = float(limits.header_timeout)
+        self.idle_timeout = float(limits.idle_timeout)
         self.close_after_reply = False
         self.requests = 0
 

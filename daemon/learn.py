@@ -13,7 +13,7 @@ from typing import Any
 from kvstore import metrics
 from kvstore import tokens as tk
 from kvstore.home.ledger import Ledger
-from kvstore.home.settings import DEFAULTS
+from kvstore.home.settings import Settings
 from kvstore.learned.blockstore import BlockStore, is_snapshot, learned_summary, today
 from kvstore.learned.chain import chain_hashes
 from kvstore.learned.policy import MIN_LCP, LearnPolicy, Sighting, worth_storing
@@ -47,7 +47,7 @@ class Learning:
         store: Store,
         blocks: BlockStore,
         ledger: Ledger,
-        settings: dict[str, Any],
+        settings: Settings,
         write: Callable[[str, Callable[[], Any]], Any],
         *,
         budget: Budget,
@@ -61,11 +61,8 @@ class Learning:
         self._bytes_per_token: dict[bytes, float] = {}  # per fingerprint, from put_blocks
         self._paused: str | None = None
         self.policy = LearnPolicy(
-            min_requests=int(self._setting("learn_min_requests")), block=self.blocks.block
+            min_requests=int(settings.learn_min_requests), block=self.blocks.block
         )
-
-    def _setting(self, name: str) -> Any:
-        return self.settings.get(name, DEFAULTS[name])
 
     def _prefill_tps(self, model: str) -> float | None:
         rows = [r for r in self.ledger.stats()["by_model_label"] if r["model"] == model]
@@ -88,7 +85,7 @@ class Learning:
         """Why learning is paused now (the daily write budget), or None; logged once a day."""
         msg = self.policy.paused(
             written_today=self.blocks.written_today(),
-            write_budget=int(self._setting("learn_write_bytes_per_day")),
+            write_budget=int(self.settings.learn_write_bytes_per_day),
         )
         self._note_paused(msg)
         return msg
@@ -125,7 +122,7 @@ class Learning:
                 written_today=0,
                 write_budget=1,
                 want_bytes=int(bpt * (end - stored)) if bpt else None,
-                learned_budget=int(self._setting("learned_max_bytes")),
+                learned_budget=int(self.settings.learned_max_bytes),
             )
             if why:
                 self._note_paused(why)
@@ -205,7 +202,7 @@ class Learning:
         log.info("learned snapshot %s: %d tokens, %d bytes written (%s)", meta.key.hex(),
                  meta.ntokens, meta.nbytes, "state only" if meta.extra.get("kv_layers")
                  else "whole cache")  # fmt: skip
-        cap = max(1, int(self._setting("max_snapshots_per_prefix")))
+        cap = max(1, int(self.settings.max_snapshots_per_prefix))
         same_chain = [
             m
             for m in self.store.metas(meta.fingerprint, errors=[])

@@ -37,7 +37,7 @@ from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, ProtocolError, StoreDamaged, counted
 from kvstore.home.ledger import Ledger
 from kvstore.home.registry import canonical
-from kvstore.home.settings import STORE_DIR, load_settings
+from kvstore.home.settings import STORE_DIR, Settings, load_settings
 from kvstore.store.store import Store
 from kvstore.wire import protocol
 from kvstore.wire.codes import ErrorCode
@@ -59,7 +59,7 @@ class Daemon:
         home: Path,
         *,
         store: Store,
-        settings: dict[str, Any],
+        settings: Settings,
         manifests: list[Path],
         listener: socket.socket,
         socket_path: Path,
@@ -128,9 +128,12 @@ class Daemon:
         """Queue a reconcile of every manifest; one already queued and not started absorbs this."""
         if settings:
             try:
-                self.settings.update(load_settings(self.home))
+                self.settings = load_settings(self.home)
             except KVStoreError as e:
                 log.error("reload: %s (keeping the previous settings)", e)
+            # one frozen value, replaced whole: each part that reads it is handed the new one
+            self.upkeep.settings = self.upkeep.budget.settings = self.settings
+            self.learning.settings = self.commands.settings = self.settings
         with self._pending_lock:
             pending = self._pending
             if pending is not None and not pending.running() and not pending.done():
@@ -182,8 +185,8 @@ class Daemon:
         self.watcher = Watcher(
             lambda: watched_files(list(self.manifests)),
             self._on_files_changed,
-            debounce=float(self.settings["debounce"]),
-            poll_interval=float(self.settings["poll_interval"]),
+            debounce=float(self.settings.debounce),
+            poll_interval=float(self.settings.poll_interval),
             keep_out=[self.home / STORE_DIR],  # no schedule may see LMDB's writes
         )
         self.watcher.start()
@@ -248,9 +251,9 @@ class Daemon:
     def _accept_loop(self) -> None:
         """Accepts until stopping; then closes and removes the socket at once, so clients fall
         back to writing directly while the write in flight finishes."""
-        interval = float(self.settings["reader_check_interval"])
+        interval = float(self.settings.reader_check_interval)
         next_check = time.monotonic() + interval
-        memory_interval = float(self.settings["memory_check_interval"])
+        memory_interval = float(self.settings.memory_check_interval)
         next_memory = time.monotonic() + memory_interval
         self.listener.setblocking(False)
         try:
@@ -308,7 +311,7 @@ class Daemon:
             log.warning("refused a connection from another user")
             sock.close()
             return
-        cap = int(self.settings["max_connections"])
+        cap = int(self.settings.max_connections)
         with self._conns_lock:
             full = len(self._conns) >= cap
             if not full:

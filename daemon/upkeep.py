@@ -14,7 +14,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from kvstore.daemon.lifecycle import memory_to_load, peak_rss_bytes, rss_bytes, 
 from kvstore.degrade import daemon_handler
 from kvstore.errors import KVStoreError, PrefillStopped, StoreDamaged, counted
 from kvstore.home.registry import canonical
-from kvstore.home.settings import DEFAULTS
+from kvstore.home.settings import Settings
 from kvstore.identity.fingerprint import (
     ADAPTER_GLOBS,
     TEMPLATE_FILES,
@@ -113,19 +113,17 @@ class Upkeep:
         self,
         store: Store,
         home: Path,
-        settings: dict[str, Any],
+        settings: Settings | Mapping[str, object],
         stopping: threading.Event,
         *,
         clock: Callable[[], dt.datetime] = local_now,
         blocks: BlockStore | None = None,
     ):
         self.store = store
-        self.blocks = blocks or BlockStore(
-            store, block=int(settings.get("block_tokens", DEFAULTS["block_tokens"]))
-        )  # learned records
+        self.settings = settings = Settings.of(settings)  # a mapping as Settings.of takes one
+        self.blocks = blocks or BlockStore(store, block=int(settings.block_tokens))
         self.clock = clock  # the local time pins render for (clock-bound pins); tests move it
         self.home = home
-        self.settings = settings
         self.stopping = stopping
         self.last_warm: dict[str, Any] | None = None
         # Manifests whose warm waits for memory to load a model: path -> why, since, bytes needed.
@@ -228,7 +226,7 @@ class Upkeep:
             f"not enough memory to load model {plan.spec.path!r}: it needs about "
             f"{need / 2**20:.0f} MiB (weights + margin), {avail / 2**20:.0f} MiB is available; "
             f"warm deferred, retried when memory allows (checked every "
-            f"{float(self.settings['memory_check_interval']):g}s)"
+            f"{float(self.settings.memory_check_interval):g}s)"
         )
 
     @staticmethod
@@ -374,6 +372,6 @@ class Upkeep:
         with daemon_handler("upgrade canary failed; warming as usual", logger=log):
             check_at_boot(self.store, self.home, manifest_paths)
         if self._versions is None:
-            interval = float(self.settings.get("version_check_interval", 30.0))
+            interval = float(self.settings.version_check_interval)
             self._versions = VersionWatch(interval, self.stopping, restart_into_new_code)
             self._versions.start()

@@ -1,6 +1,7 @@
 """Rules of the code that hold themselves (House): no function over 80 lines, no module that imports
-its own package while that package imports it back, one way into the store and one way out, and
-the import contracts (run by `make imports`). A rule in prose alone slipped within two sessions;
+its own package while that package imports it back, one way into the store and one way out,
+settings read as attributes of the one `Settings` value, and the import contracts (run by `make
+imports`). A rule in prose alone slipped within two sessions;
 these fail `make test` instead."""
 
 from __future__ import annotations
@@ -70,6 +71,30 @@ def test_entries_enter_and_leave_the_store_by_one_door_each():
     assert not doors, "go through kvstore.ops.put or kvstore.ops.evict:\n" + "\n".join(doors)
 
 
+def _settings_by_key(path: Path) -> list[str]:
+    """`settings["x"]`, `settings.get("x")` (any name ending in settings), `DEFAULTS["x"]` and
+    `load_settings(...)["x"]`: a setting read by string key, not as an attribute of `Settings`."""
+    rel, found = path.relative_to(ROOT).as_posix(), []
+
+    def is_settings(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call):
+            node = node.func
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+        return name.endswith("settings") or name == "DEFAULTS"
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Subscript) and is_settings(node.value):
+            found.append(f"{rel}:{node.lineno} [...]")
+        elif isinstance(node, ast.Attribute) and node.attr == "get" and is_settings(node.value):
+            found.append(f"{rel}:{node.lineno} .get")
+    return found
+
+
+def test_settings_are_read_as_attributes():
+    by_key = [f for path in _files() for f in _settings_by_key(path)]
+    assert not by_key, "read these as attributes of Settings (load_settings):\n" + "\n".join(by_key)
+
+
 def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
     """Every kvstore module `path` imports, at any depth of its code (function-level imports
     count); `from package import submodule` imports the submodule, not the package's names."""
@@ -119,7 +144,7 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("bad", ["long", "circle", "door"])
+@pytest.mark.parametrize("bad", ["long", "circle", "door", "settings"])
 def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
     """The checks above fail on the thing they forbid (a rule that cannot fail checks nothing)."""
     if bad == "long":
@@ -133,6 +158,11 @@ def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
         f.write_text("def f(self, store):\n    store.put(b'k', b'v')\n    self.store.delete([])\n")
         monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
         assert _store_doors(f) == ["m.py:2 store.put", "m.py:3 store.delete"]
+    elif bad == "settings":
+        f = tmp_path / "m.py"
+        f.write_text("a = settings['x']\nb = self.settings.get('y')\nc = load_settings(h)['z']\n")
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert sorted(_settings_by_key(f)) == ["m.py:1 [...]", "m.py:2 .get", "m.py:3 [...]"]
     else:
         graph = {
             "kvstore.client": {"kvstore.client.load"},

@@ -106,7 +106,7 @@ class LearnedGauges:
             metrics.WRITTEN_TODAY.set(got["written_today"])
 
     def _read(self) -> dict[str, int] | None:
-        from kvstore.home.settings import DEFAULT, load_settings
+        from kvstore.home.settings import load_settings
         from kvstore.learned.blockstore import BlockStore, is_snapshot
         from kvstore.store.store import Store
 
@@ -118,8 +118,7 @@ class LearnedGauges:
         if self._blocks is None:
             self._blocks = BlockStore(store)
         blocks = self._blocks
-        budget = int(load_settings(self.home).get("learned_max_bytes",  # type: ignore[call-overload]
-                                                  DEFAULT.learned_max_bytes))  # fmt: skip
+        budget = int(load_settings(self.home).learned_max_bytes)
         n_entries = store.entry_count()
         if n_entries != self._snapshots[0]:
             snaps = sum(m.nbytes for m in store.metas(errors=[]) if is_snapshot(m))

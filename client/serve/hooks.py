@@ -44,6 +44,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from kvstore import mlxlm
@@ -707,7 +708,7 @@ def patched_server(
     model_config: dict | None = None,
     learn: bool = True,
     hooks_out: list | None = None,
-) -> Iterator[Any]:
+) -> Iterator[ModuleType]:
     """mlx_lm.server with the kvstore hooks installed; restored on exit. `model_config` overrides
     are given to mlx_lm.load for the served model (mlx_lm.server has no option for them);
     `learn` reports prompts to the daemon and restores from the store on a memory miss.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import KVStoreError
-from kvstore.home.settings import write_private
+from kvstore.home.settings import Settings, write_private
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -217,13 +217,13 @@ def parse_remote(table: Any, *, source: Path, box: str = "") -> RemoteSettings:
     )  # fmt: skip
 
 
-def remote_settings(settings: dict[str, Any], home: Path) -> RemoteSettings | None:
+def remote_settings(settings: Settings, home: Path) -> RemoteSettings | None:
     """The fleet tier's settings from load_settings()'s result, or None when there is no table."""
-    table = settings.get("remote")
+    table = settings.remote
     if table is None:
         return None
     rs = parse_remote(table, source=home / "settings.toml", box=box_id(home))
-    unsigned = settings.get("allow_unsigned", False)
+    unsigned = settings.allow_unsigned
     if not isinstance(unsigned, bool):
         raise RemoteSettingsError(
             f"{home / 'settings.toml'}: allow_unsigned must be true or false, not {unsigned!r}"

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstore.errors import KVStoreError
 from kvstore.fleet.fetch import WarmFetcher
@@ -17,7 +17,7 @@ from kvstore.fleet.objects import Remote
 from kvstore.fleet.queue import Uploader, UploadQueue, enqueue_on_commit, start_uploader
 from kvstore.fleet.remote_settings import RemoteSettings, remote_settings
 from kvstore.home.ledger import Ledger
-from kvstore.home.settings import load_settings
+from kvstore.home.settings import Settings, load_settings
 from kvstore.store.store import Store
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class DaemonTier:
     fetcher: WarmFetcher | None  # None when [remote] does not download
 
 
-def open_remote(settings: dict[str, Any], home: Path) -> tuple[RemoteSettings, Remote] | None:
+def open_remote(settings: Settings, home: Path) -> tuple[RemoteSettings, Remote] | None:
     """The home's remote and its settings; None without a [remote] table. A table that is wrong
     or a remote that cannot be reached raises KVStoreError naming why."""
     rs = remote_settings(settings, home)
@@ -43,7 +43,7 @@ def open_remote(settings: dict[str, Any], home: Path) -> tuple[RemoteSettings, R
 
 
 def daemon_tier(
-    settings: dict[str, Any],
+    settings: Settings,
     home: Path,
     store: Store,
     ledger: Ledger,

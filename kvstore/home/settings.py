@@ -47,18 +47,28 @@ class Settings:
     learn_write_bytes_per_day: int = 4 * 2**30  # bytes/day (4 GiB) learned, then learning pauses
     max_snapshots_per_prefix: int = 2  # state-layer models: learned whole-cache entries per chain
     allow_unsigned: bool = False  # a box without a fleet key takes fleet objects unauthenticated
+    remote: Mapping[str, Any] | None = None  # the [remote] table (kvstore.fleet.remote_settings)
 
     @classmethod
-    def of(cls, mapping: Mapping[str, object]) -> Settings:
-        """The settings in `mapping` (a `load_settings` result), other keys (`remote`) dropped."""
+    def of(cls, value: Settings | Mapping[str, object]) -> Settings:
+        """`value` itself, or the settings a mapping names (the defaults for those it leaves out,
+        other keys dropped)."""
+        if isinstance(value, Settings):
+            return value
         names = {f.name for f in fields(cls)}
-        known: dict[str, Any] = {k: v for k, v in mapping.items() if k in names}
+        known: dict[str, Any] = {k: v for k, v in value.items() if k in names}
         return cls(**known)
+
+    def table(self) -> dict[str, object]:
+        """The settings as `kvstore stats` shows them: each by name, `remote` only when set."""
+        table = asdict(self)
+        if table["remote"] is None:
+            del table["remote"]
+        return table
 
 
 DEFAULT = Settings()
-# The same table as a plain map (load_settings merges into a copy; `stats` shows it).
-DEFAULTS: dict[str, object] = asdict(DEFAULT)
+DEFAULTS: dict[str, object] = asdict(DEFAULT)  # the same table as a plain map
 
 # The unit each setting is in, for `kvstore stats` to show it in (--json gives the raw numbers).
 UNITS: dict[str, str] = {
@@ -217,19 +227,18 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def load_settings(home: Path, **overrides: object) -> dict[str, object]:
-    """Merge DEFAULTS < home/settings.toml < overrides (None values are ignored)."""
-    merged = dict(DEFAULTS)
+def load_settings(home: Path, **overrides: object) -> Settings:
+    """DEFAULT < home/settings.toml < overrides (None values are ignored). A file that cannot be
+    read or names an unknown setting raises KVStoreError naming it."""
     path = home / "settings.toml"
+    stored: dict[str, object] = {}
     if path.is_file():
         try:
             stored = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise KVStoreError(f"{path}: cannot read settings: {e}") from e
-        # [remote] is the fleet tier's table, checked by kvstore.fleet.remote_settings
-        unknown = sorted(set(stored) - set(DEFAULTS) - {"remote"})
+        unknown = sorted(set(stored) - set(DEFAULTS))
         if unknown:
             raise KVStoreError(f"{path}: unknown setting(s) {', '.join(unknown)}")
-        merged.update(stored)
-    merged.update({k: v for k, v in overrides.items() if v is not None})
-    return merged
+    stored.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings.of(stored)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -27,7 +27,7 @@ import xxhash
 from kvstore import tokens as tk
 from kvstore.degrade import UNREADABLE
 from kvstore.errors import CorruptEntryError, StoreError
-from kvstore.home.settings import DEFAULT
+from kvstore.home.settings import DEFAULT, Settings
 from kvstore.learned.chain import chain_hashes, is_cut, packed, position_hash
 from kvstore.store.entry import SCHEMA_VERSION, seal
 from kvstore.store.keys import (
@@ -843,22 +843,25 @@ def _prefix(m: BlockMeta, metas: dict[bytes, BlockMeta], parent_of: dict[bytes, 
 
 
 def learned_summary(
-    blocks: BlockStore, metas: list, settings: dict[str, Any], paused: str | None = None
+    blocks: BlockStore,
+    metas: list,
+    settings: Settings | Mapping[str, object],
+    paused: str | None = None,
 ) -> dict[str, Any]:
     """What `kvstore stats` shows of learned data: records, bytes against the learned budget,
     today's writes against the daily budget, whether learning is paused, and the learned
-    whole-cache entries of state layouts (snapshots: entries with extra.learned)."""
+    whole-cache entries of state layouts (snapshots: entries with extra.learned). `settings`:
+    the Settings, or a mapping as `Settings.of` takes one."""
+    budgets = Settings.of(settings)
     s = blocks.stats()
     snaps = [m for m in metas if is_snapshot(m)]
     return {
         "records": s["records"],
         "chains": s["chains"],
         "bytes": s["bytes"],
-        "budget": int(settings.get("learned_max_bytes", DEFAULT.learned_max_bytes)),
+        "budget": int(budgets.learned_max_bytes),
         "written_today": s["written_today"],
-        "write_budget": int(
-            settings.get("learn_write_bytes_per_day", DEFAULT.learn_write_bytes_per_day)
-        ),
+        "write_budget": int(budgets.learn_write_bytes_per_day),
         "paused": paused,
         "snapshots": len(snaps),
         "snapshot_bytes": sum(m.nbytes for m in snaps),

@@ -7,9 +7,8 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from kvstore.home.settings import DEFAULTS
+from kvstore.home.settings import Settings
 from kvstore.learned.blockstore import BlockStore, is_snapshot
 from kvstore.ops.evict import EvictedRecord, evict, over_budget
 from kvstore.ops.evictable import select_for_eviction
@@ -21,7 +20,7 @@ log = logging.getLogger("kvstore.daemon")
 class Budget:
     """The budgets of one store: `enforce()` after each write."""
 
-    def __init__(self, store: Store, blocks: BlockStore, home: Path, settings: dict[str, Any]):
+    def __init__(self, store: Store, blocks: BlockStore, home: Path, settings: Settings):
         self.store, self.blocks, self.home, self.settings = store, blocks, home, settings
         self._pins_over_budget = False  # said once, until it holds again
 
@@ -30,14 +29,14 @@ class Budget:
         """The budgets as the home's settings set them (a process with no daemon writing)."""
         from kvstore.home.settings import load_settings
 
-        settings: dict[str, Any] = dict(load_settings(home))
-        return cls(store, BlockStore(store, block=int(settings["block_tokens"])), home, settings)
+        settings = load_settings(home)
+        return cls(store, BlockStore(store, block=int(settings.block_tokens)), home, settings)
 
     def enforce(self) -> list[str]:
         """Hold the learned budget (learned_max_bytes: leaf records and learned snapshot entries,
         least recently used first), then the store's (max_bytes: unpinned entries LRU, then
         learned records). Returns the hex keys evicted."""
-        budget = int(self.settings["max_bytes"])
+        budget = int(self.settings.max_bytes)
         metas = self.store.metas(errors=[])
         evicted = self._enforce_learned(metas)
         if evicted:
@@ -73,7 +72,7 @@ class Budget:
 
     def _enforce_learned(self, metas: list) -> list[str]:
         """Learned data over learned_max_bytes: leaf records go first, then snapshots (LRU)."""
-        budget = int(self.settings.get("learned_max_bytes", DEFAULTS["learned_max_bytes"]))
+        budget = int(self.settings.learned_max_bytes)
         snaps = sorted((m for m in metas if is_snapshot(m)), key=lambda m: m.last_used)
         snap_bytes = sum(m.nbytes for m in snaps)
         evicted = self._evict_records(max(0, budget - snap_bytes), "learned_max_bytes", budget)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvstore.home.settings import Settings
 from kvstore.learned.blockstore import BlockStore, learned_summary
 from kvstore.store.store import Store
 from kvstore.wire.messages import StatsReply
@@ -14,7 +15,7 @@ def stats(
     store: Store,
     blocks: BlockStore,
     *,
-    settings: dict[str, Any],
+    settings: Settings,
     ledger: dict[str, Any],
     paused: str | None = None,
     daemon: dict[str, Any] | None = None,
@@ -23,17 +24,17 @@ def stats(
     paused; `ledger` is Ledger.stats()."""
     return StatsReply(
         store=store.stats(),
-        settings=dict(settings),
+        settings=settings.table(),
         daemon=daemon,
         ledger=ledger,
         learned=learned_summary(blocks, store.metas(errors=[]), settings, paused),
     )
 
 
-def empty(home: Path, *, settings: dict[str, Any], ledger: dict[str, Any]) -> StatsReply:
+def empty(home: Path, *, settings: Settings, ledger: dict[str, Any]) -> StatsReply:
     """A home with no store yet."""
     return StatsReply(
         store={"path": str(home / "store"), "entries": 0, "bytes": 0},
-        settings=settings,
+        settings=settings.table(),
         ledger=ledger,
     )

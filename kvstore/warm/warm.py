@@ -28,7 +28,7 @@ from kvstore.errors import (
     counted,
     os_errno,
 )
-from kvstore.home.settings import DEFAULT, FILEHASH_NAME, load_settings
+from kvstore.home.settings import DEFAULT, FILEHASH_NAME, Settings, load_settings
 from kvstore.identity.codehash import runtime_versions
 from kvstore.identity.fingerprint import (
     FileHashCache,
@@ -255,9 +255,9 @@ def over_limit(
     )
 
 
-def max_pin_tokens(settings: dict) -> int:
+def max_pin_tokens(settings: Settings) -> int:
     """The max_pin_tokens setting, checked: a positive integer."""
-    n = settings.get("max_pin_tokens", DEFAULT.max_pin_tokens)
+    n = settings.max_pin_tokens
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise KVStoreError(f"settings.toml: max_pin_tokens must be a positive integer, got {n!r}")
     return n

@@ -67,8 +67,10 @@ def test_evict_filters(warmed, kv_home):
 
 def test_evict_refuses_a_key_prefix_shorter_than_6_digits_unless_yes(warmed, kv_home):
     # issue 43 item 8: `kvstore evict 0` deleted whichever entry's key started with 0
-    a, b = (e["key"][32:] for e in ls_json())  # the digest halves `ls` shows
-    short = next(a[:n] for n in range(1, 6) if not b.startswith(a[:n]))  # matches only `a`
+    keys = [e["key"] for e in ls_json()]
+    a, b = (k[32:] for k in keys)  # the digest halves `ls` shows
+    # a prefix of `a` alone: not of `b`, nor of a whole key (it starts with the fingerprint)
+    short = next(a[:n] for n in range(1, 6) if not any(k.startswith(a[:n]) for k in (b, *keys)))
     result = cli("evict", short)
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert f"key {short!r} is " in result.output and "at least 6" in result.output

@@ -57,17 +57,38 @@ def test_a_home_under_a_file_is_one_line_on_every_command(tmp_path, argv):
     assert result.exit_code == 1 and "is a file, not a directory" in _one_line(result)
 
 
-def test_the_daemon_refuses_a_home_under_a_file_with_its_config_status(tmp_path):
+def _foreign(tmp_path: Path) -> Path:
+    home = tmp_path / "d"
+    home.mkdir()
+    os.chmod(home, 0o1777)
+    (home / "other").write_text("someone else's")
+    return home
+
+
+def _under_a_file(tmp_path: Path) -> Path:
     (tmp_path / "FILE").write_text("a regular file")
-    home = tmp_path / "FILE" / "sub"
+    return tmp_path / "FILE" / "sub"
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [(_under_a_file, "is a file, not a directory"),
+     (_foreign, "holds other files (1) and no kvstore home")],
+    ids=["under-a-file", "another's-directory"],
+)  # fmt: skip
+def test_the_daemon_refuses_a_home_that_cannot_be_one_with_its_config_status(tmp_path, make, says):
+    home = make(tmp_path)
+    mode = home.stat().st_mode if home.exists() else None
     p = subprocess.run(
         [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert p.returncode == exits.CONFIG, p.stderr
     errors = [ln for ln in p.stderr.splitlines() if " ERROR " in ln]
-    assert len(errors) == 1 and "is a file, not a directory" in errors[0], p.stderr
+    assert len(errors) == 1 and says in errors[0], p.stderr
     assert "Traceback" not in p.stderr
+    if mode is not None:  # another's directory: its mode left as it was
+        assert home.stat().st_mode == mode
 
 
 def _writes(tmp_path: Path, llama_path: Path) -> dict[str, tuple]:
@@ -85,31 +106,13 @@ def _writes(tmp_path: Path, llama_path: Path) -> dict[str, tuple]:
 def test_a_directory_of_other_files_is_refused_and_left_as_it_was(tmp_path, llama_path, command):
     """`--home d` where d is shared (1777) and holds another's file: d was chmod'ed 0700, locking
     everyone else out of it. kvstore never changes a directory it did not create."""
-    home = tmp_path / "d"
-    home.mkdir()
-    os.chmod(home, 0o1777)
-    (home / "other").write_text("someone else's")
+    home = _foreign(tmp_path)
     result = cli(*_writes(tmp_path, llama_path)[command], "--home", home)
     assert result.exit_code == 1, result.output
     line = _one_line(result)
     assert f"kvstore home {home}: holds other files (1) and no kvstore home" in line, line
     assert stat.S_IMODE(home.stat().st_mode) == 0o1777
     assert sorted(p.name for p in home.iterdir()) == ["other"]
-
-
-def test_the_daemon_refuses_a_directory_of_other_files_and_leaves_its_mode(tmp_path):
-    home = tmp_path / "d"
-    home.mkdir()
-    os.chmod(home, 0o1777)
-    (home / "other").write_text("someone else's")
-    p = subprocess.run(
-        [sys.executable, "-m", "kvstore", "daemon", "--home", str(home)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert p.returncode == exits.CONFIG, p.stderr
-    errors = [ln for ln in p.stderr.splitlines() if " ERROR " in ln]
-    assert len(errors) == 1 and "holds other files (1) and no kvstore home" in errors[0], p.stderr
-    assert stat.S_IMODE(home.stat().st_mode) == 0o1777
 
 
 @pytest.mark.parametrize("mode", [0o755, 0o1777])

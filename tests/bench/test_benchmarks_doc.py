@@ -5,7 +5,7 @@ with its command and this machine's prefill rate, and why parity is the floor on
 from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
-MAX_LINES = 250
+MAX_LINES = 249  # a user page: under 250 lines
 
 
 def test_the_page_stays_short():

@@ -329,6 +329,22 @@ def installed(
         server._run_http_server = saved_http
 
 
+def overriding(base: type, **private: Callable[..., Any]) -> type:
+    """A subclass of `base` (an mlx_lm.server class, or kvstore's subclass of one) in which each
+    named private method of mlx-lm (a row of REQUIRED) runs `private[name](self, plain, *args,
+    **kwargs)`, `plain` being mlx-lm's own method bound to the instance."""
+
+    def method(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def override(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return fn(self, getattr(super(cls, self), name), *args, **kwargs)
+
+        override.__name__ = override.__qualname__ = name
+        return override
+
+    cls = type(base.__name__, (base,), {n: method(n, fn) for n, fn in private.items()})
+    return cls
+
+
 @contextlib.contextmanager
 def load_with_config(server: Any, model_path: Any, model_config: dict | None) -> Iterator[None]:
     """While inside, the server's `load` of `model_path` gets `model_config` (mlx_lm.server has no

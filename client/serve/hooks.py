@@ -552,57 +552,65 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
 
 
 def _provider(server: Any, hooks: _Hooks) -> type:
-    class PersistentModelProvider(server.ModelProvider):
-        def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
-            # The store's entries are read on a second thread while the weights load (as
-            # kvstore.client.load does; why that is safe with mlx: client/load.py).
-            read: dict[str, Any] = {}
-            reader = before = None
-            if draft_model_path is None and not getattr(self, "is_distributed", False):
-                identity = hooks.identity(model_path, adapter_path, self.cli_args)
-                # file identity before mlx-lm reads the files
-                before = fingerprint_files(identity, home=hooks.home)
-                reader = threading.Thread(
-                    target=lambda: read.update(entries=prefetch(identity, home=hooks.home)),
-                    name="kvstore-prefetch",
-                    daemon=True,
-                )
-                reader.start()
-            held = mlxlm.provider_state(self)
-            last = held.get("model_key")
-            # mlx_lm.server has no model_config option: give it to this load
-            config = mlxlm.load_with_config(server, model_path, hooks.model_config)
-            try:
-                with serve_hook("kvstore: model load failed", level=logging.DEBUG) as failed:
-                    with config:
-                        super()._load(model_path, adapter_path, draft_model_path, **kw)
-                if failed.error is not None:
-                    why = f"cannot load model {model_path}: {_cause(failed.error, model_path)}"
-                    if last is None and model_path == getattr(self.cli_args, "model", None):
-                        if hooks.fatal is None:  # the server's own model: nothing to serve, stop
-                            hooks.stop_with(why)
-                            return  # not raised: mlx-lm would log a traceback
-                    # a model asked for by one request: that request's error; the last model stays
-                    for n, v in held.items():
-                        setattr(self, n, v)
-                    log.warning("kvstore: %s (a request asked for it)", why)
-                    raise ServeError(
-                        why + (f"; still serving {last[0]}" if last is not None else "")
-                    ) from None
-            finally:
-                if reader is not None:
-                    reader.join()
-            entries = read.get("entries")
-            if reader is not None and not (
-                tag_loaded(self.model, before, model_path)
-                and entries is not None
-                and before is not None
-                and entries.report.fingerprint == before.hex
-            ):
-                entries = None  # read under other files: hydrate re-reads (and refuses) with it
-            hooks.on_load(self, entries)
+    """mlx-lm's ModelProvider whose `_load` (kvstore.mlxlm.overriding) hydrates as it loads."""
 
-    return PersistentModelProvider
+    def load(
+        self: Any,
+        plain: Any,
+        model_path: Any,
+        adapter_path: Any = None,
+        draft_model_path: Any = None,
+        **kw: Any,
+    ) -> None:
+        # The store's entries are read on a second thread while the weights load (as
+        # kvstore.client.load does; why that is safe with mlx: client/load.py).
+        read: dict[str, Any] = {}
+        reader = before = None
+        if draft_model_path is None and not getattr(self, "is_distributed", False):
+            identity = hooks.identity(model_path, adapter_path, self.cli_args)
+            # file identity before mlx-lm reads the files
+            before = fingerprint_files(identity, home=hooks.home)
+            reader = threading.Thread(
+                target=lambda: read.update(entries=prefetch(identity, home=hooks.home)),
+                name="kvstore-prefetch",
+                daemon=True,
+            )
+            reader.start()
+        held = mlxlm.provider_state(self)
+        last = held.get("model_key")
+        # mlx_lm.server has no model_config option: give it to this load
+        config = mlxlm.load_with_config(server, model_path, hooks.model_config)
+        try:
+            with serve_hook("kvstore: model load failed", level=logging.DEBUG) as failed:
+                with config:
+                    plain(model_path, adapter_path, draft_model_path, **kw)
+            if failed.error is not None:
+                why = f"cannot load model {model_path}: {_cause(failed.error, model_path)}"
+                if last is None and model_path == getattr(self.cli_args, "model", None):
+                    if hooks.fatal is None:  # the server's own model: nothing to serve, stop
+                        hooks.stop_with(why)
+                        return  # not raised: mlx-lm would log a traceback
+                # a model asked for by one request: that request's error; the last model stays
+                for n, v in held.items():
+                    setattr(self, n, v)
+                log.warning("kvstore: %s (a request asked for it)", why)
+                raise ServeError(
+                    why + (f"; still serving {last[0]}" if last is not None else "")
+                ) from None
+        finally:
+            if reader is not None:
+                reader.join()
+        entries = read.get("entries")
+        if reader is not None and not (
+            tag_loaded(self.model, before, model_path)
+            and entries is not None
+            and before is not None
+            and entries.report.fingerprint == before.hex
+        ):
+            entries = None  # read under other files: hydrate re-reads (and refuses) with it
+        hooks.on_load(self, entries)
+
+    return mlxlm.overriding(server.ModelProvider, _load=load)
 
 
 def _cache(hooks: _Hooks) -> type:
@@ -626,30 +634,30 @@ def _generator(server: Any, hooks: _Hooks) -> type:
                 hooks.mark_warm_up_context(ctx)
             return ctx, hooks.recorded(ctx, responses)
 
-        def _generate(self):
-            # mlx-lm's generation thread: when it dies the server answers nothing and /health
-            # says 503 forever, which no supervisor restarts. Stop with one line instead.
-            what = "mlx_lm.server's generation thread died"
-            with serve_hook(f"kvstore: {what}", level=logging.DEBUG) as failed:
-                super()._generate()
-            if (e := failed.error) is not None:
-                hooks.stop_with(f"{what}: {type(e).__name__}: {e}")
+    def generate_loop(self: Any, plain: Any) -> None:
+        # mlx-lm's generation thread: when it dies the server answers nothing and /health
+        # says 503 forever, which no supervisor restarts. Stop with one line instead.
+        what = "mlx_lm.server's generation thread died"
+        with serve_hook(f"kvstore: {what}", level=logging.DEBUG) as failed:
+            plain()
+        if (e := failed.error) is not None:
+            hooks.stop_with(f"{what}: {type(e).__name__}: {e}")
 
-        def _tokenize(self, tokenizer, request, args):
-            out = super()._tokenize(tokenizer, request, args)
-            hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
-            hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
-            warm = hooks.take_warm_up(request)
-            if warm is not None:
-                return hooks.warm_up_tokenize(out, warm)
-            if hooks.boundary is None:
-                return out
-            with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
-                cli_args = self.model_provider.cli_args
-                return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
+    def tokenize(self: Any, plain: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        out = plain(tokenizer, request, args)
+        hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
+        hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
+        warm = hooks.take_warm_up(request)
+        if warm is not None:
+            return hooks.warm_up_tokenize(out, warm)
+        if hooks.boundary is None:
             return out
+        with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
+            cli_args = self.model_provider.cli_args
+            return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
+        return out
 
-    return StableSegmentGenerator
+    return mlxlm.overriding(StableSegmentGenerator, _generate=generate_loop, _tokenize=tokenize)
 
 
 def _handler(server: Any, hooks: _Hooks) -> type:

@@ -1,8 +1,9 @@
 """Rules of the code that hold themselves (House): no function over 80 lines, no module that imports
 its own package while that package imports it back, one way into the store and one way out,
 settings read as attributes of the one `Settings` value, mlx-lm's private methods overridden only
-in kvstore/mlxlm.py, and the import contracts (run by `make imports`). A rule in prose alone
-slipped within two sessions; these fail `make test` instead."""
+in kvstore/mlxlm.py, few reaches into another object's `_private`, and the import contracts (run by
+`make imports`). A rule in prose alone slipped within two sessions;
+these fail `make test` instead."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ STORE_DOORS = {
     "delete": {"kvstore/ops/evict.py", "kvstore/warm/warm.py"},
 }
 ADAPTER = "kvstore/mlxlm.py"  # the one module that reaches into mlx-lm's internals
+MAX_PRIVATE_REACHES = 10  # `x._name` with x neither self, cls nor super(), outside ADAPTER
 
 
 def _package_of(path: Path) -> str:
@@ -150,6 +152,27 @@ def test_mlx_lm_private_methods_are_overridden_only_in_its_adapter():
     assert not overrides, "go through kvstore.mlxlm (overriding):\n" + "\n".join(overrides)
 
 
+def _private_reaches(path: Path) -> list[str]:
+    """`x._name` (not a dunder) where x is neither `self`, `cls` nor `super()`, outside ADAPTER."""
+    rel, found = path.relative_to(ROOT).as_posix(), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute) or rel == ADAPTER:
+            continue
+        own = getattr(node.value, "id", "") in ("self", "cls") or (
+            isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super"
+        )
+        if node.attr.startswith("_") and not node.attr.startswith("__") and not own:
+            found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_few_reaches_into_another_objects_private_attributes():
+    """A need for another object's `_private` names a missing public method (os._exit and a
+    NamedTuple's _replace count too)."""
+    reaches = [r for path in _files() for r in _private_reaches(path)]
+    assert len(reaches) <= MAX_PRIVATE_REACHES, "\n".join(reaches)
+
+
 def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
     """Every kvstore module `path` imports, at any depth of its code (function-level imports
     count); `from package import submodule` imports the submodule, not the package's names."""
@@ -199,7 +222,7 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("bad", ["long", "circle", "door", "settings", "override"])
+@pytest.mark.parametrize("bad", ["long", "circle", "door", "settings", "override", "private"])
 def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
     """The checks above fail on the thing they forbid (a rule that cannot fail checks nothing)."""
     if bad == "long":
@@ -226,6 +249,11 @@ def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
                      "setattr(server.APIHandler, '_x', 1)\n")  # fmt: skip
         monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
         assert _mlx_lm_overrides(f) == ["m.py:3 _load", "m.py:6 _tokenize", "m.py:7 _x"]
+    elif bad == "private":
+        f = tmp_path / "m.py"
+        f.write_text("a = other._x\nb = self._y + cls._z + super()._w + o.__dict__\n")
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert _private_reaches(f) == ["m.py:1 other._x"]
     else:
         graph = {
             "kvstore.client": {"kvstore.client.load"},

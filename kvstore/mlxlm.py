@@ -330,19 +330,17 @@ def installed(
 
 
 def overriding(base: type, **private: Callable[..., Any]) -> type:
-    """A subclass of `base` (an mlx_lm.server class, or kvstore's subclass of one) in which each
-    named private method of mlx-lm (a row of REQUIRED) runs `private[name](self, plain, *args,
-    **kwargs)`, `plain` being mlx-lm's own method bound to the instance."""
+    """A subclass of `base` (an mlx_lm.server class, or kvstore's subclass of one) whose private
+    methods of mlx-lm named in `private` (rows of REQUIRED) are those functions; one calls
+    mlx-lm's own as `plain(self, name)`. Installed as they are, no frame of this module sits
+    between mlx-lm and them."""
+    return type(base.__name__, (base,), dict(private))
 
-    def method(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def override(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return fn(self, getattr(super(cls, self), name), *args, **kwargs)
 
-        override.__name__ = override.__qualname__ = name
-        return override
-
-    cls = type(base.__name__, (base,), {n: method(n, fn) for n, fn in private.items()})
-    return cls
+def plain(obj: Any, name: str) -> Callable[..., Any]:
+    """mlx-lm's own method `name` of `obj`, whose class replaced it (`overriding`)."""
+    owner = next(c for c in type(obj).__mro__ if name in vars(c))
+    return getattr(super(owner, obj), name)
 
 
 @contextlib.contextmanager

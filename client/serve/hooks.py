@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -125,12 +125,18 @@ class _Hooks:
         writer = WriteBehind(home, maxsize=LEARN_QUEUE)
         self.writer = writer
         self.learner = Learner(home, writer=writer) if learn else None
+        self.boundary = StableSystemSegment() if persist else None
+        self.persister = SystemPromptPersister(home, writer, self.boundary) if persist else None
+        # the warm-up requests' prompts: the store tier serves them as requests, but counts,
+        # reports, hits and keeps nothing of them
+        self.warm_prompts: list[tuple[int, ...]] = []
         # what the server's prompt cache asks of the store (restore, count, learn, hits, offer)
         self.tier = StoreTier(
             learner=self.learner,
             writer=writer,
-            on_insert=self.on_insert if persist else None,  # --persist-system-prompts
-            quiet=self.is_warm_up,
+            # --persist-system-prompts
+            on_insert=self.persister.on_insert if self.persister is not None else None,
+            quiet=self.warm_prompts,
         )
         self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
         self._stats_lock = threading.Lock()
@@ -148,14 +154,10 @@ class _Hooks:
         self.warm_thread_started = False
         self.warm_secret = secrets.token_hex(8)  # marks this server's own warm-up requests
         self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
-        self.warm_prompts: list[tuple[int, ...]] = []  # the warm-up requests' prompts
         # mlx-lm's request and context objects of the warm-up requests in flight (by id: they
         # are neither hashable nor ours to mark): request -> its index; contexts
         self._warm_up_requests: dict[int, int] = {}
         self._warm_up_contexts: set[int] = set()
-        self.persister = SystemPromptPersister(home, writer) if persist else None
-        self.boundary = StableSystemSegment() if persist else None
-        self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
         # prompts with images: id of the prompt list `_tokenize` gave (a context's prompt) ->
         # (that list, the key mlx-lm's cache holds it by), until its call's record takes it
         self._image_keys: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()
@@ -325,7 +327,7 @@ class _Hooks:
                          counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
         finally:
             self.warming = False
-            self.warm_prompts = []
+            self.warm_prompts.clear()
             self._warm_up_requests.clear()
             self._warm_up_contexts.clear()
             self.gauges.refresh(force=True)
@@ -403,16 +405,6 @@ class _Hooks:
         self.warm_prompts.append(tuple(out[0]))
         return out
 
-    def is_warm_up(self, tokens: Sequence[int]) -> bool:
-        """Whether `tokens` are a warm-up request's: its prompt, a segment of it (the batched
-        path inserts the system segment) or its prompt and output. The store tier serves it as a
-        request, but counts, reports, hits and keeps nothing of it."""
-        for p in self.warm_prompts:
-            n = min(len(p), len(tokens))
-            if n and p[n - 1] == tokens[n - 1] and p[:n] == tuple(tokens[:n]):
-                return True
-        return False
-
     def _on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
@@ -486,7 +478,7 @@ class _Hooks:
                     log.info("kvstore: %s read into memory in %.3f s",
                              counted(len(preloaded), "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
-                self.targets[key] = target
+                self.persister.targets[key] = target
 
     def _target(self, provider: Any, identity: ModelIdentity, fingerprint: bytes) -> LearnTarget:
         """The loaded model as learning and --persist-system-prompts file its entries."""
@@ -519,20 +511,6 @@ class _Hooks:
         if warning:
             log.warning("%s", warning)
 
-    def on_insert(
-        self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str
-    ) -> bool:
-        """The store tier's offer of a request's insert: with --persist-system-prompts, the
-        system segment goes to the daemon. Whether it was sent (its later uses are hits)."""
-        target = self.targets.get(model_key)
-        if self.persister is None or cache_type != "system" or target is None:
-            return False
-        with serve_hook("kvstore: not persisting a system prefix"):  # never fail the insert
-            extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
-            self.persister.offer(target, tokens, cache, extra)
-            return True
-        return False
-
 
 def _cause(e: BaseException, model_path: Any = None) -> str:
     """Why a model did not load, in one line: a local path that is not a directory says so (not
@@ -556,7 +534,6 @@ def _provider(server: Any, hooks: _Hooks) -> type:
 
     def load(
         self: Any,
-        plain: Any,
         model_path: Any,
         adapter_path: Any = None,
         draft_model_path: Any = None,
@@ -583,7 +560,7 @@ def _provider(server: Any, hooks: _Hooks) -> type:
         try:
             with serve_hook("kvstore: model load failed", level=logging.DEBUG) as failed:
                 with config:
-                    plain(model_path, adapter_path, draft_model_path, **kw)
+                    mlxlm.plain(self, "_load")(model_path, adapter_path, draft_model_path, **kw)
             if failed.error is not None:
                 why = f"cannot load model {model_path}: {_cause(failed.error, model_path)}"
                 if last is None and model_path == getattr(self.cli_args, "model", None):
@@ -634,17 +611,17 @@ def _generator(server: Any, hooks: _Hooks) -> type:
                 hooks.mark_warm_up_context(ctx)
             return ctx, hooks.recorded(ctx, responses)
 
-    def generate_loop(self: Any, plain: Any) -> None:
+    def generate_loop(self: Any) -> None:
         # mlx-lm's generation thread: when it dies the server answers nothing and /health
         # says 503 forever, which no supervisor restarts. Stop with one line instead.
         what = "mlx_lm.server's generation thread died"
         with serve_hook(f"kvstore: {what}", level=logging.DEBUG) as failed:
-            plain()
+            mlxlm.plain(self, "_generate")()
         if (e := failed.error) is not None:
             hooks.stop_with(f"{what}: {type(e).__name__}: {e}")
 
-    def tokenize(self: Any, plain: Any, tokenizer: Any, request: Any, args: Any) -> Any:
-        out = plain(tokenizer, request, args)
+    def tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        out = mlxlm.plain(self, "_tokenize")(tokenizer, request, args)
         hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
         hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
         warm = hooks.take_warm_up(request)

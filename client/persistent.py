@@ -172,10 +172,11 @@ class StoreTier:
     (report the request; send the KV the daemon wants), record hits on stored entries (touch,
     batched through the write-behind), and offer a request's insert to be stored (`on_insert`).
 
-    It returns values and never calls the cache back. `quiet(tokens)` names requests that are
-    restored and served as any other but not counted, reported, hit or kept (`kvstore serve`'s
-    warm-up requests); `on_insert` is the library's chain persisting or serve's system prompts.
-    Hits are recorded for one model (`serving`): the one whose entries the store holds."""
+    It returns values and never calls the cache back. `quiet` holds the prompts of requests that
+    are restored and served as any other but not counted, reported, hit or kept (`kvstore serve`'s
+    warm-up requests, which it adds to and clears); `on_insert` is the library's chain persisting
+    or serve's system prompts. Hits are recorded for one model (`serving`): the one whose entries
+    the store holds."""
 
     def __init__(
         self,
@@ -183,13 +184,13 @@ class StoreTier:
         learner: Learner | None = None,
         writer: WriteBehind | None = None,
         on_insert: OnInsert | None = None,
-        quiet: Callable[[Sequence[int]], bool] | None = None,
+        quiet: list[tuple[int, ...]] | None = None,
     ):
         self.provenance = Provenance()
         self.learner = learner
         self.writer = writer
         self.on_insert = on_insert
-        self.quiet = quiet
+        self.quiet = quiet if quiet is not None else []
         self.model: Any = None  # the model key hits are recorded for
         self.fingerprint: bytes | None = None  # its entries' fingerprint
         self.stored: set[tuple[int, ...]] = set()  # hydrated: token ids the store holds an entry of
@@ -208,7 +209,13 @@ class StoreTier:
         self.stored, self.restored, self.offered = set(), RecentPrefixes(), RecentPrefixes()
 
     def is_quiet(self, tokens: Sequence[int]) -> bool:
-        return self.quiet is not None and self.quiet(tokens)
+        """Whether `tokens` are a quiet prompt, a segment of it (the batched path inserts the
+        system segment) or it and its output."""
+        for p in self.quiet:
+            n = min(len(p), len(tokens))
+            if n and p[n - 1] == tokens[n - 1] and p[:n] == tuple(tokens[:n]):
+                return True
+        return False
 
     def storable(self, tokens: Sequence[int]) -> bool:
         """Whether the store can key `tokens`; a prompt with images (mlx_lm.server's negative

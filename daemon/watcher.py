@@ -83,10 +83,10 @@ class _Hints(FileSystemEventHandler):
         # directory itself appearing, moving or vanishing matters.
         if event.is_directory and event.event_type == "modified":
             return
-        names = self._watcher._relevant  # swapped whole, never mutated: safe to read here
+        names = self._watcher.relevant  # swapped whole, never mutated: safe to read here
         for raw in (event.src_path, event.dest_path):
             if raw and path_key(raw) in names:
-                self._watcher._hint()
+                self._watcher.hint()
                 return
 
 
@@ -126,7 +126,8 @@ class Watcher(threading.Thread):
         self._events = threading.Event()  # a file event arrived since the last check
         self._refresh = threading.Event()  # refresh() asked to re-list the paths
         self._hashes: dict[Path, Digest] = {}
-        self._relevant: frozenset[str] = frozenset()
+        # path keys of the watched files and their folders: an event on one is a hint
+        self.relevant: frozenset[str] = frozenset()
         self._observer: BaseObserver | None = None
         self._scheduled: dict[Path, ObservedWatch] = {}
         self._identities: dict[Path, tuple[int, int] | None] = {}
@@ -260,9 +261,10 @@ class Watcher(threading.Thread):
             self._fall_back(e)
             self._check()
             return
-        self._hint()  # changes since the emitter stopped: re-check once
+        self.hint()  # changes since the emitter stopped: re-check once
 
-    def _hint(self) -> None:
+    def hint(self) -> None:
+        """Wake the watcher to re-check its files (a file event, or a change it may have missed)."""
         self._events.set()
         self._wake.set()
 
@@ -332,7 +334,7 @@ class Watcher(threading.Thread):
             for q in {p, Path(os.path.realpath(p))}:
                 names.add(path_key(q))
                 names.update(path_key(d) for d in q.parents)
-        self._relevant = frozenset(names)
+        self.relevant = frozenset(names)
 
     def _forbidden(self, d: Path) -> bool:
         """A schedule on `d` would see the store's writes (or, under tree watches, all of the
@@ -373,7 +375,7 @@ class Watcher(threading.Thread):
             except FileNotFoundError:  # removed since we looked; the parent's event brings it back
                 continue
         if added and self.mode == "watchdog":
-            self._hint()  # a directory scheduled late may have missed a change: re-check once
+            self.hint()  # a directory scheduled late may have missed a change: re-check once
 
     def _fall_back(self, error: OSError | str) -> None:
         log.warning(

@@ -329,6 +329,20 @@ def installed(
         server._run_http_server = saved_http
 
 
+def overriding(base: type, **private: Callable[..., Any]) -> type:
+    """A subclass of `base` (an mlx_lm.server class, or kvstore's subclass of one) whose private
+    methods of mlx-lm named in `private` (rows of REQUIRED) are those functions; one calls
+    mlx-lm's own as `plain(self, name)`. Installed as they are, no frame of this module sits
+    between mlx-lm and them."""
+    return type(base.__name__, (base,), dict(private))
+
+
+def plain(obj: Any, name: str) -> Callable[..., Any]:
+    """mlx-lm's own method `name` of `obj`, whose class replaced it (`overriding`)."""
+    owner = next(c for c in type(obj).__mro__ if name in vars(c))
+    return getattr(super(owner, obj), name)
+
+
 @contextlib.contextmanager
 def load_with_config(server: Any, model_path: Any, model_config: dict | None) -> Iterator[None]:
     """While inside, the server's `load` of `model_path` gets `model_config` (mlx_lm.server has no

@@ -1,7 +1,8 @@
 """Rules of the code that hold themselves (House): no function over 80 lines, no module that imports
 its own package while that package imports it back, one way into the store and one way out,
-settings read as attributes of the one `Settings` value, and the import contracts (run by `make
-imports`). A rule in prose alone slipped within two sessions;
+settings read as attributes of the one `Settings` value, mlx-lm's private methods overridden only
+in kvstore/mlxlm.py, few reaches into another object's `_private`, and the import contracts (run by
+`make imports`). A rule in prose alone slipped within two sessions;
 these fail `make test` instead."""
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ STORE_DOORS = {
     "put": {"kvstore/ops/put.py"},
     "delete": {"kvstore/ops/evict.py", "kvstore/warm/warm.py"},
 }
+ADAPTER = "kvstore/mlxlm.py"  # the one module that reaches into mlx-lm's internals
+MAX_PRIVATE_REACHES = 10  # `x._name` with x neither self, cls nor super(), outside ADAPTER
 
 
 def _package_of(path: Path) -> str:
@@ -95,6 +98,81 @@ def test_settings_are_read_as_attributes():
     assert not by_key, "read these as attributes of Settings (load_settings):\n" + "\n".join(by_key)
 
 
+def _mlx_lm_overrides(path: Path) -> list[str]:
+    """A private attribute of mlx-lm set outside ADAPTER: `x._name = ...` or `setattr(x, "_name",
+    ...)` on an mlx-lm object, or a method `_name` that a subclass of an mlx-lm class defines where
+    the class has one. mlx-lm objects are names imported from `mlx_lm` and `server` (what serve's
+    hooks call the mlx_lm.server module they are given)."""
+    import importlib
+
+    rel, found = path.relative_to(ROOT).as_posix(), []
+    tree = ast.parse(path.read_text(), str(path))
+    names = {"server": "mlx_lm.server"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update({(a.asname or a.name).split(".")[0]: (a.asname and a.name) or "mlx_lm"
+                          for a in node.names if a.name.split(".")[0] == "mlx_lm"})  # fmt: skip
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mlx_lm":
+            names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+
+    def mlx_lm(node: ast.AST) -> object | None:
+        if isinstance(node, ast.Attribute) and (owner := mlx_lm(node.value)) is not None:
+            return getattr(owner, node.attr, None)
+        if isinstance(node, ast.Name) and node.id in names:
+            module, _, attr = names[node.id].rpartition(".")
+            try:
+                return importlib.import_module(names[node.id])
+            except ImportError:
+                return getattr(importlib.import_module(module), attr, None)
+        return None
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for node in ast.walk(tree):
+        targets: list[tuple[ast.AST, str]] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(t, ast.Attribute):
+                    targets.append((t.value, t.attr))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                targets.append((node.args[0], str(node.args[1].value)))
+        elif isinstance(node, ast.ClassDef):
+            methods = [f.name for f in node.body if isinstance(f, ast.FunctionDef)]
+            targets.extend((b, m) for b in node.bases for m in methods if hasattr(mlx_lm(b), m))
+        for owner, attr in targets:
+            if private(attr) and mlx_lm(owner) is not None and rel != ADAPTER:
+                found.append(f"{rel}:{node.lineno} {attr}")
+    return found
+
+
+def test_mlx_lm_private_methods_are_overridden_only_in_its_adapter():
+    overrides = [f for path in _files() for f in _mlx_lm_overrides(path)]
+    assert not overrides, "go through kvstore.mlxlm (overriding):\n" + "\n".join(overrides)
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """`x._name` (not a dunder) where x is neither `self`, `cls` nor `super()`, outside ADAPTER."""
+    rel, found = path.relative_to(ROOT).as_posix(), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute) or rel == ADAPTER:
+            continue
+        own = getattr(node.value, "id", "") in ("self", "cls") or (
+            isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super"
+        )
+        if node.attr.startswith("_") and not node.attr.startswith("__") and not own:
+            found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_few_reaches_into_another_objects_private_attributes():
+    """A need for another object's `_private` names a missing public method (os._exit and a
+    NamedTuple's _replace count too)."""
+    reaches = [r for path in _files() for r in _private_reaches(path)]
+    assert len(reaches) <= MAX_PRIVATE_REACHES, "\n".join(reaches)
+
+
 def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
     """Every kvstore module `path` imports, at any depth of its code (function-level imports
     count); `from package import submodule` imports the submodule, not the package's names."""
@@ -144,7 +222,7 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("bad", ["long", "circle", "door", "settings"])
+@pytest.mark.parametrize("bad", ["long", "circle", "door", "settings", "override", "private"])
 def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
     """The checks above fail on the thing they forbid (a rule that cannot fail checks nothing)."""
     if bad == "long":
@@ -163,6 +241,19 @@ def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
         f.write_text("a = settings['x']\nb = self.settings.get('y')\nc = load_settings(h)['z']\n")
         monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
         assert sorted(_settings_by_key(f)) == ["m.py:1 [...]", "m.py:2 .get", "m.py:3 [...]"]
+    elif bad == "override":
+        f = tmp_path / "m.py"
+        f.write_text("from mlx_lm import server\nimport mlx_lm.server as s\n"
+                     "class P(server.ModelProvider):\n    def _load(self): pass\n"
+                     "    def _mine(self): pass\ns.ResponseGenerator._tokenize = None\n"
+                     "setattr(server.APIHandler, '_x', 1)\n")  # fmt: skip
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert _mlx_lm_overrides(f) == ["m.py:3 _load", "m.py:6 _tokenize", "m.py:7 _x"]
+    elif bad == "private":
+        f = tmp_path / "m.py"
+        f.write_text("a = other._x\nb = self._y + cls._z + super()._w + o.__dict__\n")
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert _private_reaches(f) == ["m.py:1 other._x"]
     else:
         graph = {
             "kvstore.client": {"kvstore.client.load"},

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -125,12 +125,18 @@ class _Hooks:
         writer = WriteBehind(home, maxsize=LEARN_QUEUE)
         self.writer = writer
         self.learner = Learner(home, writer=writer) if learn else None
+        self.boundary = StableSystemSegment() if persist else None
+        self.persister = SystemPromptPersister(home, writer, self.boundary) if persist else None
+        # the warm-up requests' prompts: the store tier serves them as requests, but counts,
+        # reports, hits and keeps nothing of them
+        self.warm_prompts: list[tuple[int, ...]] = []
         # what the server's prompt cache asks of the store (restore, count, learn, hits, offer)
         self.tier = StoreTier(
             learner=self.learner,
             writer=writer,
-            on_insert=self.on_insert if persist else None,  # --persist-system-prompts
-            quiet=self.is_warm_up,
+            # --persist-system-prompts
+            on_insert=self.persister.on_insert if self.persister is not None else None,
+            quiet=self.warm_prompts,
         )
         self.stats: StatsRecorder | None = None  # per-request prefill stats, once a model loaded
         self._stats_lock = threading.Lock()
@@ -148,14 +154,10 @@ class _Hooks:
         self.warm_thread_started = False
         self.warm_secret = secrets.token_hex(8)  # marks this server's own warm-up requests
         self.warm_tokens: list[list[int] | None] = []  # each warm-up request's pin
-        self.warm_prompts: list[tuple[int, ...]] = []  # the warm-up requests' prompts
         # mlx-lm's request and context objects of the warm-up requests in flight (by id: they
         # are neither hashable nor ours to mark): request -> its index; contexts
         self._warm_up_requests: dict[int, int] = {}
         self._warm_up_contexts: set[int] = set()
-        self.persister = SystemPromptPersister(home, writer) if persist else None
-        self.boundary = StableSystemSegment() if persist else None
-        self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
         # prompts with images: id of the prompt list `_tokenize` gave (a context's prompt) ->
         # (that list, the key mlx-lm's cache holds it by), until its call's record takes it
         self._image_keys: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()
@@ -325,7 +327,7 @@ class _Hooks:
                          counted(done, "warm-up request"), time.perf_counter() - t0)  # fmt: skip
         finally:
             self.warming = False
-            self.warm_prompts = []
+            self.warm_prompts.clear()
             self._warm_up_requests.clear()
             self._warm_up_contexts.clear()
             self.gauges.refresh(force=True)
@@ -403,16 +405,6 @@ class _Hooks:
         self.warm_prompts.append(tuple(out[0]))
         return out
 
-    def is_warm_up(self, tokens: Sequence[int]) -> bool:
-        """Whether `tokens` are a warm-up request's: its prompt, a segment of it (the batched
-        path inserts the system segment) or its prompt and output. The store tier serves it as a
-        request, but counts, reports, hits and keeps nothing of it."""
-        for p in self.warm_prompts:
-            n = min(len(p), len(tokens))
-            if n and p[n - 1] == tokens[n - 1] and p[:n] == tuple(tokens[:n]):
-                return True
-        return False
-
     def _on_load(self, provider: Any, prefetched: Prefetched | None = None) -> None:
         key = provider.model_key
         model_path, adapter, draft = key
@@ -486,7 +478,7 @@ class _Hooks:
                     log.info("kvstore: %s read into memory in %.3f s",
                              counted(len(preloaded), "learned chain"), dt)  # fmt: skip
             if self.persister is not None:
-                self.targets[key] = target
+                self.persister.targets[key] = target
 
     def _target(self, provider: Any, identity: ModelIdentity, fingerprint: bytes) -> LearnTarget:
         """The loaded model as learning and --persist-system-prompts file its entries."""
@@ -519,20 +511,6 @@ class _Hooks:
         if warning:
             log.warning("%s", warning)
 
-    def on_insert(
-        self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str
-    ) -> bool:
-        """The store tier's offer of a request's insert: with --persist-system-prompts, the
-        system segment goes to the daemon. Whether it was sent (its later uses are hits)."""
-        target = self.targets.get(model_key)
-        if self.persister is None or cache_type != "system" or target is None:
-            return False
-        with serve_hook("kvstore: not persisting a system prefix"):  # never fail the insert
-            extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
-            self.persister.offer(target, tokens, cache, extra)
-            return True
-        return False
-
 
 def _cause(e: BaseException, model_path: Any = None) -> str:
     """Why a model did not load, in one line: a local path that is not a directory says so (not
@@ -552,57 +530,64 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
 
 
 def _provider(server: Any, hooks: _Hooks) -> type:
-    class PersistentModelProvider(server.ModelProvider):
-        def _load(self, model_path, adapter_path=None, draft_model_path=None, **kw: Any) -> None:
-            # The store's entries are read on a second thread while the weights load (as
-            # kvstore.client.load does; why that is safe with mlx: client/load.py).
-            read: dict[str, Any] = {}
-            reader = before = None
-            if draft_model_path is None and not getattr(self, "is_distributed", False):
-                identity = hooks.identity(model_path, adapter_path, self.cli_args)
-                # file identity before mlx-lm reads the files
-                before = fingerprint_files(identity, home=hooks.home)
-                reader = threading.Thread(
-                    target=lambda: read.update(entries=prefetch(identity, home=hooks.home)),
-                    name="kvstore-prefetch",
-                    daemon=True,
-                )
-                reader.start()
-            held = mlxlm.provider_state(self)
-            last = held.get("model_key")
-            # mlx_lm.server has no model_config option: give it to this load
-            config = mlxlm.load_with_config(server, model_path, hooks.model_config)
-            try:
-                with serve_hook("kvstore: model load failed", level=logging.DEBUG) as failed:
-                    with config:
-                        super()._load(model_path, adapter_path, draft_model_path, **kw)
-                if failed.error is not None:
-                    why = f"cannot load model {model_path}: {_cause(failed.error, model_path)}"
-                    if last is None and model_path == getattr(self.cli_args, "model", None):
-                        if hooks.fatal is None:  # the server's own model: nothing to serve, stop
-                            hooks.stop_with(why)
-                            return  # not raised: mlx-lm would log a traceback
-                    # a model asked for by one request: that request's error; the last model stays
-                    for n, v in held.items():
-                        setattr(self, n, v)
-                    log.warning("kvstore: %s (a request asked for it)", why)
-                    raise ServeError(
-                        why + (f"; still serving {last[0]}" if last is not None else "")
-                    ) from None
-            finally:
-                if reader is not None:
-                    reader.join()
-            entries = read.get("entries")
-            if reader is not None and not (
-                tag_loaded(self.model, before, model_path)
-                and entries is not None
-                and before is not None
-                and entries.report.fingerprint == before.hex
-            ):
-                entries = None  # read under other files: hydrate re-reads (and refuses) with it
-            hooks.on_load(self, entries)
+    """mlx-lm's ModelProvider whose `_load` (kvstore.mlxlm.overriding) hydrates as it loads."""
 
-    return PersistentModelProvider
+    def load(
+        self: Any,
+        model_path: Any,
+        adapter_path: Any = None,
+        draft_model_path: Any = None,
+        **kw: Any,
+    ) -> None:
+        # The store's entries are read on a second thread while the weights load (as
+        # kvstore.client.load does; why that is safe with mlx: client/load.py).
+        read: dict[str, Any] = {}
+        reader = before = None
+        if draft_model_path is None and not getattr(self, "is_distributed", False):
+            identity = hooks.identity(model_path, adapter_path, self.cli_args)
+            # file identity before mlx-lm reads the files
+            before = fingerprint_files(identity, home=hooks.home)
+            reader = threading.Thread(
+                target=lambda: read.update(entries=prefetch(identity, home=hooks.home)),
+                name="kvstore-prefetch",
+                daemon=True,
+            )
+            reader.start()
+        held = mlxlm.provider_state(self)
+        last = held.get("model_key")
+        # mlx_lm.server has no model_config option: give it to this load
+        config = mlxlm.load_with_config(server, model_path, hooks.model_config)
+        try:
+            with serve_hook("kvstore: model load failed", level=logging.DEBUG) as failed:
+                with config:
+                    mlxlm.plain(self, "_load")(model_path, adapter_path, draft_model_path, **kw)
+            if failed.error is not None:
+                why = f"cannot load model {model_path}: {_cause(failed.error, model_path)}"
+                if last is None and model_path == getattr(self.cli_args, "model", None):
+                    if hooks.fatal is None:  # the server's own model: nothing to serve, stop
+                        hooks.stop_with(why)
+                        return  # not raised: mlx-lm would log a traceback
+                # a model asked for by one request: that request's error; the last model stays
+                for n, v in held.items():
+                    setattr(self, n, v)
+                log.warning("kvstore: %s (a request asked for it)", why)
+                raise ServeError(
+                    why + (f"; still serving {last[0]}" if last is not None else "")
+                ) from None
+        finally:
+            if reader is not None:
+                reader.join()
+        entries = read.get("entries")
+        if reader is not None and not (
+            tag_loaded(self.model, before, model_path)
+            and entries is not None
+            and before is not None
+            and entries.report.fingerprint == before.hex
+        ):
+            entries = None  # read under other files: hydrate re-reads (and refuses) with it
+        hooks.on_load(self, entries)
+
+    return mlxlm.overriding(server.ModelProvider, _load=load)
 
 
 def _cache(hooks: _Hooks) -> type:
@@ -626,30 +611,30 @@ def _generator(server: Any, hooks: _Hooks) -> type:
                 hooks.mark_warm_up_context(ctx)
             return ctx, hooks.recorded(ctx, responses)
 
-        def _generate(self):
-            # mlx-lm's generation thread: when it dies the server answers nothing and /health
-            # says 503 forever, which no supervisor restarts. Stop with one line instead.
-            what = "mlx_lm.server's generation thread died"
-            with serve_hook(f"kvstore: {what}", level=logging.DEBUG) as failed:
-                super()._generate()
-            if (e := failed.error) is not None:
-                hooks.stop_with(f"{what}: {type(e).__name__}: {e}")
+    def generate_loop(self: Any) -> None:
+        # mlx-lm's generation thread: when it dies the server answers nothing and /health
+        # says 503 forever, which no supervisor restarts. Stop with one line instead.
+        what = "mlx_lm.server's generation thread died"
+        with serve_hook(f"kvstore: {what}", level=logging.DEBUG) as failed:
+            mlxlm.plain(self, "_generate")()
+        if (e := failed.error) is not None:
+            hooks.stop_with(f"{what}: {type(e).__name__}: {e}")
 
-        def _tokenize(self, tokenizer, request, args):
-            out = super()._tokenize(tokenizer, request, args)
-            hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
-            hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
-            warm = hooks.take_warm_up(request)
-            if warm is not None:
-                return hooks.warm_up_tokenize(out, warm)
-            if hooks.boundary is None:
-                return out
-            with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
-                cli_args = self.model_provider.cli_args
-                return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
+    def tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        out = mlxlm.plain(self, "_tokenize")(tokenizer, request, args)
+        hooks.decode = getattr(tokenizer, "decode", None)  # a diverged reason's text
+        hooks.tokenized(out)  # with images: the key its cache entry has (its reasons')
+        warm = hooks.take_warm_up(request)
+        if warm is not None:
+            return hooks.warm_up_tokenize(out, warm)
+        if hooks.boundary is None:
             return out
+        with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
+            cli_args = self.model_provider.cli_args
+            return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
+        return out
 
-    return StableSegmentGenerator
+    return mlxlm.overriding(StableSegmentGenerator, _generate=generate_loop, _tokenize=tokenize)
 
 
 def _handler(server: Any, hooks: _Hooks) -> type:

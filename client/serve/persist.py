@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.serve.boundary import StableSystemSegment
 from kvstore.client.writebehind import Job, WriteBehind
+from kvstore.degrade import serve_hook
 from kvstore.errors import KVStoreError
 from kvstore.learned.coldtier import LearnTarget, fingerprint_parts
 
@@ -25,11 +27,34 @@ class SystemPromptPersister:
     With no daemon, one warning, then prefixes are dropped and serving goes on.
     """
 
-    def __init__(self, home: Path, writer: WriteBehind | None = None):
+    def __init__(
+        self,
+        home: Path,
+        writer: WriteBehind | None = None,
+        boundary: StableSystemSegment | None = None,
+    ):
         self.home = home
         self.writer = writer if writer is not None else WriteBehind(home, maxsize=PERSIST_QUEUE)
+        self.boundary = boundary  # what a persisted system segment's entry records of its cut
+        self.targets: dict[Any, LearnTarget] = {}  # model_key -> what a persisted entry needs
         self.seen: set[tuple] = set()
         self.sent = 0
+
+    def on_insert(
+        self, model_key: Any, tokens: Sequence[int], cache: list, cache_type: str
+    ) -> bool:
+        """The store tier's offer of a request's insert (its `on_insert`): a served model's system
+        segment goes to the daemon. Whether it was sent (its later uses are hits)."""
+        target = self.targets.get(model_key)
+        if cache_type != "system" or target is None:
+            return False
+        if (target.fingerprint, tuple(tokens)) in self.seen:
+            return True
+        with serve_hook("kvstore: not persisting a system prefix"):  # never fail the insert
+            extra = self.boundary.extra_for(tokens) if self.boundary is not None else {}
+            self.offer(target, tokens, cache, extra)
+            return True
+        return False
 
     def offer(
         self, target: LearnTarget, tokens: Sequence[int], cache: list, extra: dict | None = None

@@ -1,23 +1,29 @@
-"""The request path's budget (issue 35 item 3): on a pin hit, one request through `kvstore serve`
-enters at most 8 kvstore modules on each thread it runs on and a library `generate` at most 5,
-never calls back into a kvstore module already up its stack, and reads no settings and no block
-store when memory served it. Measured with `sys.setprofile` on each thread the request runs on,
-so it cannot creep back unseen."""
+"""The request path's budget (issue 35 item 3, issue 42 item 5): on a pin hit, one request through
+`kvstore serve`'s real HTTP handler (learning on, as serve's default, and once with
+--persist-system-prompts) enters at most 8 kvstore modules on each of its threads (the handler's
+and mlx-lm's generation thread), what learning hands to other threads is counted apart, and no
+thread calls back into a kvstore module already up its stack; a library `generate` enters at most
+5. Neither reads settings or a block store when memory served it. Measured with the profiler on
+every thread the request runs on, so it cannot creep back unseen."""
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import json
 import sys
 import threading
-import types
-from collections.abc import Callable
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CLASSIFY, TWO_PINS, manifest_for
-from mlx_lm import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from helpers import CLASSIFY, SERVE_START_TIMEOUT, TWO_PINS, Proc, manifest_for, serving, wait_for
+from helpers import _free_port as free_port
 
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
@@ -44,7 +50,12 @@ class ThreadTrace:
 
 @dataclass
 class RequestTrace:
+    """Each thread's kvstore modules while `recording`; the stack is followed from the thread's
+    start (or `run`'s), so a call back into a module entered before recording counts too."""
+
     threads: dict[str, ThreadTrace] = field(default_factory=dict)
+    recording: bool = True
+    local: threading.local = field(default_factory=threading.local)
 
     @property
     def modules(self) -> set[str]:
@@ -58,30 +69,30 @@ class RequestTrace:
     def reentries(self) -> list[str]:
         return [r for t in self.threads.values() for r in t.reentries]
 
+    def profile(self, frame: Any, event: str, arg: Any) -> None:
+        local = self.local
+        if not hasattr(local, "stack"):  # a thread started under threading.setprofile
+            local.stack, local.name = [], threading.current_thread().name
+        stack: list[str | None] = local.stack  # each frame's kvstore module (None: not kvstore)
+        if event == "call":
+            name = frame.f_globals.get("__name__", "")
+            module = name if name == "kvstore" or name.startswith("kvstore.") else None
+            if module is not None and self.recording:
+                trace = self.threads.setdefault(local.name, ThreadTrace())
+                caller = next((m for m in reversed(stack) if m is not None), None)
+                if caller is not None and caller != module:
+                    trace.transitions += 1
+                    if module in stack:
+                        trace.reentries.append(f"{caller} -> {module}.{frame.f_code.co_name}")
+                trace.modules.add(module)
+            stack.append(module)
+        elif event == "return" and stack:
+            stack.pop()
+
     def run(self, thread: str, work: Callable[[], Any]) -> Any:
         """Run `work` on this thread with the profiler on, recorded under `thread`."""
-        trace = self.threads.setdefault(thread, ThreadTrace())
-        stack: list[str | None] = []  # each Python frame's kvstore module (None: not kvstore)
-
-        def nearest() -> str | None:
-            return next((m for m in reversed(stack) if m is not None), None)
-
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call":
-                name = frame.f_globals.get("__name__", "")
-                module = name if name == "kvstore" or name.startswith("kvstore.") else None
-                if module is not None:
-                    caller = nearest()
-                    if caller is not None and caller != module:
-                        trace.transitions += 1
-                        if module in stack:
-                            trace.reentries.append(f"{caller} -> {module}.{frame.f_code.co_name}")
-                    trace.modules.add(module)
-                stack.append(module)
-            elif event == "return" and stack:
-                stack.pop()
-
-        sys.setprofile(profile)
+        self.local.stack, self.local.name = [], thread
+        sys.setprofile(self.profile)
         try:
             return work()
         finally:
@@ -132,59 +143,127 @@ def test_a_library_generate_on_a_pin_hit_stays_within_its_budget(llama, llama_pa
     trace.check(LIBRARY_MODULES)
 
 
-def serve_request(model, tokenizer, cache, key, hooks, prompt: list[int]) -> RequestTrace:
-    """One request as mlx_lm.server runs it: the handler thread reads the headers, the
-    generation thread fetches, generates and inserts, the handler's response iterator records
-    the call when it ends."""
-    trace = RequestTrace()
-    trace.run("handler", lambda: hooks.warm_up_index({}))
-    ctx = types.SimpleNamespace(prompt=prompt, prompt_cache_count=0)
-    out: list[int] = []
-
-    def generation() -> None:
-        kv, rest = cache.fetch_nearest_cache(key, prompt)
-        ctx.prompt_cache_count = len(prompt) - len(rest)
-        kv = kv if kv is not None else make_prompt_cache(model)
-        for r in stream_generate(model, tokenizer, rest, max_tokens=2, prompt_cache=kv):
-            out.append(r.token)
-        cache.insert_cache(key, prompt + out, kv)
-
-    worker = threading.Thread(target=lambda: trace.run("generation", generation))
-    worker.start()
-    worker.join()
-    trace.run("handler", lambda: list(hooks.recorded(ctx, iter(out))))
-    assert ctx.prompt_cache_count > 0  # the pin served it
-    return trace
+def role(thread: str) -> str:
+    """A thread of `kvstore serve` by what it runs: mlx_lm.server's HTTP handler of a request
+    (ThreadingHTTPServer's), its generation thread, or another (learning's, the write-behind's)."""
+    if "process_request_thread" in thread:
+        return "request"
+    return "generation" if "generate" in thread else "other"  # 0.32: _run_generate; 0.31: ours
 
 
-def test_a_served_request_on_a_pin_hit_stays_within_its_budget(llama, llama_path, warmed):
+@contextlib.contextmanager
+def served(home: Path, model: Path, trace: RequestTrace, *options: str) -> Iterator[str]:
+    """`kvstore serve`'s server (mlx_lm.server's main as patched_server hooks it, learning on
+    unless told) on a thread of this process, every thread it starts profiled by `trace`; the
+    URL once /health says ready. Stopped (server and generation thread) on exit."""
     from kvstore.client.serve.hooks import patched_server
 
-    model, tokenizer = llama
-    key = (str(llama_path), None, None)
-    args = argparse.Namespace(host="127.0.0.1", port=0, prefill_step_size=2048)
-    provider = types.SimpleNamespace(model_key=key, model=model, tokenizer=tokenizer, cli_args=args)
-    got: list = []
-    with patched_server(warmed, hooks_out=got) as server:
-        (hooks,) = got
-        hooks.warm_thread_started = hooks.ready = True  # no warm-up requests over HTTP here
-        cache = server.LRUPromptCache(10)
-        try:
-            hooks.on_load(provider)
-            assert len(cache.pins_of(key)) == 2  # the stored pins, kept as pins
-            first = prompt_after_pin(tokenizer, "My invoice 2291 was charged twice.")
-            serve_request(model, tokenizer, cache, key, hooks, first)
-            again = prompt_after_pin(tokenizer, "Where is my parcel?")
-            trace = serve_request(model, tokenizer, cache, key, hooks, again)
-        finally:
-            hooks.close(2.0)
-            if hooks.learner is not None:
-                hooks.learner.close(2.0)
+    port, got, running = free_port(), [], []
+    threading.setprofile(trace.profile)  # before the hooks start their threads
+    try:
+        with patched_server(
+            home, persist="--persist-system-prompts" in options, hooks_out=got
+        ) as server:
+            plain = server._run_http_server  # serve's own (its handler): given a server we can stop
+
+            def http(host: str, port: int, generator: Any, **kw: Any) -> None:
+                running.append(generator)
+                plain(host, port, generator, server_class=Stoppable, **kw)
+
+            server._run_http_server = http
+            argv, sys.argv = sys.argv, ["mlx_lm.server", "--model", str(model), "--port", str(port)]
+            main = threading.Thread(target=server.main, name="serve-main")
+            try:
+                main.start()
+                url = f"http://127.0.0.1:{port}"
+                wait_for(lambda: health(url), SERVE_START_TIMEOUT, lambda: "serve never got ready")
+                sys.argv = argv
+                yield url
+            finally:
+                sys.argv = argv
+                for httpd in Stoppable.made:
+                    httpd.shutdown()
+                Stoppable.made.clear()
+                for generator in running:
+                    generator.stop_and_join()
+                main.join(30)
+                for hooks in got:
+                    hooks.close(2.0)
+                    if hooks.learner is not None:
+                        hooks.learner.close(2.0)
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+
+class Stoppable(ThreadingHTTPServer):
+    """mlx_lm.server's HTTP server, kept where the test can shut it down."""
+
+    made: list[ThreadingHTTPServer] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        Stoppable.made.append(self)
+
+
+def health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def chat(url: str, user: str) -> int:
+    """One chat request after the `classify` pin over HTTP; the tokens the cache served."""
+    turns = [{"role": "system", "content": CLASSIFY}, {"role": "user", "content": user}]
+    body = {"messages": turns, "max_tokens": 2, "temperature": 0.0}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+class OverBudget(AssertionError):
+    """A thread of the request entered more kvstore modules than SERVE_MODULES."""
+
+
+# With --persist-system-prompts the generation thread also re-cuts each request's system segment
+# (client.serve.boundary, pins.clock, degrade's guard) and offers its insert (client.serve.persist):
+# 11 modules. Left for issue 42 item 5; strict, so that meeting the budget fails until this goes.
+PERSIST_OVER = pytest.mark.xfail(raises=OverBudget, strict=True, reason="11 modules, not 8 yet")
+
+
+PERSIST = pytest.param(("--persist-system-prompts",), marks=PERSIST_OVER, id="persist")
+
+
+@pytest.mark.parametrize("options", [pytest.param((), id="learn"), PERSIST])
+def test_a_served_request_on_a_pin_hit_stays_within_its_budget(llama_path, warmed, tmp_path,
+                                                               options):  # fmt: skip
+    """Through the real HTTP handler with serve's default options (learning on), and once with
+    --persist-system-prompts: the request's own threads enter at most SERVE_MODULES kvstore
+    modules each; what learning hands to other threads is counted apart; no thread calls back
+    into a module up its stack."""
+    trace = RequestTrace(recording=False)
+    with serving(Proc(warmed, log=tmp_path / "daemon.log"), warm=False), \
+            served(warmed, llama_path, trace, *options) as url:  # fmt: skip
+        assert chat(url, "My invoice 2291 was charged twice.") > 0  # the first call
+        time.sleep(1.0)  # what the first call handed to other threads is done
+        trace.recording = True
+        assert chat(url, "Where is my parcel?") > 0  # the pin served it
+        time.sleep(0.5)  # the generation thread's insert after the reply
+        trace.recording = False
     for name, t in trace.threads.items():
-        print(f"\nserve {name}: {len(t.modules)} modules, {t.transitions} transitions: "
-              f"{sorted(t.modules)}; re-entries {t.reentries}")  # fmt: skip
-    print(f"serve: {len(trace.modules)} modules, {trace.transitions} transitions")
-    trace.check(SERVE_MODULES)
+        print(f"\nserve {name} ({role(name)}): {len(t.modules)} modules, {t.transitions} "
+              f"transitions: {sorted(t.modules)}; re-entries {t.reentries}")  # fmt: skip
+    roles = {role(name) for name in trace.threads}
+    assert {"request", "generation"} <= roles, sorted(trace.threads)
+    assert not trace.reentries, trace.reentries
+    own = {name: t for name, t in trace.threads.items() if role(name) != "other"}
+    for name, t in own.items():
+        assert not t.modules & set(NEVER_WHEN_MEMORY_SERVED), (name, sorted(t.modules))
+    for name, t in sorted(own.items(), key=lambda item: role(item[0]) != "request"):
+        if len(t.modules) > SERVE_MODULES:
+            raise OverBudget(name, sorted(t.modules))
 
 
 def test_a_restore_from_the_store_never_calls_back_up_the_stack(llama, kv_home):

@@ -31,6 +31,7 @@ from kvstore import mlxlm
 from kvstore.client.callstats import CachedCall, CallStats, StatsRecorder
 from kvstore.client.persistent import PersistentPromptCache
 from kvstore.client.writebehind import CLOSE_TIMEOUT
+from kvstore.degrade import Degrade, library_call
 from kvstore.identity.model import ModelIdentity
 
 # (not client/attach.py: the package's `attach` must be the function, and a submodule of that
@@ -90,12 +91,12 @@ class Attachment:
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
-    def warn_once(self, what: str, e: BaseException) -> None:
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "kvstore: %s (%s: %s); prefilling as without kvstore", what, type(e).__name__, e
-            )
+    def degrade(self, what: str) -> Degrade:
+        """A block the call survives as without kvstore: its failure a warning the first time
+        (`kvstore: <what>; prefilling as without kvstore: <Type>: <message>`), then debug."""
+        level = logging.DEBUG if self._warned else logging.WARNING
+        self._warned = True
+        return library_call(f"kvstore: {what}; prefilling as without kvstore", level=level)
 
 
 _REGISTRY = threading.Lock()
@@ -166,7 +167,7 @@ def _route(
         or not mlxlm.binds(plain, prompt, model, *args, **kw)
     ):
         return plain(prompt, model, *args, **kw)
-    try:
+    with attachment.degrade("the prompt cache failed on a generation call") as failed:
         tokens = [int(t) for t in prompt.tolist()] if hasattr(prompt, "tolist") else list(prompt)
         with attachment.lock:
             call = CachedCall.open(
@@ -175,8 +176,7 @@ def _route(
             )  # fmt: skip
         processors = mlxlm.whole_history(plain, kw.get("logits_processors"), prompt[: call.served])
         rest = prompt[call.served :]
-    except Exception as e:  # a fault of the cache: this call as without kvstore
-        attachment.warn_once("the prompt cache failed on a generation call", e)
+    if failed.error is not None:  # a fault of the cache: this call as without kvstore
         return plain(prompt, model, *args, **kw)
     kw = {**kw, "prompt_cache": call.cache, "logits_processors": processors}
     if kw.get("prompt_progress_callback") is not None:  # progress over the whole prompt
@@ -221,8 +221,6 @@ def _served(attachment: Attachment, call: CachedCall, steps: Iterator[Any]) -> I
 def _close(
     attachment: Attachment, call: CachedCall, generated: list[int], prefill_s: float, elapsed: float
 ) -> None:
-    try:
-        with attachment.lock:
-            call.close(generated, prefill_s, elapsed)
-    except Exception as e:  # the answer is out already; the cache only missed a transcript
-        attachment.warn_once("the prompt cache failed to keep a generation call", e)
+    # the answer is out already: a failure here only misses a transcript
+    with attachment.degrade("the prompt cache failed to keep a generation call"), attachment.lock:
+        call.close(generated, prefill_s, elapsed)

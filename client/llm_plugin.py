@@ -121,18 +121,19 @@ class KVStoreMlxModel(_MlxModel):
             if (problem := home_problem(home)) is not None:
                 _warn_once(f"kvstore: not using the store: {problem}")
                 return super()._load()
-            try:
-                # started now, it comes up while the weights load; the write-behind waits for it
-                with library_call("kvstore: could not start the daemon"):
-                    spawn_daemon(home)
+            # started now, it comes up while the weights load; the write-behind waits for it
+            with library_call("kvstore: could not start the daemon"):
+                spawn_daemon(home)
+            # mlx-lm's own error, or kvstore's: said once below, after llm-mlx's load had its say
+            with library_call("kvstore: load", level=logging.DEBUG) as failed:
                 self._model, self._tokenizer, self._cache = load(
                     self.model_path, home=home, learn=True, persist_chains=True,
                     start_daemon=True, verbose=False, warm=False,
                 )  # fmt: skip
-            except Exception as e:  # noqa: BLE001  mlx-lm's own error, or kvstore's
+            if failed.error is not None:
                 self._model = self._cache = None
                 model, tokenizer = super()._load()  # llm-mlx's load: its error, if it is one
-                _warn_once(f"kvstore: not using the store for {self.model_path}: {e}")
+                _warn_once(f"kvstore: not using the store for {self.model_path}: {failed.error}")
                 return model, tokenizer
         return self._model, self._tokenizer
 
@@ -197,18 +198,21 @@ class KVStoreMlxModel(_MlxModel):
             from kvstore.client import stream_generate
 
             first = True
-            try:
+            # the cache must never take the call down before its first token
+            with library_call("kvstore: generate", level=logging.DEBUG) as failed:
                 for chunk in stream_generate(
                     self._cache, model, tokenizer, ids, label=LABEL, **kwargs
                 ):
                     first = False
                     yield chunk
+            if failed.error is None:
                 return
-            except Exception as e:  # noqa: BLE001  the cache must never take the call down
-                if not first:
-                    raise
-                _warn_once(f"kvstore: generating without the store for {self.model_path}: {e}")
-                self._cache = None
+            if not first:  # the answer was under way: its error is the call's
+                raise failed.error
+            _warn_once(
+                f"kvstore: generating without the store for {self.model_path}: {failed.error}"
+            )
+            self._cache = None
         yield from mlx_lm.stream_generate(model, tokenizer, ids, **kwargs)
 
 

@@ -46,6 +46,7 @@ from kvstore.wire.messages import READS
 log = logging.getLogger("kvstore.daemon")
 
 # How long shutdown waits for woken connection threads; well inside the 5 s service managers allow.
+REPLY_GRACE_S = 1.0  # seconds a reply in flight at a stop has to go out
 CONN_JOIN_SECONDS = 2.5
 
 
@@ -375,13 +376,17 @@ class Daemon:
         self.daywatch.stop()
         with self._conns_lock:
             conns = dict(self._conns)
-        for sock in conns:  # wakes threads blocked waiting for a client's next frame
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for t in conns.values():
-            t.join(max(0.0, deadline - time.monotonic()))
+        # First the read side only: a thread waiting for a client's next frame wakes, and a reply
+        # in flight (a request the stop's cause failed: a damaged store's line) still goes out;
+        # then both sides, so a client that reads no reply holds no thread.
+        for how, grace in ((socket.SHUT_RD, REPLY_GRACE_S), (socket.SHUT_RDWR, CONN_JOIN_SECONDS)):
+            for sock in conns:
+                try:
+                    sock.shutdown(how)
+                except OSError:
+                    pass
+            for t in conns.values():
+                t.join(max(0.0, min(deadline, time.monotonic() + grace) - time.monotonic()))
         stuck: list[object] = [t for t in conns.values() if t.is_alive()]  # counted, below
         if not self.upkeep.stop_remote():  # it reads the store: same rule as a connection
             stuck.append("the fleet uploader")

@@ -325,10 +325,7 @@ class Learner:
 
     def _toucher(self, fingerprint: bytes, keys: list[bytes]) -> Callable[[Any], None]:
         """The write-behind job's work: touch these records of `fingerprint`."""
-        return lambda client: self._touch(client, fingerprint, keys)
-
-    def _touch(self, client: Any, fingerprint: bytes, keys: list[bytes]) -> None:
-        client.send(TouchBlocksRequest(fingerprint, keys))
+        return lambda client: client.send(TouchBlocksRequest(fingerprint, keys))
 
     # -- the worker -----------------------------------------------------------------------------
 

@@ -255,6 +255,3 @@ def foreign_fields(meta: EntryMeta, plan: ModelPlan, uploader: str) -> PutFields
         classes=meta.classes,
         extra=extra,
     )
-
-
-Fetch = Callable[["ModelPlan", "PlannedPin"], tuple[bytes | None, list, str, str | None]]

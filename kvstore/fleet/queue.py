@@ -334,7 +334,6 @@ class Uploader(threading.Thread):
         self._stop_event = threading.Event()
         self._wake = threading.Event()
         self._cause: str | None = None  # the failure last logged: one line per cause, not per try
-        self.uploaded = 0
 
     def notify(self, meta: EntryMeta | None = None) -> None:
         """Store.on_commit hook: queue the key (one small local write) and wake the worker."""
@@ -407,7 +406,6 @@ class Uploader(threading.Thread):
                     log.info("remote: reachable again; uploading the queue")
                     self._cause = None
                 if outcome != "gone":
-                    self.uploaded += outcome == "uploaded"
                     what = "entry" if kind == "entry" else "learned record"
                     log.info("remote: %s %s %s", what, key.hex(), outcome)
 

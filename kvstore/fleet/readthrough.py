@@ -284,14 +284,14 @@ class ReadThrough:
             try:
                 v = verify_record(key, data, keys=keys)
             except RemoteError as e:
-                self._refused(e.cause, key, str(e))
+                self._refused(e.cause, str(e))
                 break
             if why := quarantined.get(v.provenance.box):
-                self._refused("quarantined", key, f"learned record {key.hex()}: uploader "
+                self._refused("quarantined", f"learned record {key.hex()}: uploader "
                               f"{v.provenance.box} is quarantined ({why})")  # fmt: skip
                 break
             if v.block != ask.block:
-                self._refused("cut", key, f"learned record {key.hex()} was cut at {v.block} "
+                self._refused("cut", f"learned record {key.hex()} was cut at {v.block} "
                               f"tokens, this store at {ask.block}")  # fmt: skip
                 break
             out.append(v)
@@ -305,7 +305,7 @@ class ReadThrough:
             self.tally.add("saved_s", max(0.0, prefill_s * share - seconds))
         return out, n
 
-    def _refused(self, cause: str, key: bytes, what: str) -> None:
+    def _refused(self, cause: str, what: str) -> None:
         self.tally.outcome("refused")
         metrics.FLEET_REFUSED.labels(reason=cause).inc()
         if cause not in self._said:  # one line per cause, not one per request
@@ -396,7 +396,7 @@ class ReadThrough:
             except RemoteError as e:
                 # vanished since the lookup (S3 names it only in its code) or cut short
                 if e.cause == "corrupt" or (e.cause == "error" and "NoSuchKey" in str(e)):
-                    self._refused("gone", key, f"learned record {key.hex()}: {e}")
+                    self._refused("gone", f"learned record {key.hex()}: {e}")
                     self._miss(ask.hashes[-1])
                     return None
                 raise
@@ -407,7 +407,7 @@ class ReadThrough:
             nbytes += len(data)
             start = record_start(data)
             if start is None or start >= at:
-                self._refused("corrupt", key, f"learned record {key.hex()}: unreadable header")
+                self._refused("corrupt", f"learned record {key.hex()}: unreadable header")
                 return None
             objects.append((key, data))
             at = start

@@ -313,10 +313,7 @@ def model_fingerprint(
     files = [(f"model/{p.relative_to(model_dir)}", p) for p in _files(model_dir, WEIGHT_GLOBS)]
     if not any(name.endswith(".safetensors") for name, _ in files):
         raise ModelError(f"model {str(model)!r}: no *.safetensors weights in {model_dir}")
-    if located is not None:
-        config = located.config
-    else:
-        config = effective_config(model_dir, model_config)
+    config = located.config if located is not None else effective_config(model_dir, model_config)
     if adapter_path is not None:
         adir = Path(adapter_path).expanduser()
         afiles = _files(adir, ADAPTER_GLOBS) if adir.is_dir() else []

@@ -40,9 +40,6 @@ KV_GROUP_SIZES = (32, 64, 128)
 DEFAULT_KV_GROUP_SIZE = 64  # mlx_lm.generate's default
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate's default: KV quantized from this offset on
 
-# What an entry's meta `extra` stores the identity under (its path is the meta's `model` field).
-STATE_KEYS = ("adapter", "kv_bits", "kv_group_size", "quantized_kv_start", "model_config")
-
 
 class IdentityKeywords(TypedDict, total=False):
     """The keyword arguments an app names its model's identity with (`load`, `hydrate`,

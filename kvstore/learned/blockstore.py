@@ -421,14 +421,7 @@ class BlockStore:
                         metas[bytes(k)] = BlockMeta.unpack(bytes(k), bytes(v))
                     except CorruptEntryError:
                         continue
-            parent_of: dict[bytes, bytes] = {}
-            cur = txn.cursor(self._db(b"kids"))
-            if cur.set_range(fingerprint):
-                for k in cur.iternext(values=False):
-                    if not bytes(k[:FINGERPRINT_BYTES]) == fingerprint:
-                        break
-                    row = parse_kids_row(bytes(k))
-                    parent_of[row.child] = row.parent
+            parent_of = self.links(txn, fingerprint)
             return metas, parent_of, self._stat_int(txn, BLOCK_TOKENS) or self.block
 
         with self.store.reading() as txn:

@@ -60,7 +60,6 @@ def evict(store: Store, req: EvictRequest, *, home: Path, watched: set[Path]) ->
         model=req.model,
         unpinned=req.unpinned,
         stale=req.stale,
-        everything=req.all,
         to_size=req.to_size,
         home=home,
         unknown=out.unknown,

@@ -116,7 +116,6 @@ def select_for_eviction(
     model: str | None = None,
     unpinned: bool = False,
     stale: bool = False,
-    everything: bool = False,
     to_size: int | None = None,
     home: Path,
     unknown: list[tuple[EntryMeta, str]] | None = None,

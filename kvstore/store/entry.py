@@ -50,11 +50,6 @@ def entry_key(fingerprint: bytes, tokens: Sequence[int]) -> bytes:
     return fingerprint + prefix_hash(tokens)
 
 
-def parse_key(text: str) -> bytes:
-    """A key given on the command line as hex (a unique prefix is resolved by the caller)."""
-    return bytes.fromhex(text)
-
-
 # -- meta ----------------------------------------------------------------------------------------
 SCHEMA_VERSION = 2
 LEGACY_SCHEMA_VERSION = 1  # a bare map without a checksum: read, re-checked, rewritten as 2

@@ -18,7 +18,6 @@ from typing import NamedTuple
 FINGERPRINT_BYTES = 16
 HASH_BYTES = 16
 KEY_BYTES = FINGERPRINT_BYTES + HASH_BYTES
-KIDS_ROW_BYTES = KEY_BYTES + HASH_BYTES
 SHORT_HEX_DIGITS = 12  # hex digits of the digest that `ls` shows
 
 _FP_HEX = 2 * FINGERPRINT_BYTES

@@ -43,7 +43,6 @@ from kvstore.pins.render import pin_extra, render_prefix
 from kvstore.store.entry import (
     CHECK_PENDING,
     FLEET_CHECK,
-    EntryMeta,
     PutFields,
     entry_fields,
     entry_key,
@@ -56,8 +55,6 @@ from kvstore.warm.plan import ModelPlan, PlannedPin
 from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
 log = logging.getLogger("kvstore")
-
-MetaEdit = Callable[[EntryMeta], EntryMeta | None]  # Store.edit_meta: an entry's new meta
 
 
 class PinStatus(str, Enum):

@@ -24,7 +24,6 @@ from kvstore.daemon.cli.service import launchd, systemd
 
 LABEL = launchd.LABEL
 UNIT_NAME = systemd.UNIT_NAME
-KINDS = ("launchd", "systemd")
 # Installer variables the daemon needs to find the same models (launchd and systemd start
 # services with a minimal environment).
 PASS_THROUGH_ENV = ("HF_HOME", "HF_HUB_CACHE")

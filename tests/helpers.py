@@ -239,6 +239,16 @@ def warm_two_pins(tmp_path, home, model_path, extra=""):
     return metas
 
 
+def chat(tokenizer, system: str, user: str) -> list[int]:
+    """A system prompt and a user turn as a request's token ids, rendered as mlx_lm.server does."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def mlx_lm_prefill(model, tokens, quant: dict | None = None) -> list:
     """The reference, from mlx-lm's own pieces: one forward pass into make_prompt_cache, then
     generate's maybe_quantize_kv_cache (kvstore's prefill is not used to check itself)."""

@@ -9,20 +9,11 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from helpers import OLD, TWO_PINS, cli, manifest_for, system, wait_for
+from helpers import OLD, TWO_PINS, chat, cli, manifest_for, system, wait_for
 
 from kvstore.client import PersistentPromptCache, generate
 from kvstore.home.ledger import Ledger, validate
 from kvstore.store.store import Store
-
-
-def chat(tokenizer, sys: str, user: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": sys}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_an_app_naming_the_model_relatively_stores_under_its_folder(

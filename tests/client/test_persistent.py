@@ -19,6 +19,7 @@ from helpers import (
     SYNTHESIZE,
     TWO_PINS,
     assert_same_kv,
+    chat,
     manifest_for,
     wait_for,
 )
@@ -40,15 +41,6 @@ WRITER = [{"role": "system", "content": SYNTHESIZE}]
 def ls(home) -> list[dict]:
     with DaemonClient(home) as c:
         return c.raw("ls")
-
-
-def chat(tokenizer, system: str, user: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def count_prefills(monkeypatch) -> list:

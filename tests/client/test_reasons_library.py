@@ -11,6 +11,7 @@ from helpers import (
     OLD,
     ROUTER,
     Proc,
+    chat,
     corrupt_a_blob,
     killed_daemon,
     manifest_for,
@@ -25,15 +26,6 @@ from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
-
-
-def chat(tokenizer, sys: str, user: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": sys}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_cold_then_date_in_system_prompt_is_diverged(llama, llama_path, kv_home, tmp_path):

@@ -8,7 +8,7 @@ import re
 
 import mlx_lm
 import pytest
-from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, manifest_for
+from helpers import CLASSIFY, SYNTHESIZE, TWO_PINS, Proc, chat, manifest_for
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.sample_utils import make_sampler
 
@@ -16,15 +16,6 @@ from kvstore.client import PersistentPromptCache, StatsRecorder, generate, strea
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-
-
-def chat(tokenizer, system: str, user: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def assert_adds_up(call) -> None:

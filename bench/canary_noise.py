@@ -16,8 +16,8 @@ import mlx.core as mx
 from mlx_lm import load
 
 from kvstore.tiny import make_tiny_model
-from kvstore.warm.kvdiff import ROUNDOFFS, kv_difference
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.kvdiff import ROUNDOFFS, kv_difference
+from kvstore.kvcheck.prefill import prefill
 
 TOKENS = list(range(3, 303))
 

@@ -96,7 +96,7 @@ def check_costs(models: tuple = CHECK_MODELS) -> Iterator[dict]:
     from kvstore.fleet.check import check_cache
     from kvstore.identity.model import ModelIdentity
     from kvstore.tiny import ARCHITECTURES
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     identity = ModelIdentity("bench")
     for name, overrides in models:

@@ -63,7 +63,7 @@ def cold_prefill(argv: list[str]) -> dict:
     import mlx.core as mx
     from mlx_lm import load
 
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     model_path, n = argv[0], int(argv[1])
     model, _ = load(model_path)

@@ -404,7 +404,7 @@ def _prompt_ids(
     ):
         return list(prompt)
     # the app's own ids (an array too): one past the embedding would crash the process in mlx
-    from kvstore.warm.prefill import check_token_ids, model_vocab_size
+    from kvstore.kvcheck.prefill import check_token_ids, model_vocab_size
 
     if vocab is None:
         vocab = model_vocab_size(model)
@@ -439,7 +439,7 @@ def _draft_cache(draft_model: Any, prefix: list[int]) -> list:
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(draft_model)
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     return prefill(draft_model, prefix)
 

@@ -221,7 +221,7 @@ def prefetch(
 
 def _vocab_size(model: Any, identity: ModelIdentity) -> int | None:
     if model is not None:
-        from kvstore.warm.prefill import model_vocab_size
+        from kvstore.kvcheck.prefill import model_vocab_size
 
         return model_vocab_size(model)
     from kvstore.identity.fingerprint import resolve_model_path
@@ -238,7 +238,7 @@ def _check_stored_ids(meta: EntryMeta, vocab: int | None) -> None:
 
     ids = np.frombuffer(meta.tokens, dtype="<u4")
     if vocab is not None and ids.size and int(ids.max()) >= vocab:
-        from kvstore.warm.prefill import check_token_ids  # names the first bad id
+        from kvstore.kvcheck.prefill import check_token_ids  # names the first bad id
 
         check_token_ids(ids.tolist(), vocab, what="stored token ids")
 

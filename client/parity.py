@@ -205,7 +205,7 @@ def run_parity(
 
     from kvstore.client.hydrate import insert, prefetch
     from kvstore.identity.fingerprint import resolve_model_path
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     if reference not in REFERENCES:
         raise ParityError(f"reference must be one of {', '.join(REFERENCES)}")

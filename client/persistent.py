@@ -623,7 +623,7 @@ class PersistentPromptCache(PinnedPromptCache):
         writer: WriteBehind | None = None,
         stats: StatsRecorder | None = None,
     ):
-        from kvstore.warm.prefill import model_vocab_size
+        from kvstore.kvcheck.prefill import model_vocab_size
 
         self.options = options = options if options is not None else CacheOptions()
         super().__init__(
@@ -813,7 +813,7 @@ class PersistentPromptCache(PinnedPromptCache):
             warning, extra = rendered.warning, pin_extra(rendered, dict(kwargs))
         else:
             given = tokens  # any sequence of ints, a numpy or an mx array
-        from kvstore.warm.prefill import check_token_ids, model_vocab_size
+        from kvstore.kvcheck.prefill import check_token_ids, model_vocab_size
 
         # an id past the embedding would crash the process in mlx, not raise
         ids = check_token_ids(given, model_vocab_size(self.model), what=f"pin {name!r}")
@@ -824,7 +824,7 @@ class PersistentPromptCache(PinnedPromptCache):
             return self._pins[key][0]
         source, cache = self._find(ids)
         if cache is None:
-            from kvstore.warm.prefill import prefill
+            from kvstore.kvcheck.prefill import prefill
             from kvstore.warm.warm import PrefillBounds, PrefillProgress, over_limit
 
             if why := over_limit(self.model_path, name, len(ids), limit, self._context()):

@@ -37,7 +37,7 @@ from kvstore.ops.budget import Budget
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.store.store import Store
-from kvstore.warm.prefill import stop_when
+from kvstore.kvcheck.prefill import stop_when
 from kvstore.warm.warm import STORED, PinStatus, PrefillBounds, WarmReport, max_pin_tokens
 
 log = logging.getLogger("kvstore.daemon")

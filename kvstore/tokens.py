@@ -27,7 +27,7 @@ _SWAP = sys.byteorder != ORDER
 _MAX = 2**32 - 1  # the largest id a packed token holds
 
 # Token ids as apps hold them (what `tokens=` and a prompt of ids take): any sequence of ints, a
-# numpy integer array or an mx.array, one row (kvstore.warm.prefill.check_token_ids reads them).
+# numpy integer array or an mx.array, one row (kvstore.kvcheck.prefill.check_token_ids reads them).
 TokenIds = Union[Sequence[int], "np.ndarray", "mx.array"]
 
 

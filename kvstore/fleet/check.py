@@ -1,6 +1,6 @@
 """The semantic check before first use: KV another box computed is compared with what this box's
 own model computes for the same tokens before it serves a request here. The first CHECK_TOKENS
-positions are re-prefilled and compared with the object's first positions (kvstore.warm.kvdiff,
+positions are re-prefilled and compared with the object's first positions (kvstore.kvcheck.kvdiff,
 the upgrade canary's comparison and tolerance); all of it when shorter, and the whole entry for
 caches that cannot be cut (final-state layouts) or whose KV is quantized. Past the first
 CHECK_TOKENS of a cuttable entry, SPOT_CHECKS positions drawn here from the OS's randomness (one
@@ -143,11 +143,11 @@ def _at(c: Any, p: int) -> Any:
 
 def step_check(model: Any, token_ids: list[int], stored: list, positions: list[int]) -> Verdict:
     """At each of `positions`, one decoding step of the stored token over the stored KV before
-    it, its K/V compared with the stored K/V at that position (kvstore.warm.kvdiff). `stored` is
+    it, its K/V compared with the stored K/V at that position (kvstore.kvcheck.kvdiff). `stored` is
     left as it was. The verdict names the first position that differs."""
     import mlx.core as mx
 
-    from kvstore.warm.kvdiff import kv_difference
+    from kvstore.kvcheck.kvdiff import kv_difference
 
     t = time.perf_counter()
     layers = [i for i, c in enumerate(stored) if _at(c, 0) is not None]
@@ -189,8 +189,8 @@ def check_cache(
 
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-    from kvstore.warm.kvdiff import kv_difference
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.kvdiff import kv_difference
+    from kvstore.kvcheck.prefill import prefill
 
     t = time.perf_counter()
     n = len(token_ids)
@@ -247,8 +247,8 @@ def check_chain(
     stretch, one decoding step at each of `positions` (default: SPOT_CHECKS drawn at random,
     spot_positions), each over the whole assembled cache before it. A few single-token steps
     whatever the chain's length. `cache` is left as it was."""
-    from kvstore.warm.kvdiff import kv_difference
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.kvdiff import kv_difference
+    from kvstore.kvcheck.prefill import prefill
 
     t = time.perf_counter()
     n = len(token_ids)
@@ -315,7 +315,7 @@ def _own_cache(
     import mlx.core as mx
 
     from kvstore import tokens as tk
-    from kvstore.warm.prefill import PREFILL_STEP, prefill
+    from kvstore.kvcheck.prefill import PREFILL_STEP, prefill
 
     n, packed = len(token_ids), tk.pack(token_ids)
     if ends is None or identity.kv_bits is not None:
@@ -349,7 +349,7 @@ def _whole_record(
     """Record positions [start, len(token_ids)) of the cuttable layers against this model's own
     cache of the chain up to them (check_record's full check)."""
     from kvstore.learned.records import kv_layers, slice_record
-    from kvstore.warm.kvdiff import kv_difference
+    from kvstore.kvcheck.kvdiff import kv_difference
 
     t = time.perf_counter()
     end = len(token_ids)

@@ -2,7 +2,7 @@
 
 The fingerprint covers the mlx-lm source that computes the KV, but not mlx's compiled kernels; a
 release can change the KV with no source change we hash. So after an upgrade, one short pin per
-model is prefilled again and compared with its stored entry (kvstore.warm.kvdiff: per layer, within
+model is prefilled again and compared with its stored entry (kvstore.kvcheck.kvdiff: per layer, within
 a few unit roundoffs of the KV dtype).
 
 `kvstore verify --deep` runs it on demand; the daemon after an upgrade (kvstore.daemon.canary). The
@@ -20,7 +20,7 @@ from typing import Any
 from kvstore.errors import KVStoreError
 from kvstore.home.settings import write_atomically
 from kvstore.identity.model import ModelIdentity
-from kvstore.warm.kvdiff import kv_difference
+from kvstore.kvcheck.kvdiff import kv_difference
 
 log = logging.getLogger("kvstore")
 

@@ -21,7 +21,7 @@ from kvstore.identity.model import (  # what a manifest (and generate) may ask f
     KV_GROUP_SIZES,
     ModelIdentity,
 )
-from kvstore.warm.kvdiff import layer_differences
+from kvstore.kvcheck.kvdiff import layer_differences
 
 _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache")
 
@@ -201,14 +201,14 @@ def _as_stored(stored: list, fresh: list) -> list:
 
 def kv_check(model, cache: list, tokens: list[int], *, what: str) -> str:
     """Compare `cache` with what `model` computes for `tokens`, within the upgrade canary's
-    tolerance (kvstore.warm.kvdiff); raise ImportMismatch naming the first layer and position that
+    tolerance (kvstore.kvcheck.kvdiff); raise ImportMismatch naming the first layer and position that
     differ. Caches of up to FULL_CHECK_TOKENS tokens, and those that keep a window or a final
     state only, are re-prefilled whole; longer plain KV caches are compared on their first
     FULL_CHECK_TOKENS positions (a prefix re-prefilled) and on SAMPLE_WINDOWS windows spread to
     their end. Returns what was compared, in words."""
     import mlx.core as mx
 
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     def judge(stored: list, fresh: list, first: int = 0) -> None:
         bad = [d for d in layer_differences(stored, fresh, first=first) if not d.ok]

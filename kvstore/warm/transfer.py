@@ -325,7 +325,7 @@ def _import_tokens(
     else:
         tokens, source = _file_tokens(metadata, file), f"{file} ({TOKEN_IDS_KEY} metadata)"
     from kvstore.identity.modelconfig import effective_config
-    from kvstore.warm.prefill import check_token_ids, config_vocab_size
+    from kvstore.kvcheck.prefill import check_token_ids, config_vocab_size
 
     try:  # ids past the model's vocabulary: no prefill of this model could have made the file
         vocab = config_vocab_size(effective_config(model_dir, model_config))

@@ -209,7 +209,7 @@ class PrefillProgress:
     """A long prefill's progress as lines for `say`: tokens done of the total and the rate since
     the last line (attention makes later chunks slower, so an average would flatter it), every
     `every` seconds once it has run that long (a short pin says nothing); PrefillBounds sets
-    `every`. Called after each chunk (kvstore.warm.prefill.prefill's on_chunk)."""
+    `every`. Called after each chunk (kvstore.kvcheck.prefill.prefill's on_chunk)."""
 
     def __init__(self, say: Callable[[str], None], name: str, every: float):
         self.say, self.name, self.every = say, name, every
@@ -293,7 +293,7 @@ def release_model() -> None:
 
 def prefill_pin(model, plan: ModelPlan, tokens, *, on_chunk=None) -> list:
     """The KV of `tokens` as this plan's model runs it (its KV quantization included)."""
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     return prefill(model, tokens, identity=plan.spec.identity, on_chunk=on_chunk)
 
@@ -523,12 +523,12 @@ def _prefill_pins(
 
 def _short_of_memory(model, plan: ModelPlan, pp: PlannedPin, bounds: PrefillBounds) -> str | None:
     """Why this pin's prefill does not fit the memory available now (its KV and one chunk's
-    attention scratch, kvstore.warm.prefill.prefill_memory), or None (it fits, or memory is
+    attention scratch, kvstore.kvcheck.prefill.prefill_memory), or None (it fits, or memory is
     unknown)."""
     avail = bounds.available()
     if avail is None:
         return None
-    from kvstore.warm.prefill import prefill_memory
+    from kvstore.kvcheck.prefill import prefill_memory
 
     need = prefill_memory(model, len(pp.pin.tokens))
     if need.total <= avail:

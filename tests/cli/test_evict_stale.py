@@ -17,7 +17,7 @@ from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.ops import put as put_ops
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

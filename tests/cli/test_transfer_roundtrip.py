@@ -16,7 +16,7 @@ from kvstore.codec import codec
 from kvstore.identity.fingerprint import with_model_location
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 
 
 def ls_json(*args) -> list[dict]:

@@ -17,7 +17,7 @@ from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import pack_tokens, packed_prefix_hash
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 
 
 def _prompt(tokenizer, system: str, user: str) -> list[int]:

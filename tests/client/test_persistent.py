@@ -31,7 +31,7 @@ from kvstore.errors import KVStoreError
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient
 
 ROUTER = [{"role": "system", "content": CLASSIFY}]
@@ -44,16 +44,16 @@ def ls(home) -> list[dict]:
 
 
 def count_prefills(monkeypatch) -> list:
-    import kvstore.warm.prefill
+    import kvstore.kvcheck.prefill
 
     calls = []
-    real = kvstore.warm.prefill.prefill
+    real = kvstore.kvcheck.prefill.prefill
 
     def spy(*a, **k):
         calls.append(a[1])
         return real(*a, **k)
 
-    monkeypatch.setattr(kvstore.warm.prefill, "prefill", spy)
+    monkeypatch.setattr(kvstore.kvcheck.prefill, "prefill", spy)
     return calls
 
 
@@ -322,7 +322,7 @@ def test_a_pin_over_max_pin_tokens_is_refused_at_once_as_warm_refuses_it(
 def test_a_long_pin_says_its_progress(llama, llama_path, monkeypatch, capsys):
     """A pin whose prefill runs long says how far it is, as `kvstore warm` does: every 2 s,
     here 16 tokens a chunk on a clock that moves 3 s a reading."""
-    import kvstore.warm.prefill
+    import kvstore.kvcheck.prefill
     import kvstore.warm.warm
 
     t = [0.0]
@@ -331,7 +331,7 @@ def test_a_long_pin_says_its_progress(llama, llama_path, monkeypatch, capsys):
         t[0] += 3.0
         return t[0]
 
-    monkeypatch.setattr(kvstore.warm.prefill, "PREFILL_STEP", 16)
+    monkeypatch.setattr(kvstore.kvcheck.prefill, "PREFILL_STEP", 16)
     monkeypatch.setattr(kvstore.warm.warm, "progress_clock", clock)
     model, tokenizer = llama
     with PersistentPromptCache.open(model, tokenizer, llama_path, verbose=True) as cache:

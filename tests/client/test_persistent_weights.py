@@ -20,7 +20,7 @@ from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient
 
 ROUTER = [{"role": "system", "content": CLASSIFY}]

@@ -28,7 +28,7 @@ from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.prefill import check_token_ids
+from kvstore.kvcheck.prefill import check_token_ids
 
 VOCAB = 512  # the tiny models' embedding rows
 
@@ -44,7 +44,7 @@ def run_child(model_path, home, call: str, ids: list[int]) -> subprocess.Complet
     code = textwrap.dedent(f"""
         import mlx_lm
         from kvstore.client import PersistentPromptCache, generate
-        from kvstore.warm.prefill import prefill
+        from kvstore.kvcheck.prefill import prefill
         path, IDS = {str(model_path)!r}, {ids!r}
         model, tok = mlx_lm.load(path)
         try:

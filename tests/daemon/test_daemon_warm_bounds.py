@@ -13,8 +13,8 @@ from helpers import CLASSIFY, Proc, manifest_for, serving
 HARNESS = """
 import sys
 from pathlib import Path
-import kvstore.daemon.lifecycle, kvstore.warm.prefill, kvstore.warm.warm
-kvstore.warm.prefill.PREFILL_STEP = 16
+import kvstore.daemon.lifecycle, kvstore.kvcheck.prefill, kvstore.warm.warm
+kvstore.kvcheck.prefill.PREFILL_STEP = 16
 t = [0.0]
 def clock():
     t[0] += 11.0

@@ -87,7 +87,7 @@ def _put_chain(d: Proc, fingerprint: str) -> None:
 
     from kvstore.codec import codec
     from kvstore.store.entry import entry_key, pack_tokens
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     model, _ = load(str(d.model))
     tokens = [5, 6, 7, 8, 9, 10]

@@ -35,7 +35,7 @@ from kvstore.pins.manifest import load_manifest
 from kvstore.pins.ownership import APP, owners
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]

@@ -18,7 +18,7 @@ from kvstore.identity.model import ModelIdentity
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 
 OVERRIDE = {"rope_theta": 1_000_000.0}  # the file's llama config runs with the default 10000
 PIN = f"""

@@ -213,7 +213,7 @@ def base_blobs(llama_path, hybrid_path) -> list[bytes]:
     """Valid blobs: a synthetic KVCache, and real caches of a llama and a hybrid model."""
     from mlx_lm import load
 
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     out = [battery.entry(1, 20_000)[1]]
     for path in (llama_path, hybrid_path):

@@ -100,7 +100,7 @@ def test_kv_that_does_not_cover_its_tokens_is_rejected(llama_path, kv_home):
 
     from kvstore.codec import codec
     from kvstore.store.entry import entry_key, pack_tokens
-    from kvstore.warm.prefill import prefill
+    from kvstore.kvcheck.prefill import prefill
 
     model, _ = load(str(llama_path))
     from kvstore.identity.fingerprint import model_fingerprint

@@ -19,7 +19,7 @@ from kvstore.pins.ownership import manifest_owner, owners
 from kvstore.pins.render import render_prefix
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 
 
 def store_as_app(store, model_path, prefix, *, pinned: bool) -> bytes:

@@ -22,8 +22,8 @@ from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.canary import RUNTIME_NAME, stored_versions
-from kvstore.warm.kvdiff import kv_difference
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.kvdiff import kv_difference
+from kvstore.kvcheck.prefill import prefill
 
 TOKENS = list(range(3, 40))
 

@@ -19,7 +19,7 @@ from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
 from kvstore.warm import importfit
 from kvstore.warm.importfit import ImportMismatch
-from kvstore.warm.prefill import prefill
+from kvstore.kvcheck.prefill import prefill
 from kvstore.warm.transfer import _prompt_tokens
 
 PROMPT = (

@@ -8,7 +8,7 @@ import pytest
 from helpers import Proc, manifest_for, wait_for
 
 from kvstore.errors import PrefillStopped
-from kvstore.warm.prefill import prefill, stop_when
+from kvstore.kvcheck.prefill import prefill, stop_when
 
 STEP = 512  # the daemon below prefills in chunks this size (mlx-lm's default is 2048)
 
@@ -63,13 +63,13 @@ def test_stop_when_reaches_prefills_run_inside_it(llama):
 
 _SMALL_CHUNKS = f"""
 import sys
-import kvstore.warm.prefill
-kvstore.warm.prefill.prefill.__kwdefaults__["step"] = {STEP}
-_quantize = kvstore.warm.prefill.maybe_quantize_kv_cache
+import kvstore.kvcheck.prefill
+kvstore.kvcheck.prefill.prefill.__kwdefaults__["step"] = {STEP}
+_quantize = kvstore.kvcheck.prefill.maybe_quantize_kv_cache
 def _chunk_done(*args):  # called once per chunk: says so in the log
     _quantize(*args)
     print("prefill: chunk done", flush=True)
-kvstore.warm.prefill.maybe_quantize_kv_cache = _chunk_done
+kvstore.kvcheck.prefill.maybe_quantize_kv_cache = _chunk_done
 from kvstore.cli.main import main
 main(["daemon", *sys.argv[1:]])
 """

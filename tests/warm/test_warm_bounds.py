@@ -14,7 +14,7 @@ import sys
 import pytest
 from helpers import CLASSIFY, cli, manifest_for
 
-import kvstore.warm.prefill as prefill_mod
+import kvstore.kvcheck.prefill as prefill_mod
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
@@ -34,8 +34,8 @@ text = "You are the writer."
 # and 16 tokens per forward pass, so the 148-token pin runs 10 chunks "30 s" (deterministic).
 SLOW = """
 import sys
-import kvstore.warm.prefill, kvstore.warm.warm
-kvstore.warm.prefill.PREFILL_STEP = 16
+import kvstore.kvcheck.prefill, kvstore.warm.warm
+kvstore.kvcheck.prefill.PREFILL_STEP = 16
 t = [0.0]
 def clock():
     t[0] += 3.0
@@ -48,7 +48,7 @@ main(["warm", *sys.argv[1:]])
 
 @pytest.fixture
 def prefills(monkeypatch) -> list[int]:
-    """The token count of every prefill that runs (kvstore.warm.prefill.prefill, patched)."""
+    """The token count of every prefill that runs (kvstore.kvcheck.prefill.prefill, patched)."""
     ran: list[int] = []
     real = prefill_mod.prefill
 

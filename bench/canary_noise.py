@@ -15,9 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm import load
 
-from kvstore.tiny import make_tiny_model
 from kvstore.kvcheck.kvdiff import ROUNDOFFS, kv_difference
 from kvstore.kvcheck.prefill import prefill
+from kvstore.tiny import make_tiny_model
 
 TOKENS = list(range(3, 303))
 

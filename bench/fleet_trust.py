@@ -95,8 +95,8 @@ def check_costs(models: tuple = CHECK_MODELS) -> Iterator[dict]:
     from kvstore import mlxlm
     from kvstore.fleet.check import check_cache
     from kvstore.identity.model import ModelIdentity
-    from kvstore.tiny import ARCHITECTURES
     from kvstore.kvcheck.prefill import prefill
+    from kvstore.tiny import ARCHITECTURES
 
     identity = ModelIdentity("bench")
     for name, overrides in models:

@@ -170,9 +170,9 @@ def _warm_and_calibrate(model_path: Path, home: Path, all_tiers: dict) -> dict:
     from kvstore.codec import codec
     from kvstore.home.settings import FILEHASH_NAME, ensure_home
     from kvstore.identity.fingerprint import FileHashCache, describe_cache, model_fingerprint
+    from kvstore.kvcheck.prefill import prefill
     from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.store.store import Store
-    from kvstore.kvcheck.prefill import prefill
 
     model, _ = load(str(model_path))
     ensure_home(home)

@@ -31,13 +31,13 @@ from kvstore.identity.fingerprint import (
     WEIGHT_GLOBS,
     resolve_model_path,
 )
+from kvstore.kvcheck.prefill import stop_when
 from kvstore.learned.blockstore import BlockStore
 from kvstore.ops import warm as warm_ops
 from kvstore.ops.budget import Budget
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, load_manifest, manifest_files
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import stop_when
 from kvstore.warm.warm import STORED, PinStatus, PrefillBounds, WarmReport, max_pin_tokens
 
 log = logging.getLogger("kvstore.daemon")

@@ -14,10 +14,10 @@ from mlx_lm import load
 
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import model_fingerprint
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops import put as put_ops
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

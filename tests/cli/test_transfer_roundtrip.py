@@ -14,9 +14,9 @@ from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache
 from kvstore.client import hydrate
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import with_model_location
+from kvstore.kvcheck.prefill import prefill
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 
 
 def ls_json(*args) -> list[dict]:

@@ -13,11 +13,11 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from kvstore import client
 from kvstore.client import PersistentPromptCache, hydrate
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import pack_tokens, packed_prefix_hash
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 
 
 def _prompt(tokenizer, system: str, user: str) -> list[int]:

@@ -28,10 +28,10 @@ from mlx_lm import load
 from kvstore.client import PersistentPromptCache, generate
 from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.errors import KVStoreError
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient
 
 ROUTER = [{"role": "system", "content": CLASSIFY}]

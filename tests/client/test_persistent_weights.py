@@ -16,11 +16,11 @@ from mlx_lm.models.cache import LRUPromptCache
 from kvstore import client
 from kvstore.client import PersistentPromptCache
 from kvstore.client.hydrate import hydrate
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
-from kvstore.kvcheck.prefill import prefill
 from kvstore.wire.daemon_client import DaemonClient
 
 ROUTER = [{"role": "system", "content": CLASSIFY}]

@@ -24,11 +24,11 @@ from kvstore.client.hydrate import hydrate
 from kvstore.codec import codec
 from kvstore.home.settings import FILEHASH_NAME
 from kvstore.identity.fingerprint import FileHashCache, model_fingerprint
+from kvstore.kvcheck.prefill import check_token_ids
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import check_token_ids
 
 VOCAB = 512  # the tiny models' embedding rows
 

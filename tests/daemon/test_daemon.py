@@ -54,8 +54,8 @@ def make_entry(llama_path):
 
     from kvstore.codec import codec
     from kvstore.identity.fingerprint import model_fingerprint, template_hash
-    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.kvcheck.prefill import prefill
+    from kvstore.store.entry import entry_key, pack_tokens
 
     model, _ = load(str(llama_path))
     tokens = list(range(7, 47))

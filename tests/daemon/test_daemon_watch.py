@@ -86,8 +86,8 @@ def _put_chain(d: Proc, fingerprint: str) -> None:
     from mlx_lm import load
 
     from kvstore.codec import codec
-    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.kvcheck.prefill import prefill
+    from kvstore.store.entry import entry_key, pack_tokens
 
     model, _ = load(str(d.model))
     tokens = [5, 6, 7, 8, 9, 10]

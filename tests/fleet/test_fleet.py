@@ -30,12 +30,12 @@ from kvstore.fleet.remote_settings import RemoteSettings, RemoteSettingsError, r
 from kvstore.home.ledger import Ledger
 from kvstore.home.settings import load_settings
 from kvstore.identity.fingerprint import model_fingerprint, with_model_location
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.pins.ownership import APP, owners
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 
 # the server fixtures (weed, s3) come from this plugin: one session server for both fleet files
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("environments_closed")]

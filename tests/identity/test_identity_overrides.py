@@ -15,10 +15,10 @@ from mlx_lm.models.cache import LRUPromptCache
 from kvstore.client.hydrate import hydrate
 from kvstore.identity.fingerprint import model_fingerprint
 from kvstore.identity.model import ModelIdentity
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 
 OVERRIDE = {"rope_theta": 1_000_000.0}  # the file's llama config runs with the default 10000
 PIN = f"""

@@ -99,8 +99,8 @@ def test_kv_that_does_not_cover_its_tokens_is_rejected(llama_path, kv_home):
     from mlx_lm import load
 
     from kvstore.codec import codec
-    from kvstore.store.entry import entry_key, pack_tokens
     from kvstore.kvcheck.prefill import prefill
+    from kvstore.store.entry import entry_key, pack_tokens
 
     model, _ = load(str(llama_path))
     from kvstore.identity.fingerprint import model_fingerprint

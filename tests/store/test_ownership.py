@@ -12,6 +12,7 @@ from mlx_lm import load
 
 from kvstore.codec import codec
 from kvstore.identity.fingerprint import model_fingerprint, template_hash
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.evictable import select_for_eviction
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
@@ -19,7 +20,6 @@ from kvstore.pins.ownership import manifest_owner, owners
 from kvstore.pins.render import render_prefix
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
-from kvstore.kvcheck.prefill import prefill
 
 
 def store_as_app(store, model_path, prefix, *, pinned: bool) -> bytes:

@@ -18,12 +18,12 @@ from kvstore.codec import codec
 from kvstore.daemon.canary import check_at_boot
 from kvstore.home import tombstones
 from kvstore.identity.codehash import installed_versions, runtime_versions
+from kvstore.kvcheck.kvdiff import kv_difference
+from kvstore.kvcheck.prefill import prefill
 from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.store import Store
 from kvstore.warm.canary import RUNTIME_NAME, stored_versions
-from kvstore.kvcheck.kvdiff import kv_difference
-from kvstore.kvcheck.prefill import prefill
 
 TOKENS = list(range(3, 40))
 

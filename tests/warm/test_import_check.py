@@ -15,11 +15,11 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
+from kvstore.kvcheck.prefill import prefill
 from kvstore.store.store import Store
 from kvstore.tiny import make_tiny_model
 from kvstore.warm import importfit
 from kvstore.warm.importfit import ImportMismatch
-from kvstore.kvcheck.prefill import prefill
 from kvstore.warm.transfer import _prompt_tokens
 
 PROMPT = (

@@ -24,9 +24,8 @@ if TYPE_CHECKING:
     from kvstore.fleet.check import Checked
     from kvstore.fleet.remote_settings import RemoteSettings
     from kvstore.home.ledger import Ledger
+    from kvstore.pins.plan import ModelPlan, PlannedPin
     from kvstore.store.entry import EntryMeta
-    from kvstore.warm.plan import ModelPlan, PlannedPin
-    from kvstore.warm.warm import WarmReport
 
 log = logging.getLogger("kvstore")
 
@@ -207,11 +206,11 @@ class WarmFetcher:
             deadline=self.remote.settings.fetch_deadline,
         )
 
-    def record(self, report: WarmReport) -> None:
-        """This box's own prefill rate per model, from the pins the warm prefilled."""
-        for p in report.pins:
-            if p.status == "warmed" and p.seconds > 0:
-                self.queue.measured(f"prefill_tps:{p.model}", p.tokens / p.seconds)
+    def record(self, prefilled: list[tuple[str, int, float]]) -> None:
+        """This box's own prefill rate per model, from the pins the warm prefilled: (model,
+        tokens, seconds) each."""
+        for model, tokens, seconds in prefilled:
+            self.queue.measured(f"prefill_tps:{model}", tokens / seconds)
 
 
 def other_runtime(meta: EntryMeta) -> str | None:

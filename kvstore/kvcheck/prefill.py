@@ -1,22 +1,32 @@
-"""Prefill exactly a pin's tokens with mlx-lm and return its evaluated cache objects."""
+"""Prefill exactly a pin's tokens with mlx-lm and return its evaluated cache objects; the model
+loaded for it, checked to be the one its plan fingerprinted (`load_model`)."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import operator
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvstore.errors import PrefillStopped
+from kvstore.degrade import foreign
+from kvstore.errors import ModelError, PrefillStopped
+from kvstore.identity.fingerprint import describe_cache
 from kvstore.identity.model import ModelIdentity
 from kvstore.identity.modelconfig import config_vocab_size  # noqa: F401  (kvstore.warm.transfer)
 from kvstore.tokens import TokenIds
+
+if TYPE_CHECKING:
+    from kvstore.pins.plan import ModelPlan
+
+log = logging.getLogger("kvstore")
 
 PREFILL_STEP = 2048  # tokens per forward pass, as mlx_lm.generate's prefill_step_size
 
@@ -124,6 +134,37 @@ def prefill(
         if on_chunk is not None:
             on_chunk(min(start + step, len(tokens)), len(tokens))
     return cache
+
+
+def load_model(plan: ModelPlan):
+    """Load the model for prefill (with the manifest's overrides) and check it is the one the
+    fingerprint describes: same files (none changed while loading), same cache layout."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    identity = plan.spec.identity
+    with foreign(lambda e: ModelError(f"model {plan.spec.path!r}: cannot load: {e}")):
+        model, _ = load(
+            str(plan.model_dir),
+            adapter_path=identity.adapter,
+            model_config=dict(identity.model_config or {}),
+        )
+    try:
+        plan.fingerprint.check_unchanged(f"the daemon loaded model {plan.spec.path!r}")
+    except ModelError as e:
+        log.error("%s", e)
+        raise
+    layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
+    if layout != plan.fingerprint.layout:
+        raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
+    return model
+
+
+def release_model() -> None:
+    gc.collect()
+    import mlx.core as mx
+
+    mx.clear_cache()
 
 
 @dataclass(frozen=True)

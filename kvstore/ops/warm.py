@@ -14,9 +14,9 @@ from typing import Any
 from kvstore.ops import put as put_ops
 from kvstore.ops.budget import Budget
 from kvstore.pins.manifest import Manifest
+from kvstore.pins.plan import ModelPlan
 from kvstore.store.entry import PutFields
 from kvstore.store.store import Store
-from kvstore.warm.plan import ModelPlan
 from kvstore.warm.warm import PinResult, PrefillBounds, Purged, WarmReport
 from kvstore.wire.daemon_client import DaemonClient
 from kvstore.wire.messages import WarmRequest
@@ -54,7 +54,8 @@ def warm(
         report = do_warm(manifest, store, home=home, progress=progress, put=put, purge=purge,
                          now=now, fetch=tier, may_load=may_load, bounds=bounds)  # fmt: skip
         if tier is not None:
-            tier.record(report)
+            tier.record([(p.model, p.tokens, p.seconds) for p in report.pins
+                         if p.status == "warmed" and p.seconds > 0])  # fmt: skip
         held.enforce()  # purges and settings change too
         return report
 

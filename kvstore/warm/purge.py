@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from kvstore.identity.model import ModelIdentity
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.ownership import manifest_owner, owners, released
+from kvstore.pins.plan import ModelPlan
 from kvstore.store.keys import short_hex
 from kvstore.store.store import Store
-from kvstore.warm.plan import ModelPlan
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import errno
 import functools
-import gc
 import logging
 import time
 from collections.abc import Callable
@@ -18,12 +17,10 @@ from enum import Enum
 from pathlib import Path
 
 from kvstore.codec import codec
-from kvstore.degrade import foreign
 from kvstore.errors import (
     DISK_FULL_ERRNOS,
     CorruptEntryError,
     KVStoreError,
-    ModelError,
     StoreDamaged,
     counted,
     os_errno,
@@ -32,13 +29,14 @@ from kvstore.home.settings import DEFAULT, FILEHASH_NAME, Settings, load_setting
 from kvstore.identity.codehash import runtime_versions
 from kvstore.identity.fingerprint import (
     FileHashCache,
-    describe_cache,
     model_fingerprint,
     resolve_model,
 )
+from kvstore.kvcheck.prefill import load_model, release_model
 from kvstore.pins.clock import local_now
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.ownership import adopted, manifest_owner, owners, released, renamed
+from kvstore.pins.plan import ModelPlan, PlannedPin
 from kvstore.pins.render import pin_extra, render_prefix
 from kvstore.store.entry import (
     CHECK_PENDING,
@@ -51,7 +49,6 @@ from kvstore.store.entry import (
 from kvstore.store.keys import short_hex
 from kvstore.store.store import Store
 from kvstore.warm import memory
-from kvstore.warm.plan import ModelPlan, PlannedPin
 from kvstore.warm.purge import Purged, moved_pins, stale_pins
 
 log = logging.getLogger("kvstore")
@@ -258,37 +255,6 @@ def max_pin_tokens(settings: Settings) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise KVStoreError(f"settings.toml: max_pin_tokens must be a positive integer, got {n!r}")
     return n
-
-
-def load_model(plan: ModelPlan):
-    """Load the model for prefill (with the manifest's overrides) and check it is the one the
-    fingerprint describes: same files (none changed while loading), same cache layout."""
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
-
-    identity = plan.spec.identity
-    with foreign(lambda e: ModelError(f"model {plan.spec.path!r}: cannot load: {e}")):
-        model, _ = load(
-            str(plan.model_dir),
-            adapter_path=identity.adapter,
-            model_config=dict(identity.model_config or {}),
-        )
-    try:
-        plan.fingerprint.check_unchanged(f"the daemon loaded model {plan.spec.path!r}")
-    except ModelError as e:
-        log.error("%s", e)
-        raise
-    layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
-    if layout != plan.fingerprint.layout:
-        raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
-    return model
-
-
-def release_model() -> None:
-    gc.collect()
-    import mlx.core as mx
-
-    mx.clear_cache()
 
 
 def prefill_pin(model, plan: ModelPlan, tokens, *, on_chunk=None) -> list:

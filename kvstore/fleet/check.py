@@ -1,16 +1,15 @@
 """The semantic check before first use: KV another box computed is compared with what this box's
 own model computes for the same tokens before it serves a request here. The first CHECK_TOKENS
-positions are re-prefilled and compared with the object's first positions (kvstore.kvcheck.kvdiff,
-the upgrade canary's comparison and tolerance); all of it when shorter, and the whole entry for
-caches that cannot be cut (final-state layouts) or whose KV is quantized. Past the first
-CHECK_TOKENS of a cuttable entry, SPOT_CHECKS positions drawn here from the OS's randomness (one
-in each of SPOT_CHECKS equal stretches of the rest, so the uploader cannot know which) get one
-decoding step each: the stored token run over the stored KV before it, the K/V it makes compared
-with the stored K/V at that position by the same comparison. A few single-token steps, whatever
-the entry's length; a tamper of a stretch of positions is caught when a step lands in it (or
-after it: a step attends to every position before it). A mismatch quarantines
-every object of that uploader (kvstore.fleet.queue.UploadQueue.quarantine) until `kvstore remote
-release`.
+positions are re-prefilled and compared with the object's first positions by the one KV check
+(kvstore.kvcheck.check, the upgrade canary's and the import's); all of it when shorter, and the
+whole entry for caches that cannot be cut (final-state layouts) or whose KV is quantized. Past
+the first CHECK_TOKENS of a cuttable entry, SPOT_CHECKS positions drawn here from the OS's
+randomness (one in each of SPOT_CHECKS equal stretches of the rest, so the uploader cannot know
+which) get one decoding step each: the stored token run over the stored KV before it, the K/V it
+makes compared with the stored K/V at that position by the same check. A few single-token steps,
+whatever the entry's length; a tamper of a stretch of positions is caught when a step lands in it
+(or after it: a step attends to every position before it). A mismatch quarantines every object
+of that uploader (kvstore.fleet.queue.UploadQueue.quarantine) until `kvstore remote release`.
 
 Learned records. A request's read-through (kvstore.client.fleetread) checks every record it
 fetched, over the cache it assembled from them and the local records they continue
@@ -52,12 +51,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.codec import codec
+from kvstore.kvcheck.check import check_kv, kv_view
 from kvstore.store.entry import CHECK_PASSED, CHECK_PENDING, FLEET_CHECK
 
 if TYPE_CHECKING:
     from kvstore.identity.model import ModelIdentity
+    from kvstore.pins.plan import ModelPlan
     from kvstore.store.entry import EntryMeta
-    from kvstore.warm.plan import ModelPlan
     from kvstore.wire.messages import FleetCheckedRequest
 
 log = logging.getLogger("kvstore")
@@ -86,16 +86,9 @@ def pending(meta: EntryMeta) -> bool:
 def _first(cache: list, n: int) -> list | None:
     """A view of the first `n` positions of a cache of plain KVCache layers (the stored arrays are
     only sliced, never changed: the entry is then inserted as it is); None for other layouts."""
-    from mlx_lm.models.cache import KVCache
-
     if not cache or any(type(c).__name__ != "KVCache" or c.keys is None for c in cache):
         return None
-    out = []
-    for c in cache:
-        v = KVCache()
-        v.keys, v.values, v.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-        out.append(v)
-    return out
+    return kv_view(cache, 0, n)
 
 
 def spot_positions(n: int, k: int | None = None, start: int = CHECK_TOKENS) -> list[int]:
@@ -129,25 +122,19 @@ def _upto(stored: list, p: int, n: int) -> list:
 def _at(c: Any, p: int) -> Any:
     """A one-position KVCache of layer `c`'s K/V at position `p`, or None for a layer that keeps
     no K/V per position there (a state layer, a wrapped window, quantized KV)."""
-    from mlx_lm.models.cache import KVCache
-
     name = type(c).__name__
     if name not in ("KVCache", "RotatingKVCache") or getattr(c, "keys", None) is None:
         return None
     if name == "RotatingKVCache" and c.offset > c.max_size:
         return None
-    out = KVCache()
-    out.keys, out.values, out.offset = c.keys[..., p : p + 1, :], c.values[..., p : p + 1, :], 1
-    return out
+    return kv_view([c], p, p + 1)[0]
 
 
 def step_check(model: Any, token_ids: list[int], stored: list, positions: list[int]) -> Verdict:
     """At each of `positions`, one decoding step of the stored token over the stored KV before
-    it, its K/V compared with the stored K/V at that position (kvstore.kvcheck.kvdiff). `stored` is
+    it, its K/V compared with the stored K/V at that position (the one KV check). `stored` is
     left as it was. The verdict names the first position that differs."""
     import mlx.core as mx
-
-    from kvstore.kvcheck.kvdiff import kv_difference
 
     t = time.perf_counter()
     layers = [i for i, c in enumerate(stored) if _at(c, 0) is not None]
@@ -160,7 +147,8 @@ def step_check(model: Any, token_ids: list[int], stored: list, positions: list[i
         fresh = [_at(view[i], p) for i in layers]
         if any(f is None for f in fresh):
             return Verdict(False, f"position {p}: the step made no K/V to compare", 0.0)
-        d, tl = kv_difference([_at(stored[i], p) for i in layers], fresh)
+        v = check_kv(model, [_at(stored[i], p) for i in layers], fresh=fresh)
+        d, tl = v.difference, v.tolerance
         worst, tol = max(worst, d), max(tol, tl)
         if d > tl and bad is None:
             bad = f"position {p}: difference {d:.3g}, tolerance {tl:.3g}"
@@ -189,9 +177,6 @@ def check_cache(
 
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-    from kvstore.kvcheck.kvdiff import kv_difference
-    from kvstore.kvcheck.prefill import prefill
-
     t = time.perf_counter()
     n = len(token_ids)
     steps = None
@@ -203,18 +188,18 @@ def check_cache(
             view = copying.deepcopy(stored) if copy else stored
             trim_prompt_cache(view, n - CHECK_TOKENS)
         stored, n = view, CHECK_TOKENS
-    fresh = prefill(model, token_ids[:n], identity=identity)
-    stored, fresh, snapshot = _state_only(stored, fresh)
-    diff, tol = kv_difference(stored, fresh)
-    what = f"first {n} of {len(token_ids)} tokens: difference {diff:.3g}, tolerance {tol:.3g}"
-    what += snapshot
-    ok = diff <= tol
+    v = check_kv(model, stored, token_ids[:n], identity=identity, match=_state_only)
+    what = f"first {n} of {len(token_ids)} tokens: difference {v.difference:.3g}, tolerance "
+    what += f"{v.tolerance:.3g}"
+    if v.skipped:
+        what += f" (a state-only snapshot: its {v.skipped} KV layers are learned records)"
+    ok = v.ok
     if steps is not None:
         what, ok = f"{what}; {steps.what}", ok and steps.ok
     return Verdict(ok, what, time.perf_counter() - t)
 
 
-def _state_only(stored: list, fresh: list) -> tuple[list, list, str]:
+def _state_only(stored: list, fresh: list) -> tuple[list, list]:
     """A state layout's learned snapshot (kvstore.learned.records.state_part: its KV layers
     emptied, held as learned records, each checked as a record; the store loads such an entry
     only where its extra.kv_layers names them, and fills them from the records) compared on the
@@ -225,10 +210,9 @@ def _state_only(stored: list, fresh: list) -> tuple[list, list, str]:
     empty = [i for i, c in enumerate(stored)
              if type(c).__name__ == "KVCache" and getattr(c, "keys", None) is None]  # fmt: skip
     if not layers or empty != layers or len(stored) != len(fresh):
-        return stored, fresh, ""
+        return stored, fresh
     keep = [i for i in range(len(fresh)) if i not in set(layers)]
-    note = f" (a state-only snapshot: its {len(layers)} KV layers are learned records)"
-    return [stored[i] for i in keep], [fresh[i] for i in keep], note
+    return [stored[i] for i in keep], [fresh[i] for i in keep]
 
 
 def check_chain(
@@ -247,19 +231,17 @@ def check_chain(
     stretch, one decoding step at each of `positions` (default: SPOT_CHECKS drawn at random,
     spot_positions), each over the whole assembled cache before it. A few single-token steps
     whatever the chain's length. `cache` is left as it was."""
-    from kvstore.kvcheck.kvdiff import kv_difference
-    from kvstore.kvcheck.prefill import prefill
-
     t = time.perf_counter()
     n = len(token_ids)
     head = min(CHECK_TOKENS, n) if start == 0 else 0
     parts, ok, took = [], True, 0.0
     if head:
-        fresh = prefill(model, token_ids[:head], identity=identity)
-        took = time.perf_counter() - t
-        diff, tol = kv_difference(_upto(cache, head, n), fresh)
-        ok = diff <= tol
-        parts.append(f"first {head} of {n} tokens: difference {diff:.3g}, tolerance {tol:.3g}")
+        v = check_kv(model, _upto(cache, head, n), token_ids[:head], identity=identity)
+        ok, took = v.ok, v.prefill_seconds
+        parts.append(
+            f"first {head} of {n} tokens: difference {v.difference:.3g}, tolerance "
+            f"{v.tolerance:.3g}"
+        )
     lo = max(start, head)
     where = spot_positions(n, start=lo) if positions is None else positions
     if where:
@@ -349,7 +331,6 @@ def _whole_record(
     """Record positions [start, len(token_ids)) of the cuttable layers against this model's own
     cache of the chain up to them (check_record's full check)."""
     from kvstore.learned.records import kv_layers, slice_record
-    from kvstore.kvcheck.kvdiff import kv_difference
 
     t = time.perf_counter()
     end = len(token_ids)
@@ -357,12 +338,12 @@ def _whole_record(
     took = time.perf_counter() - t
     layers = None if len(stored) == len(fresh) else kv_layers(fresh) or None
     mine, _ = codec.decode(slice_record(fresh, start, end, layers=layers))
-    diff, tol = kv_difference(stored, mine)
-    what = (f"positions {start}-{end - 1}, all of them, {how}: difference {diff:.3g}, "
-            f"tolerance {tol:.3g}")  # fmt: skip
+    v = check_kv(model, stored, fresh=mine)
+    what = (f"positions {start}-{end - 1}, all of them, {how}: difference {v.difference:.3g}, "
+            f"tolerance {v.tolerance:.3g}")  # fmt: skip
     if layers:
         what += f" ({len(layers)} of {len(fresh)} layers keep K/V per position)"
-    return Verdict(diff <= tol, what, time.perf_counter() - t, ran, took)
+    return Verdict(v.ok, what, time.perf_counter() - t, ran, took)
 
 
 class SemanticCheck:
@@ -377,7 +358,7 @@ class SemanticCheck:
 
     @property
     def model(self) -> Any:
-        from kvstore.warm.warm import load_model
+        from kvstore.kvcheck.prefill import load_model
 
         if self._model is None:
             t = time.perf_counter()

@@ -4,7 +4,8 @@ tiny llama from float32 to float16 / bfloat16 moves its KV by 7.6e-4 / 6.1e-3 (0
 RoPE base override by 0.73; 8 roundoffs (float16 7.8e-3, bfloat16 6.3e-2, float32 9.5e-7) is ten
 times the first and under a tenth of the second (`python -m bench.canary_noise`).
 
-The upgrade canary (kvstore.warm.canary) and the import check (kvstore.warm.importfit) judge by it.
+The one driver (kvstore.kvcheck.check) judges by it, for the upgrade canary, the import check and
+the fleet check.
 """
 
 from __future__ import annotations
@@ -134,14 +135,39 @@ def _layout(layer: int, cls: str, what: str) -> LayerDifference:
     return LayerDifference(layer, cls, float("inf"), 0.0, layout=what)
 
 
+@dataclass(frozen=True)
+class KVVerdict:
+    """Stored KV against a model's own, per layer (`layers`), judged: `ok` when the largest
+    difference is within the largest tolerance (a layout that differs is never ok); `over` names
+    the layers past their own tolerance (the import's stricter reading)."""
+
+    layers: list[LayerDifference]
+    prefilled: int = 0  # tokens the check prefilled (0: the fresh KV was given)
+    prefill_seconds: float = 0.0
+    skipped: int = 0  # layers left out of the comparison (a state-only snapshot's emptied ones)
+
+    @property
+    def difference(self) -> float:
+        if any(d.layout for d in self.layers):
+            return float("inf")
+        return max((d.difference for d in self.layers), default=0.0)
+
+    @property
+    def tolerance(self) -> float:
+        if any(d.layout for d in self.layers):
+            return 0.0
+        return max((d.tolerance for d in self.layers), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.difference <= self.tolerance
+
+    @property
+    def over(self) -> list[LayerDifference]:
+        return [d for d in self.layers if not d.ok]
+
+
 def kv_difference(stored: list, fresh: list) -> tuple[float, float]:
     """(largest per-layer relative RMS difference, the tolerance for these layers)."""
-    layers = layer_differences(stored, fresh)
-    if [type(c).__name__ for c in stored] != [type(c).__name__ for c in fresh] or any(
-        d.layout for d in layers
-    ):
-        return float("inf"), 0.0
-    return (
-        max((d.difference for d in layers), default=0.0),
-        max((d.tolerance for d in layers), default=0.0),
-    )
+    v = KVVerdict(layer_differences(stored, fresh))
+    return v.difference, v.tolerance

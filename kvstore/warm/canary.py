@@ -2,8 +2,8 @@
 
 The fingerprint covers the mlx-lm source that computes the KV, but not mlx's compiled kernels; a
 release can change the KV with no source change we hash. So after an upgrade, one short pin per
-model is prefilled again and compared with its stored entry (kvstore.kvcheck.kvdiff: per layer, within
-a few unit roundoffs of the KV dtype).
+model is prefilled again and compared with its stored entry by the one KV check
+(kvstore.kvcheck.check: per layer, within a few unit roundoffs of the KV dtype).
 
 `kvstore verify --deep` runs it on demand; the daemon after an upgrade (kvstore.daemon.canary). The
 versions a home's daemon last ran with are kept in HOME/runtime.json.
@@ -20,7 +20,7 @@ from typing import Any
 from kvstore.errors import KVStoreError
 from kvstore.home.settings import write_atomically
 from kvstore.identity.model import ModelIdentity
-from kvstore.kvcheck.kvdiff import kv_difference
+from kvstore.kvcheck.check import check_kv
 
 log = logging.getLogger("kvstore")
 
@@ -44,11 +44,10 @@ class CanaryResult:
 
 
 def check_plan(plan: Any, store: Any, model: Any = None) -> CanaryResult | None:
-    """Re-prefill the shortest present pin of a planned model (kvstore.warm.warm.ModelPlan) and
-    compare
-    it with its stored entry. None when the model has no pin stored. Loads the model (with the
-    plan's overrides) unless given one; the caller releases it."""
-    from kvstore.warm.warm import load_model, prefill_pin
+    """Re-prefill the shortest present pin of a planned model (kvstore.pins.plan.ModelPlan) and
+    compare it with its stored entry. None when the model has no pin stored. Loads the model (with
+    the plan's overrides) unless given one; the caller releases it."""
+    from kvstore.kvcheck.prefill import load_model
 
     present = [pp for pp in plan.pins if pp.present]
     if not present:
@@ -58,17 +57,18 @@ def check_plan(plan: Any, store: Any, model: Any = None) -> CanaryResult | None:
     try:
         _, stored = store.load(pp.key)
         model = model if model is not None else load_model(plan)
-        fresh = prefill_pin(model, plan, pp.pin.tokens)
+        verdict = check_kv(model, stored, pp.pin.tokens, identity=plan.spec.identity)
     except (KVStoreError, KeyError, ValueError, RuntimeError) as e:
         result.error = str(e)
         return result
-    result.difference, result.tolerance = kv_difference(stored, fresh)
+    result.difference, result.tolerance = verdict.difference, verdict.tolerance
     return result
 
 
 def check_manifest(manifest: Any, store: Any, *, home: Path) -> list[CanaryResult]:
     """The canary for every model of a manifest, one model loaded at a time."""
-    from kvstore.warm.warm import plan_model, release_model
+    from kvstore.kvcheck.prefill import release_model
+    from kvstore.warm.warm import plan_model
 
     out = []
     for spec in manifest.models:

@@ -21,7 +21,8 @@ from kvstore.identity.model import (  # what a manifest (and generate) may ask f
     KV_GROUP_SIZES,
     ModelIdentity,
 )
-from kvstore.kvcheck.kvdiff import layer_differences
+from kvstore.kvcheck.check import check_kv, kv_view
+from kvstore.kvcheck.kvdiff import KVVerdict
 
 _KV_CLASSES = ("KVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache")
 
@@ -159,7 +160,7 @@ def loaded_for_check(identity: ModelIdentity, model_dir: Path, fp) -> Iterator[A
     `model_dir`) for a check, its files unchanged since `fp` was computed; released afterwards."""
     from mlx_lm import load
 
-    from kvstore.warm.warm import release_model
+    from kvstore.kvcheck.prefill import release_model
 
     with foreign(
         lambda e: KVStoreError(f"model {identity.path!r}: cannot load it to check KV: {e}")
@@ -177,21 +178,9 @@ def loaded_for_check(identity: ModelIdentity, model_dir: Path, fp) -> Iterator[A
         release_model()
 
 
-def _trimmed(cache: list, n: int) -> list:
-    """Plain KV layers holding the first `n` positions of `cache` (a copy: arrays are sliced)."""
-    from mlx_lm.models.cache import KVCache
-
-    out = []
-    for c in cache:
-        k = KVCache()  # attributes, not `state`: its setter differs between mlx-lm 0.31 and 0.32
-        k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-        out.append(k)
-    return out
-
-
-def _as_stored(stored: list, fresh: list) -> list:
+def _as_stored(stored: list, fresh: list) -> tuple[list, list]:
     """The fresh layers quantized as the stored ones are (same bits and group size)."""
-    return [
+    return stored, [
         f.to_quantized(group_size=s.group_size, bits=s.bits)
         if type(s).__name__ == "QuantizedKVCache" and type(f).__name__ == "KVCache"
         else f
@@ -200,19 +189,16 @@ def _as_stored(stored: list, fresh: list) -> list:
 
 
 def kv_check(model, cache: list, tokens: list[int], *, what: str) -> str:
-    """Compare `cache` with what `model` computes for `tokens`, within the upgrade canary's
-    tolerance (kvstore.kvcheck.kvdiff); raise ImportMismatch naming the first layer and position that
-    differ. Caches of up to FULL_CHECK_TOKENS tokens, and those that keep a window or a final
-    state only, are re-prefilled whole; longer plain KV caches are compared on their first
-    FULL_CHECK_TOKENS positions (a prefix re-prefilled) and on SAMPLE_WINDOWS windows spread to
-    their end. Returns what was compared, in words."""
+    """Compare `cache` with what `model` computes for `tokens` by the one KV check
+    (kvstore.kvcheck.check, the upgrade canary's tolerance); raise ImportMismatch naming the
+    first layer and position that differ. Caches of up to FULL_CHECK_TOKENS tokens, and those
+    that keep a window or a final state only, are re-prefilled whole; longer plain KV caches are
+    compared on their first FULL_CHECK_TOKENS positions (a prefix re-prefilled) and on
+    SAMPLE_WINDOWS windows spread to their end. Returns what was compared, in words."""
     import mlx.core as mx
 
-    from kvstore.kvcheck.prefill import prefill
-
-    def judge(stored: list, fresh: list, first: int = 0) -> None:
-        bad = [d for d in layer_differences(stored, fresh, first=first) if not d.ok]
-        if bad:
+    def judge(verdict: KVVerdict) -> None:
+        if bad := verdict.over:
             worst = min(bad, key=lambda d: (d.position is None, d.position or 0, d.layer))
             raise ImportMismatch(
                 f"{what + ': ' if what else ''}not the KV this model computes for these "
@@ -224,9 +210,9 @@ def kv_check(model, cache: list, tokens: list[int], *, what: str) -> str:
     n = len(tokens)
     plain = all(type(c).__name__ == "KVCache" for c in cache)
     if n <= FULL_CHECK_TOKENS or not plain:
-        judge(cache, _as_stored(cache, prefill(model, tokens)))
+        judge(check_kv(model, cache, tokens, match=_as_stored))
         return f"all {n} positions" if plain else f"the whole prompt ({n} tokens)"
-    judge(_trimmed(cache, FULL_CHECK_TOKENS), prefill(model, tokens[:FULL_CHECK_TOKENS]))
+    judge(check_kv(model, kv_view(cache, 0, FULL_CHECK_TOKENS), tokens[:FULL_CHECK_TOKENS]))
     span = max(0, n - FULL_CHECK_TOKENS - SAMPLE_WINDOW)
     starts = sorted(
         {FULL_CHECK_TOKENS + span * i // max(1, SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)}
@@ -234,19 +220,9 @@ def kv_check(model, cache: list, tokens: list[int], *, what: str) -> str:
     checked = FULL_CHECK_TOKENS
     for p in starts:
         end = min(n, p + SAMPLE_WINDOW)
-        ctx = _trimmed(cache, p)
+        ctx = kv_view(cache, 0, p)
         model(mx.array(tokens[p:end], dtype=mx.uint32)[None], cache=ctx)
         mx.eval([c.state for c in ctx])
-        window = [_slice(c, p, end) for c in ctx]
-        judge([_slice(c, p, end) for c in cache], window, first=p)
+        judge(check_kv(model, kv_view(cache, p, end), fresh=kv_view(ctx, p, end), first=p))
         checked += end - p
     return f"{checked} of {n} positions (the first {FULL_CHECK_TOKENS} and {len(starts)} windows)"
-
-
-def _slice(c, start: int, end: int):
-    from mlx_lm.models.cache import KVCache
-
-    k = KVCache()
-    k.keys, k.values = c.keys[..., start:end, :], c.values[..., start:end, :]
-    k.offset = end - start
-    return k

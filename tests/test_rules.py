@@ -21,6 +21,12 @@ STORE_DOORS = {
     "put": {"kvstore/ops/put.py"},
     "delete": {"kvstore/ops/evict.py", "kvstore/warm/warm.py"},
 }
+# The one KV check (prefill, compare, decide): its comparison is called only in its room, and the
+# upgrade canary, `kvstore import`'s check and the fleet check each call its driver.
+KV_CHECK_ROOM = "kvstore/kvcheck/"
+KV_COMPARISONS = {"layer_differences", "kv_difference"}
+KV_CHECK_DRIVER = "check_kv"
+KV_CHECKERS = {"kvstore/warm/canary.py", "kvstore/warm/importfit.py", "kvstore/fleet/check.py"}
 ADAPTER = "kvstore/mlxlm.py"  # the one module that reaches into mlx-lm's internals
 MAX_PRIVATE_REACHES = 10  # `x._name` with x neither self, cls nor super(), outside ADAPTER
 
@@ -72,6 +78,29 @@ def _store_doors(path: Path) -> list[str]:
 def test_entries_enter_and_leave_the_store_by_one_door_each():
     doors = [d for path in _files() for d in _store_doors(path)]
     assert not doors, "go through kvstore.ops.put or kvstore.ops.evict:\n" + "\n".join(doors)
+
+
+def _calls(path: Path, names: set[str]) -> list[str]:
+    """Calls of a function named in `names` (`f(...)`, `m.f(...)`), as "path:line name"."""
+    rel, found = path.relative_to(ROOT).as_posix(), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", "")
+            if name in names:
+                found.append(f"{rel}:{node.lineno} {name}")
+    return found
+
+
+def test_the_kv_checks_share_one_driver():
+    """The canary, the import's check and the fleet check judge KV through kvstore.kvcheck's one
+    driver: none compares KV itself, and each calls the driver."""
+    own = [
+        c for p in _files() for c in _calls(p, KV_COMPARISONS) if not c.startswith(KV_CHECK_ROOM)
+    ]
+    assert not own, "compare KV through kvstore.kvcheck.check.check_kv:\n" + "\n".join(own)
+    callers = {c.split(":")[0] for p in _files() for c in _calls(p, {KV_CHECK_DRIVER})}
+    assert KV_CHECKERS <= callers, sorted(KV_CHECKERS - callers)
 
 
 def _settings_by_key(path: Path) -> list[str]:
@@ -222,7 +251,9 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("bad", ["long", "circle", "door", "settings", "override", "private"])
+@pytest.mark.parametrize(
+    "bad", ["long", "circle", "door", "settings", "override", "private", "kvcheck"]
+)
 def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
     """The checks above fail on the thing they forbid (a rule that cannot fail checks nothing)."""
     if bad == "long":
@@ -249,6 +280,11 @@ def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
                      "setattr(server.APIHandler, '_x', 1)\n")  # fmt: skip
         monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
         assert _mlx_lm_overrides(f) == ["m.py:3 _load", "m.py:6 _tokenize", "m.py:7 _x"]
+    elif bad == "kvcheck":
+        f = tmp_path / "m.py"
+        f.write_text("d, t = kv_difference(a, b)\nv = kvdiff.layer_differences(a, b)\n")
+        monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+        assert _calls(f, KV_COMPARISONS) == ["m.py:1 kv_difference", "m.py:2 layer_differences"]
     elif bad == "private":
         f = tmp_path / "m.py"
         f.write_text("a = other._x\nb = self._y + cls._z + super()._w + o.__dict__\n")

@@ -29,11 +29,10 @@ def check_kv(
     first: int = 0,
     match: Match | None = None,
 ) -> KVVerdict:
-    """`stored` (the KV of `tokens`) against this model's own: `tokens` prefilled here, with
-    `identity`'s KV quantization (kvstore.kvcheck.prefill), unless `fresh` is given (a window
-    or a decoding step run on the stored KV, a cache continued); made comparable by
-    `match(stored, fresh)` where the caller needs it; compared per layer (kvstore.kvcheck.kvdiff;
-    `first`: the position the KV starts at) and judged."""
+    """`stored` (the KV of `tokens`) against this model's own: prefilled here with `identity`'s
+    KV quantization unless `fresh` is given (a window or a step run on the stored KV), made
+    comparable by `match(stored, fresh)`, compared per layer (`first`: the position the KV starts
+    at) and judged."""
     took, n = 0.0, 0
     if fresh is None:
         from kvstore.kvcheck.prefill import prefill

@@ -148,15 +148,13 @@ class KVVerdict:
 
     @property
     def difference(self) -> float:
-        if any(d.layout for d in self.layers):
-            return float("inf")
-        return max((d.difference for d in self.layers), default=0.0)
+        layout = any(d.layout for d in self.layers)
+        return float("inf") if layout else max((d.difference for d in self.layers), default=0.0)
 
     @property
     def tolerance(self) -> float:
-        if any(d.layout for d in self.layers):
-            return 0.0
-        return max((d.tolerance for d in self.layers), default=0.0)
+        layout = any(d.layout for d in self.layers)
+        return 0.0 if layout else max((d.tolerance for d in self.layers), default=0.0)
 
     @property
     def ok(self) -> bool:

@@ -15,12 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("kvstore", "client", "daemon")
 MAX_FUNCTION_LINES = 80  # a function longer than this is split by responsibility
-# A Store's put only in the put operation, its delete only in the one eviction (and the warm's
-# purge of a stale pin, whose entry leaves no tombstone).
-STORE_DOORS = {
-    "put": {"kvstore/ops/put.py"},
-    "delete": {"kvstore/ops/evict.py", "kvstore/warm/warm.py"},
-}
+# A Store's put only in the put operation, its delete only in the one eviction.
+STORE_DOORS = {"put": {"kvstore/ops/put.py"}, "delete": {"kvstore/ops/evict.py"}}
 ADAPTER = "kvstore/mlxlm.py"  # the one module that reaches into mlx-lm's internals
 MAX_PRIVATE_REACHES = 10  # `x._name` with x neither self, cls nor super(), outside ADAPTER
 

@@ -402,10 +402,3 @@ class Daemon:
         self._wake_r.close()
         self._wake_w.close()
         log.info("stopped")
-
-
-def setup_logging(level: str = "INFO") -> None:
-    """One line per event on stderr (kvstore.daemon.logs does files too)."""
-    from kvstore.daemon.logs import setup_logging as setup
-
-    setup(level)

@@ -63,6 +63,12 @@ class UploadQueue:
             close_env(self.path)
             self.env = None
 
+    def __enter__(self) -> UploadQueue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         with self._gate.exclusive():
             while True:

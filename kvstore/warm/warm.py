@@ -32,7 +32,7 @@ from kvstore.home.settings import DEFAULT, FILEHASH_NAME, Settings, load_setting
 from kvstore.identity.codehash import runtime_versions
 from kvstore.identity.fingerprint import (
     FileHashCache,
-    describe_cache,
+    cache_layout,
     model_fingerprint,
     resolve_model,
 )
@@ -264,7 +264,6 @@ def load_model(plan: ModelPlan):
     """Load the model for prefill (with the manifest's overrides) and check it is the one the
     fingerprint describes: same files (none changed while loading), same cache layout."""
     from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
 
     identity = plan.spec.identity
     with foreign(lambda e: ModelError(f"model {plan.spec.path!r}: cannot load: {e}")):
@@ -278,7 +277,7 @@ def load_model(plan: ModelPlan):
     except ModelError as e:
         log.error("%s", e)
         raise
-    layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
+    layout = cache_layout(plan.model_dir, model)
     if layout != plan.fingerprint.layout:
         raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
     return model

@@ -215,7 +215,8 @@ class Commands:
         """`kvstore verify --repair`: check every entry and learned record and delete the bad
         ones, as one writer job (it decodes, so it runs on the main thread too)."""
         reply = self.write(
-            "repair", lambda: verify.check(self.store, self.upkeep.blocks, repair=True)
+            "repair",
+            lambda: verify.check(self.store, self.upkeep.blocks, home=self.home, repair=True),
         )
         for p in reply.problems:
             log.warning("repair: deleted entry %s: %s", p.key.hex(), p.reason)

@@ -16,10 +16,12 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvstore import metrics
 from kvstore.daemon import exits
 from kvstore.daemon.commands import Commands
 from kvstore.daemon.connection import Connection
@@ -30,7 +32,6 @@ from kvstore.daemon.lifecycle import (
     cred_layout,
     rss_bytes,
 )
-from kvstore.daemon.metrics_port import MetricsPort
 from kvstore.daemon.upkeep import Upkeep, watched_files
 from kvstore.daemon.writer import Writer
 from kvstore.degrade import daemon_handler
@@ -48,6 +49,37 @@ log = logging.getLogger("kvstore.daemon")
 # How long shutdown waits for woken connection threads; well inside the 5 s service managers allow.
 REPLY_GRACE_S = 1.0  # seconds a reply in flight at a stop has to go out
 CONN_JOIN_SECONDS = 2.5
+
+
+class MetricsPort:
+    """The Prometheus registry served on 127.0.0.1 (off without --metrics-port); `on_start` runs
+    once the port listens (it sets the gauges that are computed, not counted)."""
+
+    def __init__(self, port: int | None, on_start: Callable[[], Any]):
+        self.port = port
+        self.on_start = on_start
+        self._server: Any = None
+
+    def start(self) -> None:
+        if self.port is None:
+            return
+        from prometheus_client import start_http_server
+
+        try:
+            server, _ = start_http_server(self.port, addr="127.0.0.1", registry=metrics.REGISTRY)
+        except OSError as e:
+            raise KVStoreError(
+                f"--metrics-port {self.port}: cannot listen on 127.0.0.1: {e}"
+            ) from None
+        self._server = server
+        self.on_start()
+        log.info("metrics on http://127.0.0.1:%d/metrics", server.server_port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
 
 
 class Daemon:
@@ -402,10 +434,3 @@ class Daemon:
         self._wake_r.close()
         self._wake_w.close()
         log.info("stopped")
-
-
-def setup_logging(level: str = "INFO") -> None:
-    """One line per event on stderr (kvstore.daemon.logs does files too)."""
-    from kvstore.daemon.logs import setup_logging as setup
-
-    setup(level)

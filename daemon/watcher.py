@@ -27,6 +27,7 @@ import struct
 import sys
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -34,15 +35,13 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
-from kvstore.daemon.watch_paths import covers, identity, nearest_dir, path_key
 from kvstore.degrade import daemon_handler
 from kvstore.identity.fingerprint import hash_file
 
 log = logging.getLogger("kvstore.daemon")
 
 # Weight files this large are compared by stat identity, not read: kvstore.identity.fingerprint
-# already
-# content-hashes them (cached by the same identity) when the fingerprint is recomputed.
+# already content-hashes them (cached by the same identity) when the fingerprint is recomputed.
 STAT_ONLY_BYTES = 64 * 2**20  # 64 MiB
 # A file saved over and over must still be reported eventually.
 MAX_DEBOUNCE_WINDOWS = 10
@@ -56,6 +55,39 @@ RESTART_WINDOW = 60.0  # seconds
 TREE_WATCHES = sys.platform == "darwin"
 
 Digest = bytes | None  # None: the file is missing or unreadable
+
+
+def path_key(path: str | bytes | os.PathLike[str]) -> str:
+    """How an event path is matched against watched ones: real path (macOS reports /private/var
+    for /var), NFC (HFS+ and FSEvents may hand back NFD), case-folded (APFS and HFS+ are
+    case-insensitive by default). Folding on a case-sensitive volume only over-matches, and an
+    over-match costs one re-hash that finds nothing: events are hints."""
+    real = os.path.realpath(os.fsdecode(path))
+    return unicodedata.normalize("NFC", real).casefold()
+
+
+def identity(d: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(d)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def covers(d: Path, other: Path, *, tree: bool) -> bool:
+    """Whether a schedule on directory `d` sees events of `other`'s files: under a tree observer
+    when `other` is `d` or below it; under inotify only when `other` is `d` itself."""
+    d, other = Path(path_key(d)), Path(path_key(other))
+    return other == d or (tree and d in other.parents)
+
+
+def nearest_dir(path: Path) -> Path | None:
+    """The closest existing directory above `path`: a file in a not-yet-created directory is
+    found when that directory's creation shows up in its parent."""
+    for d in path.parents:
+        if d.is_dir():
+            return d
+    return None
 
 
 def file_digest(path: Path) -> Digest:

@@ -15,12 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("kvstore", "client", "daemon")
 MAX_FUNCTION_LINES = 80  # a function longer than this is split by responsibility
-# A Store's put only in the put operation, its delete only in the one eviction (and the warm's
-# purge of a stale pin, whose entry leaves no tombstone).
-STORE_DOORS = {
-    "put": {"kvstore/ops/put.py"},
-    "delete": {"kvstore/ops/evict.py", "kvstore/warm/warm.py"},
-}
+# A Store's put only in the put operation, its delete only in the one eviction.
+STORE_DOORS = {"put": {"kvstore/ops/put.py"}, "delete": {"kvstore/ops/evict.py"}}
 # The one KV check (prefill, compare, decide): its comparison is called only in its room, and the
 # upgrade canary, `kvstore import`'s check and the fleet check each call its driver.
 KV_CHECK_ROOM = "kvstore/kvcheck/"

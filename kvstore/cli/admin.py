@@ -485,7 +485,9 @@ def verify(repair: bool, deep: bool, manifests: tuple[Path, ...], home: Path) ->
                     if tty()
                     else None
                 )
-                reply = verify_ops.check(store, BlockStore(store), repair=repair, progress=bar)
+                reply = verify_ops.check(
+                    store, BlockStore(store), home=home, repair=repair, progress=bar
+                )
     n, records = reply.entries, reply.records  # an older daemon checks entries only
     problems = [(p.key.hex(), p.reason) for p in reply.problems]
     bad_records = [(p.key.hex(), p.reason) for p in reply.record_problems]

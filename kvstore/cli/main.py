@@ -1,4 +1,5 @@
-"""The `kvstore` command line (click): the group, `warm`, and the commands registered on it.
+"""The `kvstore` command line (click): the group, `warm`, `explain`, and the commands registered
+on it.
 
 User errors exit non-zero with one line naming what was wrong. The group and the modules it
 imports stay light (no mlx, mlx-lm, transformers or numpy) so that `ls`, `stats` and `--help`
@@ -7,6 +8,7 @@ start fast: a command imports what touches models or KV bytes when it runs.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,7 +17,7 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
-from kvstore.cli import admin, explain, manifests, remote, transfer
+from kvstore.cli import admin, manifests, remote, transfer
 from kvstore.cli.options import (
     home_option,
     human_size,
@@ -141,6 +143,34 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
         raise click.ClickException("; ".join(f"{p.name}: {p.error}" for p in report.failed))
 
 
+@main.command(name="explain")
+@click.option("--since", default=None, help="Only requests this recent: 30m, 1h, 1d, 1w.")
+@click.option("--label", default=None, help="Only this stage (the ledger's label).")
+@click.option("--model", default=None, help="Only this model: a path (from here) or a hub id.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: stages, divergences.")
+@home_option
+@user_errors
+def explain_cmd(
+    since: str | None, label: str | None, model: str | None, as_json: bool, home: Path
+) -> None:
+    """Why prompt tokens were prefilled, per model and stage: requests, prompt tokens, served
+    tokens, prefilled tokens by reason, and the divergences that cost the most (entry, token
+    position, stored and request text), with a static-first suggestion.
+
+    \b
+    kvstore explain --since 1d
+    kvstore explain --label serve --json | jq '.stages[].divergences[0]'
+    """
+    from kvstore.explain import explain, parse_since, render
+
+    try:
+        seconds = parse_since(since) if since is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from None
+    result = explain(home, since=seconds, label=label, model=model)
+    click.echo(json.dumps(result, indent=1) if as_json else render(result))
+
+
 @contextmanager
 def _held_log() -> Iterator[list[str]]:
     """Warm logs each failure and warning for the daemon's log, and its report carries them: here
@@ -170,7 +200,6 @@ for command in (
     admin.evict,
     admin.stats,
     admin.verify,
-    explain.explain_cmd,
     manifests.manifests,
     remote.remote_group,
     transfer.export_cmd,

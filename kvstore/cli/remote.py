@@ -127,14 +127,11 @@ def status_cmd(as_json: bool, home: Path) -> None:
     from kvstore.fleet.fetch import unauthenticated
 
     data["authenticated"] = bool(rs.fleet_keys)
-    queue = UploadQueue(home)
-    try:
+    with UploadQueue(home) as queue:
         data["queue"] = queue.counts()
         data["rates"] = {n: queue.rate(n) for n in ("fetch_bps", "upload_bps")}
         data["refused"] = queue.refusals()
         data["quarantined"] = queue.quarantined()
-    finally:
-        queue.close()
     from kvstore.fleet.readthrough import read_totals, shown_totals
 
     data["read_through"] = read_totals(home)
@@ -377,12 +374,9 @@ def release_cmd(box: str, home: Path) -> None:
     """Use a quarantined uploader's objects again (after a look at why: `remote status`)."""
     from kvstore.fleet.queue import UploadQueue
 
-    queue = UploadQueue(home)
-    try:
+    with UploadQueue(home) as queue:
         if not queue.release(box):
             raise click.ClickException(f"{box} is not quarantined (see `kvstore remote status`)")
-    finally:
-        queue.close()
     click.echo(f"released {box}: its objects are used again")
 
 
@@ -418,11 +412,8 @@ def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: 
     now = time.time()
     bad: set[str] = set()
     if quarantined:
-        queue = UploadQueue(home)
-        try:
+        with UploadQueue(home) as queue:
             bad = set(queue.quarantined())
-        finally:
-            queue.close()
     victims = [o for o in objs if (age is not None and now - o.modified > age)
                or fingerprint_of(o.key) in fps
                or (bad and remote.uploader(o.name) in bad)]  # fmt: skip
@@ -443,13 +434,10 @@ def gc_cmd(older_than, model, manifest, quarantined: bool, dry_run: bool, home: 
         return
     n = remote.delete([o.name for o in victims])
     aborted = remote.abort_stale_uploads(STALE_UPLOAD_SECONDS)
-    queue = UploadQueue(home)
-    try:
+    with UploadQueue(home) as queue:
         queue.forget([o.key for o in victims])
         for box in bad:
             queue.release(box)
-    finally:
-        queue.close()
     aborted_text = f", {counted(aborted, 'stale multipart upload')} aborted" if aborted else ""
     click.echo(f"{counted(n, 'object')} deleted, {human_size(kept)} kept{aborted_text}")
 

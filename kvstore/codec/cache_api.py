@@ -182,12 +182,6 @@ def legacy_states(
     return user, names, states
 
 
-def version() -> str:
-    import mlx_lm
-
-    return str(mlx_lm.__version__)
-
-
 def save_file(path: Path, cache: list, metadata: dict[str, str]) -> None:
     """Write `cache` as the installed mlx-lm's `save_prompt_cache` does (its own layout)."""
     mlc.save_prompt_cache(str(path), cache, metadata)
@@ -200,6 +194,5 @@ __all__ = [
     "is_legacy_file",
     "legacy_states",
     "save_file",
-    "version",
     "state",
 ]

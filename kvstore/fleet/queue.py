@@ -63,6 +63,12 @@ class UploadQueue:
             close_env(self.path)
             self.env = None
 
+    def __enter__(self) -> UploadQueue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _write(self, fn: Callable[[lmdb.Transaction], Any]) -> Any:
         with self._gate.exclusive():
             while True:
@@ -101,8 +107,7 @@ class UploadQueue:
         return self._write(fn)
 
     def pending(self, kind: str = "entry") -> list[bytes]:
-        queue = self._tables[kind][0]
-        return self._read(lambda txn: [bytes(k) for k in txn.cursor(queue).iternext(values=False)])
+        return self._keys(self._tables[kind][0])
 
     def done(self, key: bytes, outcome: str, kind: str = "entry") -> None:
         queue, done = self._tables[kind]
@@ -142,13 +147,12 @@ class UploadQueue:
         # records fetched from the fleet (a pull, a request's read-through) are there already
         records = [m.key for m in blocks.records() if m.extra.get("origin") != "remote"]
         for kind, keys in (("entry", store.keys()), ("record", records)):
-            known = set(self.pending(kind)) | set(self._done_keys(kind))
+            known = set(self.pending(kind)) | set(self._keys(self._tables[kind][1]))
             n += self.add([k for k in keys if k not in known], kind)
         return n
 
-    def _done_keys(self, kind: str) -> list[bytes]:
-        done = self._tables[kind][1]
-        return self._read(lambda txn: [bytes(k) for k in txn.cursor(done).iternext(values=False)])
+    def _keys(self, table: Any) -> list[bytes]:
+        return self._read(lambda txn: [bytes(k) for k in txn.cursor(table).iternext(values=False)])
 
     def counts(self) -> dict[str, int]:
         def fn(txn):
@@ -184,14 +188,16 @@ class UploadQueue:
 
     def refusals(self) -> dict[str, int]:
         """Objects refused so far, by cause ("unauthentic", "corrupt", ...)."""
+        return {cause: int(n) for cause, n in self._named("refused:").items()}
+
+    def _named(self, prefix: str) -> dict[str, Any]:
+        """{name: value} of the `rates` rows named `prefix` + name."""
+        tag = prefix.encode()
 
         def fn(txn):
             with txn.cursor(db=self._rates) as cur:
-                return {
-                    bytes(k).decode().removeprefix("refused:"): int(msgpack.unpackb(v))
-                    for k, v in cur
-                    if bytes(k).startswith(b"refused:")
-                }
+                return {bytes(k)[len(tag) :].decode(): msgpack.unpackb(v)
+                        for k, v in cur if bytes(k).startswith(tag)}  # fmt: skip
 
         return self._read(fn)
 
@@ -209,16 +215,7 @@ class UploadQueue:
 
     def quarantined(self) -> dict[str, str]:
         """Quarantined uploaders (box id -> why)."""
-
-        def fn(txn):
-            with txn.cursor(db=self._rates) as cur:
-                return {
-                    bytes(k).decode().removeprefix("quarantine:"): msgpack.unpackb(v)
-                    for k, v in cur
-                    if bytes(k).startswith(b"quarantine:")
-                }
-
-        return self._read(fn)
+        return self._named("quarantine:")
 
     # -- measured rates -----------------------------------------------------------------------
 

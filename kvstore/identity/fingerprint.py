@@ -244,8 +244,6 @@ def _architecture(
     """(cache layout, model arguments' identity, mlx-lm code digest) of a config. Building the
     architecture and hashing mlx-lm's source are the costly part of a new process's fingerprint:
     what they give for this config is remembered while the source files keep their identity."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     key = (
         None
         if model_object is not None or config.get("model_file")
@@ -255,7 +253,7 @@ def _architecture(
     if hit is not None:
         return _tuplify(hit[0]), bytes(hit[1]), bytes(hit[2])
     built = model_object if model_object is not None else build_architecture(config, model_dir)
-    built_layout = tuple(describe_cache(c) for c in make_prompt_cache(built))
+    built_layout = cache_layout(model_dir, built)
     args_id = config_identity(model_args(built, config), config)
     try:
         code = kv_code_digest(config, model_dir, adapter=adapter, kv_bits=kv_bits)

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kvstore.degrade import foreign
 from kvstore.errors import ModelError, PrefillStopped
-from kvstore.identity.fingerprint import describe_cache
+from kvstore.identity.fingerprint import cache_layout
 from kvstore.identity.model import ModelIdentity
 from kvstore.identity.modelconfig import config_vocab_size  # noqa: F401  (kvstore.warm.transfer)
 from kvstore.tokens import TokenIds
@@ -140,7 +140,6 @@ def load_model(plan: ModelPlan):
     """Load the model for prefill (with the manifest's overrides) and check it is the one the
     fingerprint describes: same files (none changed while loading), same cache layout."""
     from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
 
     identity = plan.spec.identity
     with foreign(lambda e: ModelError(f"model {plan.spec.path!r}: cannot load: {e}")):
@@ -154,7 +153,7 @@ def load_model(plan: ModelPlan):
     except ModelError as e:
         log.error("%s", e)
         raise
-    layout = tuple(describe_cache(c) for c in make_prompt_cache(model))
+    layout = cache_layout(plan.model_dir, model)
     if layout != plan.fingerprint.layout:
         raise ModelError(f"model {plan.spec.path!r}: cache layout differs from its config's")
     return model

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -189,15 +189,17 @@ class BlockStore:
 
     def _kids(self, txn, parent: bytes) -> list[bytes]:
         """The record keys (fingerprint + H(end)) whose start is `parent` (fingerprint + H)."""
+        return [parse_kids_row(k).child for k in self._kids_rows(txn, parent)]
+
+    def _kids_rows(self, txn, prefix: bytes) -> Iterator[bytes]:
+        """The `kids` rows whose keys start with `prefix` (a fingerprint, or a parent key)."""
         cur = txn.cursor(self._db(b"kids"))
-        out = []
-        if cur.set_range(parent):
+        if cur.set_range(prefix):
             for k in cur.iternext(values=False):
                 k = bytes(k)
-                if not k.startswith(parent):
-                    break
-                out.append(parse_kids_row(k).child)
-        return out
+                if not k.startswith(prefix):
+                    return
+                yield k
 
     def lookup(
         self,
@@ -313,14 +315,8 @@ class BlockStore:
 
         def walk(txn) -> tuple[list[BlockMeta], int]:
             parents: dict[bytes, list[bytes]] = {}  # H(end) -> [H(start)] of this model's rows
-            cur = txn.cursor(self._db(b"kids"))
-            if cur.set_range(fp):
-                for k in cur.iternext(values=False):
-                    k = bytes(k)
-                    if not k.startswith(fp):
-                        break
-                    row = parse_kids_row(k)
-                    parents.setdefault(digest_of(row.child), []).append(digest_of(row.parent))
+            for row in map(parse_kids_row, self._kids_rows(txn, fp)):
+                parents.setdefault(digest_of(row.child), []).append(digest_of(row.parent))
             chain: list[BlockMeta] = []
             at = key
             while True:
@@ -721,16 +717,10 @@ class BlockStore:
         if parent is not None:
             txn.delete(kids_row(parent, key), db=self._db(b"kids"))
         elif meta is not None:  # the kids row needs H(start): scan this fingerprint's rows
-            fp = fingerprint_of(key)
-            cur = txn.cursor(self._db(b"kids"))
-            if cur.set_range(fp):
-                for k in cur.iternext(values=False):
-                    k = bytes(k)
-                    if not k.startswith(fp):
-                        break
-                    if parse_kids_row(k).child == key:
-                        txn.delete(k, db=self._db(b"kids"))
-                        break
+            for k in self._kids_rows(txn, fingerprint_of(key)):
+                if parse_kids_row(k).child == key:
+                    txn.delete(k, db=self._db(b"kids"))
+                    break
         return size
 
     def drop_covered(

@@ -1,8 +1,8 @@
 """The one eviction: whatever removes entries or learned records (`kvstore evict`, the byte
 budgets, the snapshot cap, a pin that covers learned records, the upgrade canary, a refused fleet
-check) removes them here, and each one leaves the same three traces: a tombstone (so a later miss
-on it reads `evicted`, not `cold`), the `kvstore_evictions` metric by reason, and one log line
-that says why.
+check, a stale pin's purge, `verify --repair`) removes them here, and each one leaves the same
+three traces: a tombstone (so a later miss on it reads `evicted`, not `cold`), the
+`kvstore_evictions` metric by reason, and one log line that says why.
 
 The log line is the eviction's record, written where it happens (in the daemon, its log; the
 CLI's own path has no handler at INFO, so nothing reaches its output).
@@ -27,7 +27,7 @@ log = logging.getLogger("kvstore.daemon")
 
 # a tombstone's `by` (kvstore.home.tombstones has the others)
 BY_SNAPSHOT_CAP, BY_PIN, BY_CANARY = "snapshot cap", "pin", "upgrade canary"
-BY_FLEET = "fleet check"
+BY_FLEET, BY_REPAIR = "fleet check", "verify --repair"
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Why:
     """Why something is evicted: the tombstone's `by`, the metric's reason label, and what the
     log line says after the colon."""
 
-    by: str
+    by: str | None  # None: no tombstone
     metric: str
     says: str
 
@@ -67,6 +67,17 @@ def fleet_refused() -> Why:
     return Why(BY_FLEET, "fleet_check", "its uploader's KV was refused by this box's model")
 
 
+def stale_pin(manifest: Path) -> Why:
+    """A pin its manifest no longer holds, purged by the warm. No tombstone: a request for it is
+    explained by what the manifest holds now (another day's rendering, a divergence), which a
+    tombstone's `evicted` would hide."""
+    return Why(None, "stale_pin", f"a stale pin of {manifest}")
+
+
+def corrupt(reason: str) -> Why:
+    return Why(BY_REPAIR, "corrupt", f"corrupt ({reason})")
+
+
 @dataclass(frozen=True)
 class EvictedRecord:
     """A learned record its block store removed, with the chain's tokens from position 0 to its
@@ -82,18 +93,21 @@ def evict(
     *,
     store: Store | None = None,
     entries: Sequence[EntryMeta] = (),
+    unread: Sequence[bytes] = (),
     records: Iterable[EvictedRecord] = (),
 ) -> list[str]:
-    """Delete `entries` from `store` (learned records arrive already removed, by the block
-    store's own transaction) and leave each one's tombstone, metric and log line. Returns the
+    """Delete `entries` from `store`, and the entries whose meta could not be read (`unread`:
+    no tombstone, their tokens are unknown); learned records arrive already removed, by the
+    block store's own transaction. Each leaves its tombstone, metric and log line. Returns the
     hex keys evicted."""
     records = list(records)
-    if entries:
+    if entries or unread:
         if store is None:
             raise ValueError("evicting entries needs their store")
-        store.delete(m.key for m in entries)
+        store.delete([*(m.key for m in entries), *unread])
+    if entries and why.by is not None:
         tombstones.note(home, entries, why.by)
-    if records:
+    if records and why.by is not None:
         tombstones.note_prefixes(home, [
             (str(r.record.extra.get("model", "")), unpack_tokens(r.prefix),
              f"learned chain of {r.record.end} tokens")
@@ -110,6 +124,10 @@ def evict(
             used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.last_used))
             log.info("evicted %s %r of %s (%d bytes, last used %s): %s", m.key.hex(), m.label,
                      m.model, m.nbytes, used, why.says)  # fmt: skip
+    for k in unread:
+        out.append(k.hex())
+        metrics.EVICTIONS.labels(reason=why.metric).inc()
+        log.info("evicted %s (its meta unreadable): %s", k.hex(), why.says)
     for r in records:
         rec = r.record
         out.append(rec.key.hex())

@@ -47,14 +47,11 @@ def record_verdicts(store: Store, home: Path, verdicts: list[Checked]) -> tuple[
     gone = [m for m in store.metas(errors=[])
             if m.key in refused or (pending(m) and m.extra.get("uploader") in boxes)]  # fmt: skip
     evicted = len(evict(home, fleet_refused(), store=store, entries=gone))
-    queue = UploadQueue(home)
-    try:
+    with UploadQueue(home) as queue:
         for v in bad:
             if v.uploader:
                 queue.quarantine(v.uploader, f"{v.label}: {v.what} against this box's model")
             queue.count_refusal(MISMATCH)
-    finally:
-        queue.close()
     for v in bad:
         log.error(
             "remote: refused fetched entry %s %r: its KV is not what this box's model computes "

@@ -1,11 +1,14 @@
 """`verify` and `verify --repair`: check every entry and learned record (--repair deletes the
-bad ones)."""
+bad ones: the entries through the one eviction)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+from kvstore.errors import CorruptEntryError
 from kvstore.learned.blockstore import BlockStore
+from kvstore.ops.evict import corrupt, evict
 from kvstore.store.store import Store
 from kvstore.wire.messages import Problem, RepairReply
 
@@ -14,13 +17,24 @@ def check(
     store: Store,
     blocks: BlockStore,
     *,
+    home: Path,
     repair: bool,
     progress: Callable[[int, int], None] | None = None,
 ) -> RepairReply:
     """Decode every entry and check every record; with `repair` the bad ones are deleted (a
     write: the daemon runs it as one writer job)."""
     entries = len(store.keys())
-    problems = store.check(repair=repair, progress=progress)
+    problems = store.check(progress=progress)
+    if repair:
+        for p in problems:
+            try:
+                meta = store.get_meta(p.key)
+            except CorruptEntryError:
+                meta = None
+            if meta is None:
+                evict(home, corrupt(p.reason), store=store, unread=[p.key])
+            else:
+                evict(home, corrupt(p.reason), store=store, entries=[meta])
     records, bad = blocks.check(repair=repair)
     return RepairReply(
         entries=entries,

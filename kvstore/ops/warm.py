@@ -13,6 +13,7 @@ from typing import Any
 
 from kvstore.ops import put as put_ops
 from kvstore.ops.budget import Budget
+from kvstore.ops.evict import evict, stale_pin
 from kvstore.pins.manifest import Manifest
 from kvstore.pins.plan import ModelPlan
 from kvstore.store.entry import PutFields
@@ -50,9 +51,14 @@ def warm(
         req = put_ops.request(key, blob, fields)
         return put_ops.put(store, req, blob, budget=held, decode=False)
 
+    def stale(keys: list[bytes]) -> None:
+        metas = [m for k in keys if (m := store.get_meta(k)) is not None]
+        evict(home, stale_pin(manifest.path), store=store, entries=metas)
+
     def run(tier: Any) -> WarmReport:
-        report = do_warm(manifest, store, home=home, progress=progress, put=put, purge=purge,
-                         now=now, fetch=tier, may_load=may_load, bounds=bounds)  # fmt: skip
+        report = do_warm(manifest, store, home=home, progress=progress, put=put,
+                         purge=stale if purge else None, now=now, fetch=tier, may_load=may_load,
+                         bounds=bounds)  # fmt: skip
         if tier is not None:
             tier.record([(p.model, p.tokens, p.seconds) for p in report.pins
                          if p.status == "warmed" and p.seconds > 0])  # fmt: skip

@@ -557,11 +557,11 @@ class Store:
     def check(
         self,
         *,
-        repair: bool = False,
         decode: bool = True,
         progress: Callable[[int, int], None] | None = None,
     ) -> list[CorruptEntryError]:
-        """Verify every entry (meta, length, checksum, full decode); `repair` deletes bad ones."""
+        """Verify every entry (meta, length, checksum, full decode); kvstore.ops.verify deletes the
+        bad ones through the one eviction."""
         problems: list[CorruptEntryError] = []
         meta_keys = set(self.keys())
         blob_keys = set(
@@ -589,8 +589,6 @@ class Store:
                 problems.append(CorruptEntryError(k, "meta without blob"))
             if progress:
                 progress(i + 1, len(keys))
-        if repair and problems:
-            self.delete(p.key for p in problems)
         return problems
 
     def stats(self) -> dict[str, Any]:

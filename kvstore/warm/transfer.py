@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvstore import mlxlm
 from kvstore.codec import cache_api, codec
 from kvstore.errors import CodecError, CorruptEntryError, KVStoreError, StoreError
 from kvstore.home.settings import FILEHASH_NAME
@@ -52,7 +53,7 @@ def write_file(
                 cache_api.save_file(tmp, cache, user)
             except (RuntimeError, ValueError) as e:
                 raise KVStoreError(
-                    f"{name}: mlx-lm {cache_api.version()}'s save_prompt_cache cannot write this "
+                    f"{name}: mlx-lm {mlxlm.version()}'s save_prompt_cache cannot write this "
                     f"cache ({e}); export it with mlx-lm 0.32 or later"
                 ) from None
         else:

@@ -549,15 +549,16 @@ def warm(
     home: Path,
     put: Callable[[bytes, bytes, PutFields], object],
     progress: Callable[[str], None] | None = None,
-    purge: bool = True,
+    purge: Callable[[list[bytes]], object] | None = None,
     now: dt.datetime | None = None,
     fetch: Callable | None = None,
     may_load: Callable[[ModelPlan], str | None] | None = None,
     bounds: PrefillBounds | None = None,
 ) -> WarmReport:
-    """Make the store hold exactly the manifest's current pins: purge stale ones (when `purge`),
-    own the present ones, then fetch (with `fetch`, the fleet tier) or prefill the missing.
-    Each pin is stored by `put`: the put operation, as kvstore.ops.warm passes it.
+    """Make the store hold exactly the manifest's current pins: purge stale ones (with `purge`,
+    the one eviction, as kvstore.ops.warm passes it), own the present ones, then fetch (with
+    `fetch`, the fleet tier) or prefill the missing. Each pin is stored by `put`: the put
+    operation, as kvstore.ops.warm passes it.
     Pins render as requests on the local day of `now` do (default: the real clock). `may_load`
     (the daemon's memory check) may defer a model's load: its missing pins are reported
     "deferred". `bounds` (default: max_pin_tokens from the home's settings) bound each pin's
@@ -567,7 +568,7 @@ def warm(
         bounds = PrefillBounds(max_pin_tokens=max_pin_tokens(load_settings(home)))
     report = WarmReport()
     say = progress or (lambda msg: None)
-    delete, edit = store.delete, store.edit_meta
+    edit = store.edit_meta
     plans: dict[tuple, ModelPlan] = {}
     for spec in manifest.models:
         try:
@@ -583,7 +584,7 @@ def warm(
                 )
             log.error("%s", e)
     me = manifest_owner(manifest.path)
-    if purge:
+    if purge is not None:
         moved = moved_pins(manifest, store, plans)
         if moved:  # same KV, new model name: re-owned, not purged and prefilled again
             edit({k: functools.partial(renamed, spec=spec) for k, spec in moved.items()})
@@ -599,7 +600,7 @@ def warm(
             log.info("released pin %r of %s (its other owners keep it): %s", p.label, p.model,
                      p.cause)  # fmt: skip
         if report.purged:
-            delete([bytes.fromhex(p.key) for p in report.purged])
+            purge([bytes.fromhex(p.key) for p in report.purged])
             gone = {p.key for p in report.purged}
             for plan in plans.values():
                 for pp in plan.pins:

@@ -104,7 +104,7 @@ from unittest import mock
 
 import kvstore.daemon.watcher
 from kvstore.daemon.boot import run
-from kvstore.daemon.server import setup_logging
+from kvstore.daemon.logs import setup_logging
 
 setup_logging("info")
 # The real call that fails when inotify runs out of watches (or FSEvents is refused).

@@ -116,3 +116,29 @@ def test_kv_that_does_not_cover_its_tokens_is_rejected(llama_path, kv_home):
     report = hydrate(lru, "m", llama_path, home=kv_home)
     assert report.entries == 1 and any(bad.key.hex() in s for s in report.skipped)
     assert good.key != bad.key
+
+
+def test_repair_evicts_through_the_one_eviction(warmed, kv_home, caplog):
+    """`verify --repair` drops a corrupt entry as every eviction does: a tombstone (where its
+    meta still names its tokens), the `corrupt` metric and a log line saying why."""
+    import logging
+
+    from kvstore import metrics
+    from kvstore.home import tombstones
+    from kvstore.learned.blockstore import BlockStore
+    from kvstore.ops import verify
+
+    flipped, unread = warmed["classify"], warmed["synthesize"]
+    _doctor(kv_home, flipped.key, "bitflip")
+    _doctor(kv_home, unread.key, "meta")
+    before = metrics.REGISTRY.get_sample_value("kvstore_evictions_total", {"reason": "corrupt"})
+    with caplog.at_level(logging.INFO, logger="kvstore"), Store(kv_home) as store:
+        reply = verify.check(store, BlockStore(store), home=kv_home, repair=True)
+        assert len(reply.problems) == 2 and store.metas() == []
+    after = metrics.REGISTRY.get_sample_value("kvstore_evictions_total", {"reason": "corrupt"})
+    assert after - (before or 0) == 2
+    (stone,) = tombstones.load(kv_home, flipped.model)
+    assert stone.by == "verify --repair" and stone.covers(flipped.token_ids())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evicted ")]
+    assert any(flipped.key.hex() in ln and "corrupt (blob" in ln for ln in lines), lines
+    assert any(unread.key.hex() in ln and "corrupt (unreadable meta" in ln for ln in lines), lines

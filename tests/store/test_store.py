@@ -202,7 +202,10 @@ def test_check_reports_blob_without_meta(kv_home):
             txn.delete(m.key, db=store._meta)
         problems = store.check()
         assert [p.key for p in problems] == [m.key] and "without meta" in problems[0].reason
-        store.check(repair=True)
+        from kvstore.learned.blockstore import BlockStore
+        from kvstore.ops import verify
+
+        verify.check(store, BlockStore(store), home=kv_home, repair=True)
         assert store.check() == []
 
 

@@ -41,3 +41,25 @@ def test_warm_prints_purges_by_their_ls_key(tmp_path, llama_path, kv_home):
     out = cli("warm", "--manifest", manifest, code=0).output
     (purged,) = [ln for ln in out.splitlines() if ln.startswith("purged")]
     assert purged.split()[2] == old, out
+
+
+def test_a_purge_is_an_eviction_that_leaves_no_tombstone(tmp_path, llama_path, kv_home, caplog):
+    """A purged pin leaves the store through the one eviction (its metric and log line), but no
+    tombstone: a request for it is explained by what the manifest holds now."""
+    from kvstore import metrics
+    from kvstore.home import tombstones
+
+    manifest = manifest_for(tmp_path, llama_path, _pins("first prompt"))
+    with Store(kv_home) as store:
+        warm(load_manifest(manifest), store, home=kv_home)
+        (old,) = store.metas()
+    manifest_for(tmp_path, llama_path, _pins("first prompt, edited"))
+    before = metrics.REGISTRY.get_sample_value("kvstore_evictions_total", {"reason": "stale_pin"})
+    with caplog.at_level(logging.INFO, logger="kvstore"), Store(kv_home) as store:
+        warm(load_manifest(manifest), store, home=kv_home)
+        assert old.key not in {m.key for m in store.metas()}
+    after = metrics.REGISTRY.get_sample_value("kvstore_evictions_total", {"reason": "stale_pin"})
+    assert after - (before or 0) == 1
+    assert tombstones.load(kv_home, old.model) == []
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evicted ")]
+    assert any(old.key.hex() in ln and "a stale pin of" in ln for ln in lines), lines

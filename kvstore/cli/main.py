@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
-from kvstore.cli import admin, explain, manifests, remote, transfer
+from kvstore.cli import admin, analyze, explain, manifests, remote, transfer
 from kvstore.cli.options import (
     home_option,
     human_size,
@@ -170,6 +170,7 @@ for command in (
     admin.evict,
     admin.stats,
     admin.verify,
+    analyze.analyze_cmd,
     explain.explain_cmd,
     manifests.manifests,
     remote.remote_group,

@@ -53,7 +53,6 @@ from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import HIT_BATCH_S, PinnedPromptCache, StoreTier
-from kvstore.client.reasons import after_hydrate
 from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
 from kvstore.client.serve.persist import SystemPromptPersister
@@ -65,6 +64,7 @@ from kvstore.identity.model import (
     DEFAULT_QUANTIZED_KV_START,
     ModelIdentity,
 )
+from kvstore.known import after_hydrate
 from kvstore.learned.coldtier import LearnTarget
 
 log = logging.getLogger("kvstore.serve")

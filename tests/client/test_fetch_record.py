@@ -1,6 +1,6 @@
 """What a request's fetch did beyond memory (a learned split's prefill, tokens read through from
 the fleet) travels to its call's record as one per-prompt `FetchRecord` in the store tier: kept
-under the tier's lock, bounded, taken once. No module global carries it (client/fleetread.py's
+under the tier's lock, bounded, taken once. No module global carries it (kvstore/fleet/reads.py's
 SERVED dict did): the fleet's tokens reach the call's line, the ledger record and
 `kvstore_prompt_tokens_total{source="fleet"}` in the library and through serve's hooks."""
 
@@ -11,7 +11,6 @@ import types
 from helpers import mlx_lm_prefill
 
 from kvstore import metrics
-from kvstore.client import fleetread
 from kvstore.client.callstats import StatsRecorder, generate
 from kvstore.client.persistent import (
     FETCH_RECORDS,
@@ -21,6 +20,7 @@ from kvstore.client.persistent import (
     PinnedPromptCache,
     StoreTier,
 )
+from kvstore.fleet import reads as fleetread
 from kvstore.learned.coldtier import Restored
 
 KEY = "m"
@@ -78,7 +78,7 @@ def test_serve_reads_the_fleet_and_the_split_from_one_record(kv_home):
 
 def test_the_library_call_reads_the_fleet_from_its_fetch(llama):
     """A library `generate` whose fetch the fleet served (the learner's restore, as
-    kvstore.client.fleetread hands it back) says so in its line; the next call is memory's."""
+    kvstore.fleet.reads hands it back) says so in its line; the next call is memory's."""
     model, tokenizer = llama
     prompt = [(7 * i + 3) % 200 + 1 for i in range(300)]
     kv = mlx_lm_prefill(model, prompt[:256])

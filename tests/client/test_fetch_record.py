@@ -57,19 +57,19 @@ def test_serve_reads_the_fleet_and_the_split_from_one_record(kv_home):
 
     hooks = _Hooks(kv_home, persist=False, learn=False)
     try:
-        hooks.stats = StatsRecorder("m", send=False, verbose=False)
+        hooks.calls.stats = StatsRecorder("m", send=False, verbose=False)
         prompt = list(range(1, 700))
         hooks.tier.served(KEY, prompt, 0, 512, 640, 512, (128, 0.5))
         ctx = types.SimpleNamespace(prompt=list(prompt), prompt_cache_count=640)
-        hooks.record_call(ctx, 0.1, 0.1, 2)
-        call = hooks.stats.calls[-1]
+        hooks.calls.record_call(ctx, 0.1, 0.1, 2)
+        call = hooks.calls.stats.calls[-1]
         assert ctx.prompt_cache_count == 512  # usage.prompt_tokens_details.cached_tokens
         assert (call.cached_tokens, call.fleet_tokens) == (512, 512)
         assert "512 from cache (512 from the fleet), 187 prefilled" in call.line()
         assert sum(call.prefilled_by_reason().values()) == call.prefilled_tokens == 187
         ctx = types.SimpleNamespace(prompt=list(prompt), prompt_cache_count=698)
-        hooks.record_call(ctx, 0.1, 0.1, 2)  # the next request of it: memory's
-        again = hooks.stats.calls[-1]
+        hooks.calls.record_call(ctx, 0.1, 0.1, 2)  # the next request of it: memory's
+        again = hooks.calls.stats.calls[-1]
         assert (again.cached_tokens, again.fleet_tokens) == (698, 0)
         assert "from the fleet" not in again.line()
     finally:

@@ -5,9 +5,9 @@ them). No other module of the client imports click.
 `kvstore serve`: mlx-lm's own OpenAI-compatible server, with the persistent prompt cache.
 
 The server runs in-process, unchanged, under the hooks of kvstore.client.serve.hooks (hydrate at
-model load, and with --persist-system-prompts the stable system segment and its persister,
-kvstore.client.serve.persist). This module is the command and its argv hand-off to mlx_lm.server's
-main(); it imports the hooks (and mlx-lm with them) only when the server runs.
+model load, and with --persist-system-prompts the stable system segment and its persister). This
+module is the command and its argv hand-off to mlx_lm.server's main(); it imports the hooks (and
+mlx-lm with them) only when the server runs.
 """
 
 from __future__ import annotations

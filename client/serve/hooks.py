@@ -17,7 +17,7 @@ of `serve()` by thin subclasses:
   daemon) and its `quiet` (the warm-up requests).
 
 With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
-re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.boundary).
+re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.persist).
 
 Unless --no-learn, the store tier carries a Learner (kvstore.client.learn): prompts are
 reported to the daemon, which learns the prefixes that recur, and a memory miss the store can
@@ -53,9 +53,12 @@ from kvstore.client.hydrate import Prefetched, insert, prefetch
 from kvstore.client.learn import LEARN_QUEUE, Learner
 from kvstore.client.loader import fingerprint_files, tag_loaded
 from kvstore.client.persistent import HIT_BATCH_S, PinnedPromptCache, StoreTier
-from kvstore.client.serve.boundary import StableSystemSegment, template_args_warning
 from kvstore.client.serve.gauges import LearnedGauges
-from kvstore.client.serve.persist import SystemPromptPersister
+from kvstore.client.serve.persist import (
+    StableSystemSegment,
+    SystemPromptPersister,
+    template_args_warning,
+)
 from kvstore.client.writebehind import WriteBehind
 from kvstore.degrade import serve_hook
 from kvstore.errors import KVStoreError, counted

@@ -11,8 +11,8 @@ from pathlib import Path
 from mlx_lm import server
 from mlx_lm.utils import load_tokenizer
 
-from kvstore.client.serve.boundary import template_args_warning
 from kvstore.client.serve.hooks import _Hooks, _subclasses
+from kvstore.client.serve.persist import template_args_warning
 from kvstore.pins.clock import clock_at
 from kvstore.tiny import write_tokenizer
 

@@ -596,7 +596,7 @@ def _subclasses(server: Any, hooks: _Hooks) -> tuple[type, type, type, type]:
             do_GET=_do_get,
             do_POST=_do_post,
             _starting=_starting,
-        ),  # fmt: skip
+        ),
     )
 
 

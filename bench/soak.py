@@ -131,7 +131,7 @@ def _drive(hooks, cache, key, model, tokenizer, messages: list[dict]) -> None:
     from kvstore import mlxlm
 
     prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    hooks.decode = tokenizer.decode
+    hooks.calls.decode = tokenizer.decode
     ctx = types.SimpleNamespace(prompt=prompt, prompt_cache_count=0)
     kv, rest = cache.fetch_nearest_cache(key, prompt)
     ctx.prompt_cache_count = len(prompt) - len(rest)
@@ -140,7 +140,7 @@ def _drive(hooks, cache, key, model, tokenizer, messages: list[dict]) -> None:
     held = mlxlm.generated_transcript(kv, prompt + out)
     if held is not None:
         cache.insert_cache(key, held, kv)
-    list(hooks.recorded(ctx, iter(out)))
+    list(hooks.calls.recorded(ctx, iter(out)))
 
 
 def in_process(n: int, warmup: int = 300, seed: int = 0, top: int = 15) -> dict:
@@ -176,7 +176,7 @@ def in_process(n: int, warmup: int = 300, seed: int = 0, top: int = 15) -> dict:
             patched_server(home, hooks_out=got) as server,
         ):
             (hooks,) = got
-            hooks.warm_thread_started = hooks.ready = True  # no warm-up requests over HTTP
+            hooks.warm_up.started = hooks.ready = True  # no warm-up requests over HTTP
             cache = server.LRUPromptCache(10)
             hooks.on_load(provider)
             reqs = requests(seed)
@@ -272,7 +272,7 @@ def _grew(snaps, marks, n: int, warmup: int, top: int, hooks) -> dict:
             for k in (1, 2)
         ],
         "pymalloc_arenas": [m[5] for m in marks],
-        "calls_kept": len(hooks.stats.calls) if hooks.stats is not None else None,
+        "calls_kept": len(hooks.calls.stats.calls) if hooks.calls.stats is not None else None,
         "steady": [_line_growth(s, n) for s in steady[:top]],
         "last_window": [_line_growth(s, n) for s in second[:top]],
     }

@@ -27,15 +27,15 @@ _LAZY = {
     "StatsRecorder": "kvstore.client.callstats",
     "generate": "kvstore.client.callstats",
     "stream_generate": "kvstore.client.callstats",
-    "StageReport": "kvstore.client.analyze",
-    "load_capture": "kvstore.client.analyze",
+    "StageReport": "kvstore.analyze",
+    "load_capture": "kvstore.analyze",
     "ParityReport": "kvstore.client.parity",
     "load_prompts": "kvstore.client.parity",
     "run_parity": "kvstore.client.parity",
     "patched_server": "kvstore.client.serve.hooks",
 }
 if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their real types
-    from kvstore.client.analyze import (
+    from kvstore.analyze import (
         StageReport,
         load_capture,
     )
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # what a user's type checker sees of the lazy names: their re
         patched_server,
     )
 
-# kvstore.client.cli.serve and kvstore.client.analyze.analyze are not re-exported: a
+# kvstore.client.cli.serve and kvstore.analyze.analyze are not re-exported: a
 # package attribute cannot be both the submodule and the function of the same name.
 
 __all__ = [  # static, so type checkers see every name (the lazy ones as TYPE_CHECKING imports)

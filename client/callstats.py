@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore import metrics, mlxlm
-from kvstore.client.writebehind import Job, WriteBehind
+from kvstore.client.writebehind import WriteBehind
 from kvstore.identity.model import model_name
 from kvstore.reasons import Attributor, SpanRecord, by_reason, describe
 from kvstore.tokens import TokenIds
@@ -202,12 +202,7 @@ class StatsRecorder:
             return
         batch, self._unsent = self._unsent, []
         self._last_send = time.monotonic()
-        self._writer.submit(
-            Job(
-                f"{len(batch)} prefill stats records",
-                lambda client: client.send(RecordRequest(batch)),
-            )
-        )
+        self._writer.send(f"{len(batch)} prefill stats records", RecordRequest(batch))
 
 
 def say(line: str, verbose: bool | None = None) -> None:

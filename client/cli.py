@@ -1,13 +1,13 @@
-"""The client's click commands: `kvstore serve`, `kvstore analyze` and `kvstore parity`
+"""The client's click commands: `kvstore serve` and `kvstore parity`
 (kvstore.cli.main loads them through the kvstore.commands entry points without importing
 them). No other module of the client imports click.
 
 `kvstore serve`: mlx-lm's own OpenAI-compatible server, with the persistent prompt cache.
 
 The server runs in-process, unchanged, under the hooks of kvstore.client.serve.hooks (hydrate at
-model load, and with --persist-system-prompts the stable system segment and its persister,
-kvstore.client.serve.persist). This module is the command and its argv hand-off to mlx_lm.server's
-main(); it imports the hooks (and mlx-lm with them) only when the server runs.
+model load, and with --persist-system-prompts the stable system segment and its persister). This
+module is the command and its argv hand-off to mlx_lm.server's main(); it imports the hooks (and
+mlx-lm with them) only when the server runs.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import click
 
-from kvstore.client.analyze import analyze, format_table, load_capture
 from kvstore.client.parity import ATOL, MAX_TOKENS, REFERENCES, _table, load_prompts, run_parity
 from kvstore.errors import KVStoreError
 from kvstore.home.settings import given_home
@@ -267,44 +265,6 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-@click.command(name="analyze", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("captured", type=click.Path(dir_okay=False, exists=True, path_type=Path))
-@click.option(
-    "--model",
-    "-m",
-    default=None,
-    help="Render with this model's chat template and count tokens (else bytes only).",
-)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
-@home_option
-def analyze_cmd(captured: Path, model: str | None, as_json: bool, home: Path) -> None:
-    """Show how much of each stage's prompts a prefix cache can serve.
-
-    CAPTURED is JSONL: one {"stage": ..., "messages": [...], "tools"?} or {"stage", "text"} per
-    call. Per stage: the share of the prompt common to every call, where the first dynamic
-    block starts (with a snippet), and the share a static-first reordering would make cacheable.
-
-    \b
-    kvstore analyze captured.jsonl --model ./Qwen3.5-9B-8bit
-    """
-    try:
-        captures = load_capture(captured)
-        tokenizer = None
-        if model is not None:
-            from mlx_lm.utils import load_tokenizer
-
-            from kvstore.identity.fingerprint import resolve_model_path
-
-            tokenizer = load_tokenizer(resolve_model_path(model))
-        reports = analyze(captures, tokenizer=tokenizer)
-    except KVStoreError as e:
-        raise click.ClickException(str(e)) from None
-    if as_json:
-        click.echo(json.dumps([asdict(r) | {"snippet": r.snippet} for r in reports], indent=2))
-    else:
-        click.echo(format_table(reports))
 
 
 @click.command(name="parity", context_settings={"help_option_names": ["-h", "--help"]})

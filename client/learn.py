@@ -30,16 +30,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstore import metrics, mlxlm
 from kvstore.client import modelthread
-from kvstore.client.fleetread import FleetReads
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind, store_entry
 from kvstore.codec import cache_api
 from kvstore.degrade import serve_hook
+from kvstore.fleet.reads import FleetReads
 from kvstore.learned.coldtier import ColdTier, LearnTarget, Restored
 from kvstore.wire.messages import LearnRequest, PutBlocksRequest, Record, TouchBlocksRequest
 
@@ -321,11 +321,7 @@ class Learner:
             self._touched_sent = time.monotonic()
         for fp, keys in batches.items():
             keys = list(dict.fromkeys(keys))
-            self.writer.submit(Job(f"{len(keys)} learned record hits", self._toucher(fp, keys)))
-
-    def _toucher(self, fingerprint: bytes, keys: list[bytes]) -> Callable[[Any], None]:
-        """The write-behind job's work: touch these records of `fingerprint`."""
-        return lambda client: client.send(TouchBlocksRequest(fingerprint, keys))
+            self.writer.send(f"{len(keys)} learned record hits", TouchBlocksRequest(fp, keys))
 
     # -- the worker -----------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import ModelIdentity
+from kvstore.jsonl import read_objects
 
 if TYPE_CHECKING:
     from kvstore.pins.manifest import Manifest

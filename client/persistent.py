@@ -37,10 +37,10 @@ from kvstore import tokens as token_ids
 from kvstore.client.callstats import StatsRecorder, say
 from kvstore.client.hydrate import HydrateReport, Prefetched, check_arguments, insert, prefetch
 from kvstore.client.learn import Learner
-from kvstore.client.reasons import after_hydrate
 from kvstore.client.writebehind import CLOSE_TIMEOUT, Job, WriteBehind
 from kvstore.errors import KVStoreError
 from kvstore.identity.model import IdentityKeywords, ModelIdentity
+from kvstore.known import after_hydrate
 from kvstore.learned.coldtier import LearnTarget
 from kvstore.pins.manifest import pin_name_problem
 from kvstore.pins.render import RenderedPin, pin_extra

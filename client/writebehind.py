@@ -102,6 +102,10 @@ class WriteBehind:
             return False
         return True
 
+    def send(self, what: str, request: Any) -> bool:
+        """Submit one request for the daemon (a job that sends it), as `submit`."""
+        return self.submit(Job(what, lambda client: client.send(request)))
+
     @property
     def pending(self) -> int:
         """Jobs submitted and not finished yet."""

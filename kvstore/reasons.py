@@ -145,7 +145,7 @@ class Known:
     write_budget: bool = False  # learning paused by the daily write budget
     # the chat template's message headers (what it renders before a message's content): those
     # of a conversation's first message (with whatever the template puts before it), and those
-    # of any message (kvstore.client.reasons.template_headers)
+    # of any message (kvstore.known.template_headers)
     first_headers: Sequence[tuple[int, ...]] = ()
     headers: Sequence[tuple[int, ...]] = ()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from kvstore import __version__
-from kvstore.cli import admin, manifests, remote, transfer
+from kvstore.cli import admin, analyze, manifests, remote, transfer
 from kvstore.cli.options import (
     home_option,
     human_size,
@@ -200,6 +200,7 @@ for command in (
     admin.evict,
     admin.stats,
     admin.verify,
+    analyze.analyze_cmd,
     manifests.manifests,
     remote.remote_group,
     transfer.export_cmd,

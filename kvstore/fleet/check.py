@@ -11,7 +11,7 @@ whatever the entry's length; a tamper of a stretch of positions is caught when a
 (or after it: a step attends to every position before it). A mismatch quarantines every object
 of that uploader (kvstore.fleet.queue.UploadQueue.quarantine) until `kvstore remote release`.
 
-Learned records. A request's read-through (kvstore.client.fleetread) checks every record it
+Learned records. A request's read-through (kvstore.fleet.reads) checks every record it
 fetched, over the cache it assembled from them and the local records they continue
 (`check_chain`): SPOT_CHECKS steps drawn over the whole fetched stretch [start, n), each over
 everything before it, and the first CHECK_TOKENS re-prefilled where the stretch starts the

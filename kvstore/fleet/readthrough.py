@@ -1,6 +1,6 @@
 """Read-through of learned records on a request's miss, the bucket side: find the longest chain
 of a request's prefix the fleet holds, fetch it when that beats prefilling, and verify every
-object before a caller may use it (kvstore.client.fleetread is the request side: the check
+object before a caller may use it (kvstore.fleet.reads is the request side: the check
 against the model, the assembly, the put through the daemon).
 
 - **Lookup.** Records are filed under fingerprint + H(end) (kvstore.learned.chain), so the

@@ -36,7 +36,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
 OPTIONAL: dict[str, type | tuple[type, ...]] = {
     "generated_tokens": int,
     "ts": (int, float),
-    "fleet_tokens": int,  # of cached_tokens, read through from the fleet (kvstore.client.fleetread)
+    "fleet_tokens": int,  # of cached_tokens, read through from the fleet (kvstore.fleet.reads)
 }
 SUMMED = ("prompt_tokens", "cached_tokens", "prefilled_tokens", "generated_tokens", "prefill_s",
           "decode_s")  # fmt: skip

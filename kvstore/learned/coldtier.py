@@ -122,7 +122,7 @@ class Restored:
     what: str  # "3 records", "entry 'classify'"
     keys: list[bytes] = field(default_factory=list)  # the records read: used now (touch_blocks)
     prompt_end: bool = False  # a snapshot of a request's whole prompt (a chat turn's end)
-    fleet: int = 0  # of its tokens, read through from the fleet (kvstore.client.fleetread)
+    fleet: int = 0  # of its tokens, read through from the fleet (kvstore.fleet.reads)
 
 
 SAID_CORRUPT: set[bytes] = set()  # learned records this process said are corrupt (once each)

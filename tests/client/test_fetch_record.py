@@ -1,6 +1,6 @@
 """What a request's fetch did beyond memory (a learned split's prefill, tokens read through from
 the fleet) travels to its call's record as one per-prompt `FetchRecord` in the store tier: kept
-under the tier's lock, bounded, taken once. No module global carries it (client/fleetread.py's
+under the tier's lock, bounded, taken once. No module global carries it (kvstore/fleet/reads.py's
 SERVED dict did): the fleet's tokens reach the call's line, the ledger record and
 `kvstore_prompt_tokens_total{source="fleet"}` in the library and through serve's hooks."""
 
@@ -11,7 +11,6 @@ import types
 from helpers import mlx_lm_prefill
 
 from kvstore import metrics
-from kvstore.client import fleetread
 from kvstore.client.callstats import StatsRecorder, generate
 from kvstore.client.persistent import (
     FETCH_RECORDS,
@@ -21,6 +20,7 @@ from kvstore.client.persistent import (
     PinnedPromptCache,
     StoreTier,
 )
+from kvstore.fleet import reads as fleetread
 from kvstore.learned.coldtier import Restored
 
 KEY = "m"
@@ -57,19 +57,19 @@ def test_serve_reads_the_fleet_and_the_split_from_one_record(kv_home):
 
     hooks = _Hooks(kv_home, persist=False, learn=False)
     try:
-        hooks.stats = StatsRecorder("m", send=False, verbose=False)
+        hooks.calls.stats = StatsRecorder("m", send=False, verbose=False)
         prompt = list(range(1, 700))
         hooks.tier.served(KEY, prompt, 0, 512, 640, 512, (128, 0.5))
         ctx = types.SimpleNamespace(prompt=list(prompt), prompt_cache_count=640)
-        hooks.record_call(ctx, 0.1, 0.1, 2)
-        call = hooks.stats.calls[-1]
+        hooks.calls.record_call(ctx, 0.1, 0.1, 2)
+        call = hooks.calls.stats.calls[-1]
         assert ctx.prompt_cache_count == 512  # usage.prompt_tokens_details.cached_tokens
         assert (call.cached_tokens, call.fleet_tokens) == (512, 512)
         assert "512 from cache (512 from the fleet), 187 prefilled" in call.line()
         assert sum(call.prefilled_by_reason().values()) == call.prefilled_tokens == 187
         ctx = types.SimpleNamespace(prompt=list(prompt), prompt_cache_count=698)
-        hooks.record_call(ctx, 0.1, 0.1, 2)  # the next request of it: memory's
-        again = hooks.stats.calls[-1]
+        hooks.calls.record_call(ctx, 0.1, 0.1, 2)  # the next request of it: memory's
+        again = hooks.calls.stats.calls[-1]
         assert (again.cached_tokens, again.fleet_tokens) == (698, 0)
         assert "from the fleet" not in again.line()
     finally:
@@ -78,7 +78,7 @@ def test_serve_reads_the_fleet_and_the_split_from_one_record(kv_home):
 
 def test_the_library_call_reads_the_fleet_from_its_fetch(llama):
     """A library `generate` whose fetch the fleet served (the learner's restore, as
-    kvstore.client.fleetread hands it back) says so in its line; the next call is memory's."""
+    kvstore.fleet.reads hands it back) says so in its line; the next call is memory's."""
     model, tokenizer = llama
     prompt = [(7 * i + 3) % 200 + 1 for i in range(300)]
     kv = mlx_lm_prefill(model, prompt[:256])

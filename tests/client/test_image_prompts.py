@@ -109,7 +109,7 @@ def test_serve_hooks_serve_image_prompts_from_pins_and_memory(
         got: list = []
         with patched_server(home, hooks_out=got) as server:
             (hooks,) = got
-            hooks.warm_thread_started = hooks.ready = True  # no warm-up requests over HTTP here
+            hooks.warm_up.started = hooks.ready = True  # no warm-up requests over HTTP here
             cache = server.LRUPromptCache(10)
             try:
                 hooks.on_load(provider)
@@ -119,10 +119,10 @@ def test_serve_hooks_serve_image_prompts_from_pins_and_memory(
                     ctx.prompt_cache_count = request(cache, model, tokenizer, model_key, prompt,
                                                      key)  # fmt: skip
                     served.append(ctx.prompt_cache_count)
-                    list(hooks.recorded(ctx, iter([1, 2])))  # the ledger record, its reasons
+                    list(hooks.calls.recorded(ctx, iter([1, 2])))  # the ledger record, its reasons
                 hooks.flush()
                 assert hooks.learner.drain(10.0)[1] == 0
-                calls = list(hooks.stats.calls)
+                calls = list(hooks.calls.stats.calls)
                 reported = hooks.learner.reported
             finally:
                 hooks.close(5.0)
@@ -172,7 +172,7 @@ def test_serve_attributes_image_prompts_by_the_key_mlx_lm_caches_them_by(
     rows = []
     with patched_server(home, hooks_out=got) as server:
         (hooks,) = got
-        hooks.warm_thread_started = hooks.ready = True  # no warm-up requests over HTTP here
+        hooks.warm_up.started = hooks.ready = True  # no warm-up requests over HTTP here
         cache = server.LRUPromptCache(10)
         try:
             hooks.on_load(provider)
@@ -184,14 +184,14 @@ def test_serve_attributes_image_prompts_by_the_key_mlx_lm_caches_them_by(
                           prefilled_by_reason())  # fmt: skip
                 ids = list(prompt)  # a request's own list, as `_tokenize` gives it
                 vision = types.SimpleNamespace(cache_key=list(key))  # mlx_lm.server's Vision
-                hooks.tokenized((ids, [ids], ["assistant"], "normal", vision))
+                hooks.calls.tokenized((ids, [ids], ["assistant"], "normal", vision))
                 ctx = types.SimpleNamespace(prompt=ids, prompt_cache_count=0)
                 ctx.prompt_cache_count = request(cache, model, tokenizer, model_key, ids, key)
-                list(hooks.recorded(ctx, iter([1, 2])))  # the ledger record, its reasons
+                list(hooks.calls.recorded(ctx, iter([1, 2])))  # the ledger record, its reasons
                 after = (metric("kvstore_prompt_tokens_total", source="memory"),
                          metric("kvstore_prompt_tokens_total", source="prefill"),
                          prefilled_by_reason())  # fmt: skip
-                rows.append((hooks.stats.calls[-1], [b - a for a, b in zip(before, after)]))
+                rows.append((hooks.calls.stats.calls[-1], [b - a for a, b in zip(before, after)]))
         finally:
             hooks.close(5.0)
             if hooks.learner is not None:
@@ -215,19 +215,22 @@ def test_a_context_without_its_tokenize_is_attributed_by_its_prompt(llama_path, 
     hooks = _Hooks(kv_home, persist=False, learn=False)
     try:
         ids, other = [1, 2, 3], [1, 2, 3]
-        hooks.tokenized((ids, [ids], ["assistant"], "normal", None))  # no images: nothing kept
-        assert hooks.image_key_of(ids, 3) is None
-        hooks.tokenized((ids, [ids], ["assistant"], "normal",
+        # no images: nothing kept
+        hooks.calls.tokenized((ids, [ids], ["assistant"], "normal", None))
+        assert hooks.calls.image_key_of(ids, 3) is None
+        hooks.calls.tokenized((ids, [ids], ["assistant"], "normal",
                          types.SimpleNamespace(cache_key=[1, IMAGE_A, 3])))  # fmt: skip
-        assert hooks.image_key_of(other, 3) is None  # equal, but not the request's own list
-        assert hooks.image_key_of(ids, 3) == [1, IMAGE_A, 3]
-        assert hooks.image_key_of(ids, 3) is None  # taken once
-        hooks.tokenized((ids, [ids], [], "normal", types.SimpleNamespace(cache_key=[IMAGE_A])))
-        assert hooks.image_key_of(ids, 3) is None  # not a key of this prompt
+        assert hooks.calls.image_key_of(other, 3) is None  # equal, but not the request's own list
+        assert hooks.calls.image_key_of(ids, 3) == [1, IMAGE_A, 3]
+        assert hooks.calls.image_key_of(ids, 3) is None  # taken once
+        image_a = types.SimpleNamespace(cache_key=[IMAGE_A])
+        hooks.calls.tokenized((ids, [ids], [], "normal", image_a))
+        assert hooks.calls.image_key_of(ids, 3) is None  # not a key of this prompt
         for _ in range(40):  # bounded: contexts that never record leave nothing behind
             x = [5]
-            hooks.tokenized((x, [x], [], "normal", types.SimpleNamespace(cache_key=[IMAGE_B])))
-        assert len(hooks._image_keys) <= 16
+            image_b = types.SimpleNamespace(cache_key=[IMAGE_B])
+            hooks.calls.tokenized((x, [x], [], "normal", image_b))
+        assert len(hooks.calls._image_keys) <= 16
     finally:
         hooks.close(1.0)
 

@@ -52,12 +52,12 @@ def test_the_summary_counts_reasons_of_every_call():
 
 def _state(hooks, cache) -> dict[str, int]:
     """How much of each thing serve keeps between requests."""
-    a = hooks.stats.attribute
+    a = hooks.calls.stats.attribute
     return {
-        "calls": len(hooks.stats.calls),
-        "warm_up_requests": len(hooks._warm_up_requests),
-        "warm_up_contexts": len(hooks._warm_up_contexts),
-        "warm_prompts": len(hooks.warm_prompts),
+        "calls": len(hooks.calls.stats.calls),
+        "warm_up_requests": len(hooks.warm_up.requests),
+        "warm_up_contexts": len(hooks.warm_up.contexts),
+        "warm_prompts": len(hooks.warm_up.prompts),
         "recent": len(a.recent) + len(a.sorted),
         "decoded": len(a._texts),
         "hits": len(hooks.tier._hits),
@@ -77,7 +77,7 @@ def test_serve_keeps_no_more_after_many_requests_than_after_a_few(llama, llama_p
     got: list = []
     with patched_server(kv_home, hooks_out=got, learn=False) as server:
         (hooks,) = got
-        hooks.warm_thread_started = hooks.ready = True  # no warm-up requests over HTTP here
+        hooks.warm_up.started = hooks.ready = True  # no warm-up requests over HTTP here
         cache = server.LRUPromptCache(4)
         try:
             hooks.on_load(provider)

@@ -92,7 +92,7 @@ def test_what_it_keeps_follows_puts_and_evictions_as_a_full_read_says(tmp_path):
 
 
 def test_the_reasons_reader_gives_the_same_lists_until_something_is_learned(tmp_path):
-    from kvstore.client.reasons import learned_reader, read_learned
+    from kvstore.known import learned_reader, read_learned
 
     home = tmp_path
     with Store(home) as store:

@@ -228,9 +228,9 @@ class OverBudget(AssertionError):
 
 
 # With --persist-system-prompts the generation thread also re-cuts each request's system segment
-# (client.serve.boundary, pins.clock, degrade's guard) and offers its insert (client.serve.persist):
-# 11 modules. Left for issue 42 item 5; strict, so that meeting the budget fails until this goes.
-PERSIST_OVER = pytest.mark.xfail(raises=OverBudget, strict=True, reason="11 modules, not 8 yet")
+# (client.serve.persist, under degrade's guard) and offers its insert (client.serve.persist):
+# 9 modules. Left for issue 42 item 5; strict, so that meeting the budget fails until this goes.
+PERSIST_OVER = pytest.mark.xfail(raises=OverBudget, strict=True, reason="9 modules, not 8 yet")
 
 
 PERSIST = pytest.param(("--persist-system-prompts",), marks=PERSIST_OVER, id="persist")

@@ -11,8 +11,8 @@ from pathlib import Path
 from mlx_lm import server
 from mlx_lm.utils import load_tokenizer
 
-from kvstore.client.serve.boundary import template_args_warning
 from kvstore.client.serve.hooks import _Hooks, _subclasses
+from kvstore.client.serve.persist import template_args_warning
 from kvstore.pins.clock import clock_at
 from kvstore.tiny import write_tokenizer
 
@@ -44,8 +44,11 @@ def test_the_persisted_system_segment_is_one_every_request_shares(tmp_path: Path
     write_tokenizer(tmp_path / "tok", chat_template=TIMED)
     tok = load_tokenizer(tmp_path / "tok")
     now = dt.datetime.now().replace(hour=10, minute=31)
-    plain = types.SimpleNamespace(boundary=None, take_warm_up=lambda request: None,
-                                  tokenized=lambda out: None)  # fmt: skip
+    plain = types.SimpleNamespace(
+        boundary=None,
+        warm_up=types.SimpleNamespace(take=lambda request: None),
+        calls=types.SimpleNamespace(tokenized=lambda out: None),
+    )
     with clock_at(now):
         mlx_out = generator(plain)._tokenize(tok, *request("Is 7 prime?"))
     hooks = _Hooks(tmp_path / "home", persist=True)

@@ -7,7 +7,7 @@ import json
 
 from helpers import cli
 
-from kvstore.client.analyze import analyze, load_capture, static_first
+from kvstore.analyze import analyze, load_capture, static_first
 
 STATIC = "".join(
     f"Rule {i}: classify the request into billing, outage, account or other and explain why.\n"

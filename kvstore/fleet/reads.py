@@ -1,4 +1,4 @@
-"""Read-through on a request's miss, the client side: when neither memory nor the local store
+"""Read-through on a request's miss, the request side: when neither memory nor the local store
 serves a prompt's prefix, ask the fleet (kvstore.fleet.readthrough: lookup, cost rule, deadline,
 breaker, every object verified), assemble the fetched records with the local ones they extend,
 check every fetched record against the model this process holds (kvstore.fleet.check.check_chain
@@ -20,10 +20,9 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore import metrics
-from kvstore.client.writebehind import Job, WriteBehind
 from kvstore.errors import KVStoreError
 
 if TYPE_CHECKING:
@@ -38,10 +37,17 @@ TOTALS_S = 5.0  # seconds between writes of this process's totals (`kvstore remo
 RATE_S = 5.0  # seconds between reads of the ledger while it has no prefill rate for a model
 
 
+class Sender(Protocol):
+    """Where the request side sends the daemon its verdicts and the fetched records, off the
+    request path (the client's write-behind queue)."""
+
+    def send(self, what: str, request: Any) -> bool: ...
+
+
 class FleetReads:
     """One process's read-through: opened at the first miss that may use it (no I/O before)."""
 
-    def __init__(self, home: Path, writer: WriteBehind):
+    def __init__(self, home: Path, writer: Sender):
         self.home = Path(home)
         self.writer = writer
         self.on = True  # False once found off (no [remote], no download, no fleet key)
@@ -214,7 +220,7 @@ class FleetReads:
                       len(fetched), start, len(ids), v.what, ", ".join(boxes))  # fmt: skip
         req = request_of([Checked(f.meta.key, False, v.what, box, f.meta.label)
                           for box, f in first.items()])  # fmt: skip
-        self.writer.submit(Job("fleet check verdict", lambda client: client.send(req)))
+        self.writer.send("fleet check verdict", req)
         self._quarantined = {**self._quarantined, **{box: v.what for box in boxes}}
         return False
 
@@ -232,17 +238,13 @@ class FleetReads:
                 extra = {**target.extra, "origin": "remote", "uploader": v.provenance.box}
                 req = PutBlocksRequest(target.fingerprint, pack_tokens(list(tokens[: v.meta.end])),
                                        batch, target.label, target.model, extra)  # fmt: skip
-                self.writer.submit(Job(f"{len(batch)} records from the fleet", _sender(req)))
+                self.writer.send(f"{len(batch)} records from the fleet", req)
                 batch, size = [], 0
 
     def close(self) -> None:
         if self.reader is not None:
             self.write_totals()
             self.reader.close()
-
-
-def _sender(req: Any) -> Any:
-    return lambda client: client.send(req)
 
 
 def _ids(packed: bytes) -> tuple[int, ...]:

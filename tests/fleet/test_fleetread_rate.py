@@ -1,11 +1,11 @@
-"""The read-through's prefill rate (its cost rule and deadline: kvstore.client.fleetread): a fresh
+"""The read-through's prefill rate (its cost rule and deadline: kvstore.fleet.reads): a fresh
 home's ledger has none at a long-running server's first ask, and the server must learn it from
 the ledger once its own prefills are there (bench.fleet_readthrough found it never did: on a slow
 link every fetch went ahead and waited for fetch_deadline, not the expected prefill)."""
 
 from __future__ import annotations
 
-from kvstore.client import fleetread
+from kvstore.fleet import reads as fleetread
 from kvstore.home.ledger import Ledger
 
 MODEL = "/models/tiny"

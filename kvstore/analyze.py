@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.jsonl import read_objects
 from kvstore.errors import KVStoreError
+from kvstore.jsonl import read_objects
 from kvstore.staticfirst import moved_lines, static_lines
 from kvstore.tokens import common_prefix
 

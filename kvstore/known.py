@@ -1,6 +1,7 @@
-"""What hydrating tells `kvstore.reasons.Attributor` (off the request path): this model's learned
-prefixes and those of its other fingerprints, tombstones of evictions, whether the daemon that
-ran on the home is gone. The Attributor itself, which each request calls, is kvstore.reasons'."""
+"""What a process knows of its home for `kvstore.reasons.Attributor`, told when it hydrates (off
+the request path): this model's learned prefixes and those of its other fingerprints, tombstones
+of evictions, whether the daemon that ran on the home is gone. The Attributor itself, which each
+request calls, is kvstore.reasons'."""
 
 from __future__ import annotations
 

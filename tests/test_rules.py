@@ -17,6 +17,17 @@ SOURCES = ("kvstore", "client", "daemon")
 MAX_FUNCTION_LINES = 80  # a function longer than this is split by responsibility
 # A Store's put only in the put operation, its delete only in the one eviction.
 STORE_DOORS = {"put": {"kvstore/ops/put.py"}, "delete": {"kvstore/ops/evict.py"}}
+# A learned record's meta row is deleted in one BlockStore method, and what reaches it is called
+# by the one eviction (by key: verify --repair) or by what hands it the records removed (a
+# budget's, a pin's); BlockStore.evict_learned (tests, bench: it calls evict_learned_records)
+# by none.
+LEARNED_DOOR = ("kvstore/learned/blockstore.py", "_delete")
+LEARNED_REMOVERS = {
+    "evict_keys": {"kvstore/ops/evict.py"},
+    "evict_learned_records": {"kvstore/ops/budget.py", "kvstore/learned/blockstore.py"},
+    "drop_covered": {"kvstore/ops/put.py"},
+    "evict_learned": set(),
+}
 # The one KV check (prefill, compare, decide): its comparison is called only in its room, and the
 # upgrade canary, `kvstore import`'s check and the fleet check each call its driver.
 KV_CHECK_ROOM = "kvstore/kvcheck/"
@@ -60,20 +71,53 @@ def test_no_function_is_longer_than_80_lines():
 
 
 def _store_doors(path: Path) -> list[str]:
-    """`store.put` and `store.delete` (a Store's writes, by the name every caller gives it)
-    outside the one module of each."""
+    """`store.put` and `store.delete` (a Store's writes, by the name every caller gives it; and
+    `blocks.delete`, a BlockStore's) outside the one module of each."""
     rel, found = path.relative_to(ROOT).as_posix(), []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Attribute) and rel not in STORE_DOORS.get(node.attr, {rel}):
             base = node.value
-            if (base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")) == "store":
-                found.append(f"{rel}:{node.lineno} store.{node.attr}")
+            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", "")
+            if name in ("store", "blocks"):
+                found.append(f"{rel}:{node.lineno} {name}.{node.attr}")
     return found
+
+
+def _learned_deletes(path: Path) -> list[str]:
+    """A learned record's removal (`txn.delete(k, db=self._db(b"bmeta"))`, a delete naming the
+    `bmeta` table) outside LEARNED_DOOR's method."""
+    rel, tree = path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
+    door = [
+        range(f.lineno, (f.end_lineno or f.lineno) + 1)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and (rel, f.name) == LEARNED_DOOR
+    ]
+    return [
+        f"{rel}:{node.lineno} delete of bmeta"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", "") == "delete"
+        and any(isinstance(c, ast.Constant) and c.value == b"bmeta" for c in ast.walk(node))
+        and not any(node.lineno in r for r in door)
+    ]
 
 
 def test_entries_enter_and_leave_the_store_by_one_door_each():
     doors = [d for path in _files() for d in _store_doors(path)]
     assert not doors, "go through kvstore.ops.put or kvstore.ops.evict:\n" + "\n".join(doors)
+
+
+def test_learned_records_leave_by_the_one_eviction():
+    """Every learned record's removal is BlockStore._delete, reached only through the removers
+    kvstore.ops calls and hands to kvstore.ops.evict (its tombstone, metric and log line)."""
+    doors = [d for path in _files() for d in _learned_deletes(path)]
+    doors += [
+        c
+        for path in _files()
+        for c in _calls(path, set(LEARNED_REMOVERS))
+        if c.split(":")[0] not in LEARNED_REMOVERS[c.rsplit(" ", 1)[1]]
+    ]
+    assert not doors, "remove learned records through kvstore.ops.evict:\n" + "\n".join(doors)
 
 
 def _calls(path: Path, names: set[str]) -> list[str]:
@@ -263,6 +307,11 @@ def test_the_rules_catch_what_they_exist_for(tmp_path, bad, monkeypatch):
         f.write_text("def f(self, store):\n    store.put(b'k', b'v')\n    self.store.delete([])\n")
         monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
         assert _store_doors(f) == ["m.py:2 store.put", "m.py:3 store.delete"]
+        f.write_text("def _delete(txn, k, d):\n    txn.delete(k, db=d(b'bmeta'))\n"
+                     "blocks.delete([])\nb.drop_covered(f, t)\n")  # fmt: skip
+        assert _learned_deletes(f) == ["m.py:2 delete of bmeta"]
+        assert _store_doors(f) == ["m.py:3 blocks.delete"]
+        assert _calls(f, set(LEARNED_REMOVERS)) == ["m.py:4 drop_covered"]
     elif bad == "settings":
         f = tmp_path / "m.py"
         f.write_text("a = settings['x']\nb = self.settings.get('y')\nc = load_settings(h)['z']\n")

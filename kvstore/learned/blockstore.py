@@ -478,12 +478,12 @@ class BlockStore:
         with self.store.reading() as txn:
             return fn(txn)
 
-    def check(self, *, repair: bool = False) -> tuple[int, list[CorruptEntryError]]:
+    def check(self) -> tuple[int, list[CorruptEntryError]]:
         """Verify every learned record: its meta (seal, token count), its blob (length, checksum,
         header) and its chain links (a `kids` row from the record it follows, its tokens hashing
         to its key from position 0). A record no chain from position 0 reaches through good
-        records can never be served: it is named too. Returns (records, problems); `repair`
-        deletes the bad records and the links to them, in one write transaction."""
+        records can never be served: it is named too. Returns (records, problems), sorted by
+        key; `verify --repair` evicts them (kvstore.ops.evict, through `evict_keys`)."""
         if not self._open():
             return 0, []
         problems: dict[bytes, str] = {}
@@ -497,10 +497,7 @@ class BlockStore:
         with self.store.reading(buffers=True) as txn:
             metas, rows, links, block = scan(txn)
         self._check_links(metas, links, block, problems)
-        out = [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
-        if repair and out:
-            self._drop(problems, links)
-        return rows, out
+        return rows, [CorruptEntryError(k, why) for k, why in sorted(problems.items())]
 
     def _check_records(self, txn, problems: dict[bytes, str]) -> tuple[dict[bytes, BlockMeta], int]:
         """Every record's meta and blob, each problem filed under its key in `problems`: the
@@ -579,23 +576,6 @@ class BlockStore:
                     f"record [{m.start}, {m.end}) cannot be served: no chain of good records "
                     "from position 0 reaches it"
                 )
-
-    def _drop(self, problems: dict[bytes, str], links: list[bytes]) -> None:
-        """Delete the bad records and the links to them (check's repair), in one transaction."""
-
-        def fn(txn) -> None:
-            freed = 0
-            for k in problems:
-                meta, raw = self._get_meta(txn, k), txn.get(k, db=self._db(b"bblob"))
-                freed += meta.nbytes if meta is not None else len(raw or b"")
-                txn.delete(k, db=self._db(b"bmeta"))
-                txn.delete(k, db=self._db(b"bblob"))
-            for link in links:  # the links to a dropped record (those from it go with it)
-                if parse_kids_row(link).child in problems:
-                    txn.delete(link, db=self._db(b"kids"))
-            self._add(txn, LEARNED_BYTES, -freed)
-
-        self.store.write(fn)
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -708,7 +688,25 @@ class BlockStore:
 
         return self.store.write(fn)
 
+    def evict_keys(self, keys: Sequence[bytes]) -> list[tuple[bytes, BlockMeta | None, bytes]]:
+        """Remove these records whatever their state, with the links to them: the door
+        kvstore.ops.evict takes for records named by key (`verify --repair`'s). Returns each
+        one's key, meta (None: unreadable) and packed tokens from position 0 to its end (b"":
+        not known), read before it goes."""
+        out: list[tuple[bytes, BlockMeta | None, bytes]] = []
+        for k in keys:
+            try:
+                chain = self.chain_to(k)
+                out.append((k, chain[-1], b"".join(m.tokens for m in chain)))
+            except StoreError:
+                with self.store.reading() as txn:
+                    out.append((k, self._get_meta(txn, k), b""))
+        self.delete(list(keys))
+        return out
+
     def _delete(self, txn, key: bytes, parent: bytes | None = None) -> int:
+        """The one removal of a record (every eviction of one comes here), and of the link to
+        it: from `parent`, or whichever links to it (found by scanning its model's rows)."""
         meta = self._get_meta(txn, key)
         raw = txn.get(key, db=self._db(b"bblob"))
         size = meta.nbytes if meta is not None else (len(raw) if raw is not None else 0)
@@ -716,11 +714,10 @@ class BlockStore:
         txn.delete(key, db=self._db(b"bblob"))
         if parent is not None:
             txn.delete(kids_row(parent, key), db=self._db(b"kids"))
-        elif meta is not None:  # the kids row needs H(start): scan this fingerprint's rows
-            for k in self._kids_rows(txn, fingerprint_of(key)):
+        else:  # the kids row needs H(start): scan this fingerprint's rows
+            for k in list(self._kids_rows(txn, fingerprint_of(key))):
                 if parse_kids_row(k).child == key:
                     txn.delete(k, db=self._db(b"kids"))
-                    break
         return size
 
     def drop_covered(

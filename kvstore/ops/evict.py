@@ -19,7 +19,7 @@ from typing import Any
 
 from kvstore import metrics
 from kvstore.home import tombstones
-from kvstore.learned.blockstore import is_snapshot
+from kvstore.learned.blockstore import BlockStore, is_snapshot
 from kvstore.store.entry import EntryMeta, unpack_tokens
 from kvstore.store.store import Store
 
@@ -95,12 +95,23 @@ def evict(
     entries: Sequence[EntryMeta] = (),
     unread: Sequence[bytes] = (),
     records: Iterable[EvictedRecord] = (),
+    blocks: BlockStore | None = None,
+    record_keys: Sequence[bytes] = (),
 ) -> list[str]:
     """Delete `entries` from `store`, and the entries whose meta could not be read (`unread`:
-    no tombstone, their tokens are unknown); learned records arrive already removed, by the
-    block store's own transaction. Each leaves its tombstone, metric and log line. Returns the
-    hex keys evicted."""
-    records = list(records)
+    no tombstone, their tokens are unknown); learned `records` arrive already removed, by the
+    block store's own transaction (a budget's, a pin's), and `record_keys` are removed from
+    `blocks` here (a tombstone where the record's chain is known). Each leaves its tombstone,
+    metric and log line. Returns the hex keys evicted."""
+    records, unread_records = list(records), []
+    if record_keys:
+        if blocks is None:
+            raise ValueError("evicting learned records needs their block store")
+        for key, meta, prefix in blocks.evict_keys(record_keys):
+            if meta is None:
+                unread_records.append(key)
+            else:
+                records.append(EvictedRecord(meta, prefix))
     if entries or unread:
         if store is None:
             raise ValueError("evicting entries needs their store")
@@ -124,10 +135,10 @@ def evict(
             used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.last_used))
             log.info("evicted %s %r of %s (%d bytes, last used %s): %s", m.key.hex(), m.label,
                      m.model, m.nbytes, used, why.says)  # fmt: skip
-    for k in unread:
+    for k, what in [*((k, "") for k in unread), *((k, "learned record ") for k in unread_records)]:
         out.append(k.hex())
         metrics.EVICTIONS.labels(reason=why.metric).inc()
-        log.info("evicted %s (its meta unreadable): %s", k.hex(), why.says)
+        log.info("evicted %s%s (its meta unreadable): %s", what, k.hex(), why.says)
     for r in records:
         rec = r.record
         out.append(rec.key.hex())

@@ -1,5 +1,5 @@
 """`verify` and `verify --repair`: check every entry and learned record (--repair deletes the
-bad ones: the entries through the one eviction)."""
+bad ones, through the one eviction)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,11 @@ def check(
                 evict(home, corrupt(p.reason), store=store, unread=[p.key])
             else:
                 evict(home, corrupt(p.reason), store=store, entries=[meta])
-    records, bad = blocks.check(repair=repair)
+    records, bad = blocks.check()
+    if repair:  # the last of a chain first: its tokens are read through the records before it
+        ends = {m.key: m.end for m in blocks.records()}
+        for p in sorted(bad, key=lambda p: -ends.get(p.key, 0)):
+            evict(home, corrupt(p.reason), blocks=blocks, record_keys=[p.key])
     return RepairReply(
         entries=entries,
         problems=[Problem(p.key, p.reason) for p in problems],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from kvstore.pins.manifest import ModelSpec
+from kvstore.identity.model import ResolvedModel
 from kvstore.store.entry import EntryMeta
 
 APP = "app"  # runtime pins and prefixes an app or `kvstore serve` stored, and imports
@@ -65,8 +65,9 @@ def released(meta: EntryMeta, owner: str) -> EntryMeta | None:
     return replace(meta, pinned=pinned, extra=extra)
 
 
-def renamed(meta: EntryMeta, spec: ModelSpec) -> EntryMeta:
-    """The meta under the model name (and adapter path, overrides) `spec` gives it: the entry's
+def renamed(meta: EntryMeta, model: ResolvedModel) -> EntryMeta:
+    """The meta under the model name (and adapter path, overrides) the manifest now gives it,
+    and where that resolves here (`model_dir`: what `evict --stale` judges it by): the entry's
     KV is the same (same key), only what the manifest calls its model changed."""
-    extra = {**meta.extra, **spec.identity.state}
-    return replace(meta, model=spec.path, extra=extra)
+    extra = {**meta.extra, **model.identity.state, **model.location}
+    return replace(meta, model=model.path, extra=extra)

@@ -587,7 +587,8 @@ def warm(
     if purge is not None:
         moved = moved_pins(manifest, store, plans)
         if moved:  # same KV, new model name: re-owned, not purged and prefilled again
-            edit({k: functools.partial(renamed, spec=spec) for k, spec in moved.items()})
+            edit({k: functools.partial(renamed, model=plans[spec.identity.same_model()].model)
+                  for k, spec in moved.items()})  # fmt: skip
             for k, spec in moved.items():
                 log.info("kept %s under the model's new name %s: same fingerprint and tokens",
                          short_hex(k), spec.path)  # fmt: skip

@@ -122,3 +122,27 @@ def test_a_model_on_a_missing_volume_is_unknown_not_stale(tmp_path, llama_path, 
     assert "unmounted volume" in r.output
     with Store(kv_home) as store:
         assert [m.label for m in store.metas()] == ["on-volume"]
+
+
+def test_a_pin_kept_under_its_model_s_new_folder_is_not_stale(tmp_path, llama_path, kv_home):
+    """A model moved to another folder (the old one gone) and the manifest pointed there: the
+    warm keeps its pin under the new name, and records where that name resolves, so `evict
+    --stale` judges the pin by the folder it names now, not the one it was stored from."""
+    import json
+
+    from helpers import manifest_for
+
+    old, new = tmp_path / "models" / "old", tmp_path / "models" / "new"
+    shutil.copytree(llama_path, old)
+    pins = '[[model.prefix]]\nname = "p"\ntext = "a pinned prompt"\n'
+    cli("warm", "--manifest", manifest_for(tmp_path, old, pins), "--home", kv_home, code=0)
+    shutil.move(old, new)
+    out = cli("warm", "--manifest", manifest_for(tmp_path, new, pins), "--home", kv_home, code=0)
+    assert "purged" not in out.output, out.output  # kept, not stored again
+    r = cli("evict", "--stale", "--home", kv_home)
+    assert r.exit_code == 0 and "evicted 0 entries" in r.output, r.output
+    (entry,) = json.loads(cli("ls", "--json", "--home", kv_home, code=0).output)
+    assert entry["model"] == str(new.resolve()) and entry["label"] == "p"
+    with Store(kv_home) as store:
+        (meta,) = store.metas()
+        assert meta.model_dir == str(new.resolve())

@@ -71,3 +71,35 @@ def test_verify_repair_drops_learned_records_through_the_daemon(kv_home, tmp_pat
             assert f"repair: deleted learned record {k.hex()}" in d.text()
         assert d.request("stats")["learned"]["records"] == 0
     assert _left(kv_home) == 0
+
+
+def test_repair_evicts_learned_records_through_the_one_eviction(kv_home, caplog):
+    """`verify --repair` drops a corrupt learned record as every eviction does: the `corrupt`
+    metric, a log line saying why, and a tombstone of its chain's tokens where they are known
+    (none for a record whose meta cannot be read, nor one whose chain it broke)."""
+    import logging
+
+    from kvstore import metrics
+    from kvstore.home import tombstones
+    from kvstore.ops import verify
+
+    keys = _learned(kv_home, chains=2)  # every blob flipped
+    with Store(kv_home) as store:
+        blocks = BlockStore(store)
+        (unread,) = [m.key for m in blocks.records() if m.start == 0 and m.label == "chain1"]
+        store._write(lambda t: t.put(unread, b"\x00garbage", db=blocks._db(b"bmeta")))
+    before = metrics.REGISTRY.get_sample_value("kvstore_evictions_total", {"reason": "corrupt"})
+    with caplog.at_level(logging.INFO, logger="kvstore"), Store(kv_home) as store:
+        reply = verify.check(store, BlockStore(store), home=kv_home, repair=True)
+        assert {p.key for p in reply.record_problems} == set(keys)
+    after = metrics.REGISTRY.get_sample_value("kvstore_evictions_total", {"reason": "corrupt"})
+    assert (after or 0) - (before or 0) == 4
+    assert _left(kv_home) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evicted ")]
+    for k in keys:
+        assert any(k.hex() in ln and ": corrupt (" in ln for ln in lines), (k.hex(), lines)
+    assert any(unread.hex() in ln and "unreadable" in ln for ln in lines), lines
+    stones = tombstones.load(kv_home, "")  # the records were put without a model
+    assert {s.length for s in stones} == {256, 300}  # chain0's two records; chain1's none
+    assert all(s.by == "verify --repair" for s in stones)
+    assert any(s.covers([1000 + t for t in range(300)]) for s in stones)

@@ -15,6 +15,7 @@ from kvstore.home import tombstones
 from kvstore.learned.blockstore import BlockStore, learned_summary, today
 from kvstore.learned.chain import cuts
 from kvstore.learned.records import slice_record
+from kvstore.ops import verify
 from kvstore.ops.put import LocalWriter
 from kvstore.store.entry import entry_key, pack_tokens
 from kvstore.store.store import Store
@@ -176,8 +177,9 @@ def test_check_names_bad_records_and_what_they_cut_off_and_repair_drops_them(tmp
         assert "cannot be served" in reasons[cc[1].key]
         assert set(reasons) == {*[m.key for m in ca[1:]], *[m.key for m in cb], cc[1].key}
         kept = {ca[0].key, cc[0].key, cd[0].key}  # before the bad ones, and the healthy chain
-        total, again = blocks.check(repair=True)
-        assert total == 10 and {p.key: p.reason for p in again} == reasons
+        reply = verify.check(store, blocks, home=tmp_path, repair=True)
+        assert reply.records == 10
+        assert {p.key: p.reason for p in reply.record_problems} == reasons
         assert blocks.check() == (3, [])
         assert {m.key for m in blocks.records()} == kept
         assert blocks.learned_bytes() == sum(m.nbytes for m in blocks.records())

@@ -47,8 +47,7 @@ def warm(
     held = budget if budget is not None else Budget.of(store, home)
 
     def put(key: bytes, blob: bytes, fields: PutFields) -> Any:
-        req = put_ops.request(key, blob, fields)
-        return put_ops.put(store, req, blob, budget=held, decode=False)
+        return put_ops.put(store, key, blob, put_ops.located(fields), budget=held)
 
     def run(tier: Any) -> WarmReport:
         report = do_warm(manifest, store, home=home, progress=progress, put=put, purge=purge,

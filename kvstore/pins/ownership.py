@@ -47,9 +47,9 @@ def adopted(meta: EntryMeta, owner: str) -> EntryMeta | None:
     have = owners(meta)
     if owner in have:
         return None
-    extra = dict(meta.extra, owners=[*have, owner])
+    extra = meta.extra.updated(owners=[*have, owner])
     if not _manifests(have):
-        extra[PINNED_BEFORE] = meta.pinned
+        extra = extra.updated({PINNED_BEFORE: meta.pinned})
     return replace(meta, pinned=True, extra=extra)
 
 
@@ -58,15 +58,15 @@ def released(meta: EntryMeta, owner: str) -> EntryMeta | None:
     left = [o for o in owners(meta) if o != owner]
     if not left:
         return None
-    extra = dict(meta.extra, owners=left)
+    extra = meta.extra.updated(owners=left)
     pinned = meta.pinned
     if not _manifests(left):  # back to what the app had before any manifest adopted it
-        pinned = bool(extra.pop(PINNED_BEFORE, meta.pinned))
+        before = extra.pinned_before_manifests
+        pinned, extra = meta.pinned if before is None else before, extra.without(PINNED_BEFORE)
     return replace(meta, pinned=pinned, extra=extra)
 
 
 def renamed(meta: EntryMeta, spec: ModelSpec) -> EntryMeta:
     """The meta under the model name (and adapter path, overrides) `spec` gives it: the entry's
     KV is the same (same key), only what the manifest calls its model changed."""
-    extra = {**meta.extra, **spec.identity.state}
-    return replace(meta, model=spec.path, extra=extra)
+    return replace(meta, model=spec.path, extra=meta.extra.updated(spec.identity.state))

@@ -313,14 +313,14 @@ def pin_fields(
     """The put fields of a manifest pin (prefilled here or fetched). Where the
     model resolved comes from the plan (the put does not resolve it again), first in `extra` as
     kvstore.identity.fingerprint.with_model_location puts it."""
-    fields = entry_fields(
+    return entry_fields(
         pp.pin.tokens,
         label=pp.pin.name,
         pinned=True,
         model=plan.spec.path,
         template_hash=plan.template_hash,
         classes=classes,
-        state=plan.spec.identity.state,
+        state={**plan.model.location, **plan.spec.identity.state},
         source="manifest",
         manifest=str(manifest) if manifest else None,
         owners=[manifest_owner(manifest)] if manifest else [],
@@ -328,7 +328,6 @@ def pin_fields(
         fingerprint_parts=plan.fingerprint.parts,  # what a later `model_changed` names
         extra=_pin_extra(pp),
     )
-    return replace(fields, extra={**plan.model.location, **fields.extra})
 
 
 def _pin_extra(pp: PlannedPin) -> dict:
@@ -562,7 +561,8 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path, fetched: list)
     if blob is None:
         return False
     fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-    fields.extra.update(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
+    extra = fields.extra.updated(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
+    fields = replace(fields, extra=extra)
     try:
         put(pp.key, blob, fields)
     except StoreDamaged:

@@ -213,7 +213,7 @@ class EntryMeta:
                 return f"field {name!r} must be {getattr(kind, '__name__', kind)}"
         if not all(isinstance(c, str) for c in self.classes):
             return "field 'classes' must be a list of str"
-        if not all(isinstance(k, str) for k in self.extra._keys):
+        if not all(isinstance(k, str) for k in self.extra.to_map()):
             return "field 'extra' must have str keys"
         return None
 

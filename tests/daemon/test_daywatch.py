@@ -95,9 +95,9 @@ def test_a_clock_bound_pin_is_rewarmed_across_midnight_with_no_request_missing_i
         # Prepared 15 minutes ahead (nothing purged), rolled over just after midnight.
         assert [at for at, _ in jobs] == ["23:45", "00:00"]
         prepared, rolled = (report for _, report in jobs)
-        assert [p["status"] for p in prepared["pins"]] == ["warmed"] and not prepared["purged"]
-        assert [p["status"] for p in rolled["pins"]] == ["present"]
-        assert [p["label"] for p in rolled["purged"]] == ["dated"]
+        assert [p.status for p in prepared.pins] == ["warmed"] and not prepared.purged
+        assert [p.status for p in rolled.pins] == ["present"]
+        assert [p.label for p in rolled.purged] == ["dated"]
         (meta,) = store.metas()
         assert meta.extra.valid_date == "2026-03-15"
         assert watch.tick() is None

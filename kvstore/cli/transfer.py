@@ -155,7 +155,7 @@ def import_cmd(
         finally:
             if local is None:
                 reader.close()
-    how = "trusted: not checked" if meta.trusted else f"checked: {meta.import_check} match"
+    how = "trusted: not checked" if meta.trusted else f"checked: {meta.extra.check} match"
     click.echo(
         f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)}; {how})"
     )

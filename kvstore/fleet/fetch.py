@@ -220,7 +220,7 @@ def other_runtime(meta: EntryMeta) -> str | None:
     filed as this runtime's, and would bring back what the canary dropped after an upgrade."""
     from kvstore.identity.codehash import runtime_versions
 
-    theirs, ours = meta.runtime, runtime_versions()
+    theirs, ours = meta.extra.runtime, runtime_versions()
     if not isinstance(theirs, dict) or theirs == ours:
         return None  # not recorded: nothing to judge by
     said = ", ".join(f"{k} {theirs.get(k)}" for k in sorted(ours))

@@ -25,7 +25,7 @@ def manifest_owner(path: str | Path) -> str:
 
 def owners(meta: EntryMeta) -> list[str]:
     """The entry's owners; entries stored before owners existed get theirs from their source."""
-    stored = meta.recorded_owners
+    stored = meta.extra.owners
     if isinstance(stored, list) and all(isinstance(o, str) for o in stored):
         return list(stored)
     if meta.source == "manifest" and meta.manifest:

@@ -232,11 +232,6 @@ class EntryMeta:
         return self.extra.manifest
 
     @property
-    def recorded_owners(self) -> list[str] | None:
-        """The owners list as stored (kvstore.pins.ownership.owners reads it with fallbacks)."""
-        return self.extra.owners
-
-    @property
     def valid_date(self) -> str | None:
         return self.extra.valid_date
 
@@ -259,20 +254,8 @@ class EntryMeta:
         return self.extra.trusted is True
 
     @property
-    def import_check(self) -> str | None:
-        return self.extra.check
-
-    @property
-    def runtime(self) -> dict | None:
-        return self.extra.runtime
-
-    @property
     def model_dir(self) -> str | None:
         return self.extra.model_dir
-
-    @property
-    def adapter_dir(self) -> str | None:
-        return self.extra.adapter_dir
 
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)

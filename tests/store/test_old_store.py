@@ -61,7 +61,7 @@ def test_every_stored_extra_key_reads_as_its_field_and_repacks_to_the_same_bytes
         chat, every = metas["chat"].extra, metas["every-key"].extra
         assert chat.chat_template_kwargs == {"terse": True} and chat.source == "manifest"
         assert (chat.kv_group_size, chat.quantized_kv_start, chat.adapter) == (64, 5000, None)
-        assert metas["chat"].recorded_owners == [f"manifest:{chat.manifest}"]
+        assert metas["chat"].extra.owners == [f"manifest:{chat.manifest}"]
         assert every.trusted and every.checked is False and every.check == "all 9 positions"
         assert (every.origin, every.uploader, every.valid_date) == ("remote", "box-a", "2026-03-14")
         assert unchecked(metas["every-key"]) and every.pinned_before_manifests is False

@@ -147,7 +147,7 @@ def start_cost() -> dict:
         with Store(home) as store:  # as a read-through stores them: another box's, pending
             warm(load_manifest(root / "m.toml"), store, home=home)
             pending = {FLEET_CHECK: CHECK_PENDING, "origin": "remote", "uploader": "box-bench"}
-            store.edit_meta({k: lambda m: replace(m, extra={**m.extra, **pending})
+            store.edit_meta({k: lambda m: replace(m, extra=m.extra.updated(pending))
                              for k in store.keys()})  # fmt: skip
             tokens = sum(m.ntokens for m in store.metas())
         load(str(model), home=root / "empty", warm=False, stats=False)[2].close()  # imports, once

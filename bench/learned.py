@@ -427,7 +427,7 @@ def _state_chat_bytes(home: Path, model: Path, final: list[int], daemon_log: str
         covered = max((m.ntokens for m in chat), default=0)
         stored = sum(m.nbytes for m in chain if m.end <= covered) + sum(m.nbytes for m in chat)
         written = blocks.written_today()
-        state_only = all(m.extra.get("kv_layers") for m in chat)
+        state_only = all(m.extra.kv_layers for m in chat)
     finally:
         store.close()
     kv_final = per_token * covered + cap * fixed

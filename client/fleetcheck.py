@@ -56,7 +56,7 @@ def check_pending(pre: Any, model: Any) -> list[Checked]:
 
     if model is None:
         pre.report.skipped += [
-            f"{m.key.hex()}: fetched from {m.extra.get('uploader') or 'the fleet'}, not yet "
+            f"{m.key.hex()}: fetched from {m.extra.uploader or 'the fleet'}, not yet "
             "checked against this box's model (pass model= to hydrate to check it)"
             for m, _ in held.entries
         ]
@@ -76,7 +76,7 @@ def check_pending(pre: Any, model: Any) -> list[Checked]:
         if failed.error is not None:  # the entry is skipped
             pre.report.skipped.append(f"{meta.key.hex()}: its fleet check failed: {failed.error}")
             continue
-        uploader = meta.extra.get("uploader")
+        uploader = meta.extra.uploader
         verdicts.append(Checked(meta.key, v.ok, v.what, uploader, meta.label))
         if v.ok:
             passed.append((meta, cache))

@@ -85,14 +85,12 @@ def _what_differs(
     out = []
     for m in store.metas(errors=[]):
         if entry_model_name(m.model, m.model_dir) == name:
-            extra = m.extra or {}
-            stored = extra.get("fingerprint_parts")
-            if isinstance(stored, dict):
+            stored = m.extra.fingerprint_parts
+            if stored is not None:
                 what = identity_diff(stored, parts)
             else:
-                runtime = extra.get("runtime")
-                version = runtime.get("mlx_lm") if isinstance(runtime, dict) else None
-                mine = _provenance(extra, m.codec, version)
+                version = (m.extra.runtime or {}).get("mlx_lm")
+                mine = _provenance(m.extra.to_map(), m.codec, version)
                 what = identity_diff(mine, {k: running[k] for k in mine})
             out.append((tuple(m.token_ids()), what))
     return out

@@ -183,8 +183,8 @@ class Commands:
         def job():
             # Decoded here, on the writer (main) thread: see kvstore.daemon.writer on mlx and
             # threads. after_put: kvstore.daemon.learn's write budget and snapshot cap.
-            meta = put_ops.put(self.store, req, blob, budget=self.upkeep.budget,
-                               after=self.learning.after_put, fields=fields)  # fmt: skip
+            meta = put_ops.put(self.store, req.key, blob, fields, budget=self.upkeep.budget,
+                               after=self.learning.after_put, sent=req)  # fmt: skip
             log.info("put %s %r of %s: %d tokens, %d bytes", req.key.hex(), meta.label,
                      meta.model, meta.ntokens, meta.nbytes)  # fmt: skip
             return meta

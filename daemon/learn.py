@@ -200,7 +200,7 @@ class Learning:
         metrics.WRITTEN_BYTES.labels(kind="learned").inc(meta.nbytes)
         self.blocks.count_written(meta.nbytes)
         log.info("learned snapshot %s: %d tokens, %d bytes written (%s)", meta.key.hex(),
-                 meta.ntokens, meta.nbytes, "state only" if meta.extra.get("kv_layers")
+                 meta.ntokens, meta.nbytes, "state only" if meta.extra.kv_layers
                  else "whole cache")  # fmt: skip
         cap = max(1, int(self.settings.max_snapshots_per_prefix))
         same_chain = [

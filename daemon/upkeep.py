@@ -183,10 +183,10 @@ class Upkeep:
         cause: str,
         now: dt.datetime | None = None,
         purge: bool = True,
-    ) -> dict[str, Any]:
+    ) -> WarmReport:
         """The warm operation (kvstore.ops.warm) as the daemon runs it, on the writer thread:
         stopped between pins when the daemon stops, a model's load deferred while memory is
-        short, each pin's source logged; returns the report as the wire carries it."""
+        short, each pin's source logged; returns its report, naming the manifest."""
         log.info("warm %s (%s)", manifest.path, cause)
         now = now or self.clock()
         if self.fetcher is not None:
@@ -213,7 +213,8 @@ class Upkeep:
                 trim_heap()  # kvstore.warm.warm released the model; hand its freed pages back too
         self._log_pins(report)
         self._after_warm(report, manifest, cause, short, rss)
-        return warm_ops.report_to_wire(report, manifest)
+        report.manifest = str(manifest.path)
+        return report
 
     def _may_load(self, plan: Any, short: dict[str, int]) -> str | None:
         """The daemon must not double a model's memory: no load unless it fits now."""
@@ -311,7 +312,7 @@ class Upkeep:
         avail = lifecycle.available_memory_bytes()
         return avail is None or any(avail >= d["need"] for d in deferred)
 
-    def retry_deferred(self, manifest_paths: list[Path]) -> list[dict[str, Any]]:
+    def retry_deferred(self, manifest_paths: list[Path]) -> list[WarmReport]:
         """Warm again each deferred manifest (still watched) that memory now allows."""
         watched = {str(canonical(p)) for p in manifest_paths}
         reports = []
@@ -337,7 +338,7 @@ class Upkeep:
         cause: str,
         now: dt.datetime | None = None,
         purge: bool = True,
-    ) -> list[dict[str, Any]]:
+    ) -> list[WarmReport]:
         """Warm every manifest; one that does not load is logged and its pins are left alone, one
         whose warm fails is logged with its path, and the next manifest is warmed regardless."""
         if cause == "boot":

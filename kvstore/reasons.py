@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from functools import cached_property
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from kvstore import tokens as tk
 
@@ -54,7 +54,25 @@ MAX_SPANS = 64  # spans a ledger record keeps (more: its reasons are dropped)
 # Content tokens (past the template's header) a request must share with a stored or seen prefix
 # for that prefix to be why its tokens were prefilled; fewer is an opening word or two ("You ")
 SHARED_TOKENS = 4
-SpanRecord = dict[str, Any]  # a Span as `Span.record()` gives it (and a ledger record keeps it)
+
+
+class _Counted(TypedDict):
+    reason: str
+    tokens: int
+
+
+class SpanRecord(_Counted, total=False):
+    """A Span as `Span.record()` gives it, in reports, the ledger (its JSON: these keys, in this
+    order, those of None left out) and the wire."""
+
+    by: str
+    ts: float
+    entry: str
+    position: int
+    stored_length: int
+    stored_text: str
+    request_text: str
+    differs: str
 
 
 @dataclass
@@ -77,7 +95,9 @@ class Span:
         return {k: v for k in _DETAILS if (v := getattr(self, k)) is not None}
 
     def record(self) -> SpanRecord:
-        return {"reason": self.reason.value, "tokens": self.tokens, **self.details()}
+        return cast(
+            SpanRecord, {"reason": self.reason.value, "tokens": self.tokens, **self.details()}
+        )
 
 
 _DETAILS = tuple(f.name for f in fields(Span))[2:]
@@ -447,7 +467,7 @@ def _safe(decode: Callable[[Sequence[int]], str], tokens: Sequence[int]) -> str:
         return ""
 
 
-def by_reason(spans: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+def by_reason(spans: Iterable[SpanRecord]) -> dict[str, int]:
     """Tokens by reason, from span records."""
     out: dict[str, int] = {}
     for s in spans:
@@ -455,7 +475,7 @@ def by_reason(spans: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     return out
 
 
-def describe(spans: Sequence[Mapping[str, Any]]) -> str:
+def describe(spans: Sequence[SpanRecord]) -> str:
     """Span records for a log line: "suffix 12, diverged 300 (entry 'sys' at 14)"."""
     parts = []
     for s in spans:
@@ -489,7 +509,7 @@ def clean(spans: Any) -> list[SpanRecord] | None:
                 keep[k] = v[:MAX_TEXT]
             elif isinstance(k, str) and isinstance(v, (int, float)):
                 keep[k] = v
-        out.append(keep)
+        out.append(cast(SpanRecord, keep))  # a newer client's keys kept, as sent
     return out
 
 

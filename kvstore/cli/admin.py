@@ -54,9 +54,8 @@ def _named_record(r):
 
     from kvstore.identity.model import entry_model_name
 
-    extra = r.extra
-    name = entry_model_name(str(extra.get("model", "")), extra.get("model_dir"))
-    return r if name == extra.get("model") else replace(r, extra={**extra, "model": name})
+    name = entry_model_name(r.extra.model or "", r.extra.model_dir)
+    return r if name == r.extra.model else replace(r, extra=r.extra.updated(model=name))
 
 
 class _Decoder(Protocol):  # what _previews uses of an mlx-lm tokenizer
@@ -135,9 +134,9 @@ def ls_cmd(as_json: bool, model: str | None, label: str | None, learned: bool, h
                 # imported with --trust: never compared with a re-prefill
                 + ("  trusted, unchecked" if m.trusted else "")
                 # fetched from the fleet: the box that computed it
-                + (f"  from {m.extra['uploader']}" if m.extra.get("uploader") else "")
+                + (f"  from {m.extra.uploader}" if m.extra.uploader else "")
                 # not yet checked against this box's model (kvstore.fleet.check)
-                + (", check pending" if m.extra.get("fleet_check") == "pending" else "")
+                + (", check pending" if m.extra.fleet_check == "pending" else "")
             )
         click.echo(f"{counted(len(metas), 'entry')}, {human_size(sum(m.nbytes for m in metas))}")
     for e in errors:
@@ -159,17 +158,17 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
     records = [
         r
         for r in records
-        if (name is None or r.extra["model"] == name) and (label is None or r.label == label)
+        if (name is None or r.extra.model == name) and (label is None or r.label == label)
     ]
     if as_json:
         click.echo(
             json.dumps(
                 [
                     {
-                        **r.extra,  # first: it can never shadow the fields below
+                        **r.extra.to_map(),  # first: it can never shadow the fields below
                         "kind": "learned",
                         "key": r.key.hex(),
-                        "model": r.extra.get("model", ""),
+                        "model": r.extra.model or "",
                         "fingerprint": fingerprint_of(r.key).hex(),
                         "label": r.label,
                         "start": r.start,
@@ -194,13 +193,11 @@ def _ls_learned(as_json: bool, model: str | None, label: str | None, home: Path)
         f"{'KEY':14} {'LABEL':16} {'START':>6} {'END':>6} {'SIZE':>10} {'HITS':>4} "
         f"{'LAST USED':>10}  MODEL"
     )
-    for r in sorted(
-        records, key=lambda r: (r.extra.get("model", ""), fingerprint_of(r.key), r.end)
-    ):
+    for r in sorted(records, key=lambda r: (r.extra.model or "", fingerprint_of(r.key), r.end)):
         click.echo(
             f"{short_hex(r.key):14} {r.label[:16]:16} {r.start:6d} {r.end:6d} "
             f"{human_size(r.nbytes):>10} {r.hits:4d} {_age(r.last_used):>10}  "
-            f"{r.extra['model'] or '?'}" + ("" if r.key in extended else "  end")
+            f"{r.extra.model or '?'}" + ("" if r.key in extended else "  end")
         )
     click.echo(
         f"{counted(len(records), 'learned record')}, {human_size(sum(r.nbytes for r in records))}"

@@ -83,6 +83,7 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
     from kvstore.home.settings import MANIFEST_NAME
     from kvstore.ops import warm as warm_ops
     from kvstore.pins.manifest import load_manifest
+    from kvstore.store.keys import short_hex
     from kvstore.warm.warm import PinStatus
 
     manifest = manifest or home / MANIFEST_NAME
@@ -108,10 +109,10 @@ def warm(manifest: Path | None, wait: float, home: Path) -> None:
             if not any(msg in s for s in said):
                 click.echo(msg, err=True)
     for gone in report.purged:
-        click.echo(f"purged   {gone.label:20} {gone.shown_key}  {gone.model}: {gone.cause}")
+        click.echo(f"purged   {gone.label:20} {short_hex(gone.key)}  {gone.model}: {gone.cause}")
     for gone in report.released:
         click.echo(
-            f"released {gone.label:20} {gone.shown_key}  {gone.model}: {gone.cause}"
+            f"released {gone.label:20} {short_hex(gone.key)}  {gone.model}: {gone.cause}"
             " (kept: other owners)"
         )
     for p in report.pins:

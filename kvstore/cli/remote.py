@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -457,7 +458,14 @@ def _writers(client, store, home: Path):
         if budget is None:
             put_ops.send(client, key, blob, fields)
         else:
-            put_ops.put(store, put_ops.request(key, blob, fields), blob, budget=budget)
+            put_ops.put(
+                store,
+                key,
+                blob,
+                put_ops.located(fields),
+                budget=budget,
+                sent=put_ops.request(key, blob, fields),
+            )
 
     def put_records(fp, tokens, rows, label, extra):
         req = PutBlocksRequest(
@@ -508,8 +516,7 @@ class _Checked:
         """The put fields of a checked object: never checked again (kvstore.fleet.check)."""
         from kvstore.store.entry import CHECK_PASSED, FLEET_CHECK
 
-        fields.extra[FLEET_CHECK] = CHECK_PASSED
-        return fields
+        return replace(fields, extra=fields.extra.updated({FLEET_CHECK: CHECK_PASSED}))
 
     def refused_record(
         self, key: bytes, label: str, token_ids: list[int], blob, uploader: str | None
@@ -575,7 +582,7 @@ def _pull_pins(plan, manifest: Path, fetcher, put, have: set, check) -> tuple[in
             failed += 1
             continue
         fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-        fields.extra.update(origin="remote", uploader=uploader)
+        fields = replace(fields, extra=fields.extra.updated(origin="remote", uploader=uploader))
         put(pp.key, blob, check.mark(fields))
         have.add(pp.key)
         fetched += 1

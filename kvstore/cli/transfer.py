@@ -64,9 +64,9 @@ def export_cmd(key: str, file: Path, model: str | None, home: Path) -> None:
             raise click.UsageError("--model is for a learned record; an entry knows its model")
         meta = export_entry(store, k, file)
     click.echo(f"wrote {file} ({meta.ntokens} tokens of {meta.model}, {human_size(meta.nbytes)})")
-    if meta.extra.get("fleet_check") == "pending":  # kvstore.fleet.check
+    if meta.extra.fleet_check == "pending":  # kvstore.fleet.check
         click.echo(
-            f"warning: its KV was computed by {meta.extra.get('uploader') or 'another box'} and "
+            f"warning: its KV was computed by {meta.extra.uploader or 'another box'} and "
             "is not yet checked against this box's model (the first kvstore.client.load or "
             "kvstore serve of the model checks it)",
             err=True,
@@ -155,7 +155,7 @@ def import_cmd(
         finally:
             if local is None:
                 reader.close()
-    how = "trusted: not checked" if meta.trusted else f"checked: {meta.import_check} match"
+    how = "trusted: not checked" if meta.trusted else f"checked: {meta.extra.check} match"
     click.echo(
         f"imported {meta.key.hex()} ({meta.ntokens} tokens, {human_size(meta.nbytes)}; {how})"
     )

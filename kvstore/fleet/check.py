@@ -80,7 +80,7 @@ class Verdict:
 
 def pending(meta: EntryMeta) -> bool:
     """Whether this entry came from another box and was not yet checked against this model."""
-    return meta.extra.get(CHECK_FIELD) == PENDING
+    return meta.extra.fleet_check == PENDING
 
 
 def _first(cache: list, n: int) -> list | None:

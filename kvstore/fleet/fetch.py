@@ -219,7 +219,7 @@ def other_runtime(meta: EntryMeta) -> str | None:
     filed as this runtime's, and would bring back what the canary dropped after an upgrade."""
     from kvstore.identity.codehash import runtime_versions
 
-    theirs, ours = meta.runtime, runtime_versions()
+    theirs, ours = meta.extra.runtime, runtime_versions()
     if not isinstance(theirs, dict) or theirs == ours:
         return None  # not recorded: nothing to judge by
     said = ", ".join(f"{k} {theirs.get(k)}" for k in sorted(ours))
@@ -237,14 +237,16 @@ def foreign_fields(meta: EntryMeta, plan: ModelPlan, uploader: str) -> PutFields
     for `plan`'s model: its own extra without that box's locations and manifest owners, so the
     put records where the model resolves here and no manifest of this box is taken to own it;
     the model named as this box's manifest names it, so its purges find the entry."""
-    extra = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
+    extra = meta.extra.without(*_THAT_BOX)
     pinned = meta.pinned
     if any(o.startswith("manifest:") for o in owners(meta)):  # as if its manifests let go
-        pinned = bool(meta.extra.get(PINNED_BEFORE, False))
+        pinned = meta.extra.pinned_before_manifests is True
     if meta.source == "manifest":
-        extra["source"] = "remote"  # the manifest that stored it is another box's
+        extra = extra.updated(source="remote")  # the manifest that stored it is another box's
     # same fingerprint: the model as this box's manifest names it
-    extra.update(plan.spec.identity.state, owners=[APP], origin="remote", uploader=uploader)
+    extra = extra.updated(
+        plan.spec.identity.state, owners=[APP], origin="remote", uploader=uploader
+    )
     return PutFields(
         tokens=meta.tokens,
         label=meta.label,

@@ -34,7 +34,7 @@ def push_records(
     block = blocks.cut_at()
     counts = {"uploaded": 0, "exists": 0, "gone": 0}
     for meta in blocks.records():
-        stored = entry_model_name(str(meta.extra.get("model", "")), meta.extra.get("model_dir"))
+        stored = entry_model_name(meta.extra.model or "", meta.extra.model_dir)
         if model is None or stored == model:
             counts[upload_record(remote, blocks, meta.key, block, say)] += 1
     return counts
@@ -117,7 +117,7 @@ def pull_records(
                 f"{block}; not stored")  # fmt: skip
             failed += 1
             continue
-        theirs = {k: v for k, v in meta.extra.items() if k not in _THAT_BOX}
+        theirs = meta.extra.without(*_THAT_BOX).to_map()
         put(fingerprint, tokens, [(meta.start, meta.end, bytes(blob))], meta.label,
             {**theirs, **extra, "model": model, "origin": "remote",
              "uploader": v.provenance.box})  # fmt: skip

@@ -145,7 +145,7 @@ class UploadQueue:
         blocks = blocks if blocks is not None else BlockStore(store)
         n = 0
         # records fetched from the fleet (a pull, a request's read-through) are there already
-        records = [m.key for m in blocks.records() if m.extra.get("origin") != "remote"]
+        records = [m.key for m in blocks.records() if m.extra.origin != "remote"]
         for kind, keys in (("entry", store.keys()), ("record", records)):
             known = set(self.pending(kind)) | set(self._keys(self._tables[kind][1]))
             n += self.add([k for k in keys if k not in known], kind)

@@ -93,7 +93,7 @@ class ModelIdentity:
         """The model a stored entry was made with (path, adapter, KV quantization, overrides):
         its `extra` holds the identity state, its `model` and `model_dir` the name
         (`entry_model_name`)."""
-        return cls.from_state(meta.extra, entry_model_name(meta.model, meta.model_dir))
+        return cls.from_state(meta.extra.to_map(), entry_model_name(meta.model, meta.model_dir))
 
     @classmethod
     def from_state(cls, state: dict[str, Any], path: str) -> ModelIdentity:

@@ -17,7 +17,7 @@ import heapq
 import struct
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import lmdb
@@ -29,7 +29,7 @@ from kvstore.degrade import UNREADABLE
 from kvstore.errors import CorruptEntryError, StoreError
 from kvstore.home.settings import DEFAULT, Settings
 from kvstore.learned.chain import chain_hashes, is_cut, packed, position_hash
-from kvstore.store.entry import SCHEMA_VERSION, seal
+from kvstore.store.entry import SCHEMA_VERSION, EntryExtra, packed_fields, seal, with_extra
 from kvstore.store.keys import (
     FINGERPRINT_BYTES,
     digest_of,
@@ -69,12 +69,10 @@ class BlockMeta:
     hits: int
     label: str
     pins: int = 0  # entries that use this record; > 0: never evicted
-    extra: dict[str, Any] = field(default_factory=dict)  # model, kv_bits ... as the put gave
+    extra: EntryExtra = field(default_factory=EntryExtra)  # model, kv_bits ... as the put gave
 
     def pack(self) -> bytes:
-        d = asdict(self)
-        d.pop("key")
-        return seal(msgpack.packb(d, use_bin_type=True))
+        return seal(packed_fields(self))
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> BlockMeta:
@@ -85,7 +83,7 @@ class BlockMeta:
             body = d.get("body")
             if not isinstance(body, bytes) or xxhash.xxh3_64_intdigest(body) != d.get("sum"):
                 raise CorruptEntryError(key, "record meta checksum mismatch (it was altered)")
-            meta = cls(key=key, **msgpack.unpackb(body, raw=False))
+            meta = cls(key=key, **with_extra(msgpack.unpackb(body, raw=False)))
         except CorruptEntryError:
             raise
         except UNREADABLE as e:
@@ -448,9 +446,8 @@ class BlockStore:
                     meta = BlockMeta.unpack(bytes(k), bytes(v))
                 except CorruptEntryError:
                     continue
-                if meta.extra.get("model") in models:
-                    parts = meta.extra.get("fingerprint_parts")
-                    out[fp] = parts if isinstance(parts, dict) else None
+                if meta.extra.model in models:
+                    out[fp] = meta.extra.fingerprint_parts
             return out
 
         with self.store.reading() as txn:
@@ -643,7 +640,7 @@ class BlockStore:
                     key=key, start=start, end=end, tokens=tk.cut(data, start, end),
                     nbytes=len(blob), checksum=blob_checksum(blob), codec=CODEC_VERSION,
                     classes=classes, created=now, last_used=now, hits=0, label=label,
-                    extra=dict(extra or {}),
+                    extra=EntryExtra.of(extra),
                 )  # fmt: skip
                 txn.put(key, meta.pack(), db=self._db(b"bmeta"))
                 txn.put(key, blob, db=self._db(b"bblob"))
@@ -850,7 +847,7 @@ def learned_summary(
 
 def is_snapshot(meta: Any) -> bool:
     """A learned whole-cache entry (a state layout's boundary): unpinned, extra.learned."""
-    return not meta.pinned and meta.extra.get("learned") is True
+    return not meta.pinned and meta.extra.learned is True
 
 
 def _truncated(meta: BlockMeta, got: int) -> str:
@@ -872,7 +869,7 @@ def load_entry(store: Store, key: bytes, tokens: bytes | None = None) -> tuple[A
     """`Store.load`, and a state-only snapshot's KV layers put back from its block records: the
     whole cache an entry serves (an old whole-cache snapshot is served as it is)."""
     meta, cache = store.load(key, tokens)
-    if meta.extra.get("kv_layers"):
+    if meta.extra.kv_layers:
         cache = fill_kv_layers(store, meta, cache)
     return meta, cache
 
@@ -883,9 +880,9 @@ def fill_kv_layers(store: Store, meta: Any, cache: list) -> list:
     cover it (evicted): the snapshot is then not served."""
     from kvstore.learned.records import assemble
 
-    layers = [int(i) for i in meta.extra["kv_layers"]]
+    layers = [int(i) for i in meta.extra.kv_layers or ()]
     n = tk.count(meta.tokens)
-    blocks = BlockStore(store, block=int(meta.extra.get("kv_block", DEFAULT.block_tokens)))
+    blocks = BlockStore(store, block=meta.extra.kv_block or DEFAULT.block_tokens)
     corrupt: list[CorruptEntryError] = []
     chain = blocks.lookup(meta.fingerprint, meta.tokens, corrupt=corrupt)
     if corrupt:

@@ -335,4 +335,4 @@ class ColdTier:
             self._index.pop(target.fingerprint, None)
             return None
         return Restored(cache, len(t), meta.nbytes, f"entry {meta.label!r}",
-                        prompt_end=meta.extra.get("prompt_end") is True)  # fmt: skip
+                        prompt_end=meta.extra.prompt_end is True)  # fmt: skip

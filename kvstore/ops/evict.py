@@ -120,7 +120,7 @@ def evict(
         tombstones.note(home, entries, why.by)
     if records and why.by is not None:
         tombstones.note_prefixes(home, [
-            (str(r.record.extra.get("model", "")), unpack_tokens(r.prefix),
+            (r.record.extra.model or "", unpack_tokens(r.prefix),
              f"learned chain of {r.record.end} tokens")
             for r in records if r.prefix
         ], why.by)  # fmt: skip

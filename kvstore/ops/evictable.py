@@ -62,7 +62,7 @@ def _judge(m: EntryMeta, cache) -> Staleness:
     identity = ModelIdentity.of_entry(m)
     adapter_dir = None
     if identity.adapter:
-        adapter_dir, why = _recorded_dir(m.adapter_dir, identity.adapter, "adapter")
+        adapter_dir, why = _recorded_dir(m.extra.adapter_dir, identity.adapter, "adapter")
         if adapter_dir is None:
             return Staleness("unknown", why)
     for d in (model_dir, adapter_dir):
@@ -101,7 +101,8 @@ def staleness(metas: Iterable[EntryMeta], home: Path) -> dict[bytes, Staleness]:
     seen: dict[tuple, Staleness] = {}
     out = {}
     for m in metas:
-        where = (ModelIdentity.of_entry(m).same_model(), m.model_dir, m.adapter_dir, m.fingerprint)
+        x = m.extra
+        where = (ModelIdentity.of_entry(m).same_model(), x.model_dir, x.adapter_dir, m.fingerprint)
         if where not in seen:
             seen[where] = _judge(m, cache)
         out[m.key] = seen[where]

@@ -38,14 +38,14 @@ def record_verdicts(store: Store, home: Path, verdicts: list[Checked]) -> tuple[
     def mark(meta: EntryMeta) -> EntryMeta | None:
         if not pending(meta):
             return None
-        return replace(meta, extra={**meta.extra, CHECK_FIELD: PASSED})
+        return replace(meta, extra=meta.extra.updated({CHECK_FIELD: PASSED}))
 
     n = store.edit_meta({k: mark for k in passed}) if passed else 0
     if not bad:
         return n, 0
     boxes, refused = {v.uploader for v in bad if v.uploader}, {v.key for v in bad}
     gone = [m for m in store.metas(errors=[])
-            if m.key in refused or (pending(m) and m.extra.get("uploader") in boxes)]  # fmt: skip
+            if m.key in refused or (pending(m) and m.extra.uploader in boxes)]  # fmt: skip
     evicted = len(evict(home, fleet_refused(), store=store, entries=gone))
     with UploadQueue(home) as queue:
         for v in bad:

@@ -7,18 +7,26 @@ with `send` (`request` builds what it sends)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvstore import tokens as tk
 from kvstore.errors import CodecError
-from kvstore.identity.fingerprint import with_model_location
+from kvstore.identity.fingerprint import model_location, model_name, with_model_location
 from kvstore.learned.blockstore import BlockStore, is_snapshot
 from kvstore.learned.chain import chain_hashes, position_hash
 from kvstore.learned.policy import MIN_LCP
 from kvstore.ops.budget import Budget
 from kvstore.ops.evict import EvictedRecord, evict, under_pin
-from kvstore.store.entry import KEY_BYTES, EntryMeta, PutFields, blob_checksum, tokens_match_key
+from kvstore.store.entry import (
+    KEY_BYTES,
+    EntryExtra,
+    EntryMeta,
+    PutFields,
+    blob_checksum,
+    tokens_match_key,
+)
 from kvstore.store.store import Store
 from kvstore.wire.daemon_client import DaemonClient
 from kvstore.wire.messages import PutBlocksRequest, PutRequest
@@ -71,25 +79,22 @@ def check_kv(req: PutRequest, blob: bytes) -> None:
 
 def put(
     store: Store,
-    req: PutRequest,
+    key: bytes,
     blob: bytes,
+    fields: PutFields,
     *,
     budget: Budget,
     after: Callable[[EntryMeta], object] | None = None,
-    decode: bool = True,
-    fields: PutFields | None = None,
+    sent: PutRequest | None = None,
 ) -> EntryMeta:
-    """Store one entry: its fields checked (unless `fields` are the request's, already checked
-    by `check_request`), its KV decoded and compared with its tokens (`decode`: a blob from
-    another process; False for one this process just encoded from a cache), then `after(meta)`
+    """Store one entry: its KV decoded and compared with its tokens first when it was `sent` by
+    another process (a blob this process just encoded from a cache is not), then `after(meta)`
     (the daemon's accounting of what it stores) and the budgets held. A pin evicts the learned
     records of its own prefix (kvstore.ops.evict), daemon or not. The model was located by
-    whoever built the request (`request`)."""
-    if fields is None:
-        fields = PutFields.from_map(req.fields)
-    if decode:
-        check_kv(req, blob)
-    meta = store.put(req.key, blob, **fields.as_kwargs())
+    whoever built the fields (`located`)."""
+    if sent is not None:
+        check_kv(sent, blob)
+    meta = store.put(key, blob, **fields.as_kwargs())
     if after is not None:
         after(meta)
     if meta.pinned and not is_snapshot(meta):  # the pin serves its prefix: stored once
@@ -116,6 +121,17 @@ def put_blocks(
     keys = [fp + position_hash(fp, data, e, blocks.block, hashes) for _, e, _ in rows]
     budget.enforce()
     return written, keys
+
+
+def located(fields: PutFields) -> PutFields:
+    """`fields` with the model named by `model_name` (a relative path as its absolute folder)
+    and where the model and adapter resolve here added to extra, unless it says already (the
+    put's process's cwd and environment: the daemon's may resolve a path to something else)."""
+    named = replace(fields, model=model_name(fields.model)) if fields.model else fields
+    if fields.extra.model_dir is not None:
+        return named
+    where = model_location(fields.model, fields.extra.adapter)
+    return replace(named, extra=EntryExtra.from_map({**where, **fields.extra.to_map()}))
 
 
 def request(key: bytes, blob: bytes, fields: Mapping[str, Any]) -> PutRequest:
@@ -147,7 +163,7 @@ class LocalWriter:
         self.store, self.budget = store, Budget.of(store, home)
 
     def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
-        return put(self.store, request(key, blob, fields), blob, budget=self.budget, decode=False)
+        return put(self.store, key, blob, located(PutFields.from_map(fields)), budget=self.budget)
 
 
 class DaemonWriter:
@@ -157,4 +173,4 @@ class DaemonWriter:
         self.client = client
 
     def put(self, key: bytes, blob: bytes, **fields: Any) -> EntryMeta:
-        return send(self.client, key, blob, fields)
+        return send(self.client, key, blob, PutFields.from_map(fields))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from kvstore.pins.manifest import Manifest
 from kvstore.pins.plan import ModelPlan
 from kvstore.store.entry import PutFields
 from kvstore.store.store import Store
-from kvstore.warm.warm import PinResult, PrefillBounds, Purged, WarmReport
+from kvstore.warm.warm import PrefillBounds, WarmReport
 from kvstore.wire.daemon_client import DaemonClient
 from kvstore.wire.messages import WarmRequest
 
@@ -48,8 +47,7 @@ def warm(
     held = budget if budget is not None else Budget.of(store, home)
 
     def put(key: bytes, blob: bytes, fields: PutFields) -> Any:
-        req = put_ops.request(key, blob, fields)
-        return put_ops.put(store, req, blob, budget=held, decode=False)
+        return put_ops.put(store, key, blob, put_ops.located(fields), budget=held)
 
     def stale(keys: list[bytes]) -> None:
         metas = [m for k in keys if (m := store.get_meta(k)) is not None]
@@ -80,28 +78,4 @@ def send(client: DaemonClient, manifest: str | Path) -> WarmReport:
     """Reconcile a manifest in the daemon (it is the writer, and watches the manifest from then
     on) and return its report. Waits for the warm, however long it takes."""
     reply = client.send(WarmRequest(str(Path(manifest).absolute())))
-    return report_from_wire(reply.reports[0])
-
-
-def report_to_wire(report: WarmReport, manifest: Manifest) -> dict[str, Any]:
-    d = asdict(report)
-    d.update(
-        manifest=str(manifest.path),
-        warmed=report.warmed,
-        failed=len(report.failed),
-        deferred=len(report.deferred),
-    )
-    return d
-
-
-def report_from_wire(data: dict[str, Any]) -> WarmReport:
-    """A daemon's warm report (a map on the wire) back as a WarmReport."""
-    return WarmReport(
-        pins=[PinResult(**p) for p in data.get("pins", [])],
-        purged=[Purged(**p) for p in data.get("purged", [])],
-        released=[Purged(**p) for p in data.get("released", [])],
-        adopted=data.get("adopted", 0),
-        models_loaded=data.get("models_loaded", 0),
-        seconds=data.get("seconds", 0.0),
-        stopped=data.get("stopped"),
-    )
+    return reply.reports[0]

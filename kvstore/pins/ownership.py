@@ -25,7 +25,7 @@ def manifest_owner(path: str | Path) -> str:
 
 def owners(meta: EntryMeta) -> list[str]:
     """The entry's owners; entries stored before owners existed get theirs from their source."""
-    stored = meta.recorded_owners
+    stored = meta.extra.owners
     if isinstance(stored, list) and all(isinstance(o, str) for o in stored):
         return list(stored)
     if meta.source == "manifest" and meta.manifest:
@@ -47,9 +47,9 @@ def adopted(meta: EntryMeta, owner: str) -> EntryMeta | None:
     have = owners(meta)
     if owner in have:
         return None
-    extra = dict(meta.extra, owners=[*have, owner])
+    extra = meta.extra.updated(owners=[*have, owner])
     if not _manifests(have):
-        extra[PINNED_BEFORE] = meta.pinned
+        extra = extra.updated({PINNED_BEFORE: meta.pinned})
     return replace(meta, pinned=True, extra=extra)
 
 
@@ -58,10 +58,11 @@ def released(meta: EntryMeta, owner: str) -> EntryMeta | None:
     left = [o for o in owners(meta) if o != owner]
     if not left:
         return None
-    extra = dict(meta.extra, owners=left)
+    extra = meta.extra.updated(owners=left)
     pinned = meta.pinned
     if not _manifests(left):  # back to what the app had before any manifest adopted it
-        pinned = bool(extra.pop(PINNED_BEFORE, meta.pinned))
+        before = extra.pinned_before_manifests
+        pinned, extra = meta.pinned if before is None else before, extra.without(PINNED_BEFORE)
     return replace(meta, pinned=pinned, extra=extra)
 
 
@@ -69,5 +70,5 @@ def renamed(meta: EntryMeta, model: ResolvedModel) -> EntryMeta:
     """The meta under the model name (and adapter path, overrides) the manifest now gives it,
     and where that resolves here (`model_dir`: what `evict --stale` judges it by): the entry's
     KV is the same (same key), only what the manifest calls its model changed."""
-    extra = {**meta.extra, **model.identity.state, **model.location}
+    extra = meta.extra.updated({**model.identity.state, **model.location})
     return replace(meta, model=model.path, extra=extra)

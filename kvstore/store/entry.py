@@ -16,9 +16,9 @@ meta's extra where the model resolved (kvstore.identity.fingerprint.model_locati
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 import msgpack
 import xxhash
@@ -92,6 +92,100 @@ def checksums(blob) -> tuple[int, dict | None]:
     return whole.intdigest(), {"bytes": size, "sums": sums}
 
 
+@dataclass(frozen=True, slots=True)
+class EntryExtra:
+    """An entry's (or a learned record's) `extra`: one named field per key the code writes. The
+    stored map is the contract (keys unchanged since schema 1): `from_map` reads it, `to_map`
+    gives it back with the same keys in the same order, so a read-modify-write stores the same
+    bytes. A key no field names (a newer writer's), or a value of the wrong type, is kept as
+    stored in `_unknown` (its field reads None)."""
+
+    # the model's identity (kvstore.identity.model.ModelIdentity.state)
+    adapter: str | None = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    quantized_kv_start: int | None = None
+    model_config: dict | None = None
+    model: str | None = None  # a learned record's model name (an entry's is the meta's)
+    model_dir: str | None = None  # where its model resolved on the box that stored it
+    adapter_dir: str | None = None
+    fingerprint_parts: dict | None = None  # what a later `model_changed` names
+    runtime: dict | None = None  # the mlx / mlx-lm versions that made it
+    # who stored it, and who keeps it (kvstore.pins.ownership)
+    source: str | None = None  # "manifest", "pin", "chain", "serve", "import", "learned", ...
+    manifest: str | None = None  # the manifest of a manifest pin (before owners were recorded)
+    owners: list[str] | None = None
+    pinned_before_manifests: bool | None = None  # the pinned flag before the first manifest owner
+    # a pin's rendering (kvstore.pins.render.pin_extra)
+    chat_template_kwargs: dict | None = None  # the template arguments a chat pin was rendered with
+    valid_date: str | None = None  # the local day (ISO date) a clock-bound pin holds for
+    # an import's check (kvstore.warm.transfer)
+    trusted: bool | None = None  # imported with --trust: never compared with a re-prefill
+    checked: bool | None = None
+    check: str | None = None  # what its re-prefill compared, in words
+    # the fleet (kvstore.fleet)
+    origin: str | None = None  # "remote": pulled from the bucket
+    uploader: str | None = None  # the box that computed it
+    fleet_check: str | None = None  # CHECK_PENDING until checked here, then CHECK_PASSED
+    # a learned snapshot (kvstore.learned)
+    learned: bool | None = None
+    prompt_end: bool | None = None
+    kv_layers: list[int] | None = None  # a state-only snapshot's KV layers, kept as records
+    kv_block: int | None = None
+    chunk_sums: dict | None = None  # CHUNK_SUMS_KEY: computed by Store.put, never given
+    _keys: tuple[str, ...] = ()  # the stored keys, in order (a None value stored is kept)
+    _unknown: Mapping[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"EntryExtra({self.to_map()!r})"
+
+    @classmethod
+    def from_map(cls, stored: Mapping[str, Any]) -> EntryExtra:
+        known: dict[str, Any] = {}
+        unknown: dict[str, Any] = {}
+        for k, v in stored.items():
+            kinds = _EXTRA_TYPES.get(k)
+            if kinds is not None and (v is None or isinstance(v, kinds)):
+                known[k] = v
+            else:
+                unknown[k] = v
+        return cls(**known, _keys=tuple(stored), _unknown=unknown)
+
+    @classmethod
+    def of(cls, extra: EntryExtra | Mapping[str, Any] | None) -> EntryExtra:
+        return extra if isinstance(extra, EntryExtra) else cls.from_map(extra or {})
+
+    def to_map(self) -> dict[str, Any]:
+        """The stored map: its keys in their stored order, then fields set since (in field
+        order); a key kept as stored (unknown, or of the wrong type) keeps its value."""
+        out = {}
+        for k in self._keys:
+            value = getattr(self, k) if k in _EXTRA_TYPES else None
+            out[k] = self._unknown[k] if value is None and k in self._unknown else value
+        for k in _EXTRA_TYPES:
+            if k not in out and (value := getattr(self, k)) is not None:
+                out[k] = value
+        return out
+
+    def updated(self, *maps: Mapping[str, Any], **values: Any) -> EntryExtra:
+        """`{**self, *maps, **values}` as a dict would merge them (a key given again keeps its
+        place)."""
+        merged = self.to_map()
+        for m in maps:
+            merged.update(m)
+        return EntryExtra.from_map({**merged, **values})
+
+    def without(self, *names: str) -> EntryExtra:
+        return EntryExtra.from_map({k: v for k, v in self.to_map().items() if k not in names})
+
+
+_EXTRA_TYPES: dict[str, type | tuple[type, ...]] = {
+    f.name: tuple(get_origin(a) or a for a in get_args(hint) if a is not type(None))
+    for f in dataclass_fields(EntryExtra)
+    if not f.name.startswith("_") and (hint := get_type_hints(EntryExtra)[f.name])
+}
+
+
 @dataclass
 class EntryMeta:
     key: bytes
@@ -109,7 +203,7 @@ class EntryMeta:
     checksum: int  # xxh3-64 of the blob
     codec: int
     classes: list[str]
-    extra: dict[str, Any] = field(default_factory=dict)  # adapter, kv_bits, source ...
+    extra: EntryExtra = field(default_factory=EntryExtra)
 
     def type_error(self) -> str | None:
         """The first field whose type is wrong (stored or sent by a client), or None."""
@@ -119,44 +213,34 @@ class EntryMeta:
                 return f"field {name!r} must be {getattr(kind, '__name__', kind)}"
         if not all(isinstance(c, str) for c in self.classes):
             return "field 'classes' must be a list of str"
-        if not all(isinstance(k, str) for k in self.extra):
+        if not all(isinstance(k, str) for k in self.extra.to_map()):
             return "field 'extra' must have str keys"
         return None
 
-    # What `extra` holds, read here only: the stored keys are the schema-1 ones, unchanged.
+    # What `extra` holds (EntryExtra), a few read through the entry.
 
     @property
-    def chat_template_kwargs(self) -> Any:
-        """The template arguments a chat pin was rendered with, as stored (a dict, or None)."""
-        return self.extra.get("chat_template_kwargs")
+    def chat_template_kwargs(self) -> dict | None:
+        return self.extra.chat_template_kwargs
 
     @property
-    def source(self) -> Any:
-        """What stored it: "manifest", "pin", "chain", "serve", "import", "remote", ..."""
-        return self.extra.get("source")
+    def source(self) -> str | None:
+        return self.extra.source
 
     @property
-    def manifest(self) -> Any:
-        """The manifest that stored a manifest pin (entries from before owners were recorded)."""
-        return self.extra.get("manifest")
-
-    @property
-    def recorded_owners(self) -> Any:
-        """The owners list as stored (kvstore.pins.ownership.owners reads it with fallbacks)."""
-        return self.extra.get("owners")
+    def manifest(self) -> str | None:
+        return self.extra.manifest
 
     @property
     def valid_date(self) -> str | None:
-        """The local day (ISO date) a clock-bound pin holds for; None for any other entry."""
-        valid = self.extra.get("valid_date")
-        return valid if isinstance(valid, str) else None
+        return self.extra.valid_date
 
     @property
     def chunk_sums(self) -> tuple[int, list[int]] | None:
         """(chunk size, xxh3-64 of each chunk) of the blob, as stored with a large entry; None
         for a small or older entry, or a record of the wrong shape (the whole checksum then)."""
-        rec = self.extra.get(CHUNK_SUMS_KEY)
-        if not isinstance(rec, dict):
+        rec = self.extra.chunk_sums
+        if rec is None:
             return None
         size, sums = rec.get("bytes"), rec.get("sums")
         if not (isinstance(size, int) and size >= 4096 and isinstance(sums, list)):
@@ -167,36 +251,17 @@ class EntryMeta:
 
     @property
     def trusted(self) -> bool:
-        """Imported with --trust: its KV was never compared with a re-prefill."""
-        return self.extra.get("trusted") is True
+        return self.extra.trusted is True
 
     @property
-    def import_check(self) -> Any:
-        """What an import's re-prefill compared, in words (None for other entries)."""
-        return self.extra.get("check")
-
-    @property
-    def runtime(self) -> Any:
-        """The mlx / mlx-lm versions that made it, as recorded (a dict), or None."""
-        return self.extra.get("runtime")
-
-    @property
-    def model_dir(self) -> Any:
-        """Where its model resolved on the box that stored it (Store.put)."""
-        return self.extra.get("model_dir")
-
-    @property
-    def adapter_dir(self) -> Any:
-        """Where its adapter resolved on the box that stored it."""
-        return self.extra.get("adapter_dir")
+    def model_dir(self) -> str | None:
+        return self.extra.model_dir
 
     def token_ids(self) -> list[int]:
         return unpack_tokens(self.tokens)
 
     def pack(self) -> bytes:
-        d = asdict(self)
-        d.pop("key")
-        return seal(msgpack.packb(d, use_bin_type=True))
+        return seal(packed_fields(self))
 
     @classmethod
     def unpack(cls, key: bytes, raw: bytes) -> EntryMeta:
@@ -217,7 +282,7 @@ class EntryMeta:
                     raise ValueError("body is not a map")
             elif version != LEGACY_SCHEMA_VERSION:
                 raise ValueError(f"unknown meta schema {version!r}")
-            meta = cls(key=key, **d)
+            meta = cls(key=key, **with_extra(d))
         except CorruptEntryError:
             raise
         except UNREADABLE as e:
@@ -231,7 +296,7 @@ class EntryMeta:
         return meta
 
     def to_json(self) -> dict[str, Any]:
-        extra = {k: v for k, v in self.extra.items() if k != CHUNK_SUMS_KEY}  # a list of hashes
+        extra = self.extra.without(CHUNK_SUMS_KEY).to_map()  # a list of hashes
         return {
             **extra,  # first: it can never shadow the fields below
             "key": self.key.hex(),
@@ -253,7 +318,24 @@ class EntryMeta:
 def unchecked(meta: EntryMeta) -> bool:
     """An entry fetched from the fleet and not yet checked: a restore on a request's path (a
     miss the store could serve, a pin already stored) skips it; the next start checks it."""
-    return meta.extra.get(FLEET_CHECK) == CHECK_PENDING
+    return meta.extra.fleet_check == CHECK_PENDING
+
+
+def packed_fields(meta: Any) -> bytes:
+    """The msgpack body of a meta dataclass (an entry's, a learned record's): its fields but the
+    key, in order, `extra` as the stored map."""
+    d = {f.name: getattr(meta, f.name) for f in dataclass_fields(meta) if f.name != "key"}
+    d["extra"] = meta.extra.to_map()
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def with_extra(d: dict[str, Any]) -> dict[str, Any]:
+    """A stored meta map with its `extra` map read as EntryExtra (one of the wrong shape stays
+    as it is, for the meta's type check to name)."""
+    extra = d.get("extra", {})
+    if isinstance(extra, dict) and all(isinstance(k, str) for k in extra):
+        d["extra"] = EntryExtra.from_map(extra)
+    return d
 
 
 def seal(body: bytes) -> bytes:
@@ -273,7 +355,7 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "tokens": bytes, "ntokens": int, "label": str, "pinned": bool, "model": str,
     "fingerprint": bytes, "template_hash": bytes, "created": (int, float),
     "last_used": (int, float), "hits": int, "nbytes": int, "checksum": int, "codec": int,
-    "classes": list, "extra": dict,
+    "classes": list, "extra": EntryExtra,
 }  # fmt: skip
 
 
@@ -291,17 +373,17 @@ class PutFields(Mapping[str, Any]):
     model: str = ""  # the model's name (the put names it: kvstore.ops.put.request)
     template_hash: bytes | None = None
     classes: list[str] = field(default_factory=list)  # the cache class of each layer
-    extra: dict[str, Any] = field(default_factory=dict)  # identity, where it came from, ...
+    extra: EntryExtra = field(default_factory=EntryExtra)  # identity, where it came from, ...
 
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as Store.put takes them (and a put request carries them), in that order."""
         # not asdict: that would deep-copy extra
         return {f.name: getattr(self, f.name) for f in dataclass_fields(self)}
 
-    def __getitem__(self, name: str) -> Any:
+    def __getitem__(self, name: str) -> Any:  # the map a put request carries: extra as stored
         if name not in _PUT_TYPES:
             raise KeyError(name)
-        return getattr(self, name)
+        return self.extra.to_map() if name == "extra" else getattr(self, name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(_PUT_TYPES)
@@ -323,7 +405,7 @@ class PutFields(Mapping[str, Any]):
                 raise ValueError(f"field {name!r} must be {what}{got}")
         if "tokens" not in fields:
             raise ValueError(f"field 'tokens' must be {_PUT_TYPES['tokens'][1]}")
-        return cls(**fields)
+        return cls(**{**fields, "extra": EntryExtra.of(fields.get("extra"))})
 
 
 _PUT_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
@@ -333,7 +415,7 @@ _PUT_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
     "model": (str, "str"),
     "template_hash": ((bytes, type(None)), "bytes"),
     "classes": (list, "a list of str"),
-    "extra": (dict, "a map with str keys and msgpack-simple values"),
+    "extra": ((dict, EntryExtra), "a map with str keys and msgpack-simple values"),
 }
 _SIMPLE = (type(None), bool, int, float, str, bytes)
 _MAX_DEPTH = 8
@@ -362,7 +444,7 @@ def _simple(value: Any, depth: int = 0) -> bool:
 _PUT_CHECKS: dict[str, Any] = {
     "tokens": lambda t: len(t) % tk.SIZE == 0,
     "classes": lambda c: all(isinstance(x, str) for x in c),
-    "extra": _simple,
+    "extra": lambda e: isinstance(e, EntryExtra) or _simple(e),
 }
 
 
@@ -390,5 +472,5 @@ def entry_fields(
         model=model,
         template_hash=template_hash,
         classes=classes,
-        extra={**(state or {}), "source": source, **more, **(extra or {})},
+        extra=EntryExtra.from_map({**(state or {}), "source": source, **more, **(extra or {})}),
     )

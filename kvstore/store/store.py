@@ -40,6 +40,7 @@ from kvstore.store.entry import (
     _META_FIELDS,
     CHUNK_SUMS_KEY,
     KEY_BYTES,
+    EntryExtra,
     EntryMeta,
     blob_checksum,
     checksums,
@@ -414,7 +415,7 @@ class Store:
             raise CorruptEntryError(key, "blob checksum mismatch") from None
         except CodecError as e:
             raise CorruptEntryError(key, str(e)) from None
-        layers = set(meta.extra.get("kv_layers") or ())  # a state-only snapshot's empty KV
+        layers = set(meta.extra.kv_layers or ())  # a state-only snapshot's empty KV
         rest = [c for i, c in enumerate(cache) if i not in layers] if layers else cache
         held = codec.cache_tokens(rest)
         if held != meta.ntokens and not (held is None and codec.keeps_no_offset(rest)):
@@ -432,11 +433,10 @@ class Store:
             raise StoreError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         now = time.time()
         checksum, chunk_sums = checksums(blob)
-        extra = fields.pop("extra", {})
-        if isinstance(extra, dict):  # computed here, never taken from the caller
-            extra = {k: v for k, v in extra.items() if k != CHUNK_SUMS_KEY}
-            if chunk_sums is not None:
-                extra[CHUNK_SUMS_KEY] = chunk_sums
+        extra = fields.pop("extra", None)
+        if extra is None or isinstance(extra, (dict, EntryExtra)):  # chunk sums: computed here
+            extra = EntryExtra.of(extra).without(CHUNK_SUMS_KEY)
+            extra = extra if chunk_sums is None else extra.updated(chunk_sums=chunk_sums)
         unknown = set(fields) - set(_META_FIELDS)
         if unknown:
             raise StoreError(f"unknown meta field(s): {sorted(unknown)}")

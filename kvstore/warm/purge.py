@@ -3,29 +3,12 @@ its ownership goes when other owners keep the entry)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvstore.identity.model import ModelIdentity
 from kvstore.pins.manifest import Manifest, ModelSpec
 from kvstore.pins.ownership import manifest_owner, owners, released
 from kvstore.pins.plan import ModelPlan
-from kvstore.store.keys import short_hex
 from kvstore.store.store import Store
-
-
-@dataclass
-class Purged:
-    key: str
-    label: str
-    model: str
-    cause: str
-    released: bool = False  # only this manifest's ownership went: other owners keep the entry
-
-    @property
-    def shown_key(self) -> str:
-        """The key as `kvstore ls` shows it: the start of its prefix-hash half (the first half is
-        the model's fingerprint, the same for every entry of one model)."""
-        return short_hex(self.key)
+from kvstore.wire.messages import Purged
 
 
 def stale_pins(manifest: Manifest, store: Store, plans: dict[tuple, ModelPlan]) -> list[Purged]:

@@ -95,7 +95,7 @@ def export_entry(store: Store, key: bytes, file: Path) -> EntryMeta:
         TOKEN_IDS_KEY: json.dumps(meta.token_ids(), separators=(",", ":")),
     }
     try:
-        if meta.extra.get("kv_layers"):  # a state-only snapshot: the whole cache, assembled
+        if meta.extra.kv_layers:  # a state-only snapshot: the whole cache, assembled
             from kvstore.codec import codec
 
             blob = codec.encode(cache)
@@ -143,12 +143,12 @@ def export_record(store: Store, key: bytes, file: Path, *, model: str | None = N
             "(checksum); nothing written"
         )
     last = chain[-1]
-    path = model or last.extra.get("model")
+    path = model or last.extra.model
     if not path:
         raise KVStoreError(
             f"learned record {key.hex()} does not say which model made it; pass --model PATH"
         )
-    config = None if model else last.extra.get("model_config")
+    config = None if model else last.extra.model_config
     try:
         template = record_template(path, config)
     except (KVStoreError, OSError) as e:
@@ -292,7 +292,7 @@ def import_file(
         source="import",
         **({"trusted": True, "checked": False} if trust else {"checked": True, "check": checked}),
         # its blob went bad: the import replaces it, in the entry's own name
-        extra={k: keep.extra[k] for k in _KEPT if k in keep.extra} if keep is not None else None,
+        extra={k: v for k, v in keep.extra.to_map().items() if k in _KEPT} if keep else None,
     )
     return writer.put(key, blob, **fields.as_kwargs())
 

@@ -12,8 +12,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvstore.codec import codec
@@ -49,74 +48,13 @@ from kvstore.store.entry import (
 from kvstore.store.keys import short_hex
 from kvstore.store.store import Store
 from kvstore.warm import memory
-from kvstore.warm.purge import Purged, moved_pins, stale_pins
+from kvstore.warm.purge import moved_pins, stale_pins
+from kvstore.wire.messages import PinResult, PinStatus, WarmReport
 
 log = logging.getLogger("kvstore")
 
 
-class PinStatus(str, Enum):
-    """What a warm did with one pin. The values are what the CLI prints and the wire carries."""
-
-    PRESENT = "present"  # stored already
-    WARMED = "warmed"  # prefilled here
-    FETCHED = "fetched"  # from the fleet tier
-    FAILED = "failed"  # `error` says why
-    DEFERRED = "deferred"  # not enough memory to load the model now (the daemon retries)
-
-    def __str__(self) -> str:  # "warmed", never "PinStatus.WARMED", in an f-string
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-
 STORED = (PinStatus.PRESENT, PinStatus.WARMED, PinStatus.FETCHED)  # the pin is in the store
-
-
-@dataclass
-class PinResult:
-    model: str
-    name: str
-    key: str
-    tokens: int
-    status: PinStatus  # a plain string (from the wire) is read as its member
-    seconds: float = 0.0
-    nbytes: int = 0
-    warning: str | None = None
-    error: str | None = None
-    valid_date: str | None = None  # clock-bound pin: the local date it holds for
-    multi_turn: bool | None = None  # also prefixes 2nd and later turns
-    remote: str | None = None  # why the fleet tier was or was not used for this pin
-
-    def __post_init__(self) -> None:
-        self.status = PinStatus(self.status)
-
-
-@dataclass
-class WarmReport:
-    pins: list[PinResult] = field(default_factory=list)
-    purged: list[Purged] = field(default_factory=list)
-    released: list[Purged] = field(default_factory=list)  # kept for their other owners
-    adopted: int = 0  # present pins this manifest became an owner of
-    models_loaded: int = 0
-    seconds: float = 0.0
-    stopped: str | None = None  # why warming stopped early (a full disk): the rest is unwarmed
-
-    @property
-    def warmed(self) -> int:
-        return sum(p.status is PinStatus.WARMED for p in self.pins)
-
-    @property
-    def fetched(self) -> int:
-        return sum(p.status is PinStatus.FETCHED for p in self.pins)
-
-    @property
-    def failed(self) -> list[PinResult]:
-        return [p for p in self.pins if p.status is PinStatus.FAILED]
-
-    @property
-    def deferred(self) -> list[PinResult]:
-        return [p for p in self.pins if p.status is PinStatus.DEFERRED]
 
 
 def plan_model(
@@ -279,14 +217,14 @@ def pin_fields(
     """The put fields of a manifest pin (prefilled here or fetched). Where the
     model resolved comes from the plan (the put does not resolve it again), first in `extra` as
     kvstore.identity.fingerprint.with_model_location puts it."""
-    fields = entry_fields(
+    return entry_fields(
         pp.pin.tokens,
         label=pp.pin.name,
         pinned=True,
         model=plan.spec.path,
         template_hash=plan.template_hash,
         classes=classes,
-        state=plan.spec.identity.state,
+        state={**plan.model.location, **plan.spec.identity.state},
         source="manifest",
         manifest=str(manifest) if manifest else None,
         owners=[manifest_owner(manifest)] if manifest else [],
@@ -294,7 +232,6 @@ def pin_fields(
         fingerprint_parts=plan.fingerprint.parts,  # what a later `model_changed` names
         extra=_pin_extra(pp),
     )
-    return replace(fields, extra={**plan.model.location, **fields.extra})
 
 
 def _pin_extra(pp: PlannedPin) -> dict:
@@ -528,7 +465,8 @@ def _fetched(plan, pp, report, put, fetch, notes, manifest: Path, fetched: list)
     if blob is None:
         return False
     fields = pin_fields(plan, pp, classes=classes, manifest=manifest)
-    fields.extra.update(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
+    extra = fields.extra.updated(origin="remote", uploader=uploader, **{FLEET_CHECK: CHECK_PENDING})
+    fields = replace(fields, extra=extra)
     try:
         put(pp.key, blob, fields)
     except StoreDamaged:
@@ -607,7 +545,7 @@ def warm(
                 for pp in plan.pins:
                     pp.present = pp.present and pp.key.hex() not in gone
         for p in report.purged:
-            log.info("purged %s pin %r of %s: %s", p.shown_key, p.label, p.model, p.cause)
+            log.info("purged %s pin %r of %s: %s", short_hex(p.key), p.label, p.model, p.cause)
             say(f"purged pin {p.label!r} of {p.model}: {p.cause}")
     report.adopted = _adopt(store, plans, me, edit)
     for plan in plans.values():

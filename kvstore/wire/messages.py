@@ -46,7 +46,8 @@ A learned snapshot is an ordinary `put` with pinned=False, label "learned", extr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import Any, ClassVar, Generic, TypeVar
 
 from kvstore.wire.args import FINGERPRINT_BYTES, KEY_BYTES, arg, key_list, prompt
@@ -410,9 +411,108 @@ class RecordRequest(Request[RecordReply]):
 # -- manifests -----------------------------------------------------------------------------
 
 
+# What a warm did (kvstore.warm.warm makes it; the daemon's warm reply carries it).
+class PinStatus(str, Enum):
+    """What a warm did with one pin. The values are what the CLI prints and the wire carries."""
+
+    PRESENT = "present"  # stored already
+    WARMED = "warmed"  # prefilled here
+    FETCHED = "fetched"  # from the fleet tier
+    FAILED = "failed"  # `error` says why
+    DEFERRED = "deferred"  # not enough memory to load the model now (the daemon retries)
+
+    def __str__(self) -> str:  # "warmed", never "PinStatus.WARMED", in an f-string
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclass
+class PinResult:
+    model: str
+    name: str
+    key: str
+    tokens: int
+    status: PinStatus  # a plain string (from the wire) is read as its member
+    seconds: float = 0.0
+    nbytes: int = 0
+    warning: str | None = None
+    error: str | None = None
+    valid_date: str | None = None  # clock-bound pin: the local date it holds for
+    multi_turn: bool | None = None  # also prefixes 2nd and later turns
+    remote: str | None = None  # why the fleet tier was or was not used for this pin
+
+    def __post_init__(self) -> None:
+        self.status = PinStatus(self.status)
+
+
+@dataclass
+class WarmReport:
+    pins: list[PinResult] = field(default_factory=list)
+    purged: list[Purged] = field(default_factory=list)
+    released: list[Purged] = field(default_factory=list)  # kept for their other owners
+    adopted: int = 0  # present pins this manifest became an owner of
+    models_loaded: int = 0
+    seconds: float = 0.0
+    stopped: str | None = None  # why warming stopped early (a full disk): the rest is unwarmed
+    manifest: str | None = None  # its path, where the daemon warmed it
+
+    def to_wire(self) -> WireMap:
+        """Its fields, then counts for a reader's glance (the warm reply's map)."""
+        failed, deferred = len(self.failed), len(self.deferred)
+        return {**asdict(self), "warmed": self.warmed, "failed": failed, "deferred": deferred}
+
+    @classmethod
+    def from_wire(cls, d: WireMap) -> WarmReport:
+        return cls(
+            pins=[PinResult(**p) for p in d.get("pins", [])],
+            purged=[Purged(**p) for p in d.get("purged", [])],
+            released=[Purged(**p) for p in d.get("released", [])],
+            adopted=d.get("adopted", 0),
+            models_loaded=d.get("models_loaded", 0),
+            seconds=d.get("seconds", 0.0),
+            stopped=d.get("stopped"),
+            manifest=d.get("manifest"),
+        )
+
+    @property
+    def warmed(self) -> int:
+        return sum(p.status is PinStatus.WARMED for p in self.pins)
+
+    @property
+    def fetched(self) -> int:
+        return sum(p.status is PinStatus.FETCHED for p in self.pins)
+
+    @property
+    def failed(self) -> list[PinResult]:
+        return [p for p in self.pins if p.status is PinStatus.FAILED]
+
+    @property
+    def deferred(self) -> list[PinResult]:
+        return [p for p in self.pins if p.status is PinStatus.DEFERRED]
+
+
+@dataclass
+class Purged:
+    key: str
+    label: str
+    model: str
+    cause: str
+    released: bool = False  # only this manifest's ownership went: other owners keep the entry
+
+
 @dataclass(frozen=True)
 class WarmReply(Reply):
-    reports: list[dict[str, Any]] = field(default_factory=list)  # kvstore.ops.warm: to_wire
+    reports: list[WarmReport] = field(default_factory=list)
+
+    def to_wire(self) -> WireMap:
+        return {"reports": [r.to_wire() for r in self.reports]}
+
+    @classmethod
+    def from_wire(cls, d: object) -> WarmReply:
+        reports = d.get("reports") if isinstance(d, dict) else None
+        return cls([WarmReport.from_wire(r) for r in reports or ()])
 
 
 @dataclass(frozen=True)

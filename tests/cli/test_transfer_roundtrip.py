@@ -107,7 +107,7 @@ def test_importing_a_stored_pin_keeps_its_label_owner_and_pin(
     )
     with Store(kv_home, readonly=True) as store:
         meta = store.get_meta(bytes.fromhex(before["key"]))
-    assert meta.source == "manifest" and meta.recorded_owners == [f"manifest:{warmed}"]
+    assert meta.source == "manifest" and meta.extra.owners == [f"manifest:{warmed}"]
     assert "present   classify" in cli("warm", "--manifest", warmed, code=0).output
 
 
@@ -140,4 +140,4 @@ def test_an_import_replaces_a_damaged_pin_in_its_own_name(warmed, llama_path, kv
         assert store.check() == []
         meta = store.get_meta(key)
     assert (meta.label, meta.pinned, meta.source) == ("classify", True, "manifest")
-    assert meta.recorded_owners == [f"manifest:{warmed}"]
+    assert meta.extra.owners == [f"manifest:{warmed}"]

@@ -304,7 +304,7 @@ def test_a_hybrid_chat_snapshots_each_turns_prompt_end_for_the_next_turn(
         finally:
             learner.close(timeout=5.0)
         with Store(kv_home, readonly=True) as ro:
-            assert ro.get_meta(entry_key(FP, t3)).extra["prompt_end"] is True
+            assert ro.get_meta(entry_key(FP, t3)).extra.prompt_end is True
 
 
 CHATS_THEN_EXIT = """
@@ -378,7 +378,7 @@ def test_a_hybrid_chat_stores_its_attention_kv_once_and_each_turn_only_a_state(
         mx.eval([c.state for c in ref])
         with Store(kv_home, readonly=True) as ro:
             meta = ro.get_meta(entry_key(FP, t2))
-            assert meta.extra["kv_layers"] == [i for i, c in enumerate(ref)
+            assert meta.extra.kv_layers == [i for i, c in enumerate(ref)
                                                if type(c).__name__ == "KVCache"]  # fmt: skip
             assert meta.nbytes < _state_bytes(ref) + 2**16  # the state, not the KV again
             assert BlockStore(ro).stored_end(FP, t2) == len(t2)
@@ -408,7 +408,7 @@ def test_a_hybrid_chat_stores_its_attention_kv_once_and_each_turn_only_a_state(
             learner.close(timeout=5.0)
         with Store(kv_home, readonly=True) as ro:
             added = BlockStore(ro).written_today() - written
-            assert ro.get_meta(entry_key(FP, t3)).extra["kv_layers"]
+            assert ro.get_meta(entry_key(FP, t3)).extra.kv_layers
         new_kv = _kv_bytes(cold) * (len(t3) - len(t2)) / (len(t3) + 1)
         assert added <= 1.15 * (new_kv + _state_bytes(cold)) + 2**16, (added, new_kv)
 
@@ -425,7 +425,7 @@ def test_an_old_whole_cache_snapshot_is_still_served(hybrid, hybrid_path, kv_hom
         t2, out2 = learn_two_turns(hybrid, kv_home, hybrid_path)
         monkeypatch.setattr(client_learn, "STATE_ONLY_SNAPSHOTS", True)
         with Store(kv_home, readonly=True) as ro:
-            assert "kv_layers" not in ro.get_meta(entry_key(FP, t2)).extra
+            assert "kv_layers" not in ro.get_meta(entry_key(FP, t2)).extra.to_map()
         fresh = PinnedPromptCache(max_size=4)
         learner = learner_of(fresh, kv_home, hybrid, hybrid_path)
         try:
@@ -471,7 +471,7 @@ def test_a_state_only_snapshot_exports_as_its_whole_cache(hybrid, hybrid_path, k
         t2, _ = learn_two_turns(hybrid, kv_home, hybrid_path)
     key = entry_key(FP, t2)
     with Store(kv_home, readonly=True) as ro:
-        assert ro.get_meta(key).extra["kv_layers"]
+        assert ro.get_meta(key).extra.kv_layers
         _, whole = load_entry(ro, key, pack_tokens(t2))
     cli("export", "--home", kv_home, key.hex(), tmp_path / "t2.safetensors", code=0)
     loaded = load_prompt_cache(str(tmp_path / "t2.safetensors"))

@@ -265,7 +265,7 @@ def test_an_entry_older_than_the_fingerprint_parts_still_names_what_differs(
     _warm(kv_home, tmp_path, llama_path, extra="kv_bits = 8")
     with Store(kv_home) as store:  # as an entry stored before metas recorded the parts
         (meta,) = store.metas()
-        meta.extra.pop("fingerprint_parts")
+        meta.extra = meta.extra.without("fingerprint_parts")
         with store.env.begin(write=True) as txn:
             txn.put(meta.key, meta.pack(), db=store._meta)
     call = _ask(llama_path, _router_request)

@@ -220,7 +220,7 @@ def test_chunk_sums_are_the_stores_own(kv_home, monkeypatch):
     # an older entry: no chunk sums in its extra; the whole checksum guards it
     _paths(monkeypatch, "large")
     old = meta
-    old.extra = {k: v for k, v in meta.extra.items() if k != "chunk_sums"}
+    old.extra = meta.extra.without("chunk_sums")
     assert old.chunk_sums is None
     bad = bytearray(blob)
     bad[len(blob) // 2] ^= 0x01

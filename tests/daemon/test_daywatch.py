@@ -81,7 +81,7 @@ def test_a_clock_bound_pin_is_rewarmed_across_midnight_with_no_request_missing_i
         watch = DayWatch(upkeep, lambda: [manifest], run_now, clock=clock)
         upkeep.reconcile([manifest], cause="boot")
         (meta,) = store.metas()
-        assert meta.extra["valid_date"] == "2026-03-14"
+        assert meta.extra.valid_date == "2026-03-14"
         full = meta.ntokens
         assert watch.tick() is None  # nothing due at noon
         # Walk the clock from 23:30 to 00:30, minute by minute: every request finds its pin.
@@ -95,11 +95,11 @@ def test_a_clock_bound_pin_is_rewarmed_across_midnight_with_no_request_missing_i
         # Prepared 15 minutes ahead (nothing purged), rolled over just after midnight.
         assert [at for at, _ in jobs] == ["23:45", "00:00"]
         prepared, rolled = (report for _, report in jobs)
-        assert [p["status"] for p in prepared["pins"]] == ["warmed"] and not prepared["purged"]
-        assert [p["status"] for p in rolled["pins"]] == ["present"]
-        assert [p["label"] for p in rolled["purged"]] == ["dated"]
+        assert [p.status for p in prepared.pins] == ["warmed"] and not prepared.purged
+        assert [p.status for p in rolled.pins] == ["present"]
+        assert [p.label for p in rolled.purged] == ["dated"]
         (meta,) = store.metas()
-        assert meta.extra["valid_date"] == "2026-03-15"
+        assert meta.extra.valid_date == "2026-03-15"
         assert watch.tick() is None
     # `kvstore ls` shows the date the pin holds for.
     out = cli("ls").output
@@ -118,7 +118,7 @@ def test_a_daemon_that_was_down_at_midnight_rolls_over_on_its_next_check(
         watch = DayWatch(upkeep, lambda: [manifest], run_now, clock=clock)
         assert watch.due(clock.now)[0] == "date changed"
         watch.tick().result()
-        assert [m.extra["valid_date"] for m in store.metas()] == ["2026-03-16"]
+        assert [m.extra.valid_date for m in store.metas()] == ["2026-03-16"]
 
 
 BAD = "BROKEN"
@@ -184,8 +184,8 @@ messages = [{{ role = "system", content = "{SYSTEM}" }}]
     tok = load_tokenizer(model)
     with Store(kv_home, readonly=True) as store:
         metas = {m.label: m for m in store.metas()}
-    assert metas["terse"].extra["chat_template_kwargs"] == {"terse": True}
-    assert metas["chatty"].extra["chat_template_kwargs"] == {"terse": False}
+    assert metas["terse"].extra.chat_template_kwargs == {"terse": True}
+    assert metas["chatty"].extra.chat_template_kwargs == {"terse": False}
     assert "Be terse." in tok.decode(metas["terse"].token_ids())
     assert "Be terse." not in tok.decode(metas["chatty"].token_ids())
 
@@ -247,7 +247,7 @@ def test_an_adopted_app_pin_that_is_clock_bound_is_rewarmed_at_midnight(kv_home,
         assert owners(meta) == [me]
 
         def as_adopted(m):  # what an app's pin() then the manifest's adoption leave
-            extra = dict(m.extra, source="pin", manifest=None, owners=[APP, me])
+            extra = m.extra.updated(source="pin", manifest=None, owners=[APP, me])
             return replace(m, extra=extra)
 
         store.edit_meta({meta.key: as_adopted})
@@ -256,9 +256,9 @@ def test_an_adopted_app_pin_that_is_clock_bound_is_rewarmed_at_midnight(kv_home,
         clock.now = dt.datetime(2026, 3, 14, 23, 50)
         fut = watch.tick()
         assert fut is not None and watch.due(clock.now) is None  # tomorrow's is prepared
-        assert sorted(m.extra["valid_date"] for m in store.metas()) == ["2026-03-14", "2026-03-15"]
+        assert sorted(m.extra.valid_date for m in store.metas()) == ["2026-03-14", "2026-03-15"]
         clock.now = dt.datetime(2026, 3, 15, 0, 1)
         assert watch.tick() is not None  # rolled over: the manifest lets go of yesterday's
-        by_date = {m.extra["valid_date"]: owners(m) for m in store.metas()}
+        by_date = {m.extra.valid_date: owners(m) for m in store.metas()}
         assert by_date == {"2026-03-14": [APP], "2026-03-15": [me]}
         assert watch.tick() is None

@@ -281,7 +281,7 @@ def test_pulled_runtime_entry_records_this_boxs_model_dir_not_the_other_boxs(
                                           model=str(a_model), classes=["KVCache"] *
                                           len(model.layers), extra=extra))  # fmt: skip
         sa.put(key, blob, **fields)  # located as the put operation locates
-        assert sa.get_meta(key).extra["model_dir"] == str(a_model)
+        assert sa.get_meta(key).extra.model_dir == str(a_model)
     assert "1 uploaded" in cli("remote", "push", "--home", str(a)).output
 
     manifest = manifest_for(tmp_path, b_model, TWO_PINS)
@@ -289,9 +289,9 @@ def test_pulled_runtime_entry_records_this_boxs_model_dir_not_the_other_boxs(
     assert r.exit_code == 0 and "1 fetched, 2 not on the remote" in r.output, r.output
     with Store(b, readonly=True) as sb:
         meta = sb.get_meta(key)
-    assert meta.extra["model_dir"] == str(b_model.resolve())
-    assert owners(meta) == [APP] and meta.extra.get("manifest") is None
-    assert meta.extra["origin"] == "remote" and not meta.pinned  # no manifest here pins it
+    assert meta.extra.model_dir == str(b_model.resolve())
+    assert owners(meta) == [APP] and meta.extra.manifest is None
+    assert meta.extra.origin == "remote" and not meta.pinned  # no manifest here pins it
 
     shutil.rmtree(a_model)  # box A's model is not on box B (its parent directory is)
     r = cli("evict", "--stale", "--home", str(b))
@@ -315,6 +315,6 @@ def test_kv_made_with_other_mlx_versions_is_prefilled_not_fetched(s3, llama_path
     assert r.exit_code == 0 and "2 warmed" in r.output and "0 fetched" in r.output, r.output
     assert "made with mlx 0.0.1, mlx_lm 0.0.1; this box runs" in r.output
     with Store(b, readonly=True) as sb:
-        assert {m.extra["runtime"]["mlx"] for m in sb.metas()} == {mx.__version__}
+        assert {m.extra.runtime["mlx"] for m in sb.metas()} == {mx.__version__}
     r = cli("remote", "pull", "--manifest", manifest, "--home", str(box(tmp_path / "c", s3)))
     assert "0 fetched" in r.output and "made with mlx 0.0.1" in r.output, r.output

@@ -76,8 +76,8 @@ def test_learned_records_push_and_pull_verified(s3, llama_path, tmp_path):
         blocks = BlockStore(sb)
         chain = blocks.lookup(fp, tokens)
         assert [m.end for m in chain] == [256, 300, 512, 600]
-        assert {m.extra["model"] for m in chain} == {str(llama_path)}
-        assert {m.extra["origin"] for m in chain} == {"remote"}
+        assert {m.extra.model for m in chain} == {str(llama_path)}
+        assert {m.extra.origin for m in chain} == {"remote"}
     listed = json.loads(cli("ls", "--learned", "--json", "--home", b, code=0).output)
     (end,) = [x for x in listed if x["chain_end"]]
     out = tmp_path / "pulled.safetensors"

@@ -137,7 +137,7 @@ def test_read_through_stores_through_the_daemon(s3, tiny, tmp_path):
             blocks = BlockStore(store)
             wait_for(lambda: blocks.stored_end(FP, tokens) == 512, timeout=10)
             chain = blocks.lookup(FP, tokens)
-            assert {m.extra.get("origin") for m in chain[:2]} == {"remote"}
+            assert {m.extra.origin for m in chain[:2]} == {"remote"}
     # the bucket holds them: not queued for upload, nor swept in at the next start
     with serving(Proc(b, log=tmp_path / "b2.log"), warm=False):
         pass

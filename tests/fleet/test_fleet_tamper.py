@@ -63,7 +63,7 @@ def reseal_scaled(s3, a: Path, label: str, lo: int, hi: int) -> None:
         scale = mx.where((pos >= lo) & (pos < hi), 1.5, 1.0).astype(c.keys.dtype)
         c.keys, c.values = c.keys * scale, c.values * scale
     new = codec.encode(cache, {})
-    extra = {k: v for k, v in meta.extra.items() if k != CHUNK_SUMS_KEY}
+    extra = meta.extra.without(CHUNK_SUMS_KEY)
     meta = dataclasses.replace(
         meta, nbytes=len(new), checksum=xxhash.xxh3_64_intdigest(new), extra=extra
     )

@@ -78,7 +78,7 @@ def tampered(data: bytes, key: bytes, *, keep_trailer: bool) -> bytes:
         if getattr(c, "keys", None) is not None:  # attention layers; a state layer keeps its own
             c.keys = c.keys * 1.5
     new = codec.encode(cache, {})
-    extra = {k: v for k, v in meta.extra.items() if k != CHUNK_SUMS_KEY}
+    extra = meta.extra.without(CHUNK_SUMS_KEY)
     meta = dataclasses.replace(
         meta, nbytes=len(new), checksum=xxhash.xxh3_64_intdigest(new), extra=extra
     )

@@ -276,5 +276,5 @@ def test_a_hybrids_learned_snapshot_is_pulled_and_served_whole(s3, hybrid_path, 
     assert "1 fetched and 2 learned records" in r.output and "refused" not in r.output, r.output
     with Store(b) as store:
         meta, whole = load_entry(store, key)
-    assert meta.extra.get("uploader") == remote_of(a).settings.box_id
+    assert meta.extra.uploader == remote_of(a).settings.box_id
     assert_same_kv(whole, cache)

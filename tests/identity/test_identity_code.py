@@ -121,5 +121,5 @@ def test_entries_carry_the_mlx_versions_as_provenance(llama_path, kv_home, tmp_p
 
     with Store(kv_home) as store:
         warm(load_manifest(manifest_for(tmp_path, llama_path, TWO_PINS)), store, home=kv_home)
-        runtimes = {json.dumps(m.extra["runtime"], sort_keys=True) for m in store.metas()}
+        runtimes = {json.dumps(m.extra.runtime, sort_keys=True) for m in store.metas()}
     assert runtimes == {json.dumps({"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__})}

@@ -80,7 +80,7 @@ def test_a_manifest_model_config_warms_what_the_overridden_app_hydrates(
         report = warm(manifest, store, home=kv_home)
         assert report.warmed == 1
         (meta,) = store.metas()
-        assert meta.extra["model_config"] == OVERRIDE
+        assert meta.extra.model_config == OVERRIDE
     overridden, _ = load(str(llama_path), model_config=OVERRIDE)
     lru = LRUPromptCache()
     report = hydrate(lru, "m", llama_path, home=kv_home, model=overridden)

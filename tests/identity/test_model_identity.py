@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.errors import ManifestError
 from kvstore.identity.model import ModelIdentity
-from kvstore.store.entry import EntryMeta, entry_key, pack_tokens
+from kvstore.store.entry import EntryExtra, EntryMeta, entry_key, pack_tokens
 
 QUANTIZED = ModelIdentity("/m", "/a", kv_bits=8, kv_group_size=32, quantized_kv_start=0,
                           model_config={"rope_theta": 1e6})  # fmt: skip
@@ -18,7 +18,7 @@ def _meta(extra: dict, model: str = "/m") -> EntryMeta:
     tokens = [1, 2, 3]
     key = entry_key(b"\x01" * 16, tokens)
     return EntryMeta(key, pack_tokens(tokens), 3, "x", False, model, b"\x01" * 16, b"\0" * 16,
-                     0.0, 0.0, 0, 0, 0, 1, [], extra)  # fmt: skip
+                     0.0, 0.0, 0, 0, 0, 1, [], EntryExtra.from_map(extra))  # fmt: skip
 
 
 def test_state_round_trips_and_is_what_entries_always_stored():

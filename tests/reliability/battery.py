@@ -126,7 +126,7 @@ def entry(
 def verify_loaded(meta, cache) -> str | None:
     """Why a loaded entry is not what its key and meta say it must be (None: it is)."""
     seed = meta.token_ids()[0]
-    version, size = meta.extra.get("version"), meta.extra.get("size")
+    version, size = (meta.extra.to_map().get(k) for k in ("version", "size"))  # unknown keys
     if not isinstance(version, int) or not isinstance(size, int):
         return f"{meta.key.hex()}: meta lacks version/size"
     keys, values = kv_rows(seed, version, size, meta.ntokens)

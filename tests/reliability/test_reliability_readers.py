@@ -83,7 +83,9 @@ def test_readers_and_socket_clients_against_overwrites(tmp_path):
     assert d.stop()[0] == 0, d.text()
     with Store(home, readonly=True) as store:
         final = [why for k in latest if (why := battery.verify_key(store, k))]
-        stale = [k.hex() for k, v in latest.items() if store.get_meta(k).extra["version"] != v]
+        stale = [
+            k.hex() for k, v in latest.items() if store.get_meta(k).extra.to_map()["version"] != v
+        ]
         problems = store.check()
     battery.record(
         "2_concurrency",

@@ -16,8 +16,8 @@ def test_extra_is_state_then_source_then_the_rest_in_order():
         extra={"runtime": {"mlx": "y"}, "note": 1},
     )  # fmt: skip
     assert isinstance(f, PutFields) and f.tokens == pack_tokens([1, 2, 3])
-    assert list(f.extra) == ["adapter", "kv_bits", "source", "owners", "runtime", "note"]
-    assert f.extra["runtime"] == {"mlx": "y"}  # `extra` overrides in place
+    assert list(f.extra.to_map()) == ["adapter", "kv_bits", "source", "owners", "runtime", "note"]
+    assert f.extra.runtime == {"mlx": "y"}  # `extra` overrides in place
     assert list(f.as_kwargs()) == [
         "tokens", "label", "pinned", "model", "template_hash", "classes", "extra"
     ]  # fmt: skip
@@ -32,4 +32,4 @@ def test_the_fields_put_as_store_put_takes_them(kv_home):
     with Store(kv_home) as store:
         meta = store.put(entry_key(FP, [4, 5]), bytes(8), **f.as_kwargs())
     assert (meta.label, meta.pinned, meta.model) == ("x", True, "m")
-    assert meta.extra == {"source": "manifest", "manifest": None}
+    assert meta.extra.to_map() == {"source": "manifest", "manifest": None}

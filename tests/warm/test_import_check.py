@@ -86,8 +86,8 @@ def test_the_right_file_is_stored_and_hydrates_as_a_fresh_prefill(models, b_file
     with Store(kv_home) as store:
         meta = import_here(store, b_file, model=str(b), prompt=PROMPT, home=kv_home)
         _, stored = store.load(meta.key, meta.tokens)
-    assert meta.extra["checked"] is True and not meta.extra.get("trusted")
-    assert meta.extra["check"] == f"all {len(tokens)} positions"
+    assert meta.extra.checked is True and not meta.extra.trusted
+    assert meta.extra.check == f"all {len(tokens)} positions"
     model, _ = load(str(b))
     assert_same_kv(stored, prefill(model, tokens))
 
@@ -109,7 +109,7 @@ def test_a_long_cache_is_checked_on_windows_to_its_end(models, kv_home, tmp_path
         right = tmp_path / "right.json"
         right.write_text(json.dumps(tokens))
         meta = import_here(store, file, model=str(b), tokens_file=right, home=kv_home)
-    assert meta.extra["check"].startswith("80 of 120 positions (the first 16 and 8 windows)")
+    assert meta.extra.check.startswith("80 of 120 positions (the first 16 and 8 windows)")
 
 
 def test_token_ids_outside_the_vocabulary_are_a_one_line_error(models, b0_file, kv_home, tmp_path):

@@ -65,7 +65,7 @@ def test_one_warm_reads_the_models_directory_config_and_template_once(
         from kvstore.identity.fingerprint import resolve_model_path, template_hash
 
         for meta in store.metas():
-            assert meta.extra["model_dir"] == str(resolve_model_path(llama_path))
+            assert meta.extra.model_dir == str(resolve_model_path(llama_path))
             assert meta.template_hash == template_hash(llama_path)
 
 

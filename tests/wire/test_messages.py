@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
+import msgpack
 import pytest
 
 from kvstore.errors import DaemonError
@@ -205,3 +206,16 @@ def test_the_wire_imports_no_storage():
                 assert not name.startswith(("kvstore.store", "kvstore.ops", "kvstore.warm")), (
                     f"{path.name} imports {name}"
                 )
+
+
+def test_a_warm_reply_carries_typed_reports_as_the_map_it_always_sent():
+    from kvstore.wire.messages import PinResult, Purged, WarmReply, WarmReport
+
+    pin, gone = PinResult("m", "sys", "ab", 9, "warmed"), Purged("cd", "old", "m", "stale")
+    report = WarmReport(pins=[pin], purged=[gone], manifest="/p/m.toml")
+    (sent,) = WarmReply([report]).to_wire()["reports"]
+    assert list(sent) == ["pins", "purged", "released", "adopted", "models_loaded", "seconds",
+                          "stopped", "manifest", "warmed", "failed", "deferred"]  # fmt: skip
+    assert (sent["warmed"], sent["failed"], sent["pins"][0]["status"]) == (1, 0, "warmed")
+    wire = msgpack.unpackb(msgpack.packb({"reports": [sent]}))
+    assert WarmReply.from_wire(wire) == WarmReply([report])

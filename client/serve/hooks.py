@@ -17,7 +17,8 @@ of `serve()` by thin subclasses:
   daemon) and its `quiet` (the warm-up requests).
 
 With --persist-system-prompts, `mlx_lm.server.ResponseGenerator` is replaced too: its `_tokenize`
-re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.persist).
+re-cuts the system segment at kvstore's stable boundary (kvstore.client.serve.persist), except
+where a pin serves past both cuts (nothing of the system segment is prefilled or persisted).
 
 Unless --no-learn, the store tier carries a Learner (kvstore.client.learn): prompts are
 reported to the daemon, which learns the prefixes that recur, and a memory miss the store can
@@ -641,12 +642,29 @@ def _tokenize(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
     warm = hooks.warm_up.take(request)
     if warm is not None:
         return hooks.warm_up.tokenize(out, warm)
-    if hooks.boundary is None:
+    if hooks.boundary is None or _pinned_past_cut(hooks, self.model_provider.model_key, out):
         return out
     with serve_hook("kvstore: keeping mlx-lm's system segment"):  # never fail the request
         cli_args = self.model_provider.cli_args
         return hooks.boundary.resegment(tokenizer, request, args, cli_args, out)
     return out
+
+
+def _pinned_past_cut(hooks: _Hooks, model_key: Any, out: tuple) -> bool:
+    """Whether re-cutting this request's system segment changes nothing: it has none, or a pin it
+    starts with covers mlx-lm's segment, which holds kvstore's cut of it (the boundary's `cuts`,
+    from an earlier request with this segment). The cache then serves past both: no system segment
+    is prefilled, inserted or persisted, cut or not (a pin hit enters no persist code). A segment
+    short of kvstore's cut (a template whose empty user turn branches early) is always re-cut."""
+    prompt, segments, types = out[0], out[1], out[2]
+    if not types or types[0] != "system":
+        return True  # resegment keeps it as it is
+    n = len(segments[0])
+    cut = hooks.boundary.cuts.get(tuple(segments[0])) if hooks.boundary is not None else None
+    if cut is None or cut > n or hooks.cache is None:
+        return False
+    return any(n <= len(p) < len(prompt) and tuple(prompt[: len(p)]) == p
+               for p in hooks.cache.pins_of(model_key))  # fmt: skip
 
 
 _HANDLER_DOC = """mlx-lm's handler, plus `GET /metrics`; until serve is ready (hydrated, warm-up

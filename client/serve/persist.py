@@ -56,11 +56,17 @@ class StableSystemSegment:
     every request shares: a template that prints the date, or takes another branch for an empty
     user turn, moves it. The segment is re-cut at the pin kvstore's rule gives for the request's
     system messages, tools and template arguments (kvstore.pins.render, cached per distinct system
-    block and day), so what is persisted is what later requests start with."""
+    block and day), so what is persisted is what later requests start with.
+
+    `cuts` keeps, per mlx-lm system segment (the rendering of the system block it starts), the
+    length of kvstore's pin of that block (0: none): the hooks read it to skip the re-cut of a
+    request a pin serves past both (nothing of its system segment is prefilled, inserted or
+    persisted, cut or not)."""
 
     def __init__(self) -> None:
         self._pins: OrderedDict[str, Any] = OrderedDict()  # key -> RenderedPin or None
         self.by_tokens: OrderedDict[tuple[int, ...], Any] = OrderedDict()  # persisted pin info
+        self.cuts: OrderedDict[tuple[int, ...], int] = OrderedDict()  # mlx-lm's segment -> cut
 
     def pin_for(self, tokenizer: Any, messages: list, tools: Any, kwargs: dict) -> Any:
         from kvstore.pins.manifest import PrefixSpec
@@ -99,6 +105,9 @@ class StableSystemSegment:
         kwargs = dict(getattr(cli_args, "chat_template_args", None) or {})
         kwargs.update(getattr(args, "chat_template_kwargs", None) or {})
         pin = self.pin_for(tokenizer, messages[:n], request.tools, kwargs)
+        self.cuts[tuple(segments[0])] = len(pin.tokens) if pin is not None else 0
+        while len(self.cuts) > PIN_CACHE:
+            self.cuts.popitem(last=False)
         if pin is None:
             return out
         k = len(pin.tokens)

@@ -8,13 +8,14 @@ import datetime as dt
 import types
 from pathlib import Path
 
+import pytest
 from mlx_lm import server
 from mlx_lm.utils import load_tokenizer
 
 from kvstore.client.serve.hooks import _Hooks, _subclasses
 from kvstore.client.serve.persist import template_args_warning
 from kvstore.pins.clock import clock_at
-from kvstore.tiny import write_tokenizer
+from kvstore.tiny import CHAT_TEMPLATE, write_tokenizer
 
 SYSTEM = "You are a careful assistant. Classify the request and return JSON with the fields."
 # The time of day in the system header: mlx-lm's own segment holds this minute's time.
@@ -30,7 +31,8 @@ def generator(hooks: _Hooks):
     gen_cls = _subclasses(server, hooks)[2]
     gen = gen_cls.__new__(gen_cls)  # only _tokenize runs: it reads model_provider alone
     cli_args = types.SimpleNamespace(chat_template_args={})
-    gen.model_provider = types.SimpleNamespace(processor=None, cli_args=cli_args)
+    gen.model_provider = types.SimpleNamespace(processor=None, cli_args=cli_args,
+                                               model_key=("model", None, None))  # fmt: skip
     return gen
 
 
@@ -78,3 +80,25 @@ def test_pins_made_with_other_template_arguments_are_named():
     assert "'think'" in warning and "'plain'" in warning and "'text'" not in warning
     assert '--chat-template-args {"enable_thinking": false}' in warning
     assert template_args_warning(metas[1:], {}) is None
+
+
+@pytest.mark.parametrize(("template", "skipped"), [(CHAT_TEMPLATE, True), (TIMED, False)])
+def test_a_pin_past_both_cuts_is_served_without_the_re_cut(tmp_path: Path, template, skipped):
+    """Once a request gave the cut of its system segment, a request a pin serves past both that
+    cut and mlx-lm's segment keeps mlx-lm's segments, not re-cut (nothing of its system segment is
+    prefilled, inserted or persisted either way); a pin short of mlx-lm's segment (the time of day
+    in it) is re-cut as before."""
+    write_tokenizer(tmp_path / "tok", chat_template=template)
+    tok = load_tokenizer(tmp_path / "tok")
+    hooks = _Hooks(tmp_path / "home", persist=True)
+    gen = generator(hooks)
+    recuts = []
+    resegment = hooks.boundary.resegment
+    hooks.boundary.resegment = lambda *a: recuts.append(a) or resegment(*a)
+    first = gen._tokenize(tok, *request("Is 7 prime?"))
+    assert len(recuts) == 1 and first[2][0] == "system"
+    pin = tuple(first[1][0])  # kvstore's cut: what a warmed pin of these messages holds
+    hooks.cache = types.SimpleNamespace(pins_of=lambda key: {pin: 0})
+    later = gen._tokenize(tok, *request("Why?"))
+    assert len(recuts) == (1 if skipped else 2)
+    assert later[0][: len(pin)] == list(pin)

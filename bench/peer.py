@@ -55,7 +55,7 @@ from bench.peer_systems import (
 )
 
 __all__ = ["peer_exe", "prepare"]  # bench.peer's names the tests and the survival rows use
-RESTARTS = 3  # restarts of each system per model class; the figures are their medians
+RESTARTS = 3  # restarts of each system per model class (--full; --quick: 2): their medians
 PARITY_TOKENS = 8
 # vllm-mlx's best total TTFT over kvstore serve's: plain attention is parity at equal work (both
 # serve the cached prefix and prefill the same suffix), the hybrid is where vllm-mlx re-prefills;
@@ -352,7 +352,7 @@ def run(quick: bool = True, *, restarts: int | None = None) -> dict:
         print(f"  {msg}", flush=True)
         return {"skipped": msg, "missing": missing}
     root = Path(tempfile.mkdtemp(prefix="kvbench-peer-"))
-    n = restarts or RESTARTS
+    n = restarts or (2 if quick else RESTARTS)
     res: dict = {"venvs": {f: str(e.parent.parent) for f, e in exes.items()}, "missing": missing,
                  "restarts": n, "classes": {}}  # fmt: skip
     try:

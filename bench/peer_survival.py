@@ -56,9 +56,11 @@ from bench.peer_systems import (
 
 SERVED_MIN = 64  # cached tokens above what the chat template's opening shares across stages
 CHANGE_TOKENS = 16  # greedy tokens per stage compared against the cold prefill
-# one weight value overwritten: layer 0's input norm, channel 3, 1.0 -> 20.0 (every token's
-# layer-0 input moves, so the prefix's KV and state do; measured to move the tiny models' answers)
-CHANGE = ("layers.0.input_layernorm.weight", 3, 20.0)
+# one weight value overwritten in layer 0's input norm (every token's layer-0 input moves, so the
+# prefix's KV and state do): the first of these whose effect the answers show (choose_change)
+CHANGES = tuple(("layers.0.input_layernorm.weight", i, v)
+                for v in (20.0, -20.0, 50.0, 5.0) for i in (3, 0, 7, 11))  # fmt: skip
+CHANGE = CHANGES[0]
 _DTYPES = {"F32": ("<f", 4), "F16": ("<e", 2), "BF16": ("<f", 2), "F64": ("<d", 8)}
 
 
@@ -105,33 +107,52 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 
 def stale_probe(old: Path, new: Path, user: str, tokens: int = CHANGE_TOKENS) -> dict:
-    """In process (mlx-lm): the first stage's greedy answer from a cold prefill on the old
-    weights, on the new, and from the old weights' KV of its system prompt continued under the
-    new weights (what a server that kept the old KV would answer)."""
+    """In process (mlx-lm), per stage: the greedy answer of a cold prefill on the old weights,
+    on the new, and of the old weights' KV of the system prompt continued under the new weights
+    (what a server that kept the old KV answers); the change has power where the last two
+    differ on every stage."""
+    import mlx.core as mx
     from mlx_lm.generate import generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
-    m_old, tok = load(str(old))
-    msgs = _stage_messages(STAGE_NAMES[0], user)
-    full = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
-    head = list(tok.apply_chat_template(msgs[:1], add_generation_prompt=False))
-    n = 0
-    while n < min(len(head), len(full) - 1) and head[n] == full[n]:
-        n += 1
-    cache = make_prompt_cache(m_old)
-    import mlx.core as mx
+    (m_old, tok), (m_new, _) = load(str(old)), load(str(new))
+    stages = []
+    for stage in STAGE_NAMES:
+        msgs = _stage_messages(stage, user)
+        full = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+        head = list(tok.apply_chat_template(msgs[:1], add_generation_prompt=False))
+        n = 0
+        while n < min(len(head), len(full) - 1) and head[n] == full[n]:
+            n += 1
+        cache = make_prompt_cache(m_old)
+        m_old(mx.array([full[:n]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        stages.append({"prefix_tokens": n, "prompt_tokens": len(full),
+                       "cold_old": generate(m_old, tok, full, max_tokens=tokens),
+                       "cold_new": generate(m_new, tok, full, max_tokens=tokens),
+                       "stale": generate(m_new, tok, full[n:], max_tokens=tokens,
+                                         prompt_cache=cache)})  # fmt: skip
+    return {"stages": stages,
+            "change_moves_answer": all(_answer(s["cold_old"]) != _answer(s["cold_new"])
+                                       for s in stages),
+            "stale_differs": all(_answer(s["stale"]) != _answer(s["cold_new"])
+                                 for s in stages)}  # fmt: skip
 
-    m_old(mx.array([full[:n]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    cold_old = generate(m_old, tok, full, max_tokens=tokens)
-    m_new, _ = load(str(new))
-    cold_new = generate(m_new, tok, full, max_tokens=tokens)
-    stale = generate(m_new, tok, full[n:], max_tokens=tokens, prompt_cache=cache)
-    return {"prefix_tokens": n, "prompt_tokens": len(full), "cold_old": cold_old,
-            "cold_new": cold_new, "stale": stale,
-            "change_moves_answer": _answer(cold_old) != _answer(cold_new),
-            "stale_differs": _answer(stale) != _answer(cold_new)}  # fmt: skip
+
+def choose_change(model: Path, scratch: Path, user: str) -> tuple[dict, dict]:
+    """The first of CHANGES that, tried on a scratch copy of `model`, moves every stage's cold
+    answer and makes the old KV answer otherwise than a cold prefill: the change, its probe (the
+    last one tried where none has that power)."""
+    copy_model(model, scratch / "old")
+    for suffix, index, value in CHANGES:
+        shutil.rmtree(scratch / "new", ignore_errors=True)
+        new = copy_model(model, scratch / "new")
+        change = change_weight(new, suffix, index, value)
+        probe = stale_probe(scratch / "old", new, user)
+        if probe["change_moves_answer"] and probe["stale_differs"]:
+            break
+    return change, probe
 
 
 def measure_crash(root: Path, arch: str, exes: dict[str, Path], *,
@@ -174,8 +195,9 @@ def measure_change(root: Path, arch: str, exes: dict[str, Path], *,
     user = f"Ticket after the change, {arch} model. {USERS[3]}"
     for case, model in (("copied", copy), ("changed", sy.model)):
         if case == "changed":
-            out["change"] = change_weight(sy.model)
-            out["probe"] = stale_probe(copy, sy.model, user)
+            chosen, out["probe"] = choose_change(sy.model, root / f"probe-{arch}", user)
+            out["change"] = change_weight(sy.model, chosen["tensor"], chosen["index"],
+                                          chosen["new"])  # fmt: skip
         runs: dict[str, dict] = {}
         failed = dict(errors)
         for name in names:
@@ -288,13 +310,14 @@ def change_targets(res: dict) -> list[dict]:
     _missing(res, add)
     for row in res.get("classes", {}).values():
         if probe := row.get("probe"):
-            add(f"the weight change moves a cold answer / old KV under new weights answers "
-                f"otherwise: {row['model']}",
+            first = probe["stages"][0]
+            add(f"the weight change moves every cold answer / old KV under the new weights "
+                f"answers otherwise on every stage: {row['model']}",
                 f"{probe['change_moves_answer']} / {probe['stale_differs']}", "", None,
                 f"{row['change']['tensor']}[{row['change']['index']}] {row['change']['old']} -> "
                 f"{row['change']['new']}, mtime kept {row['change']['mtime_kept']}; stage 1 "
-                f"cold old {probe['cold_old']!r}, cold new {probe['cold_new']!r}, old KV "
-                f"{probe['stale']!r}")  # fmt: skip
+                f"cold old {first['cold_old']!r}, cold new {first['cold_new']!r}, old KV "
+                f"{first['stale']!r}")  # fmt: skip
         for case, systems in row["cases"].items():
             for name, v in systems.items():
                 if name == PLAIN:
@@ -320,4 +343,3 @@ def _print(rows: list[dict]) -> None:
     for row in rows:
         mark = {True: "met", False: "MISSED", None: "-"}[row["ok"]]
         print(f"  {mark}: {row['target']}: {row['measured']} {row['unit']} ({row['note']})")
-

@@ -51,8 +51,7 @@ PEERS = {**VLLM, **RAPID}
 FAMILY = {**dict.fromkeys(VLLM, "vllm-mlx 0.6.0"), **dict.fromkeys(RAPID, "Rapid-MLX 0.16.10")}
 INSTALL = {
     "vllm-mlx 0.6.0": "python3 -m venv V && V/bin/pip install vllm-mlx==0.6.0 'mlx[cpu]'",
-    "Rapid-MLX 0.16.10": "python3 -m venv V && V/bin/pip install rapid-mlx==0.16.10 'mlx[cpu]' "
-    "torch==2.13.0",
+    "Rapid-MLX 0.16.10": "python3 -m venv V && V/bin/pip install rapid-mlx==0.16.10 'mlx[cpu]'",
 }
 VENV_VAR = {"vllm-mlx 0.6.0": "KVSTORE_PEER_VENV", "Rapid-MLX 0.16.10": "KVSTORE_RAPID_VENV"}
 EXE = {"vllm-mlx 0.6.0": ("vllm-mlx", "vllm_mlx"), "Rapid-MLX 0.16.10": ("rapid-mlx", "rapid_mlx")}

@@ -289,16 +289,16 @@ def targets(res: dict) -> list[dict]:
             if not (best := best_peer(row, family)):
                 continue
             setting, p = best
-            goal = GOALS[cls] if setting in VLLM else None
-            who = family or f"the best peer ({FAMILY[setting]})"
+            goal = GOALS[cls] if family and setting in VLLM else None  # the best: context
+            who = f"{family}'s best" if family else "the best peer"
             x = p["total_ttft_s"] / k["total_ttft_s"]
-            add(f"3-stage TTFT after a restart, {who}'s best ({setting}) / kvstore serve"
+            add(f"3-stage TTFT after a restart, {who} ({setting}) / kvstore serve"
                 + (f" >= {goal}" if goal else "") + f" ({cls} attention, {n} restarts, medians): "
                 f"{row['model']}", round(x, 3), "x", None if goal is None else x >= goal,
                 f"{k['total_ttft_s'] * 1e3:.0f} vs {p['total_ttft_s'] * 1e3:.0f} ms; per stage "
                 f"kvstore {_ms(k['ttft_s'])}, {setting} {_ms(p['ttft_s'])} ms")  # fmt: skip
             x = p["spawn_to_first_answer_s"] / k["spawn_to_first_answer_s"]
-            goal = SPAWN_GOAL if setting in VLLM else None
+            goal = SPAWN_GOAL if family and setting in VLLM else None
             add(f"spawn to first answer, {who} ({setting}) / kvstore serve"
                 + (f" >= {goal}" if goal else "") + f" ({cls}, {n} restarts, medians): "
                 f"{row['model']}", round(x, 2), "x", None if goal is None else x >= goal,

@@ -1,27 +1,32 @@
-"""kvstore serve against vllm-mlx 0.6.0 after restarts, on both model classes (issue 33).
+"""kvstore serve against the MLX servers that persist a prefix cache, after restarts, on both model
+classes (issues 33, 44).
 
 The same 3-stage restart scenario on a plain-attention model (the tiny llama) and on a Qwen3.5-style
 hybrid (`kvstore.tiny`'s qwen3_5: Gated DeltaNet layers with full attention every 2nd layer), for
-each system: `kvstore serve` (with its daemon), vllm-mlx 0.6.0 in its best persistent settings
-(`--continuous-batching --ssd-cache-dir`, with and without `--warm-prompts`) and plain
-`mlx_lm.server` (nothing outlives its restart: the floor of a start, and the greedy reference).
+each system of bench/peer_systems.py: `kvstore serve` (with its daemon), vllm-mlx 0.6.0 in its best
+persistent settings (`--continuous-batching --ssd-cache-dir`, with and without `--warm-prompts`),
+Rapid-MLX 0.16.10 (its defaults, and its persistent setting: the system-only warm-up and
+`--hybrid-cache-entries`) and plain `mlx_lm.server` (nothing outlives its restart: the floor of a
+start, and the greedy reference). A peer whose venv cannot run is said in one line and left out.
 
 - prepare: each system (plain mlx_lm.server has nothing to prepare) is asked every stage (a system
-  prompt of ~800-1100 tokens) with the same user turns, then stopped cleanly (vllm-mlx saves its
-  SSD cache at a clean stop; kvstore's daemon acknowledges what it learned). Its disk state (the
-  kvstore home, the SSD cache folder) is kept as prepared.
-- restart, RESTARTS times, the systems interleaved and their order rotated: each starts from a
-  copy of its prepared state, and every stage is asked once with a user turn never seen before
-  (max_tokens=1: time to first token is the request's wall time), then once more for
+  prompt of ~800-1100 tokens) with the same user turns, then stopped cleanly (the peers save their
+  prefix caches at a clean stop only; kvstore's daemon acknowledges what it learned). Its disk
+  state (the kvstore home, the peer's folder with its own HOME) is kept as prepared.
+- restart, RESTARTS times (--quick: 2), the systems interleaved and their order rotated: each
+  starts from a copy of its prepared state, and every stage is asked once with a user turn never
+  seen before (max_tokens=1: time to first token is the request's wall time), then once more for
   PARITY_TOKENS greedy tokens, compared with plain mlx_lm.server's answer to the same messages.
 
 Per model class and system: spawn to ready (`/v1/models` answers 200), spawn to the first answer,
 each stage's time to first token, its cached tokens (the reply's
-`usage.prompt_tokens_details.cached_tokens`, or the server's own log where the reply has none), and
-greedy parity; then the ratios against the goals (GOALS, SPAWN_GOAL).
+`usage.prompt_tokens_details.cached_tokens`, as kvstore serve and Rapid-MLX report it, or the
+server's own log where the reply has none, as vllm-mlx's), and greedy parity; then the ratios of
+each peer's best setting, and of the best peer, over kvstore serve's (vllm-mlx's against GOALS,
+SPAWN_GOAL). What survives a SIGKILL or a changed model folder: bench/peer_survival.py.
 
-    make bench-peer                                  # sets up the peer's venv when missing
-    KVSTORE_PEER_VENV=V python -m bench.peer         # V: a venv with vllm-mlx 0.6.0
+    make bench-peer                                  # sets up the peers' venvs when missing
+    KVSTORE_PEER_VENV=V KVSTORE_RAPID_VENV=R python -m bench.peer
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_cached_tokens_are_read_from_a_log_where_the_reply_has_none():
 def test_kvstore_serve_and_plain_mlx_lm_server_after_one_restart_from_the_prepared_state():
     root = Path(tempfile.mkdtemp(prefix="kvtest-peer-"))
     try:
-        row = peer.measure(root, "plain", None, restarts=1, systems=(peer.KVSTORE, peer.PLAIN))
+        row = peer.measure(root, "plain", {}, restarts=1, systems=(peer.KVSTORE, peer.PLAIN))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     k, p = row["systems"][peer.KVSTORE], row["systems"][peer.PLAIN]

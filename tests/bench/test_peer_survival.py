@@ -153,7 +153,8 @@ def _got(cached, texts, total=1.0):
 def test_a_prefix_served_after_the_weight_change_is_reported_as_old_weights_kv():
     cold = ["a", "b", "c"]
     runs = {sys_.PLAIN: _got([0, 6, 6], cold), sys_.KVSTORE: _got([0, 6, 6], cold),
-            "vllm-mlx ssd": _got([917, 1060, 1164], ["a", "x", "c"])}  # fmt: skip
+            "vllm-mlx ssd": _got([917, 1060, 1164], ["a", "x", "c"]),
+            "vllm-mlx ssd + warm prompts": _got([917, 1060, 1164], cold)}  # fmt: skip
     changed = ps.verdicts(runs, {"Rapid-MLX defaults": "boom"})
     assert changed[sys_.KVSTORE]["served"] is False and changed["vllm-mlx ssd"]["served"] is True
     assert changed["vllm-mlx ssd"]["same_as_cold"] == [True, False, True]
@@ -170,6 +171,8 @@ def test_a_prefix_served_after_the_weight_change_is_reported_as_old_weights_kv()
     assert (
         v["ok"] is False and v["measured"] == "yes / 2/3" and "OLD WEIGHTS' KV SERVED" in v["note"]
     )
+    w = rows["changed model folder, vllm-mlx ssd + warm prompts"]  # prefilled at its start
+    assert w["ok"] is True and w["measured"] == "yes / 3/3" and "OLD" not in w["note"]
     k = rows["changed model folder, kvstore serve"]
     assert k["ok"] is True and k["measured"] == "no / 3/3"
     assert rows["copied model folder, kvstore serve"]["ok"] is None  # no wrong outcome on a copy

@@ -104,18 +104,22 @@ def _match_logged(cached: list, prompt: list, logged: list[tuple[int, int]]) -> 
 
 
 def one_start(sy: Systems, name: str, state: Path | None, user: str, *,
-              model: Path | None = None, tokens: int = PARITY_TOKENS) -> dict:  # fmt: skip
+              model: Path | None = None, tokens: int = PARITY_TOKENS,
+              first_tokens: int = 1) -> dict:  # fmt: skip
     """One restart of `name` from `state` (on `model`, the prepared one by default): spawn to
-    ready and to the first answer, each stage's time to first token and cached tokens, and the
-    greedy answers (`tokens` each) for the parity check."""
+    ready and to the first answer, each stage's time to first token (its first request,
+    `first_tokens` tokens: 1 makes it the time to first token) and cached tokens, that request's
+    answer (`first_texts`: computed on what the start restored), and the greedy answers of a
+    second request (`tokens` each) for the parity check."""
     before = sy.log(name).stat().st_size if sy.log(name).exists() else 0
     with sy.daemon(name, state):
         s, m = sy.start(name, state, model)
         try:
             ready = s.wait_ready("/v1/models")
-            ttft, cached, prompt, first = [], [], [], None
+            ttft, cached, prompt, first, first_texts = [], [], [], None, []
             for stage in STAGE_NAMES:
-                reply = s.chat(_stage_messages(stage, user), model=m)
+                reply = s.chat(_stage_messages(stage, user), max_tokens=first_tokens, model=m)
+                first_texts.append(answer_text(reply))
                 first = first or time.perf_counter() - s.spawned
                 ttft.append(reply["ttft_s"])
                 cached.append(_cached(reply) if _has_cached(reply) else None)
@@ -131,7 +135,7 @@ def one_start(sy: Systems, name: str, state: Path | None, user: str, *,
         cached = _match_logged(cached, prompt, logged)
     return {"spawn_to_ready_s": ready, "spawn_to_first_answer_s": first, "ttft_s": ttft,
             "total_ttft_s": sum(ttft), "cached_tokens": cached, "prompt_tokens": prompt,
-            "texts": texts}  # fmt: skip
+            "texts": texts, "first_texts": first_texts}  # fmt: skip
 
 
 def answer_text(reply: dict) -> str | None:

@@ -14,12 +14,15 @@ run), on both model classes.
   mtimes kept by copy2) and (b) on the folder itself after one weight value was overwritten in
   place (CHANGE: same size, shape and dtype; its mtime put back with os.utime, its ctime moves as
   any write's does). Per case: who serves its stored prefix (cached tokens over SERVED_MIN on a
-  stage), and whether its greedy answers (CHANGE_TOKENS tokens, temperature 0) match a cold
-  prefill of the same folder (plain mlx_lm.server, which keeps nothing). A stored prefix served
-  after (b) is KV of the old weights by construction: a correctness failure, whoever serves it.
-  The answers are the comparison (vllm-mlx 0.6.0 returns no logprobs); `stale_probe` shows, in
-  process with mlx-lm, what the old weights' KV under the new weights answers, so a difference
-  there is one the servers' answers would show.
+  stage), and whether the answer of its first request per stage (CHANGE_TOKENS greedy tokens,
+  computed on what the start restored; a second ask of the same prompt may be computed afresh:
+  vllm-mlx 0.6.0 re-prefills an exact repeat) matches a cold prefill: after the change, the same
+  system started from an empty state on the changed folder (its own kernels and detokenizer:
+  Rapid-MLX's and vllm-mlx's differ from mlx-lm's on these random weights), on the copy plain
+  mlx_lm.server. A stored prefix served after (b) is KV of the old weights by construction: a
+  correctness failure, whoever serves it. The answers are the comparison (vllm-mlx 0.6.0 returns
+  no logprobs); `stale_probe` shows, in process with mlx-lm, what the old weights' KV under the
+  new weights answers, so a difference there is one the servers' answers would show.
 
     python -m bench.run --quick --only peer_crash,peer_change --out peer
 """
@@ -199,30 +202,44 @@ def measure_change(root: Path, arch: str, exes: dict[str, Path], *,
             out["change"] = change_weight(sy.model, chosen["tensor"], chosen["index"],
                                           chosen["new"])  # fmt: skip
         runs: dict[str, dict] = {}
+        colds: dict[str, dict] = {}
         failed = dict(errors)
         for name in names:
             if name not in failed and (got := _attempt(
                     failed, name, restart, sy, name, prepared[name], case, user, model=model,
-                    tokens=CHANGE_TOKENS)):  # fmt: skip
+                    tokens=CHANGE_TOKENS, first_tokens=CHANGE_TOKENS)):  # fmt: skip
                 runs[name] = got
                 _say(arch, f"on the {case} folder", name, got)
-        out["cases"][case] = verdicts(runs, failed)
+        if case == "changed":  # each system's own cold answers: its kernels, its detokenizer
+            for name in names:
+                if name != PLAIN and name in runs and (got := _attempt(
+                        failed, name, one_start, sy, name, root / f"cold-{arch}-{slug(name)}",
+                        user, model=model, tokens=CHANGE_TOKENS,
+                        first_tokens=CHANGE_TOKENS)):  # fmt: skip
+                    colds[name] = got
+                    _say(arch, "from an empty state on the changed folder", name, got)
+        out["cases"][case] = verdicts(runs, failed, colds)
     return out
 
 
-def verdicts(runs: dict[str, dict], errors: dict[str, str]) -> dict:
-    """Per system: served its stored prefix (a stage's cached tokens over SERVED_MIN), its
-    answers against the cold prefill's (plain mlx_lm.server's), and the figures."""
-    cold = runs.get(PLAIN)
+def verdicts(runs: dict[str, dict], errors: dict[str, str],
+             colds: dict[str, dict] | None = None) -> dict:  # fmt: skip
+    """Per system: served its stored prefix (a stage's cached tokens over SERVED_MIN), and the
+    answers of its first requests (computed on what its start restored) against a cold
+    prefill's: the same system's from an empty state where `colds` has it (the same kernels and
+    detokenizer), else plain mlx_lm.server's; and the figures."""
+    colds = colds or {}
     out: dict = {}
     for name, got in runs.items():
-        same = ([_answer(a) == _answer(b) for a, b in zip(got["texts"], cold["texts"],
+        cold = colds.get(name) or runs.get(PLAIN)
+        same = ([_answer(a) == _answer(b) for a, b in zip(got["first_texts"], cold["first_texts"],
                                                           strict=True)]
                 if cold else [])  # fmt: skip
         out[name] = {"served": any((c or 0) > SERVED_MIN for c in got["cached_tokens"]),
-                     "same_as_cold": same, "cached_tokens": got["cached_tokens"],
-                     "prompt_tokens": got["prompt_tokens"], "total_ttft_s": got["total_ttft_s"],
-                     "ttft_s": got["ttft_s"], "texts": got["texts"],
+                     "same_as_cold": same, "cold": "own" if name in colds else PLAIN,
+                     "cached_tokens": got["cached_tokens"], "prompt_tokens": got["prompt_tokens"],
+                     "total_s": got["total_ttft_s"], "first_texts": got["first_texts"],
+                     "cold_texts": cold["first_texts"] if cold else None,
                      "spawn_to_first_answer_s": got["spawn_to_first_answer_s"]}  # fmt: skip
     for name, why in errors.items():
         out.setdefault(name, {"error": why})
@@ -336,8 +353,9 @@ def change_targets(res: dict) -> list[dict]:
                     f"{'yes' if v['served'] else 'no'} / {same}/{n}", "",
                     None if case == "copied" else same == n,
                     f"cached {'/'.join('?' if c is None else str(c) for c in v['cached_tokens'])}"
-                    f" of {'/'.join(map(str, v['prompt_tokens']))}; total TTFT "
-                    f"{v['total_ttft_s'] * 1e3:.0f} ms"
+                    f" of {'/'.join(map(str, v['prompt_tokens']))}; 3 stages of "
+                    f"{CHANGE_TOKENS} tokens {v['total_s']:.2f} s; against "
+                    + ("its own cold start" if v.get("cold") == "own" else "plain mlx_lm.server")
                     + ("; OLD WEIGHTS' KV SERVED" if stale else ""))  # fmt: skip
     return out
 

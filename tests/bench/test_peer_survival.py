@@ -145,8 +145,8 @@ def test_the_copied_folder_has_the_same_bytes_and_mtimes_at_a_new_path(tmp_path)
 
 
 def _got(cached, texts, total=1.0):
-    return {"cached_tokens": cached, "prompt_tokens": [1000, 1100, 1200], "texts": texts,
-            "total_ttft_s": total, "ttft_s": [total / 3] * 3,
+    return {"cached_tokens": cached, "prompt_tokens": [1000, 1100, 1200], "first_texts": texts,
+            "texts": ["recomputed"] * 3, "total_ttft_s": total, "ttft_s": [total / 3] * 3,
             "spawn_to_first_answer_s": 2.0}  # fmt: skip
 
 
@@ -155,7 +155,11 @@ def test_a_prefix_served_after_the_weight_change_is_reported_as_old_weights_kv()
     runs = {sys_.PLAIN: _got([0, 6, 6], cold), sys_.KVSTORE: _got([0, 6, 6], cold),
             "vllm-mlx ssd": _got([917, 1060, 1164], ["a", "x", "c"]),
             "vllm-mlx ssd + warm prompts": _got([917, 1060, 1164], cold)}  # fmt: skip
-    changed = ps.verdicts(runs, {"Rapid-MLX defaults": "boom"})
+    own = {"Rapid-MLX persistent": _got([0, 6, 6], ["a!", "b", "c"])}  # its own detokenizer
+    runs["Rapid-MLX persistent"] = _got([0, 6, 6], ["a!", "b", "c"])
+    changed = ps.verdicts(runs, {"Rapid-MLX defaults": "boom"}, own)
+    assert changed["Rapid-MLX persistent"]["same_as_cold"] == [True] * 3  # against its own
+    assert changed["Rapid-MLX persistent"]["cold"] == "own"
     assert changed[sys_.KVSTORE]["served"] is False and changed["vllm-mlx ssd"]["served"] is True
     assert changed["vllm-mlx ssd"]["same_as_cold"] == [True, False, True]
     copied = ps.verdicts({sys_.PLAIN: _got([0, 6, 6], cold),

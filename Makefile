@@ -81,7 +81,7 @@ bench-quick: $(STAMP)
 
 # kvstore serve against vllm-mlx 0.6.0 and Rapid-MLX 0.16.10 after restarts, on a plain-attention
 # and a hybrid model (bench/peer.py), then what survives a SIGKILL (bench.peer_crash) and a copied
-# or changed model folder (bench.peer_change): ~30 min here. Each peer lives in a venv of its own
+# or changed model folder (bench.peer_change): ~35 min here. Each peer lives in a venv of its own
 # (several GB with torch, outside the checkout), set up here when missing; a peer that cannot be
 # set up is said in one line and left out, the rest is measured.
 PEER_VENV ?= $(or $(KVSTORE_PEER_VENV),$(HOME)/.cache/kvstore-bench/peer-venv)

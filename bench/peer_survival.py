@@ -247,8 +247,11 @@ def verdicts(runs: dict[str, dict], errors: dict[str, str],
 
 
 def _say(arch: str, when: str, name: str, got: dict) -> None:
+    """One line per start: the first requests' times are TTFT in the crash row, the time of
+    CHANGE_TOKENS tokens in the change row."""
     print(f"    {arch} {when}, {name}: first answer {got['spawn_to_first_answer_s']:.2f} s, "
-          f"TTFT {_ms(got['ttft_s'])} ms, cached {got['cached_tokens']}", flush=True)  # fmt: skip
+          f"first requests {_ms(got['ttft_s'])} ms, cached {got['cached_tokens']}",
+          flush=True)  # fmt: skip
 
 
 def _run(measure, prefix: str) -> dict:

@@ -6,7 +6,7 @@
   `--warm-prompts`; its clean stop also saves a prefix cache under ~/.cache/vllm-mlx;
 - Rapid-MLX 0.16.10 (KVSTORE_RAPID_VENV), the active fork of vllm-mlx, read from its source:
   its prefix cache is saved at a clean stop only (`rapid_mlx/runtime/cache.py`,
-  `save_prefix_cache_to_disk`, under a 3.5 s budget from the lifespan's shutdown) to
+  `save_prefix_cache_to_disk`, `_DEFAULT_SHUTDOWN_BUDGET_SEC = 3.5`) to
   `~/.cache/rapid-mlx/prefix_cache/<model>--<hash>` and loaded in the background after the
   server says ready (`load_prefix_cache_from_disk`); the hash covers the model name and, for a
   local folder, every file's size, mtime, ctime and inode (`_cached_model_revision`,
@@ -15,8 +15,9 @@
   continues, and only `--hybrid-cache-entries N` (default 0) keeps such entries at all
   (`cli_parser.py`). Two settings: its defaults, and its best persistent one: each stage's
   system prompt sent alone first (an entry that ends where every later request of the stage
-  continues: its "agent warm-up") with `--hybrid-cache-entries 64` (above the 16 entries the
-  prepare leaves). Both run with telemetry off (`--no-telemetry`, RAPID_MLX_TELEMETRY=0) and
+  continues: its "agent warm-up") with `--hybrid-cache-entries 64` (a hand-run prepare with 16
+  saved 16 of 16 entries: 16 was a limit there; 64 is above what the prepare makes). Both run
+  with telemetry off (`--no-telemetry`, RAPID_MLX_TELEMETRY=0) and
   `--disable-version-check` (no network here).
 
 Every peer runs with a HOME of its own inside its state folder, so what it saves under ~/.cache
@@ -42,7 +43,7 @@ ARCHS = {"plain": "llama", "hybrid": "qwen3_5"}  # model class -> kvstore.tiny a
 STAGE_NAMES = ("synthesize", "reason", "examine")  # three system prompts of ~800-1100 tokens
 KVSTORE, PLAIN = "kvstore serve", "mlx_lm.server"
 VLLM = {"vllm-mlx ssd": [], "vllm-mlx ssd + warm prompts": ["--warm-prompts"]}
-RAPID_ENTRIES = 64  # --hybrid-cache-entries of the persistent setting: above the entries saved
+RAPID_ENTRIES = 64  # --hybrid-cache-entries of the persistent setting: above the entries made
 RAPID = {
     "Rapid-MLX defaults": [],
     "Rapid-MLX persistent": ["--hybrid-cache-entries", str(RAPID_ENTRIES)],

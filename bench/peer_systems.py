@@ -12,8 +12,9 @@
   local folder, every file's size, mtime, ctime and inode (`_cached_model_revision`,
   `_file_identity`), and the bytes of files up to 8 MiB. A hybrid's entry (recurrent state)
   cannot be cut back, so it serves a new request only when it ends exactly where the request
-  continues, and only `--hybrid-cache-entries N` (default 0) keeps such entries at all
-  (`cli_parser.py`). Two settings: its defaults, and its best persistent one: each stage's
+  continues; `--hybrid-cache-entries N` (default 0) retains up to N such entries
+  (`cli_parser.py`'s help), though at 0 it still served message-boundary snapshots of stages 2-3
+  here. Two settings: its defaults, and its best persistent one: each stage's
   system prompt sent alone first (an entry that ends where every later request of the stage
   continues: its "agent warm-up") with `--hybrid-cache-entries 64` (a hand-run prepare with 16
   saved 16 of 16 entries: 16 was a limit there; 64 is above what the prepare makes). Both run

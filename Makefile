@@ -79,15 +79,22 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m bench.run --quick $(if $(REFERENCE),--reference)
 
-# kvstore serve against vllm-mlx 0.6.0 after restarts, on a plain-attention and a hybrid model
-# (bench/peer.py, ~16 min here). The peer lives in a venv of its own (6.5 GB with torch, outside the
-# checkout), set up here when missing; when it cannot be, the benchmark says why and measures nothing.
+# kvstore serve against vllm-mlx 0.6.0 and Rapid-MLX 0.16.10 after restarts, on a plain-attention
+# and a hybrid model (bench/peer.py), then what survives a SIGKILL (bench.peer_crash) and a copied
+# or changed model folder (bench.peer_change): ~35 min here. Each peer lives in a venv of its own
+# (several GB with torch, outside the checkout), set up here when missing; a peer that cannot be
+# set up is said in one line and left out, the rest is measured.
 PEER_VENV ?= $(or $(KVSTORE_PEER_VENV),$(HOME)/.cache/kvstore-bench/peer-venv)
+RAPID_VENV ?= $(or $(KVSTORE_RAPID_VENV),$(HOME)/.cache/kvstore-bench/rapid-venv)
 bench-peer: $(STAMP)
 	@test -x "$(PEER_VENV)/bin/vllm-mlx" || { echo "bench-peer: setting up vllm-mlx 0.6.0 in $(PEER_VENV)"; \
 	  $(PYTHON) -m venv "$(PEER_VENV)" && "$(PEER_VENV)/bin/pip" install -q vllm-mlx==0.6.0 'mlx[cpu]' \
 	  || echo "bench-peer: the install of vllm-mlx 0.6.0 into $(PEER_VENV) failed (above)"; }
-	KVSTORE_PEER_VENV=$(abspath $(PEER_VENV)) $(PY) -m bench.run --quick --only peer --out peer
+	@test -x "$(RAPID_VENV)/bin/rapid-mlx" || { echo "bench-peer: setting up Rapid-MLX 0.16.10 in $(RAPID_VENV)"; \
+	  $(PYTHON) -m venv "$(RAPID_VENV)" && "$(RAPID_VENV)/bin/pip" install -q rapid-mlx==0.16.10 'mlx[cpu]' \
+	  || echo "bench-peer: the install of Rapid-MLX 0.16.10 into $(RAPID_VENV) failed (above)"; }
+	KVSTORE_PEER_VENV=$(abspath $(PEER_VENV)) KVSTORE_RAPID_VENV=$(abspath $(RAPID_VENV)) \
+	  $(PY) -m bench.run --quick --only peer,peer_crash,peer_change --out peer
 
 # issue 32: boxes (each its own daemon and `kvstore serve`) behind a round-robin balancer over one
 # real weed, read-through off, on and through a throttled link (docs/fleet.md); QUICK=1 is 2 boxes,

@@ -64,13 +64,17 @@ def free_port() -> int:
 class Server:
     """An OpenAI-compatible server subprocess (`kvstore serve`, or the peer's) and its log."""
 
-    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None):
+    def __init__(self, argv: list[str], port: int, log: Path, env: dict | None = None,
+                 new_session: bool = False):  # fmt: skip
+        """`new_session`: the server leads a process group of its own (one SIGKILL to the group
+        takes whatever it spawned too)."""
         compile_checkout()  # a restarted server imports kvstore as an installed one does
         self.port, self.log = port, log
         self.out = log.open("ab")
         self.spawned = time.perf_counter()
         self.ready_s: float | None = None  # spawn to ready, when the caller recorded it
-        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(argv, stdout=self.out, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)  # fmt: skip
 
     def _get(self, path: str) -> tuple[int, bytes]:
         try:

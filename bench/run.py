@@ -4,7 +4,8 @@
     python -m bench.run --full                  # the full sizes (up to 1 GiB), ~15 minutes
     python -m bench.run --quick --only hydrate,persist
     python -m bench.run --quick --reference     # also refresh bench/results/reference/
-    KVSTORE_PEER_VENV=V python -m bench.run --quick --only peer --out peer  # against vllm-mlx
+    KVSTORE_PEER_VENV=V KVSTORE_RAPID_VENV=R python -m bench.run --quick --only peer --out peer
+    python -m bench.run --quick --only peer_crash,peer_change --out peer  # crash, changed model
 
 Every comparison inside a module runs its alternatives interleaved in this one process (the
 pipeline replay alternates fresh subprocesses); `summary.json` lists each target and its measure.
@@ -26,9 +27,10 @@ RESULTS = Path(__file__).parent / "results"
 MODULES = (
     "coldstart", "overlap", "hydrate", "pipeline", "scaling", "fingerprint", "persist", "fleet",
     "startup", "learned", "firstreq", "firstcall", "fleet_trust", "reasons", "canary_noise", "peer",
-    "soak",
+    "peer_crash", "peer_change", "soak",
 )  # fmt: skip
-OPT_IN = ("peer",)  # run only when named (`make bench-peer`): vllm-mlx in a venv of its own
+# run only when named (`make bench-peer`): the peers (vllm-mlx, Rapid-MLX) in venvs of their own
+OPT_IN = ("peer", "peer_crash", "peer_change")
 
 
 def _largest(rows: list[dict], **match) -> dict:
@@ -155,7 +157,8 @@ def targets(res: dict) -> list[dict]:
     if "firstreq" in res:  # issue 22: each pinned stage's first request after a restart
         out.extend(own_targets("firstreq", res))
     out.extend(restart_targets(res))
-    for name in ("fleet_trust", "reasons", "canary_noise", "peer", "soak"):
+    for name in ("fleet_trust", "reasons", "canary_noise", "peer", "peer_crash", "peer_change",
+                 "soak"):  # fmt: skip
         out.extend(own_targets(name, res))
     return out
 

@@ -273,9 +273,9 @@ def _check_blob(blob: memoryview, meta: Any, where: str, *, record: bool = False
         cache, _ = codec.decode(blob, name=where)
     except CodecError as e:
         raise RemoteError("corrupt", f"{where}: {e}") from None
-    layers = None if record else meta.extra.kv_layers
+    layers = None if record else meta.extra.to_map().get("kv_layers")  # as stored, checked here
     if layers:  # a state-only snapshot: its KV layers are records, empty here (as Store.load)
-        if not all(type(i) is int for i in layers):
+        if not isinstance(layers, list) or not all(type(i) is int for i in layers):
             raise RemoteError("corrupt", f"{where}: extra.kv_layers is not a list of layers")
         cache = [c for i, c in enumerate(cache) if i not in set(layers)]
     held = codec.cache_tokens(cache)

@@ -210,7 +210,8 @@ class EntryMeta:
         for name, kind in _FIELD_TYPES.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                return f"field {name!r} must be {getattr(kind, '__name__', kind)}"
+                shown = "dict" if kind is EntryExtra else getattr(kind, "__name__", kind)
+                return f"field {name!r} must be {shown}"
         if not all(isinstance(c, str) for c in self.classes):
             return "field 'classes' must be a list of str"
         if not all(isinstance(k, str) for k in self.extra.to_map()):

@@ -60,3 +60,28 @@ def test_any_provenance_bytes_are_read_or_corrupt():
             authenticate(memoryview(b"x" + tail), 1, (), "an object")
         except RemoteError as e:
             assert e.cause == "corrupt"
+
+
+@pytest.mark.parametrize("kv_layers", ["0,1", 3, {"0": 1}])
+def test_an_entry_whose_stored_kv_layers_is_not_a_list_is_corrupt(kv_layers):
+    """An entry object's `kv_layers` is checked as stored: a value of another type is refused, not
+    read as absent (the typed extra reads a wrong-typed value as None)."""
+    import mlx.core as mx
+    import xxhash
+    from mlx_lm.models.cache import KVCache
+
+    from kvstore.codec import codec
+    from kvstore.fleet.objects import _check_blob
+    from kvstore.store.entry import EntryExtra, EntryMeta, entry_key, pack_tokens
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    blob = codec.encode([c])
+    tokens = [1, 2, 3]
+    meta = EntryMeta(entry_key(b"\x01" * 16, tokens), pack_tokens(tokens), 3, "x", False, "/m",
+                     b"\x01" * 16, b"\0" * 16, 0.0, 0.0, 0, len(blob),
+                     xxhash.xxh3_64_intdigest(blob), 1, [],
+                     EntryExtra.from_map({"kv_layers": kv_layers}))  # fmt: skip
+    with pytest.raises(RemoteError) as got:
+        _check_blob(memoryview(blob), meta, "an object")
+    assert got.value.cause == "corrupt" and "kv_layers is not a list" in str(got.value)

@@ -103,3 +103,16 @@ def test_a_put_whose_key_does_not_hash_its_tokens_is_refused(kv_home):
         with pytest.raises(StoreError, match="does not match the entry's tokens"):
             store.put(b"\x01" * 32, bytes(8), tokens=pack_tokens([1, 2]))
         assert store.keys() == []
+
+
+def test_a_stored_extra_that_is_not_a_map_is_named_as_a_dict():
+    """`verify` and `ls` name the stored shape (a map: `dict`), not the type it is read into."""
+    from dataclasses import replace
+
+    from kvstore.store.entry import EntryExtra
+
+    tokens = [1, 2, 3]
+    meta = EntryMeta(entry_key(b"\x01" * 16, tokens), pack_tokens(tokens), 3, "x", False, "/m",
+                     b"\x01" * 16, b"\0" * 16, 0.0, 0.0, 0, 0, 0, 1, [], EntryExtra())  # fmt: skip
+    assert meta.type_error() is None
+    assert replace(meta, extra=[1]).type_error() == "field 'extra' must be dict"

@@ -7,7 +7,7 @@ import logging
 
 import mlx.core as mx
 import pytest
-from helpers import assert_same_kv, manifest_for, mlx_lm_prefill, warm_two_pins
+from helpers import assert_same_kv, chat, manifest_for, mlx_lm_prefill, warm_two_pins
 from mlx_lm import load
 from mlx_lm.models.cache import LRUPromptCache
 
@@ -18,15 +18,6 @@ from kvstore.ops.warm import warm
 from kvstore.pins.manifest import load_manifest
 from kvstore.store.entry import pack_tokens, packed_prefix_hash
 from kvstore.store.store import Store
-
-
-def _prompt(tokenizer, system: str, user: str) -> list[int]:
-    text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}, {"role": "user", "content": user}],
-        add_generation_prompt=True,
-        tokenize=False,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path):
@@ -69,7 +60,7 @@ def _check_hydrate_equals_fresh_prefill(any_model_path, kv_home, tmp_path, quant
 
     # a real request continuing the classify pin: only the suffix is prefilled
     system = load_manifest(tmp_path / "manifest.toml").models[0].prefixes[0].messages[0]["content"]
-    prompt = _prompt(tokenizer, system, "My invoice 2291 was charged twice.")
+    prompt = chat(tokenizer, system, "My invoice 2291 was charged twice.")
     pin = metas["classify"].token_ids()
     assert prompt[: len(pin)] == pin
     cache, rest = lru.fetch_nearest_cache("m", prompt)
